@@ -1,0 +1,37 @@
+"""Attention over an uncompressed K/V cache (the fp16/bf16/fp32 baseline read path).
+
+The GQA group is folded into the query rows, (B, Hkv, G*T, D), so each KV head is read
+once for all of its query heads instead of being repeated G times in memory.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(T: int, S: int, q_start: int, device=None) -> torch.Tensor:
+    """(T, S) bool, True where query t (absolute position q_start + t) may see key s."""
+    qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
+    return torch.arange(S, device=device)[None, :] <= qpos
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    """Causal attention of T new queries over S cached keys.
+
+    q: (B, H, T, D); k, v: (B, Hkv, S, D) with S = q_start + T; query t sits at absolute
+    position q_start + t. Returns (B, H, T, D) in q's dtype; K/V are cast to q's dtype.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    assert H % Hkv == 0 and S == q_start + T, (q.shape, k.shape, q_start)
+    G = H // Hkv
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    qg = q.reshape(B, Hkv, G * T, D)                                   # rows ordered (g, t)
+    if T == 1:
+        o = F.scaled_dot_product_attention(qg, k, v)
+    elif q_start == 0 and G == 1:
+        o = F.scaled_dot_product_attention(qg, k, v, is_causal=True)
+    else:
+        mask = causal_mask(T, S, q_start, q.device).repeat(G, 1)       # (G*T, S)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    return o.reshape(B, H, T, D)

@@ -1,0 +1,1 @@
+"""kvrun.runtime — config, model, tokenizer, sampling, generation, KV caches, API and CLI."""

@@ -1,0 +1,116 @@
+"""The library API: `kvrun.load()` → `Model` with generate / stream / chat / logits.
+
+    import kvrun
+    m = kvrun.load()                         # the embedded SmolLM2-135M-Instruct
+    print(m.chat([{"role": "user", "content": "Name a prime."}], max_tokens=32, temp=0))
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .chat_template import template_for
+from .config import ModelConfig
+from .errors import KvrunError
+from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent
+from .kv import KV_DTYPES, DenseKVCache
+from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
+from .sampling import SamplingParams
+
+DEFAULT_CTX = 4096
+
+
+def make_cache(cfg: ModelConfig, ctx: int, kv: str = "fp16"):
+    if kv not in KV_DTYPES:
+        raise KvrunError(f"unknown KV cache type {kv!r} ({', '.join(KV_DTYPES)})")
+    return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, KV_DTYPES[kv])
+
+
+class Model:
+    """A loaded model with one KV cache (one conversation at a time)."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, transformer, tokenizer, cache,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        self.path, self.cfg, self.transformer, self.tokenizer = path, cfg, transformer, tokenizer
+        self.engine = Engine(transformer, tokenizer, cache, prefill_chunk)
+        self.template = template_for(cfg.chat_template, cfg.default_system)
+        self.stop_ids = set(cfg.eos_token_ids)
+
+    # -- tokens --
+    def tokenize(self, text: str, bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, bos)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @property
+    def cache(self):
+        return self.engine.cache
+
+    @property
+    def ctx(self) -> int:
+        return self.engine.max_ctx
+
+    # -- generation --
+    def stream(self, prompt: str | list[int], max_tokens: int = 128, **sampling) -> Iterator[StreamEvent]:
+        """Stream a continuation of a raw prompt (text or token ids)."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.engine.stream(ids, max_tokens, SamplingParams(**sampling), self.stop_ids)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, **sampling) -> str:
+        return "".join(ev.text for ev in self.stream(prompt, max_tokens, **sampling))
+
+    def chat_stream(self, messages: list[dict], max_tokens: int = 256, **sampling) -> Iterator[StreamEvent]:
+        """Reply to a conversation; earlier turns still in the cache are not recomputed."""
+        ids = self.tokenize(self.template.render(messages), bos=False)
+        return self.engine.stream(ids, max_tokens, SamplingParams(**sampling), self.stop_ids)
+
+    def chat(self, messages: list[dict], max_tokens: int = 256, **sampling) -> str:
+        return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, **sampling))
+
+    # -- scoring --
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """(T, V) float32 next-token logits of a full forward over `ids` (fresh fp32 cache;
+        the conversation cache is left untouched)."""
+        if not ids:
+            raise KvrunError("logits() needs at least one token")
+        cache = DenseKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
+                             len(ids), torch.float32)
+        chunk = self.engine.prefill_chunk
+        out = [self.transformer(torch.tensor([ids[s:s + chunk]]), cache)[0]
+               for s in range(0, len(ids), chunk)]
+        return torch.cat(out)
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def kv_bytes(self) -> dict[str, int]:
+        return self.engine.cache.nbytes()
+
+
+def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT_CTX,
+         kv: str = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
+         progress=None) -> Model:
+    """Load a kvrun model directory (None → the embedded default model, pulled on first use).
+
+    dtype: auto | fp32 | fp16 | bf16 (auto = fp32 prefill + fp16 decode weights on CPU).
+    ctx: KV cache size in tokens, allocated once. kv: cache storage type.
+    """
+    if path is None:
+        from .pull import ensure_default_model
+        path = ensure_default_model(progress=progress)
+    path = check_model_dir(path)
+    cfg = load_config(path)
+    if ctx < 1:
+        raise KvrunError(f"context size must be >= 1 (got {ctx})")
+    if threads is not None:
+        if threads < 1:
+            raise KvrunError(f"threads must be >= 1 (got {threads})")
+        torch.set_num_threads(threads)
+    compute, gemv = parse_dtype(dtype)
+    transformer = load_transformer(path, cfg, compute, gemv)
+    tokenizer = load_tokenizer(path, cfg)
+    cache = make_cache(cfg, ctx, kv)
+    return Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)

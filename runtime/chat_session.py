@@ -1,0 +1,56 @@
+"""A multi-turn conversation that keeps its KV cache between turns.
+
+The session keeps the exact token ids of the conversation so far (prompts as fed, replies
+as sampled) and only ever appends to them: turn N+1 is `ids + close(reply) + new user
+message + generation prompt`, so the engine finds all earlier turns in the cache and
+prefills only the new tokens. Re-rendering and re-tokenizing the whole conversation would
+not round-trip exactly (a reply's tokens need not be the canonical tokenization of its
+text) and would force a recompute from the first mismatch.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from .generate import StreamEvent
+from .sampling import SamplingParams
+
+
+class ChatSession:
+    def __init__(self, model, system: str | None = None):
+        self.m = model
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.ids: list[int] = []        # the conversation so far, as token ids
+        self.m.engine.reset()
+
+    @property
+    def cached(self) -> int:
+        return len(self.m.engine.cached)
+
+    def _turn_ids(self, text: str) -> list[int]:
+        user = {"role": "user", "content": text}
+        if not self.ids:
+            msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [user]
+            return self.m.tokenize(self.m.template.render(msgs), bos=False)
+        return self.ids + self.m.tokenize(self.m.template.continue_after_reply([user]), bos=False)
+
+    def reply(self, text: str, max_tokens: int, **sampling) -> Iterator[StreamEvent]:
+        ids = self._turn_ids(text)
+        params = SamplingParams(**sampling)
+        reply: list[int] = []
+        for ev in self.m.engine.stream(ids, max_tokens, params, self.m.stop_ids):
+            if ev.token_id is not None and ev.token_id not in self.m.stop_ids:
+                reply.append(ev.token_id)
+            if ev.finish_reason is not None:
+                self.ids = ids + reply
+            yield ev
+
+    def interrupted(self) -> None:
+        """Ctrl-C mid-reply: keep what the model has already seen of the reply."""
+        self.ids = list(self.m.engine.cached)
+
+    def kv_report(self) -> str:
+        from .kv_report import format_kv
+        return format_kv(self.m)

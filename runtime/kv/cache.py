@@ -1,0 +1,64 @@
+"""The KV-cache interface and the dense (uncompressed) cache.
+
+Every cache — this dense one and the compressed arena — offers the same small surface,
+so the model code never changes:
+
+    positions(T) -> (T,) RoPE positions for T new tokens (raises when the context is full)
+    attend(layer, q, k, v) -> o     the one write path: append k, v, then attend q over
+                                    everything cached in this layer (causal)
+    commit(T)                       after all layers ran: the T tokens are now cached
+    truncate(n) -> kept / reset()   drop tokens after the first n (a cache may keep fewer)
+    nbytes() -> dict                exact bytes by component
+"""
+from __future__ import annotations
+
+import torch
+
+from ...kernels import dense_attention
+from ..errors import KvrunError
+
+KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class DenseKVCache:
+    """Preallocated full-precision K/V for `max_ctx` tokens, all layers in one tensor."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
+                 dtype: torch.dtype = torch.float16, batch: int = 1, device="cpu"):
+        shape = (n_layers, batch, n_kv_heads, max_ctx, head_dim)        # (L, B, Hkv, S, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_ctx = max_ctx
+        self.seq_len = 0
+
+    def positions(self, T: int) -> torch.Tensor:
+        if self.seq_len + T > self.max_ctx:
+            raise KvrunError(f"context full: {self.seq_len} + {T} tokens > context size "
+                             f"{self.max_ctx} (raise -c/--ctx-size)")
+        return torch.arange(self.seq_len, self.seq_len + T)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, T, D); k, v: (B, Hkv, T, D), K already rotated. Returns (B, H, T, D)."""
+        S, T = self.seq_len, k.shape[2]
+        self.k[layer, :, :, S:S + T] = k
+        self.v[layer, :, :, S:S + T] = v
+        return dense_attention(q, self.k[layer, :, :, :S + T], self.v[layer, :, :, :S + T], S)
+
+    def commit(self, T: int) -> None:
+        self.seq_len += T
+
+    def truncate(self, n: int) -> int:
+        """Keep the first n tokens; returns how many were kept."""
+        assert 0 <= n <= self.seq_len
+        self.seq_len = n
+        return n
+
+    def reset(self) -> None:
+        self.seq_len = 0
+
+    def nbytes(self) -> dict[str, int]:
+        return {"window": self.k.nbytes + self.v.nbytes}
+
+    def bytes_per_token(self) -> float:
+        """Bytes one cached token costs across all layers (K and V)."""
+        return (self.k.nbytes + self.v.nbytes) / self.max_ctx

@@ -1,0 +1,65 @@
+"""Building blocks: RMSNorm and a Linear that can hold a second, decode-friendly copy.
+
+Decode on CPU is bound by reading the weights: a single-row GEMV over fp16 weights reads
+half the bytes of fp32, while a many-row prefill GEMM is fastest in fp32 (no AMX/bf16
+units on the reference machine). `Linear` therefore keeps its `weight` in the model's
+compute dtype and, when `set_gemv_dtype` was called, a copy in the GEMV dtype that is
+used whenever the input has few rows. Activations keep the compute dtype throughout:
+only the GEMV input is cast, so norms, RoPE and softmax never run in half precision.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Inputs with at most this many rows use the GEMV copy (decode, speculative-style steps).
+GEMV_MAX_ROWS = 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ + b with W: (out, in), named like `nn.Linear` so HF weights load strictly."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.gemv_weight: torch.Tensor | None = None     # not in the state dict
+
+    def set_gemv_dtype(self, dtype: torch.dtype | None) -> None:
+        if dtype is None or dtype == self.weight.dtype:
+            self.gemv_weight = None
+        else:
+            self.gemv_weight = self.weight.detach().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gemv_weight
+        if w is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+            y = F.linear(x.to(w.dtype), w).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

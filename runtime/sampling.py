@@ -1,0 +1,71 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p and repetition penalty.
+
+Order follows llama.cpp's default chain: repetition penalty → top-k → top-p → min-p →
+temperature → draw. `temp <= 0` is greedy. Randomness comes only from the
+`torch.Generator` passed in, so the same seed gives the same text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import KvrunError
+
+
+@dataclass
+class SamplingParams:
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temp < 0:
+            raise KvrunError(f"--temp must be >= 0 (got {self.temp})")
+        if self.top_k < 0:
+            raise KvrunError(f"--top-k must be >= 0 (got {self.top_k})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise KvrunError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not 0.0 <= self.min_p < 1.0:
+            raise KvrunError(f"--min-p must be in [0, 1) (got {self.min_p})")
+        if self.repeat_penalty <= 0:
+            raise KvrunError(f"--repeat-penalty must be > 0 (got {self.repeat_penalty})")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, recent: list[int], penalty: float) -> torch.Tensor:
+    """CTRL-style penalty: positive logits divided, negative multiplied (logits: (V,))."""
+    if penalty == 1.0 or not recent:
+        return logits
+    ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
+    picked = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
+           gen: torch.Generator | None) -> int:
+    """Pick the next token from float32 logits (V,)."""
+    logits = apply_repetition_penalty(logits, history[-p.repeat_last_n:] if p.repeat_last_n else [],
+                                      p.repeat_penalty)
+    if p.temp <= 0:
+        return int(torch.argmax(logits))
+    if p.top_k > 0 and p.top_k < logits.numel():
+        vals, idx = torch.topk(logits, p.top_k)
+    else:
+        vals, idx = torch.sort(logits, descending=True)
+    probs = torch.softmax(vals, dim=-1)                     # sorted, descending
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        keep &= (cum - probs) < p.top_p                     # keep the token that crosses top_p
+    if p.min_p > 0.0:
+        keep &= probs >= p.min_p * probs[0]
+    keep[0] = True
+    vals = vals[keep] / p.temp
+    choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
+    return int(idx[keep][choice])

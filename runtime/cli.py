@@ -213,7 +213,12 @@ def convert(src, out, dtype, force):
     """Convert an HF checkpoint folder or a GGUF file into a kvrun model directory."""
     from pathlib import Path
     from ..convert import convert_any
-    cfg = convert_any(Path(src), Path(out), dtype=dtype, progress=eprint, overwrite=force)
+    def progress(done, total, name):
+        if done == total or done % 16 == 0:
+            eprint(f"\r[convert] {done}/{total} tensors ({name})", end="")
+        if done == total:
+            eprint("")
+    cfg = convert_any(Path(src), Path(out), dtype=dtype, progress=progress, overwrite=force)
     eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {dtype})")
 
 

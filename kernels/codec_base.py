@@ -1,0 +1,154 @@
+"""The codec contract, and the two simplest codecs: uncompressed (fp16/bf16) and int8.
+
+A codec is a compressed format for one of K or V of one layer. It declares its storage as
+`Slot`s (the caller allocates them once for S tokens and owns them), packs whole blocks of
+G tokens into them, and provides the read path used by `decode_attention`:
+
+    scores(st, qg, s0, s1) -> (Hkv, R, n)   qg · k̂ᵀ for tail tokens [s0, s1)   (K role)
+    mix(st, p, s0, s1)     -> (Hkv, R, D)   p · V̂ for tail tokens [s0, s1)      (V role)
+    dequant(st, s0, s1)        -> (Hkv, n, D)   explicit reconstruction (tests, context shift)
+
+R = query rows of a GQA group (G_q * T), n = s1 - s0; s0, s1 multiples of G (s1 may be the
+tail end, also a multiple of G). The read path works from the packed codes block by block
+with scales folded into q or p; `self.ws` holds the reusable unpack buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quant import (Workspace, pack_codes, plane_fold, quantize_sym_int8, sym_int8_params,
+                    unpack_codes_into)
+
+COMPONENTS = ("codes", "scales_zeros", "means", "lowrank", "outliers", "window")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One preallocated storage tensor of a codec (for S tokens of one layer)."""
+    name: str
+    component: str          # one of COMPONENTS (accounting)
+    shape: tuple
+    dtype: torch.dtype
+    axis: int               # token axis
+    unit: int               # tokens per index along `axis` (1, or G for per-block data)
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class Codec:
+    """Base class. Subclasses set `method` and implement slots/pack/dequant/scores/mix."""
+    method = "?"
+
+    def __init__(self, role: str, G: int):
+        assert role in ("k", "v"), role
+        self.role, self.G = role, G
+        self.ws = Workspace()
+
+    def slots(self, Hkv: int, D: int, S: int) -> list[Slot]:
+        raise NotImplementedError
+
+    def alloc(self, Hkv: int, D: int, S: int, device="cpu") -> dict[str, torch.Tensor]:
+        return {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device)
+                for s in self.slots(Hkv, D, S)}
+
+    def bytes_per_token(self, Hkv: int, D: int) -> dict[str, float]:
+        """Exact bytes one token costs in this codec's tail, by component (every slot is
+        linear in the token count, so one block of G tokens / G is exact)."""
+        out: dict[str, float] = {}
+        for s in self.slots(Hkv, D, self.G):
+            out[s.component] = out.get(s.component, 0.0) + s.nbytes / self.G
+        return out
+
+    def pack(self, st: dict, x: torch.Tensor, s0: int) -> torch.Tensor:
+        """Compress x: (Hkv, n, D) float32, n % G == 0, into tokens [s0, s0+n).
+        Returns the reconstruction (Hkv, n, D) float32 (what dequant would give)."""
+        raise NotImplementedError
+
+    def dequant(self, st: dict, s0: int, s1: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scores(self, st, qg, s0, s1) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mix(self, st, p, s0, s1) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.method}, role={self.role}, G={self.G})"
+
+
+class FpCodec(Codec):
+    """Uncompressed tail (fp16 or bf16): the lossless codec, used in per-layer mixes."""
+
+    def __init__(self, role: str, G: int, dtype: torch.dtype = torch.float16):
+        super().__init__(role, G)
+        self.dtype = dtype
+        self.method = "fp16" if dtype == torch.float16 else "bf16"
+
+    def slots(self, Hkv, D, S):
+        return [Slot("x", "codes", (Hkv, S, D), self.dtype, 1, 1)]
+
+    def pack(self, st, x, s0):
+        st["x"][:, s0:s0 + x.shape[1]] = x
+        return st["x"][:, s0:s0 + x.shape[1]].float()
+
+    def dequant(self, st, s0, s1):
+        return st["x"][:, s0:s1].float()
+
+    def _load(self, st, s0, s1):
+        x = st["x"][:, s0:s1]                                         # (Hkv, n, D)
+        buf = self.ws.get("x", tuple(x.shape), x.device)
+        return buf.copy_(x)
+
+    def scores(self, st, qg, s0, s1):
+        return torch.bmm(qg, self._load(st, s0, s1).transpose(1, 2))   # (Hkv, R, n)
+
+    def mix(self, st, p, s0, s1):
+        return torch.bmm(p, self._load(st, s0, s1))                    # (Hkv, R, D)
+
+
+class Int8Codec(Codec):
+    """Per-token-per-head symmetric int8 with an fp16 scale. Codes are stored offset by 128
+    in the token-planar int32 layout of quant.py so they unpack with the shared 2-op path."""
+    method = "int8"
+
+    def slots(self, Hkv, D, S):
+        return [Slot("codes", "codes", (Hkv, S // 4, D), torch.int32, 1, 4),
+                Slot("scale", "scales_zeros", (Hkv, S), torch.float16, 1, 1)]
+
+    def pack(self, st, x, s0):
+        n = x.shape[1]
+        scale = sym_int8_params(x, -1)                                  # (Hkv, n, 1)
+        st["codes"][:, s0 // 4:(s0 + n) // 4] = pack_codes(quantize_sym_int8(x, scale), 8, self.G)
+        st["scale"][:, s0:s0 + n] = scale[..., 0]
+        return self.dequant(st, s0, s0 + n)
+
+    def _unpack(self, st, s0, s1):
+        """v (Hkv, n, D) and the per-token (s·α, s·(β-128)) so that k̂_t = sα_t v_t + sβ_t."""
+        w = st["codes"][:, s0 // 4:s1 // 4]
+        buf = self.ws.get("c", (w.shape[0], s1 - s0, w.shape[2]), w.device)
+        v = unpack_codes_into(w, 8, self.G, buf)
+        alpha, beta = plane_fold(s1 - s0, 8, self.G, w.device)
+        s = st["scale"][:, s0:s1].float()                               # (Hkv, n)
+        return v, s * alpha, s * (beta - 128.0)
+
+    def dequant(self, st, s0, s1):
+        v, sa, sb = self._unpack(st, s0, s1)
+        return v * sa[..., None] + sb[..., None]
+
+    def scores(self, st, qg, s0, s1):
+        v, sa, sb = self._unpack(st, s0, s1)
+        sc = torch.bmm(qg, v.transpose(1, 2))                          # (Hkv, R, n)
+        return sc.mul_(sa[:, None]).addcmul_(qg.sum(-1, keepdim=True), sb[:, None])
+
+    def mix(self, st, p, s0, s1):
+        v, sa, sb = self._unpack(st, s0, s1)
+        o = torch.bmm(p * sa[:, None], v)                               # (Hkv, R, D)
+        return o.add_(torch.bmm(p, sb[..., None]))

@@ -1,0 +1,118 @@
+"""TaDA: mean-centred KV quantization (seeds/000_…, §3.1–3.3).
+
+Per token t the mean over the KV heads μ_t = mean_h x_{t,h} (K after RoPE, V after the
+projection) is stored once, and the deviations d_{t,h} = μ̂_t − x_{t,h} are quantized
+asymmetrically per (token, head) over the whole head dim (the paper's 2/128 scale overhead
+= one fp16 scale + zero per head vector). Reconstruction x̂_{t,h} = μ̂_t − deq(d_{t,h}).
+
+μ is stored in fp16, or (tada_mu="int8") symmetric int8 with one fp16 scale per token —
+with GQA's few KV heads μ costs 1/Hkv of an fp16 cache (a third for SmolLM2), so the int8
+option matters. Deviations are taken from the *stored* μ̂, so μ's rounding error is
+absorbed into d rather than added on top of it.
+
+Read path: q·x̂_t,h = q·μ̂_t − s_t,h (q·c_t,h) − z_t,h Σ_d q_d. The q·μ̂ term is one matmul of
+all H query heads against the block's means (μ is read once per token for every head).
+V: p·V̂ = p·μ̂ − (p ⊙ s)·C − p·z.
+"""
+from __future__ import annotations
+
+import torch
+
+from .codec_base import Codec, Slot
+from .quant import (asym_params, dequantize_asym, pack_codes, plane_fold, planes, quantize_asym,
+                    quantize_sym_int8, sym_int8_params, unpack_codes_into)
+
+
+class TadaCodec(Codec):
+    def __init__(self, role: str, G: int, bits: int, mu: str = "fp16"):
+        super().__init__(role, G)
+        assert bits in (2, 4, 8) and mu in ("fp16", "int8"), (bits, mu)
+        self.bits, self.mu = bits, mu
+        self.method = f"tada-{bits}"
+
+    def slots(self, Hkv, D, S):
+        P = planes(self.bits)
+        sl = [Slot("codes", "codes", (Hkv, S // P, D), torch.int32, 1, P),
+              Slot("scale", "scales_zeros", (Hkv, S), torch.float16, 1, 1),
+              Slot("zero", "scales_zeros", (Hkv, S), torch.float16, 1, 1)]
+        if self.mu == "fp16":
+            sl.append(Slot("mu", "means", (S, D), torch.float16, 0, 1))
+        else:
+            sl += [Slot("mu", "means", (S // 4, D), torch.int32, 0, 4),
+                   Slot("mu_scale", "means", (S,), torch.float16, 0, 1)]
+        return sl
+
+    def pack(self, st, x, s0):
+        Hkv, n, D = x.shape
+        mu = x.mean(0)                                                   # (n, D)
+        if self.mu == "fp16":
+            st["mu"][s0:s0 + n] = mu
+            mu_hat = st["mu"][s0:s0 + n].float()
+        else:
+            ms = sym_int8_params(mu, -1)                                 # (n, 1)
+            cm = quantize_sym_int8(mu, ms)                               # (n, D) uint8, +128
+            st["mu"][s0 // 4:(s0 + n) // 4] = pack_codes(cm, 8, self.G)
+            st["mu_scale"][s0:s0 + n] = ms[:, 0]
+            mu_hat = (cm.float() - 128) * ms.float()
+        d = mu_hat[None] - x                                             # (Hkv, n, D)
+        scale, zero = asym_params(d, 2, self.bits)                       # (Hkv, n, 1)
+        codes = quantize_asym(d, scale, zero, self.bits)
+        P = planes(self.bits)
+        st["codes"][:, s0 // P:(s0 + n) // P] = pack_codes(codes, self.bits, self.G)
+        st["scale"][:, s0:s0 + n] = scale[..., 0]
+        st["zero"][:, s0:s0 + n] = zero[..., 0]
+        return mu_hat[None] - dequantize_asym(codes, scale, zero)
+
+    def _mu(self, st, s0, s1):
+        """μ̂ block as (values (n, D), per-token scale (n,) or None, offset (n,) or None):
+        μ̂_t = scale_t · values_t + offset_t."""
+        if self.mu == "fp16":
+            m = st["mu"][s0:s1]
+            return self.ws.get("mu", tuple(m.shape), m.device).copy_(m), None, None
+        w = st["mu"][s0 // 4:s1 // 4]
+        buf = self.ws.get("mu", (s1 - s0, w.shape[-1]), w.device)
+        v = unpack_codes_into(w, 8, self.G, buf)
+        alpha, beta = plane_fold(s1 - s0, 8, self.G, w.device)
+        ms = st["mu_scale"][s0:s1].float()
+        return v, ms * alpha, ms * (beta - 128.0)
+
+    def _codes(self, st, s0, s1):
+        """v (Hkv, n, D) and the folded per-(head, token) scale and zero of the deviation."""
+        P = planes(self.bits)
+        w = st["codes"][:, s0 // P:s1 // P]
+        buf = self.ws.get("c", (w.shape[0], s1 - s0, w.shape[2]), w.device)
+        v = unpack_codes_into(w, self.bits, self.G, buf)
+        alpha, beta = plane_fold(s1 - s0, self.bits, self.G, w.device)
+        s = st["scale"][:, s0:s1].float()                                # (Hkv, n)
+        return v, s * alpha, st["zero"][:, s0:s1].float() + s * beta
+
+    def dequant(self, st, s0, s1):
+        mv, ma, mb = self._mu(st, s0, s1)
+        mu = mv.clone() if ma is None else mv * ma[:, None] + mb[:, None]
+        v, s, z = self._codes(st, s0, s1)
+        return mu[None] - (v * s[..., None] + z[..., None])
+
+    def scores(self, st, qg, s0, s1):
+        Hkv, R, D = qg.shape
+        n = s1 - s0
+        qf = qg.reshape(Hkv * R, D)
+        mv, ma, mb = self._mu(st, s0, s1)
+        qmu = torch.mm(qf, mv.t())                                       # (Hkv*R, n)
+        if ma is not None:
+            qmu.mul_(ma).addcmul_(qf.sum(-1, keepdim=True), mb)
+        v, s, z = self._codes(st, s0, s1)
+        qc = torch.bmm(qg, v.transpose(1, 2))                            # (Hkv, R, n)
+        qc.mul_(s[:, None]).addcmul_(qg.sum(-1, keepdim=True), z[:, None])
+        return torch.sub(qmu.view(Hkv, R, n), qc)
+
+    def mix(self, st, p, s0, s1):
+        Hkv, R, n = p.shape
+        pm = p.reshape(Hkv * R, n)
+        mv, ma, mb = self._mu(st, s0, s1)
+        pmu = torch.mm(pm if ma is None else pm * ma, mv)                # (Hkv*R, D)
+        if mb is not None:
+            pmu.add_(torch.mv(pm, mb)[:, None])
+        v, s, z = self._codes(st, s0, s1)
+        pc = torch.bmm(p * s[:, None], v)                                # (Hkv, R, D)
+        pz = torch.bmm(p, z[..., None])                                  # (Hkv, R, 1)
+        return pmu.view(Hkv, R, -1).sub_(pc).sub_(pz)

@@ -1,0 +1,77 @@
+"""Normalized Hadamard rotation along the head dim (llama.cpp's rotated KV, QuaRot, RotateKV).
+
+An orthogonal rotation R spreads a channel outlier over all D channels, so a quantizer's
+range fits the bulk of the values, while attention is unchanged:
+    q·k = (qR)·(kR)        and        P·V = (P·(VR))·Rᵀ.
+R = diag(s)·H/√n per block, with H the Sylvester Hadamard matrix of size n and s an
+optional fixed ±1 sign vector. For D a power of two there is one block (n = D); otherwise
+R is block-diagonal with n = the largest power of two dividing D (e.g. D = 80 → five
+16-blocks, D = 96 → three 32-blocks); an odd D has no rotation and is refused.
+
+Two equal implementations: `fwht` is the O(D log D) butterfly (what a GPU kernel does in
+registers); `rotate` multiplies by the explicit D×D matrix, which on CPU is one GEMM and
+faster than log2(D) eager passes for the (few rows × 64/128) shapes of a decode step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def block_size(D: int) -> int:
+    """Size of the Hadamard blocks for head dim D (largest power of two dividing D)."""
+    if D < 2 or D % 2:
+        raise ValueError(f"head dim {D} has no Hadamard rotation (need an even head dim)")
+    return D & -D
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """(n, n) Sylvester Hadamard matrix of ±1 (n a power of two)."""
+    assert n > 0 and n & (n - 1) == 0, n
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def random_signs(D: int, seed: int) -> torch.Tensor:
+    """(D,) fixed ±1 vector from a seed (stored in profiles so a cache can be re-read)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (D,), generator=g).float() * 2 - 1
+
+
+def rotation_matrix(D: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """(D, D) orthogonal R = diag(s) · blockdiag(H_n / √n): x_rot = x @ R, x = x_rot @ Rᵀ."""
+    n = block_size(D)
+    h = hadamard_matrix(n) / math.sqrt(n)
+    r = torch.block_diag(*([h] * (D // n)))
+    if signs is not None:
+        r = signs.float()[:, None] * r
+    return r
+
+
+def fwht(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ rotation_matrix(D, signs) by the fast Walsh–Hadamard butterfly; x: (..., D)."""
+    D = x.shape[-1]
+    n = block_size(D)
+    y = x.float() * signs.float() if signs is not None else x.float()
+    lead = y.shape[:-1]
+    y = y.reshape(-1, D // n, n)                                  # (rows, blocks, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, D // n, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).view(-1, D // n, n)
+        h *= 2
+    return (y / math.sqrt(n)).reshape(*lead, D).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x @ R in x's dtype (math in fp32 for half inputs); r from `rotation_matrix`."""
+    return (x.float() @ r).to(x.dtype) if x.dtype != torch.float32 else x @ r
+
+
+def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x @ Rᵀ, the inverse of `rotate`."""
+    return (x.float() @ r.T).to(x.dtype) if x.dtype != torch.float32 else x @ r.T

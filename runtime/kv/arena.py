@@ -1,0 +1,262 @@
+"""The compressed KV arena: a full-precision residual window + a compressed tail per layer
+(DESIGN §3), behind the same interface as DenseKVCache (positions / attend / commit /
+truncate / reset / nbytes).
+
+Per layer (codecs may differ per layer and between K and V):
+- window: the newest tokens, fp16 (bf16 if every method is bf16), R + G slots. It is kept
+  oldest-first and compacted after each flush (a copy of < R tokens every G steps) instead
+  of wrapping around, so the read path always sees one contiguous slice.
+- tail: the codec's packed storage for floor((max_ctx - R) / G) * G tokens — the most that
+  can ever leave the window, since a flush always leaves >= R tokens in it.
+`attend` (1) attends the new queries over [tail, window, new tokens] with
+`kernels.decode_attention`, then (2) appends the new tokens and flushes the oldest ones in
+whole blocks of G so that the window holds R .. R+G-1 tokens (all of them while fewer than
+R + G). A prefill chunk longer than the window therefore goes straight into the tail.
+New K/V are rounded to the window dtype before attending, exactly like DenseKVCache(fp16).
+
+Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
+the first n_keep tokens — rounded up to a whole tail block, so the sink block is untouched
+(bit-exact) — drop half of the rest, and re-rotate every later key by -n_discard so the
+cache is as if the kept tokens sat at positions 0..n-1. Kept tokens after the sinks are
+dequantized, re-rotated (K) and re-packed through the normal append path: a one-off
+double quantization of those tokens (K rotated and re-quantized; V re-quantized from its
+own reconstruction, which for RTN min-max per token is nearly idempotent), once every
+~ctx/2 generated tokens.
+
+Interrupted forwards (Ctrl-C between layers) leave layers at different lengths;
+`truncate(seq_len)` makes them consistent again (it may have to keep fewer tokens if a
+layer already flushed: it falls back to the last whole tail block and returns the count).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...kernels.codec_base import COMPONENTS
+from ...kernels.codecs import make_codec
+from ...kernels.decode_attention import decode_attention
+from ..errors import KvrunError
+from ..rope import apply_rope, inv_frequencies
+from .cache import KV_DTYPES, DenseKVCache
+from .config import KVConfig, parse_kv
+
+
+def tail_capacity(max_ctx: int, R: int, G: int) -> int:
+    return max(0, max_ctx - R) // G * G
+
+
+def window_dtype(kv: KVConfig) -> torch.dtype:
+    return torch.bfloat16 if kv.methods() == {"bf16"} else torch.float16
+
+
+def _codec_factory(kv: KVConfig):
+    cache: dict = {}
+
+    def get(method: str, role: str):
+        key = (method, role)
+        if key not in cache:        # shared across layers: one set of scratch buffers
+            cache[key] = make_codec(method, role, kv.group, kv.v_group, kv.rank,
+                                    kv.sparsity, kv.tada_mu)
+        return cache[key]
+    return get
+
+
+class KVArena:
+    """Preallocated window + compressed tail for `max_ctx` tokens, all layers."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
+                 kv: KVConfig, inv_freq: torch.Tensor, device="cpu"):
+        kv.check_model(head_dim, n_layers)
+        self.L, self.Hkv, self.D, self.max_ctx, self.kv = n_layers, n_kv_heads, head_dim, max_ctx, kv
+        self.R, self.G = kv.residual, kv.group
+        self.S = tail_capacity(max_ctx, self.R, self.G)
+        self.inv_freq = inv_freq.to(torch.float64)                       # (D/2,)
+        self.layer_methods = kv.layer_methods(n_layers)
+        get = _codec_factory(kv)
+        self.k_codecs = [get(k, "k") for k, _ in self.layer_methods]
+        self.v_codecs = [get(v, "v") for _, v in self.layer_methods]
+        self.k_store = [c.alloc(n_kv_heads, head_dim, self.S, device) for c in self.k_codecs]
+        self.v_store = [c.alloc(n_kv_heads, head_dim, self.S, device) for c in self.v_codecs]
+        self.wdtype = window_dtype(kv)
+        wshape = (n_layers, n_kv_heads, self.R + self.G, head_dim)        # (L, Hkv, R+G, D)
+        self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
+        self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
+        self.n_tail = [0] * n_layers          # flushed tokens per layer (multiple of G)
+        self.n_win = [0] * n_layers           # window tokens per layer
+        self.seq_len = 0
+        self.n_shifts = 0
+
+    # -- the cache interface -----------------------------------------------------------------
+    def positions(self, T: int) -> torch.Tensor:
+        if self.seq_len + T > self.max_ctx:
+            if self.kv.ctx_policy != "shift" or T > self.max_ctx:
+                raise KvrunError(f"context full: {self.seq_len} + {T} tokens > context size "
+                                 f"{self.max_ctx} (raise -c/--ctx-size or use --ctx-policy shift)")
+            while self.seq_len + T > self.max_ctx:
+                self.shift()
+        return torch.arange(self.seq_len, self.seq_len + T)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (1, H, T, D); k, v: (1, Hkv, T, D), K already rotated. Returns (1, H, T, D)."""
+        assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
+        nt, w = self.n_tail[layer], self.n_win[layer]
+        assert nt + w + k.shape[2] <= self.max_ctx, "positions() must run before attend()"
+        k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
+        o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
+                             (self.v_codecs[layer], self.v_store[layer]), nt,
+                             self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
+                             k, v, block=self.kv.block)
+        self._append(layer, k[0], v[0])
+        return o
+
+    def commit(self, T: int) -> None:
+        self.seq_len += T
+        assert all(nt + w == self.seq_len for nt, w in zip(self.n_tail, self.n_win)), \
+            "a layer was skipped: call truncate(seq_len) after an interrupted forward"
+
+    def truncate(self, n: int) -> int:
+        """Keep the first n tokens if possible; returns how many were kept (a multiple of G
+        when a layer had already flushed past n). Also repairs layers left inconsistent."""
+        assert 0 <= n <= self.seq_len, (n, self.seq_len)
+        kept = n
+        for nt in self.n_tail:
+            if n < nt:
+                kept = min(kept, n // self.G * self.G)
+        for l in range(self.L):
+            if kept >= self.n_tail[l]:
+                self.n_win[l] = kept - self.n_tail[l]
+            else:
+                self.n_tail[l], self.n_win[l] = kept, 0
+        self.seq_len = kept
+        return kept
+
+    def reset(self) -> None:
+        self.n_tail = [0] * self.L
+        self.n_win = [0] * self.L
+        self.seq_len = 0
+
+    def nbytes(self) -> dict[str, int]:
+        """Exact bytes of every allocated tensor, by component."""
+        out = dict.fromkeys(COMPONENTS, 0)
+        for codecs, stores in ((self.k_codecs, self.k_store), (self.v_codecs, self.v_store)):
+            for c, st in zip(codecs, stores):
+                for s in c.slots(self.Hkv, self.D, self.S):
+                    out[s.component] += st[s.name].nbytes
+        out["window"] += self.win_k.nbytes + self.win_v.nbytes
+        return out
+
+    def bytes_per_token(self) -> float:
+        """Bytes one cached token costs across all layers (K and V), window included."""
+        return sum(self.nbytes().values()) / self.max_ctx
+
+    # -- window → tail ---------------------------------------------------------------------------
+    def _append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append k, v: (Hkv, T, D) (window dtype) to layer l, flushing whole blocks of G."""
+        w, T = self.n_win[l], k.shape[1]
+        total = w + T
+        if total < self.R + self.G:
+            self.win_k[l, :, w:total] = k
+            self.win_v[l, :, w:total] = v
+            self.n_win[l] = total
+            return
+        f = (total - self.R) // self.G * self.G                         # tokens to flush
+        seq_k = torch.cat([self.win_k[l, :, :w], k], 1)                 # (Hkv, w+T, D), transient
+        seq_v = torch.cat([self.win_v[l, :, :w], v], 1)
+        nt = self.n_tail[l]
+        assert nt + f <= self.S, (nt, f, self.S)
+        kc, vc = self.k_codecs[l], self.v_codecs[l]
+        for c0 in range(0, f, self.kv.block):
+            c1 = min(f, c0 + self.kv.block)
+            kc.pack(self.k_store[l], seq_k[:, c0:c1].float(), nt + c0)
+            vc.pack(self.v_store[l], seq_v[:, c0:c1].float(), nt + c0)
+        self.win_k[l, :, :total - f] = seq_k[:, f:]
+        self.win_v[l, :, :total - f] = seq_v[:, f:]
+        self.n_tail[l], self.n_win[l] = nt + f, total - f
+
+    # -- context shift -----------------------------------------------------------------------------
+    def shift_plan(self) -> tuple[int, int]:
+        """(a, nd): keep tokens [0, a), drop [a, a + nd), keep the rest (re-rotated by -nd)."""
+        nk, G, nt = self.kv.n_keep, self.G, self.n_tail[0]
+        a = -(-nk // G) * G if nk <= nt else nk
+        return a, (self.seq_len - a) // 2
+
+    def shift(self) -> int:
+        """llama.cpp context shift; returns the number of tokens discarded."""
+        a, nd = self.shift_plan()
+        if nd < 1:
+            raise KvrunError(f"context full: cannot shift (keeping {a} tokens of "
+                             f"{self.seq_len}, context {self.max_ctx})")
+        ang = -nd * self.inv_freq                                        # (D/2,)
+        emb = torch.cat([ang, ang])[None]                                # (1, D)
+        cos, sin = emb.cos().float(), emb.sin().float()
+        for l in range(self.L):
+            self._shift_layer(l, a, nd, cos, sin)
+        self.seq_len -= nd
+        self.n_shifts += 1
+        return nd
+
+    def _shift_layer(self, l, a, nd, cos, sin):
+        nt, w = self.n_tail[l], self.n_win[l]
+        G, wd = self.G, self.wdtype
+        rot = lambda x: apply_rope(x[None], cos, sin)[0]                 # (Hkv, n, D)
+        win_k = self.win_k[l, :, :w].clone()                             # sources survive the rewrite
+        win_v = self.win_v[l, :, :w].clone()
+        self.n_tail[l], self.n_win[l] = min(a, nt), 0                    # untouched prefix
+        if a > nt:                                                       # sinks still in the window
+            self._append(l, win_k[:, :a - nt], win_v[:, :a - nt])
+        start = a + nd
+        kc, vc = self.k_codecs[l], self.v_codecs[l]
+        # reads run ahead of writes: chunk [c0, c1) is dequantized before appending it writes
+        # tail tokens below c1 - nd, so no unread block is ever overwritten
+        for c0 in range(start // G * G, nt, self.kv.block):
+            c1 = min(nt, c0 + self.kv.block)
+            off = max(0, start - c0)
+            kx = kc.dequant(self.k_store[l], c0, c1)[:, off:]
+            vx = vc.dequant(self.v_store[l], c0, c1)[:, off:]
+            self._append(l, rot(kx).to(wd), vx.to(wd))
+        i0 = max(start, nt) - nt
+        if i0 < w:
+            self._append(l, rot(win_k[:, i0:].float()).to(wd), win_v[:, i0:])
+
+
+# -- construction and accounting -----------------------------------------------------------------
+
+def _as_config(kv) -> KVConfig:
+    return kv if isinstance(kv, KVConfig) else parse_kv(kv)
+
+
+def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
+    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
+    shift (the same tensors and read path as before), the KVArena otherwise."""
+    kv = _as_config(kv_config)
+    kv.check_model(cfg.head_dim, cfg.num_layers)
+    if kv.is_dense:
+        return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
+                            KV_DTYPES[kv.k_method], device=device)
+    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device)
+
+
+def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
+    """Bytes by component of the cache build_cache(cfg, n_tokens, kv_config) would allocate,
+    computed from the codecs' storage layouts without allocating."""
+    kv = _as_config(kv_config)
+    kv.check_model(cfg.head_dim, cfg.num_layers)
+    L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    out = dict.fromkeys(COMPONENTS, 0)
+    if kv.is_dense:
+        out["window"] = 2 * L * Hkv * n_tokens * D * torch.empty((), dtype=KV_DTYPES[kv.k_method]).element_size()
+        return {"window": out["window"]}
+    S = tail_capacity(n_tokens, kv.residual, kv.group)
+    get = _codec_factory(kv)
+    for km, vm in kv.layer_methods(L):
+        for c in (get(km, "k"), get(vm, "v")):
+            for s in c.slots(Hkv, D, S):
+                out[s.component] += s.nbytes
+    out["window"] += 2 * L * Hkv * (kv.residual + kv.group) * D * 2
+    return out
+
+
+def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
+    """Total KV bytes holding n_tokens (window included) / an fp16 cache of n_tokens."""
+    fp16 = 2 * cfg.num_layers * cfg.num_kv_heads * n_tokens * cfg.head_dim * 2
+    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / fp16

@@ -1,0 +1,129 @@
+"""KV-cache configuration: which codec for K and V, window, groups, and the context policy.
+
+    parse_kv("tada-4")                       K and V both tada-4
+    parse_kv("kivi-4/kivi-2")                K kivi-4, V kivi-2 (same as k=..., v=...)
+    parse_kv("fp16", k="kivi-4", v="kivi-2") --kv-k / --kv-v override the --kv method
+    parse_kv("tada-4", profile="p.json")     per-layer methods from a profile (§6)
+
+Defaults follow the papers: residual window R = 128 and group G = 32 (KIVI, TaDA's
+LongBench setting); V channel group g = 32 (KIVI's group size, used for both axes in its
+reference code); GEAR rank r = 4 and s = 2 % (GEAR's recommended setting); gear-l and gear
+default to a 4-bit KIVI backbone ("gear-l-2"/"gear-2" for 2-bit). G is also the flush
+granularity of every codec: tokens leave the window in whole blocks of G.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ...kernels.codecs import METHODS, method_family
+from ..errors import KvrunError
+
+CTX_POLICIES = ("error", "shift")
+
+
+def check_method(m: str) -> str:
+    if m not in METHODS:
+        raise KvrunError(f"unknown KV method {m!r} (valid: {', '.join(METHODS)})")
+    return m
+
+
+@dataclass
+class KVConfig:
+    k_method: str = "fp16"
+    v_method: str = "fp16"
+    residual: int = 128             # R: newest tokens kept in full precision
+    group: int = 32                 # G: KIVI's token group for K, and the flush block
+    v_group: int = 32               # g: channels per (scale, zero) group of per-token V (KIVI)
+    rank: int = 4                   # r: GEAR low-rank rank per head per block
+    sparsity: float = 2.0           # s: GEAR outlier percent (top s/2 % + bottom s/2 %)
+    tada_mu: str = "fp16"           # storage of TaDA's per-token mean: fp16 | int8
+    ctx_policy: str = "error"       # when the context is full: error | shift
+    n_keep: int = 4                 # sink tokens kept by a shift
+    layers: list | None = None      # per-layer [(k_method, v_method), ...] from a profile
+    block: int = 4096               # read-path block size in tokens (rounded to G)
+
+    def __post_init__(self):
+        check_method(self.k_method)
+        check_method(self.v_method)
+        if self.layers is not None:
+            self.layers = [(check_method(k), check_method(v)) for k, v in self.layers]
+        for name in ("residual", "group", "v_group", "rank", "block"):
+            x, lo = getattr(self, name), 0 if name == "residual" else 1
+            if not isinstance(x, int) or x < lo:
+                raise KvrunError(f"KV {name} must be an integer >= {lo}, got {x!r}")
+        if self.tada_mu not in ("fp16", "int8"):
+            raise KvrunError(f"tada_mu must be fp16 or int8, got {self.tada_mu!r}")
+        if self.ctx_policy not in CTX_POLICIES:
+            raise KvrunError(f"unknown context policy {self.ctx_policy!r} ({', '.join(CTX_POLICIES)})")
+        if self.n_keep < 0:
+            raise KvrunError(f"--keep must be >= 0, got {self.n_keep}")
+        fams = {method_family(m)[0] for m in self.methods()}
+        if not 0 < self.sparsity < 50:
+            raise KvrunError(f"GEAR sparsity must be in (0, 50) percent, got {self.sparsity}")
+        if fams - {"fp16", "bf16"} and self.group % 16:
+            raise KvrunError(f"KV group {self.group} must be a multiple of 16 for quantized codecs "
+                             f"(codes are packed 16 tokens per 32-bit word at 2 bits)")
+        if self.group > 256:
+            raise KvrunError(f"KV group {self.group} is too large (at most 256)")
+        if fams & {"kivi", "gear-l", "gear"} and self.residual % self.group:
+            raise KvrunError(f"KV residual {self.residual} must be a multiple of the group "
+                             f"{self.group} for KIVI/GEAR")
+        if fams & {"gear-l", "gear"} and self.rank >= self.group:
+            raise KvrunError(f"GEAR rank {self.rank} must be smaller than the group {self.group}")
+        self.block = max(self.group, self.block // self.group * self.group)
+
+    def methods(self) -> set[str]:
+        ms = {self.k_method, self.v_method}
+        for k, v in self.layers or []:
+            ms |= {k, v}
+        return ms
+
+    def layer_methods(self, n_layers: int) -> list[tuple[str, str]]:
+        if self.layers is None:
+            return [(self.k_method, self.v_method)] * n_layers
+        if len(self.layers) != n_layers:
+            raise KvrunError(f"KV profile has {len(self.layers)} layers, the model has {n_layers}")
+        return list(self.layers)
+
+    def check_model(self, head_dim: int, n_layers: int) -> None:
+        """Checks that need the model's geometry."""
+        self.layer_methods(n_layers)
+        D = head_dim
+        fams = {method_family(m)[0] for m in self.methods()}
+        if fams & {"kivi", "gear-l", "gear"} and D % self.v_group:
+            raise KvrunError(f"V group {self.v_group} does not divide the head dim {D}")
+        if fams & {"gear-l", "gear"} and self.rank >= D:
+            raise KvrunError(f"GEAR rank {self.rank} must be smaller than the head dim {D}")
+        if fams & {"gear"} and D > 256:
+            raise KvrunError(f"GEAR outliers need head dim <= 256, got {D}")
+
+    @property
+    def is_dense(self) -> bool:
+        """Uniform fp16 (or bf16) K and V with no context shift: DenseKVCache serves it."""
+        ms = self.methods()
+        return len(ms) == 1 and ms <= {"fp16", "bf16"} and self.ctx_policy == "error"
+
+    def label(self) -> str:
+        if self.layers is not None:
+            return "profile"
+        return self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
+
+    def replace(self, **kw) -> "KVConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = None,
+             profile=None, **fields) -> KVConfig:
+    """KVConfig from a --kv spec ("tada-4", or "K/V" like "kivi-4/kivi-2"), optional
+    --kv-k / --kv-v overrides, an optional per-layer profile file, and any KVConfig field."""
+    spec = (spec or "fp16").strip()
+    if "/" in spec:
+        sk, _, sv = spec.partition("/")
+    else:
+        sk = sv = spec
+    layers = None
+    if profile is not None:
+        from .profile import load_profile
+        layers = load_profile(profile)
+    return KVConfig(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers, **fields)

@@ -1,0 +1,233 @@
+"""The KV arena: flush rule, prefill straight into the tail, chunked == one-shot, truncate and
+layer repair, context shift against a dense reference, exact byte accounting, errors."""
+import json
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from kvrun.kernels import dense_attention
+from kvrun.runtime.config import ModelConfig
+from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.kv import (DenseKVCache, KVArena, build_cache, kv_bytes_at, load_profile,
+                              parse_kv, save_profile)
+from kvrun.runtime.model import Transformer
+from kvrun.runtime.rope import Rope, apply_rope
+
+CFG = ModelConfig.tiny(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
+                       max_position=1024)                            # D = 64, GQA 3
+L, Hkv, H, D = CFG.num_layers, CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
+
+
+def _feed(cache, T, gen):
+    """One forward's worth of cache traffic with random q/k/v; returns the outputs per layer."""
+    cache.positions(T)
+    outs = []
+    for l in range(L):
+        q, k, v = torch.randn(1, H, T, D, generator=gen), *(torch.randn(1, Hkv, T, D, generator=gen) for _ in range(2))
+        outs.append(cache.attend(l, q, k, v))
+    cache.commit(T)
+    return outs
+
+
+def _state(a):
+    return ([{k: t.clone() for k, t in st.items()} for st in a.k_store + a.v_store],
+            a.win_k.clone(), a.win_v.clone(), list(a.n_tail), list(a.n_win))
+
+
+def _same_state(a, b):
+    sa, sb = _state(a), _state(b)
+    assert sa[3:] == sb[3:]
+    for da, db in zip(sa[0], sb[0]):
+        for k in da:
+            assert torch.equal(da[k], db[k]), k
+    w = a.n_win[0]
+    assert torch.equal(sa[1][:, :, :w], sb[1][:, :, :w]) and torch.equal(sa[2][:, :, :w], sb[2][:, :, :w])
+
+
+def test_flush_rule_decode_one_by_one():
+    a = build_cache(CFG, 300, parse_kv("kivi-2", residual=64, group=32))
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 140):                                    # flushes at 96 and 128
+        _feed(a, 1, g)
+        R, G = 64, 32
+        exp_tail = 0 if n < R + G else (n - R) // G * G
+        assert a.n_tail == [exp_tail] * L and a.n_win == [n - exp_tail] * L
+        assert n < R + G or R <= a.n_win[0] <= R + G - 1
+
+
+def test_prefill_longer_than_window_goes_to_the_tail():
+    a = build_cache(CFG, 600, parse_kv("tada-4", residual=64, group=32))
+    _feed(a, 517, torch.Generator().manual_seed(0))
+    assert a.n_tail == [448] * L and a.n_win == [69] * L         # 69 in [R, R+G-1]
+
+
+@pytest.mark.parametrize("method", ["kivi-2", "tada-4", "gear", "int8"])
+def test_chunked_prefill_equals_one_shot(method):
+    kv = parse_kv(method, residual=32, group=32, tada_mu="int8")
+    a, b = build_cache(CFG, 400, kv), build_cache(CFG, 400, kv)
+    torch.manual_seed(0)
+    k = torch.randn(L, 1, Hkv, 333, D)
+    v = torch.randn(L, 1, Hkv, 333, D)
+    q = torch.randn(1, H, 1, D)
+    a.positions(333)
+    for l in range(L):
+        a.attend(l, q.expand(1, H, 333, D), k[l], v[l])
+    a.commit(333)
+    for s0, s1 in [(0, 7), (7, 100), (100, 101), (101, 300), (300, 333)]:   # multi-turn appends
+        b.positions(s1 - s0)
+        for l in range(L):
+            b.attend(l, q.expand(1, H, s1 - s0, D), k[l, :, :, s0:s1], v[l, :, :, s0:s1])
+        b.commit(s1 - s0)
+    _same_state(a, b)
+
+
+def test_decode_output_matches_reference_over_dequantized_tail():
+    a = build_cache(CFG, 400, parse_kv("kivi-4/tada-2", residual=32, group=32))
+    g = torch.Generator().manual_seed(0)
+    _feed(a, 250, g)
+    q, k, v = torch.randn(1, H, 1, D), torch.randn(1, Hkv, 1, D), torch.randn(1, Hkv, 1, D)
+    nt, w = a.n_tail[1], a.n_win[1]
+    K = torch.cat([a.k_codecs[1].dequant(a.k_store[1], 0, nt)[None], a.win_k[1, None, :, :w].float(),
+                   k.half().float()], 2)
+    V = torch.cat([a.v_codecs[1].dequant(a.v_store[1], 0, nt)[None], a.win_v[1, None, :, :w].float(),
+                   v.half().float()], 2)
+    a.positions(1)
+    a.attend(0, q, k, v)
+    out = a.attend(1, q, k, v)
+    assert_close(out, dense_attention(q, K, V, 250), atol=2e-5, rtol=1e-4)
+
+
+def test_fp16_arena_equals_dense_cache_on_a_model():
+    torch.manual_seed(0)
+    m = Transformer(CFG).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+    ids = torch.randint(0, CFG.vocab_size, (1, 230))
+    dense = DenseKVCache(L, Hkv, D, 300)
+    arena = build_cache(CFG, 300, parse_kv("fp16", residual=64, ctx_policy="shift"))
+    assert isinstance(arena, KVArena)
+    ref = torch.cat([m(ids[:, :150], dense)] + [m(ids[:, t:t + 1], dense) for t in range(150, 230)], 1)
+    out = torch.cat([m(ids[:, :150], arena)] + [m(ids[:, t:t + 1], arena) for t in range(150, 230)], 1)
+    assert arena.n_tail[0] > 0
+    assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_truncate_keeps_window_tokens_or_falls_back_to_a_block():
+    a = build_cache(CFG, 400, parse_kv("kivi-2", residual=64, group=32))
+    _feed(a, 250, torch.Generator().manual_seed(0))               # tail 160, window 90
+    assert a.truncate(200) == 200 and a.n_tail == [160] * L and a.n_win == [40] * L
+    assert a.truncate(150) == 128 and a.n_tail == [128] * L and a.n_win == [0] * L
+    _feed(a, 10, torch.Generator().manual_seed(1))
+    assert a.seq_len == 138 and a.n_win == [10] * L
+
+
+def test_truncate_repairs_an_interrupted_forward():
+    a = build_cache(CFG, 600, parse_kv("tada-4", residual=64, group=32))
+    g = torch.Generator().manual_seed(0)
+    _feed(a, 100, g)                                              # tail 32, window 68
+    a.positions(200)
+    a.attend(0, torch.randn(1, H, 200, D), torch.randn(1, Hkv, 200, D), torch.randn(1, Hkv, 200, D))
+    # Ctrl-C here: layer 0 holds 300 tokens (tail 224), layer 1 holds 100
+    assert a.truncate(a.seq_len) == 96                            # layer 0 flushed past 100
+    assert a.n_tail == [96, 32] and a.n_win == [0, 64]
+    _feed(a, 5, g)
+    assert a.seq_len == 101
+
+
+def test_context_full_error():
+    a = build_cache(CFG, 100, parse_kv("kivi-4", residual=32, group=32))
+    _feed(a, 90, torch.Generator().manual_seed(0))
+    with pytest.raises(KvrunError, match="context full"):
+        a.positions(11)
+
+
+def test_context_shift_positions_and_outputs_match_reference():
+    """fp16 tail (lossless): after a shift the arena equals dense attention over the kept
+    tokens with their keys re-roped at positions 0..n-1."""
+    ctx, n_keep, G = 160, 4, 32
+    a = build_cache(CFG, ctx, parse_kv("fp16/fp16", residual=32, group=G, ctx_policy="shift",
+                                       n_keep=n_keep))
+    rope = Rope(D, CFG.rope_theta, None, 512)
+    torch.manual_seed(0)
+    kraw = torch.randn(L, 1, Hkv, ctx, D)                         # keys before RoPE
+    vals = torch.randn(L, 1, Hkv, ctx, D)
+    pos = a.positions(ctx)
+    cos, sin = rope.tables(pos, torch.float32)
+    for l in range(L):
+        a.attend(l, torch.randn(1, H, ctx, D), apply_rope(kraw[l], cos, sin), vals[l])
+    a.commit(ctx)
+    newpos = a.positions(1)                                       # triggers the shift
+    keep_a = G                                                    # n_keep rounded up to a block
+    nd = (ctx - keep_a) // 2
+    kept = list(range(keep_a)) + list(range(keep_a + nd, ctx))
+    assert a.seq_len == len(kept) and newpos.tolist() == [len(kept)]
+    q = torch.randn(1, H, 1, D)
+    kn, vn = torch.randn(1, Hkv, 1, D), torch.randn(1, Hkv, 1, D)
+    c1, s1 = rope.tables(newpos, torch.float32)
+    for l in range(L):
+        out = a.attend(l, apply_rope(q, c1, s1), apply_rope(kn, c1, s1), vn)
+        ck, sk = rope.tables(torch.arange(len(kept)), torch.float32)
+        K = torch.cat([apply_rope(kraw[l][:, :, kept], ck, sk), apply_rope(kn, c1, s1)], 2)
+        V = torch.cat([vals[l][:, :, kept], vn], 2)
+        ref = dense_attention(apply_rope(q, c1, s1), K.half().float(), V.half().float(), len(kept))
+        assert_close(out, ref, atol=5e-3, rtol=5e-3)
+    a.commit(1)
+
+
+def test_context_shift_with_compressed_codec_keeps_working():
+    a = build_cache(CFG, 200, parse_kv("kivi-2", residual=32, group=32, ctx_policy="shift"))
+    g = torch.Generator().manual_seed(0)
+    _feed(a, 190, g)
+    _feed(a, 20, g)                                               # shifts once
+    assert a.n_shifts == 1 and a.seq_len == 32 + (190 - 32) - (190 - 32) // 2 + 20
+    assert all(nt + w == a.seq_len for nt, w in zip(a.n_tail, a.n_win))
+
+
+@pytest.mark.parametrize("spec", ["kivi-2", "tada-4", "gear", "int8/kivi-4", "fp16"])
+def test_byte_accounting_equals_allocated_storage(spec):
+    kv = parse_kv(spec, residual=64, group=32, tada_mu="int8")
+    a = build_cache(CFG, 333, kv)
+    nb = a.nbytes()
+    if isinstance(a, KVArena):
+        allocated = sum(t.nbytes for st in a.k_store + a.v_store for t in st.values())
+        assert sum(nb.values()) == allocated + a.win_k.nbytes + a.win_v.nbytes
+        assert nb["window"] == a.win_k.nbytes + a.win_v.nbytes
+    else:
+        assert sum(nb.values()) == a.k.nbytes + a.v.nbytes
+    assert {k: v for k, v in nb.items() if v} == {k: v for k, v in kv_bytes_at(CFG, kv, 333).items() if v}
+
+
+def test_per_layer_profile(tmp_path):
+    p = tmp_path / "prof.json"
+    save_profile(p, [("tada-4", "tada-2"), ("kivi-2", "fp16")], model="tiny")
+    assert load_profile(p) == [("tada-4", "tada-2"), ("kivi-2", "fp16")]
+    a = build_cache(CFG, 300, parse_kv("fp16", profile=p, residual=32))
+    assert [c.method for c in a.k_codecs] == ["tada-4", "kivi-2"]
+    _feed(a, 150, torch.Generator().manual_seed(0))
+    assert a.n_tail == [96, 96]
+    p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [{"k": "kivi-3", "v": "fp16"}]}))
+    with pytest.raises(KvrunError, match="kivi-3"):
+        load_profile(p)
+    p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [{"k": "kivi-2", "v": "fp16"}]}))
+    with pytest.raises(KvrunError, match="1 layers"):
+        build_cache(CFG, 300, parse_kv("fp16", profile=p))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(spec="kivi-3"), "valid: fp16"),
+    (dict(spec="kivi-2", residual=100), "multiple of the group"),
+    (dict(spec="gear-l", rank=32), "rank"),
+    (dict(spec="gear", sparsity=60), "sparsity"),
+    (dict(spec="tada-4", group=24), "multiple of 16"),
+    (dict(spec="tada-4", ctx_policy="evict"), "context policy"),
+])
+def test_config_errors(kw, match):
+    with pytest.raises(KvrunError, match=match):
+        parse_kv(**kw)
+
+
+def test_v_group_must_divide_head_dim():
+    with pytest.raises(KvrunError, match="does not divide"):
+        build_cache(CFG, 100, parse_kv("kivi-2", v_group=48))

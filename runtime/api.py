@@ -15,26 +15,29 @@ from .chat_template import template_for
 from .config import ModelConfig
 from .errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent
-from .kv import KV_DTYPES, DenseKVCache
+from .kv import DenseKVCache
+from .kv.arena import build_cache, kv_bytes_at
+from .kv.config import KVConfig
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
 from .sampling import SamplingParams
 
 DEFAULT_CTX = 4096
 
 
-def make_cache(cfg: ModelConfig, ctx: int, kv: str = "fp16"):
-    """A KV cache for `ctx` tokens: `kv` is a dense dtype or a compressed-arena spec."""
-    if kv not in KV_DTYPES:
-        raise KvrunError(f"unknown KV cache type {kv!r} ({', '.join(KV_DTYPES)})")
-    return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, KV_DTYPES[kv])
+def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
+    """A KV cache for `ctx` tokens: the dense cache for plain fp16/bf16/fp32, otherwise the
+    compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig)."""
+    if isinstance(kv, str) and kv == "fp32":
+        return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, torch.float32)
+    return build_cache(cfg, ctx, kv)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv: str, n_tokens: int) -> float:
+def kv_bytes_per_token(cfg: ModelConfig, kv: "str | KVConfig", n_tokens: int) -> float:
     """Bytes per token of a cache sized for `n_tokens` (window and metadata included),
     computed from the codec formulas without allocating."""
-    if kv not in KV_DTYPES:
-        raise KvrunError(f"unknown KV cache type {kv!r} ({', '.join(KV_DTYPES)})")
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_DTYPES[kv].itemsize
+    if isinstance(kv, str) and kv == "fp32":
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    return sum(kv_bytes_at(cfg, kv, n_tokens).values()) / n_tokens
 
 
 class Model:
@@ -100,12 +103,13 @@ class Model:
 
 
 def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT_CTX,
-         kv: str = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
+         kv: "str | KVConfig" = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
          progress=None) -> Model:
     """Load a kvrun model directory (None → the embedded default model, pulled on first use).
 
     dtype: auto | fp32 | fp16 | bf16 (auto = fp32 prefill + fp16 decode weights on CPU).
-    ctx: KV cache size in tokens, allocated once. kv: cache storage type.
+    ctx: KV cache size in tokens, allocated once. kv: "fp16" | "fp32" | a --kv spec
+    ("tada-4", "kivi-4/kivi-2" ...) or a KVConfig.
     """
     if path is None:
         from .pull import ensure_default_model

@@ -47,11 +47,42 @@ def model_options(f):
     f = click.option("--dtype", default="auto", show_default=True,
                      type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
                      help="Compute dtype; auto = fp32 prefill + fp16 decode weights.")(f)
-    f = click.option("--kv", default="fp16", show_default=True, help="KV cache type.")(f)
+    f = kv_options(f)
     f = click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int,
                      help="Prefill chunk size in tokens.")(f)
     f = click.option("-t", "--threads", default=None, type=int, help="CPU threads.")(f)
     return f
+
+
+def kv_options(f):
+    """--kv and its refinements; they build one KVConfig (see runtime/kv/config.py)."""
+    f = click.option("--kv", default="fp16", show_default=True,
+                     help="KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, "
+                          "tada-2/4/8, gear-l, gear; or K/V like kivi-4/kivi-2.")(f)
+    f = click.option("--kv-k", default=None, help="Method for K only.")(f)
+    f = click.option("--kv-v", default=None, help="Method for V only.")(f)
+    f = click.option("--kv-residual", default=None, type=int, help="Full-precision window R (default 128).")(f)
+    f = click.option("--kv-group", default=None, type=int, help="Token group / flush block G (default 32).")(f)
+    f = click.option("--kv-rank", default=None, type=int, help="GEAR low-rank rank r (default 4).")(f)
+    f = click.option("--kv-profile", default=None, type=click.Path(), help="Per-layer profile JSON.")(f)
+    f = click.option("--ctx-policy", default=None, type=click.Choice(["error", "shift"]),
+                     help="When the context is full: error (default) or llama.cpp-style shift.")(f)
+    f = click.option("--keep", default=None, type=int, help="Tokens kept at the start on a shift.")(f)
+    return f
+
+
+def kv_config(kw, spec: str | None = None):
+    """A KVConfig (or the plain "fp32" dense cache) from the --kv flags in `kw` (consumed)."""
+    from .kv.config import parse_kv
+    spec = kw.pop("kv") if spec is None else spec
+    opts = {f: kw.pop(o) for o, f in (("kv_residual", "residual"), ("kv_group", "group"),
+                                       ("kv_rank", "rank"), ("ctx_policy", "ctx_policy"),
+                                       ("keep", "n_keep"))}
+    k, v, profile = kw.pop("kv_k"), kw.pop("kv_v"), kw.pop("kv_profile")
+    opts = {f: x for f, x in opts.items() if x is not None}
+    if spec == "fp32" and not (opts or k or v or profile):
+        return "fp32"
+    return parse_kv(spec, k=k, v=v, profile=profile, **opts)
 
 
 def sampling_options(f):
@@ -77,7 +108,8 @@ def load_model(kw):
     from .api import load
     if kw["ctx"] < 1:
         raise KvrunError(f"-c/--ctx-size must be >= 1 (got {kw['ctx']})")
-    return load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kw["kv"],
+    kv = kv_config(kw)
+    return load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kv,
                 prefill_chunk=kw["chunk"], threads=kw["threads"], progress=eprint)
 
 
@@ -207,19 +239,38 @@ def info(model, as_json):
 @main.command()
 @click.argument("src")
 @click.option("-o", "--out", "out", required=True, help="Output model directory.")
-@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]))
+@click.option("--weights", default=None, type=click.Choice(["int8", "int4", "bf16", "fp16", "fp32"]),
+              help="Weight format: int8 (per channel) / int4 (group-wise) weight-only "
+                   "quantization with the embedding in int8, or a float dtype (= --dtype).")
+@click.option("--group", default=32, show_default=True, type=click.Choice(["32", "64", "128"]),
+              help="int4: input columns per scale/min group (32 repacks Q4_0/Q4_1 GGUF blocks exactly).")
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Float tensors' dtype (with --weights int8/int4: norms and biases).")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
-def convert(src, out, dtype, force):
+@click.option("-v", "--verbose", is_flag=True, help="Print each quantized tensor's error.")
+def convert(src, out, weights, group, dtype, force, verbose):
     """Convert an HF checkpoint folder or a GGUF file into a kvrun model directory."""
     from pathlib import Path
     from ..convert import convert_any
     def progress(done, total, name):
+        if verbose:
+            return
         if done == total or done % 16 == 0:
             eprint(f"\r[convert] {done}/{total} tensors ({name})", end="")
         if done == total:
             eprint("")
-    cfg = convert_any(Path(src), Path(out), dtype=dtype, progress=progress, overwrite=force)
-    eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {dtype})")
+    fmt = "float"
+    if weights in ("int8", "int4"):
+        fmt = weights
+        src_kind = click.get_current_context().get_parameter_source("dtype")
+        if src_kind == click.core.ParameterSource.DEFAULT:
+            dtype = "fp32"          # norms/biases are tiny: keep them exact
+    elif weights is not None:
+        dtype = weights
+    cfg = convert_any(Path(src), Path(out), dtype=dtype, progress=progress, overwrite=force,
+                      weights=fmt, group=int(group), log=eprint if verbose else None)
+    what = dtype if fmt == "float" else fmt + (f" group {cfg.weight_group}" if fmt == "int4" else "")
+    eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {what})")
 
 
 @main.command()
@@ -258,6 +309,83 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
         print(json.dumps([r.to_dict() for r in records], indent=2))
     else:
         print(format_table(records))
+
+
+@main.command()
+@click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
+@click.option("--kv", "kv_list", default="fp16,int8,kivi-2,kivi-4,tada-4,gear-l", show_default=True,
+              help="Comma list of KV methods, measured side by side.")
+@click.option("-p", "--n-prompt", "pp", default="512", show_default=True,
+              help="Prompt lengths for pp tests (comma list; 0 = none).")
+@click.option("-n", "--n-gen", "tg", default=128, show_default=True, type=int,
+              help="Generated tokens per tg test.")
+@click.option("-d", "--depth", "depths", default=None,
+              help="Comma list of depths for tg tests (e.g. 512,4k,32k).")
+@click.option("--ctx", "ctx", default=None,
+              help="Depth for tg (model mode) or decode length (layer mode, default 32k).")
+@click.option("-r", "--repetitions", "reps", default=3, show_default=True, type=int)
+@click.option("--fill", default="model", show_default=True, type=click.Choice(["model", "synthetic"]),
+              help="Reach the depth by a real prefill, or K/V drawn from measured statistics.")
+@click.option("--layer", default=None, help="Attention-layer mode: a geometry name or H,HKV,D.")
+@click.option("--json", "as_json", is_flag=True, help="Records as JSON on stdout.")
+@click.option("--csv", "as_csv", is_flag=True, help="Records as CSV on stdout.")
+@click.option("-o", "--plot", "plot_path", default=None, help="Save a ms/token-vs-depth plot (matplotlib).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
+@click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int)
+@click.option("-t", "--threads", default=None, type=int)
+@click.option("-s", "--seed", default=0, show_default=True, type=int)
+def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_csv, plot_path,
+          dtype, chunk, threads, seed):
+    """Measure pp/tg speed, KV bytes and peak memory for several KV methods side by side."""
+    from . import bench as B
+    from .kv.config import parse_kv
+    methods = [m.strip() for m in kv_list.split(",") if m.strip()]
+    if not methods:
+        raise KvrunError("--kv: empty method list")
+    specs = [m if m == "fp32" else parse_kv(m) for m in methods]
+    if tg < 1:
+        raise KvrunError(f"-n must be >= 1 (got {tg})")
+    if reps < 1:
+        raise KvrunError(f"-r must be >= 1 (got {reps})")
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'") from None
+    if threads is not None:
+        if threads < 1:
+            raise KvrunError(f"threads must be >= 1 (got {threads})")
+        import torch
+        torch.set_num_threads(threads)
+    if layer is not None:
+        n = B.parse_count(ctx) if ctx else 32768
+        name, _ = B.parse_geometry(layer)
+        records = B.bench_layer(layer, specs, n, seed=seed, progress=eprint)
+        title = f"attention layer {name}, decode 0 → {n} tokens, random q/k/v"
+    else:
+        from .api import load
+        d = B.parse_list(depths, "-d") if depths is not None else ([B.parse_count(ctx)] if ctx else [0])
+        pps = [x for x in B.parse_list(pp, "-p") if x > 0]
+        m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
+        need = max([d_ + tg for d_ in d] + pps)
+        if need > 1 << 20:
+            raise KvrunError(f"depth {need} tokens is beyond what this benchmark allocates (1M)")
+        records = B.bench_model(m, specs, pps, tg, d, reps, fill=fill, seed=seed, progress=eprint)
+        title = (f"{m.cfg.source.get('path', m.path.name)} | dtype {dtype} | threads "
+                 f"{__import__('torch').get_num_threads()} | fill {fill}"
+                 + (" (SYNTHETIC K/V: latency and memory only)" if fill == "synthetic" else ""))
+        if need > m.cfg.max_position:
+            eprint(f"note: depth {need} is beyond the model's trained context "
+                   f"({m.cfg.max_position}); latency and memory figures are still valid")
+    if as_json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+    elif as_csv:
+        print(B.to_csv(records))
+    else:
+        print(B.format_table(records, title))
+    if plot_path:
+        B.plot(records, plot_path)
+        eprint(f"wrote {plot_path}")
 
 
 @main.command()

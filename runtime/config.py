@@ -38,7 +38,9 @@ class ModelConfig:
     add_bos: bool = False                   # prepend BOS when tokenizing a raw prompt
     chat_template: str = "none"
     default_system: str | None = None       # system prompt the source template injects
-    torch_dtype: str = "bf16"               # dtype of model.safetensors
+    torch_dtype: str = "bf16"               # dtype of model.safetensors' float tensors
+    weights: str = "float"                  # linear weights: float (torch_dtype) | int8 | int4
+    weight_group: int = 0                   # int4: columns per (scale, min) group (qlinear.py)
     source: dict = field(default_factory=dict)   # conversion record (path, sha256, format)
 
     def __post_init__(self):
@@ -55,6 +57,10 @@ class ModelConfig:
         if self.architecture == "qwen2":
             self.attention_bias = True
         self.eos_token_ids = [int(t) for t in self.eos_token_ids]
+        if self.weights not in ("float", "int8", "int4"):
+            raise KvrunError(f"unknown weight format {self.weights!r} (float, int8, int4)")
+        if self.weights == "int4" and self.weight_group == 0:
+            self.weight_group = 32
 
     @property
     def gqa_group(self) -> int:

@@ -13,18 +13,27 @@ def model_info(path) -> dict:
     n_params, n_bytes = 0, 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         for name in f.keys():
+            if name.endswith((".scales", ".mins")):        # quantization metadata, not weights
+                continue
             sl = f.get_slice(name)
             n = 1
             for s in sl.get_shape():
                 n *= s
+            if name.endswith(".qweight") and sl.get_dtype() == "U8":
+                n *= 2                                      # two int4 codes per byte
             n_params += n
     n_bytes = (path / "model.safetensors").stat().st_size
+    fmt = cfg.torch_dtype
+    if cfg.weights == "int8":
+        fmt = "int8 (per channel; embedding int8)"
+    elif cfg.weights == "int4":
+        fmt = f"int4 (group {cfg.weight_group}; embedding int8)"
     src = cfg.source or {}
     return {
         "path": str(Path(path).resolve()),
         "architecture": cfg.architecture,
         "parameters": f"{n_params / 1e6:.1f}M",
-        "weights": f"{cfg.torch_dtype}, {n_bytes / 2**20:.1f} MiB",
+        "weights": f"{fmt}, {n_bytes / 2**20:.1f} MiB, {8 * n_bytes / max(n_params, 1):.2f} bits/param",
         "layers": cfg.num_layers,
         "hidden / ffn": f"{cfg.hidden_size} / {cfg.intermediate_size}",
         "heads (q / kv)": f"{cfg.num_heads} / {cfg.num_kv_heads}, head dim {cfg.head_dim}",

@@ -53,13 +53,16 @@ class Linear(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 
-    def __init__(self, hidden: int, intermediate: int):
+    `linear(in, out)` builds each projection (dense `Linear`, or a quantized layer from
+    qlinear.make_linear)."""
+
+    def __init__(self, hidden: int, intermediate: int, linear=Linear):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate)
-        self.up_proj = Linear(hidden, intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_proj = linear(hidden, intermediate)
+        self.up_proj = linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

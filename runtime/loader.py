@@ -66,9 +66,8 @@ def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype,
                      gemv_dtype: torch.dtype | None) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device="cpu").to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to_empty(device="cpu").to(dtype)    # int8/uint8 quantized codes stay integer
+    model.tie_weights()
     state = load_state(path)
     try:
         model.load_weights(state)
@@ -77,6 +76,7 @@ def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype,
                      str(e).splitlines()[0])
         raise KvrunError(f"weights do not match the config: {first}") from None
     model.eval()
+    # dense: the fp16 decode copy (--dtype auto); quantized: the fused ops' packed weights
     model.set_gemv_dtype(gemv_dtype)
     return model
 

@@ -4,6 +4,12 @@ Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
 writes K/V only through the cache object (`cache.attend`), which is either the dense
 cache or the compressed arena; the model does not know which.
+
+Linear layers come from `make_linear`: dense `Linear`, or the weight-only quantized
+`Int8Linear` / `Int4Linear` when the config's `weights` says so (qlinear.py). Quantized
+models keep the token embedding as int8 rows; a tied lm_head then runs through the int8
+GEMV on the embedding's own buffers (llama.cpp keeps token_embd in Q8_0 for the same
+reason: the output projection is the most quantization-sensitive matrix).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import MLP, Linear, RMSNorm
+from .qlinear import QUANT_MODULES, Int8Embedding, Int8Linear, make_linear
 from .rope import Rope, apply_rope
 
 
@@ -22,10 +29,11 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        lin = lambda i, o, b=False: make_linear(cfg.weights, cfg.weight_group, i, o, b)  # noqa: E731
+        self.q_proj = lin(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias)
+        self.k_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias)
+        self.v_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias)
+        self.o_proj = lin(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
 
     def forward(self, x, cos, sin, cache):
         B, T, _ = x.shape
@@ -41,7 +49,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size,
+                       lambda i, o: make_linear(cfg.weights, cfg.weight_group, i, o))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -53,7 +62,8 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if cfg.weights == "float"
+                             else Int8Embedding(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -63,21 +73,35 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # the output projection stays int8 in int4 models (see the module docstring)
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size) if cfg.weights == "float"
+                        else Int8Linear(cfg.hidden_size, cfg.vocab_size))
+        self.tie_weights()
         with torch.device("cpu"):       # tables stay real even when built on the meta device
             self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
 
+    def tie_weights(self) -> None:
+        """Make a tied lm_head share the embedding's tensors (again after `to_empty`)."""
+        if not self.cfg.tie_word_embeddings:
+            return
+        emb = self.model.embed_tokens
+        if isinstance(self.lm_head, Linear):
+            self.lm_head.weight = emb.weight
+        else:
+            self.lm_head.qweight, self.lm_head.scales = emb.qweight, emb.scales
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype        # norms are float in every weight format
 
     def set_gemv_dtype(self, dtype: torch.dtype | None) -> None:
-        """Keep a second copy of every linear weight for few-row (decode) inputs."""
+        """Prepare the decode path: a second copy of every dense linear weight in `dtype`
+        for few-row inputs; quantized layers build their fused op's packed weights."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.set_gemv_dtype(dtype)
+            elif isinstance(m, QUANT_MODULES):
+                m.prepare()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
@@ -88,7 +112,7 @@ class Transformer(nn.Module):
         B, T = ids.shape
         positions = cache.positions(T)                                  # (T,)
         cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
-        h = self.model.embed_tokens(ids)                                # (B, T, hidden)
+        h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache)
         cache.commit(T)
@@ -98,10 +122,11 @@ class Transformer(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Strict load; a tied lm_head is the only key allowed to be absent."""
-        state = {k: v.to(self.dtype) for k, v in state.items()}
+        # quantized codes keep their integer dtype; their fp16 scales widen exactly
+        state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         missing, unexpected = self.load_state_dict(state, strict=False)
         if self.cfg.tie_word_embeddings:
-            missing = [k for k in missing if k != "lm_head.weight"]
+            missing = [k for k in missing if not k.startswith("lm_head.")]
         if missing or unexpected:
             from .errors import KvrunError
             parts = []

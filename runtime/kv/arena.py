@@ -108,6 +108,17 @@ class KVArena:
         self._append(layer, k[0], v[0])
         return o
 
+    def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append already-computed K/V for every layer without attending: k, v: (L, Hkv, n, D),
+        K rotated. Used to fill a cache to a depth (benchmarks) through the normal write path."""
+        n = k.shape[2]
+        self.positions(n)
+        for l in range(self.L):
+            for s in range(0, n, self.kv.block):
+                e = min(n, s + self.kv.block)
+                self._append(l, k[l, :, s:e].to(self.wdtype), v[l, :, s:e].to(self.wdtype))
+        self.seq_len += n
+
     def commit(self, T: int) -> None:
         self.seq_len += T
         assert all(nt + w == self.seq_len for nt, w in zip(self.n_tail, self.n_win)), \

@@ -68,6 +68,10 @@ def kv_options(f):
     f = click.option("--ctx-policy", default=None, type=click.Choice(["error", "shift"]),
                      help="When the context is full: error (default) or llama.cpp-style shift.")(f)
     f = click.option("--keep", default=None, type=int, help="Tokens kept at the start on a shift.")(f)
+    f = click.option("--kv-rotate", default=None, type=click.Choice(["none", "k", "v", "kv"]),
+                     help="Hadamard-rotate K and/or V along the head dim before quantizing.")(f)
+    f = click.option("--kv-rotate-seed", default=None, type=int,
+                     help="Random ±1 signs on the rotation (seeded).")(f)
     return f
 
 
@@ -77,7 +81,8 @@ def kv_config(kw, spec: str | None = None):
     spec = kw.pop("kv") if spec is None else spec
     opts = {f: kw.pop(o) for o, f in (("kv_residual", "residual"), ("kv_group", "group"),
                                        ("kv_rank", "rank"), ("ctx_policy", "ctx_policy"),
-                                       ("keep", "n_keep"))}
+                                       ("keep", "n_keep"), ("kv_rotate", "rotate"),
+                                       ("kv_rotate_seed", "rotate_seed"))}
     k, v, profile = kw.pop("kv_k"), kw.pop("kv_v"), kw.pop("kv_profile")
     opts = {f: x for f, x in opts.items() if x is not None}
     if spec == "fp32" and not (opts or k or v or profile):

@@ -34,6 +34,7 @@ import torch
 from ...kernels.codec_base import COMPONENTS
 from ...kernels.codecs import make_codec
 from ...kernels.decode_attention import decode_attention
+from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies
 from .cache import KV_DTYPES, DenseKVCache
@@ -80,6 +81,13 @@ class KVArena:
         wshape = (n_layers, n_kv_heads, self.R + self.G, head_dim)        # (L, Hkv, R+G, D)
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
+        # Hadamard rotation (issue: rotated codecs): K and/or V are stored as x @ R; the read
+        # path rotates q once and un-rotates the attention output once, never the cache.
+        signs = random_signs(head_dim, kv.rotate_seed) if kv.rotate_seed is not None else None
+        rmat = rotation_matrix(head_dim, signs).to(device)                # (D, D) orthogonal
+        rots = kv.layer_rotations(n_layers)
+        self.rot_k = [rmat if "k" in r else None for r in rots]
+        self.rot_v = [rmat if "v" in r else None for r in rots]
         self.n_tail = [0] * n_layers          # flushed tokens per layer (multiple of G)
         self.n_win = [0] * n_layers           # window tokens per layer
         self.seq_len = 0
@@ -100,13 +108,18 @@ class KVArena:
         assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
         nt, w = self.n_tail[layer], self.n_win[layer]
         assert nt + w + k.shape[2] <= self.max_ctx, "positions() must run before attend()"
+        rk, rv = self.rot_k[layer], self.rot_v[layer]
+        if rk is not None:                          # q·k = (qR)·(kR)
+            q, k = rotate(q, rk), rotate(k.float(), rk)
+        if rv is not None:                          # P·V = (P·(VR))·Rᵀ
+            v = rotate(v.float(), rv)
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
         o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
                              (self.v_codecs[layer], self.v_store[layer]), nt,
                              self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, block=self.kv.block)
         self._append(layer, k[0], v[0])
-        return o
+        return o if rv is None else unrotate(o, rv)
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append already-computed K/V for every layer without attending: k, v: (L, Hkv, n, D),
@@ -114,9 +127,13 @@ class KVArena:
         n = k.shape[2]
         self.positions(n)
         for l in range(self.L):
+            rk, rv = self.rot_k[l], self.rot_v[l]
             for s in range(0, n, self.kv.block):
                 e = min(n, s + self.kv.block)
-                self._append(l, k[l, :, s:e].to(self.wdtype), v[l, :, s:e].to(self.wdtype))
+                kb, vb = k[l, :, s:e], v[l, :, s:e]
+                kb = kb if rk is None else rotate(kb.float(), rk)
+                vb = vb if rv is None else rotate(vb.float(), rv)
+                self._append(l, kb.to(self.wdtype), vb.to(self.wdtype))
         self.seq_len += n
 
     def commit(self, T: int) -> None:
@@ -208,7 +225,12 @@ class KVArena:
     def _shift_layer(self, l, a, nd, cos, sin):
         nt, w = self.n_tail[l], self.n_win[l]
         G, wd = self.G, self.wdtype
-        rot = lambda x: apply_rope(x[None], cos, sin)[0]                 # (Hkv, n, D)
+        rk = self.rot_k[l]
+
+        def rot(x):                                                      # (Hkv, n, D)
+            if rk is None:
+                return apply_rope(x[None], cos, sin)[0]
+            return rotate(apply_rope(unrotate(x.float(), rk)[None], cos, sin)[0], rk)
         win_k = self.win_k[l, :, :w].clone()                             # sources survive the rewrite
         win_v = self.win_v[l, :, :w].clone()
         self.n_tail[l], self.n_win[l] = min(a, nt), 0                    # untouched prefix

@@ -20,6 +20,7 @@ from ...kernels.codecs import METHODS, method_family
 from ..errors import KvrunError
 
 CTX_POLICIES = ("error", "shift")
+ROTATE = ("none", "k", "v", "kv")
 
 
 def check_method(m: str) -> str:
@@ -42,6 +43,9 @@ class KVConfig:
     n_keep: int = 4                 # sink tokens kept by a shift
     layers: list | None = None      # per-layer [(k_method, v_method), ...] from a profile
     block: int = 4096               # read-path block size in tokens (rounded to G)
+    rotate: str = "none"            # Hadamard rotation along D before quantizing: none | k | v | kv
+    rotate_seed: int | None = None  # random ±1 signs on top of the Hadamard matrix (None: no signs)
+    layer_rotate: list | None = None    # per-layer rotate values from a profile
 
     def __post_init__(self):
         check_method(self.k_method)
@@ -52,6 +56,10 @@ class KVConfig:
             x, lo = getattr(self, name), 0 if name == "residual" else 1
             if not isinstance(x, int) or x < lo:
                 raise KvrunError(f"KV {name} must be an integer >= {lo}, got {x!r}")
+        if self.rotate not in ROTATE:
+            raise KvrunError(f"unknown rotation {self.rotate!r} (none, k, v, kv)")
+        if self.layer_rotate is not None and any(r not in ROTATE for r in self.layer_rotate):
+            raise KvrunError(f"unknown per-layer rotation in {self.layer_rotate!r} (none, k, v, kv)")
         if self.tada_mu not in ("fp16", "int8"):
             raise KvrunError(f"tada_mu must be fp16 or int8, got {self.tada_mu!r}")
         if self.ctx_policy not in CTX_POLICIES:
@@ -86,10 +94,20 @@ class KVConfig:
             raise KvrunError(f"KV profile has {len(self.layers)} layers, the model has {n_layers}")
         return list(self.layers)
 
+    def layer_rotations(self, n_layers: int) -> list[str]:
+        if self.layer_rotate is None:
+            return [self.rotate] * n_layers
+        if len(self.layer_rotate) != n_layers:
+            raise KvrunError(f"KV profile has {len(self.layer_rotate)} rotation entries, "
+                             f"the model has {n_layers} layers")
+        return list(self.layer_rotate)
+
     def check_model(self, head_dim: int, n_layers: int) -> None:
         """Checks that need the model's geometry."""
         self.layer_methods(n_layers)
         D = head_dim
+        if any(r != "none" for r in self.layer_rotations(n_layers)) and D % 2:
+            raise KvrunError(f"Hadamard rotation needs an even head dim, got {D}")
         fams = {method_family(m)[0] for m in self.methods()}
         if fams & {"kivi", "gear-l", "gear"} and D % self.v_group:
             raise KvrunError(f"V group {self.v_group} does not divide the head dim {D}")
@@ -102,12 +120,14 @@ class KVConfig:
     def is_dense(self) -> bool:
         """Uniform fp16 (or bf16) K and V with no context shift: DenseKVCache serves it."""
         ms = self.methods()
-        return len(ms) == 1 and ms <= {"fp16", "bf16"} and self.ctx_policy == "error"
+        return (len(ms) == 1 and ms <= {"fp16", "bf16"} and self.ctx_policy == "error"
+                and self.rotate == "none" and self.layer_rotate is None)
 
     def label(self) -> str:
         if self.layers is not None:
             return "profile"
-        return self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
+        base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
+        return base + ("" if self.rotate == "none" else f"+rot{'' if self.rotate == 'kv' else '-' + self.rotate}")
 
     def replace(self, **kw) -> "KVConfig":
         return dataclasses.replace(self, **kw)
@@ -116,8 +136,16 @@ class KVConfig:
 def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = None,
              profile=None, **fields) -> KVConfig:
     """KVConfig from a --kv spec ("tada-4", or "K/V" like "kivi-4/kivi-2"), optional
-    --kv-k / --kv-v overrides, an optional per-layer profile file, and any KVConfig field."""
+    --kv-k / --kv-v overrides, an optional per-layer profile file, and any KVConfig field.
+    A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one)."""
     spec = (spec or "fp16").strip()
+    base, plus, rot = spec.partition("+")
+    if plus:
+        kinds = {"rot": "kv", "rot-k": "k", "rot-v": "v", "rot-kv": "kv"}
+        if rot not in kinds:
+            raise KvrunError(f"--kv {spec!r}: unknown suffix '+{rot}' (use +rot, +rot-k or +rot-v)")
+        spec = base
+        fields.setdefault("rotate", kinds[rot])
     if "/" in spec:
         sk, _, sv = spec.partition("/")
     else:

@@ -81,15 +81,25 @@ class Engine:
         logits = None
         for s in range(0, len(ids), self.prefill_chunk):
             chunk = ids[s:s + self.prefill_chunk]
-            logits = self.model(torch.tensor([chunk]), self.cache, last_only=True)
-            self.cached.extend(chunk)
+            logits = self._forward(chunk)
         return logits[0, -1]
 
     def decode_step(self, token: int) -> torch.Tensor:
         """Feed one token; returns next-token logits (V,)."""
-        logits = self.model(torch.tensor([[token]]), self.cache, last_only=True)
-        self.cached.append(token)
-        return logits[0, -1]
+        return self._forward([token])[0, -1]
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """One forward that appends `ids` to the cache. A Ctrl-C in the middle (some layers
+        written, others not) is repaired before it propagates: the cache is truncated back
+        to the ids it fully holds (a compressed cache may keep fewer; they are dropped)."""
+        try:
+            logits = self.model(torch.tensor([ids]), self.cache, last_only=True)
+        except KeyboardInterrupt:
+            kept = self.cache.truncate(min(len(self.cached), self.cache.seq_len))
+            del self.cached[kept:]
+            raise
+        self.cached.extend(ids)
+        return logits
 
     def tokens(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                stop_ids: set[int], timings: Timings) -> Iterator[tuple[int, str | None]]:

@@ -108,3 +108,32 @@ def test_chat_template_chatml_default_system(tiny):
                     "<|im_start|>assistant\n")
     ids = tiny.tokenize(text, bos=False)
     assert ids.count(1) == 3 and ids.count(2) == 2   # specials are single tokens
+
+
+def test_interrupted_forward_is_repaired(tmp_path):
+    """Ctrl-C between layers of a compressed cache leaves it usable and consistent."""
+    tiny_dir = make_tiny_model_dir(tmp_path / "d32", hidden_size=128)          # head dim 32
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv=kvrun.runtime.kv.parse_kv(
+        "int8", residual=32, group=32))
+    prompt = m.tokenize("a" * 100)
+    m.engine.prefill(prompt)
+    calls = {"n": 0}
+    attend = m.cache.attend
+
+    def flaky(layer, q, k, v):
+        calls["n"] += 1
+        if calls["n"] == 2:                     # the second layer of the next forward
+            raise KeyboardInterrupt
+        return attend(layer, q, k, v)
+    m.cache.attend = flaky
+    with pytest.raises(KeyboardInterrupt):
+        m.engine.decode_step(5)
+    m.cache.attend = attend
+    n = len(m.engine.cached)
+    assert n == m.cache.seq_len and n <= len(prompt)
+    got = m.engine.prefill(prompt[n:] + [5]) if n < len(prompt) else m.engine.decode_step(5)
+    ref = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv=kvrun.runtime.kv.parse_kv(
+        "int8", residual=32, group=32))
+    ref.engine.prefill(prompt[:n])
+    want = ref.engine.prefill(prompt[n:] + [5]) if n < len(prompt) else ref.engine.decode_step(5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

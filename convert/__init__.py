@@ -10,16 +10,20 @@ from .hf import convert_hf
 __all__ = ["convert_gguf", "convert_hf"]
 
 
-def convert_any(src, out_dir, dtype: str = "bf16", progress=None, overwrite: bool = False):
-    """Convert `src`: a folder is an HF checkpoint, a file a GGUF."""
+def convert_any(src, out_dir, dtype: str = "bf16", progress=None, overwrite: bool = False,
+                weights: str = "float", group: int = 32, log=None):
+    """Convert `src`: a folder is an HF checkpoint, a file a GGUF. `weights` float | int8 |
+    int4 chooses how linear weights are stored (see quantize.py)."""
+    kw = dict(dtype=dtype, progress=progress, overwrite=overwrite, weights=weights,
+              group=group, log=log)
     from pathlib import Path
 
     from ..runtime.errors import KvrunError
     src = Path(src)
     if src.is_dir():
-        return convert_hf(src, out_dir, dtype=dtype, progress=progress, overwrite=overwrite)
+        return convert_hf(src, out_dir, **kw)
     if src.is_file():
-        return convert_gguf(src, out_dir, dtype=dtype, progress=progress, overwrite=overwrite)
+        return convert_gguf(src, out_dir, **kw)
     raise KvrunError(f"{src}: no such file or directory")
 
 

@@ -4,7 +4,10 @@ Read with `gguf.GGUFReader` (llama.cpp's own reader; never hand-parsed). Three t
 differ from an HF checkpoint and are undone here:
 
 1. Quantization: tensors are dequantized with `gguf.quants.dequantize` and cast to the
-   target dtype. Only the formats in `SUPPORTED_TYPES` are accepted.
+   target dtype; only the formats in `_SUPPORTED_NAMES` are accepted. With
+   `weights="int8"|"int4"` linear weights are stored quantized instead (quantize.py): Q4_0/
+   Q4_1 blocks are repacked into int4 (group 32) byte for byte, everything else is
+   dequantized and quantized again.
 2. Q/K row order: llama.cpp's convert_hf_to_gguf.py permutes the rows of the `llama`
    architecture's attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
    adjacent pairs; kvrun's RoPE is HF's rotate-half, so the rows are put back (`unpermute`).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,9 +32,11 @@ from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.rope import inv_frequencies
 
 from .gguf_tokenizer import tokenizer_from_gguf
+from .quantize import (check_weight_format, describe, is_quantized, quantize, repack_gguf_q4,
+                       target_format)
 from .templates import chat_stop_tokens, detect_chat_template
-from .writer import (Progress, check_destination, torch_dtype, validate_tensors,
-                     write_model_dir)
+from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
+                     validate_tensors, write_model_dir)
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2"}   # GGUF general.architecture → kvrun's
 _SUPPORTED_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -217,18 +223,44 @@ def _dequantize(t) -> np.ndarray:
     return np.array(out, dtype=np.float32, order="C").reshape(_torch_shape(t))
 
 
+def _quantized_parts(t, name: str, weights: str, group: int, log) -> dict[str, torch.Tensor]:
+    """Stored int8/int4 parts of one GGUF tensor (still in llama.cpp's Q/K row order)."""
+    import gguf
+    from kvrun.runtime.qlinear import int4_group
+    qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+    shape = _torch_shape(t)
+    fmt = target_format(name, weights)
+    if fmt == "int4" and qtype in ("Q4_0", "Q4_1") and int4_group(shape[1], group) == 32:
+        base = name[:-len(".weight")]
+        parts = {f"{base}.{k}": v for k, v in repack_gguf_q4(t.data, qtype, shape).items()}
+        how = f"int4 g32 <- {qtype} repacked"
+    else:
+        w = torch.from_numpy(_dequantize(t))
+        parts = quantize(name, w, weights, group)
+        how = f"{fmt}{' g%d' % int4_group(shape[1], group) if fmt == 'int4' else ''} <- {qtype}"
+    if log:
+        log(describe(name, how, torch.from_numpy(_dequantize(t)), parts))
+    return parts
+
+
 def _torch_shape(t) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape))         # GGUF lists the innermost dim first
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
-                 progress: Progress | None = None, overwrite: bool = False) -> ModelConfig:
+                 progress: Progress | None = None, overwrite: bool = False,
+                 weights: str = "float", group: int = 32,
+                 log: Callable[[str], None] | None = None) -> ModelConfig:
     """Convert a GGUF file (llama / qwen2 architecture) into a kvrun model dir at `out_dir`.
 
-    Returns the written config. `progress(done, total, name)` is called after each tensor.
+    `dtype` is the float tensors' dtype; `weights` float | int8 | int4 (with `group`
+    columns per int4 scale) how linear weights are stored. Returns the written config.
+    `progress(done, total, name)` is called after each tensor; `log(line)`, when given,
+    receives one line per quantized tensor with its error against the GGUF's values.
     """
     path = Path(path).expanduser().absolute()
     target = torch_dtype(dtype)
+    check_weight_format(weights, group)
     check_destination(out_dir, overwrite)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -246,13 +278,20 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
     # Check names and shapes on meta tensors first: no dequantizing a file that cannot load.
     validate_tensors(cfg, {hf_name(t.name): torch.empty(_torch_shape(t), device="meta")
                            for t in todo})
+    cfg.weights, cfg.weight_group = weights, (group if weights == "int4" else 0)
+    expected_tensors(cfg)                  # int4 needs rows that split into groups: fail now
     tensors: dict[str, torch.Tensor] = {}
     for i, t in enumerate(todo):
         name = hf_name(t.name)
-        w = torch.from_numpy(_dequantize(t))
+        n_perm = None
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        tensors[name] = w.to(target)
+            n_perm = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        if weights != "float" and is_quantized(name):
+            parts = _quantized_parts(t, name, weights, group, log)
+            tensors.update({k: unpermute(v, n_perm) if n_perm else v for k, v in parts.items()})
+        else:
+            w = torch.from_numpy(_dequantize(t))
+            tensors[name] = (unpermute(w, n_perm) if n_perm else w).to(target)
         if progress:
             progress(i + 1, len(todo), name)
 

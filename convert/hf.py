@@ -14,15 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
 
+from .quantize import check_weight_format, describe, is_quantized, quantize, target_format
 from .templates import chat_stop_tokens, detect_chat_template
-from .writer import (Progress, check_destination, torch_dtype, validate_tensors,
-                     write_model_dir)
+from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
+                     validate_tensors, write_model_dir)
 
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -161,16 +163,22 @@ def config_from_hf(src: Path, hf: dict, tok, dtype: str) -> ModelConfig:
 
 
 def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
-               progress: Progress | None = None, overwrite: bool = False) -> ModelConfig:
+               progress: Progress | None = None, overwrite: bool = False,
+               weights: str = "float", group: int = 32,
+               log: Callable[[str], None] | None = None) -> ModelConfig:
     """Convert an HF Llama/Mistral/Qwen2 checkpoint folder into a kvrun model dir.
 
-    Returns the written config. `progress(done, total, name)` is called after each tensor.
+    `dtype` is the float tensors' dtype; `weights` float | int8 | int4 (with `group`
+    columns per int4 scale) how linear weights are stored (convert/quantize.py). Returns
+    the written config. `progress(done, total, name)` is called after each tensor; `log`
+    receives one line per quantized tensor with its quantization error.
     """
     from tokenizers import Tokenizer
     src = Path(src_dir).expanduser().absolute()
     if not src.is_dir():
         raise KvrunError(f"{src}: no such directory")
     target = torch_dtype(dtype)
+    check_weight_format(weights, group)
     check_destination(out_dir, overwrite)
     hf = _read_json(src / "config.json")
     if not (src / "tokenizer.json").is_file():
@@ -192,9 +200,19 @@ def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
         drop.append("lm_head.weight")
     names = [k for k in raw if k not in drop]
     validate_tensors(cfg, {k: raw[k] for k in names})     # before the (slow) cast
+    cfg.weights, cfg.weight_group = weights, (group if weights == "int4" else 0)
+    expected_tensors(cfg)                  # int4 needs rows that split into groups: fail now
     tensors = {}
     for i, k in enumerate(names):
-        tensors[k] = raw.pop(k).to(target)          # pop: free the source copy as we go
+        w = raw.pop(k)                              # pop: free the source copy as we go
+        if weights != "float" and is_quantized(k):
+            parts = quantize(k, w, weights, group)
+            if log:
+                fmt = target_format(k, weights)
+                log(describe(k, f"{fmt} <- {str(w.dtype).replace('torch.', '')}", w, parts))
+            tensors.update(parts)
+        else:
+            tensors[k] = w.to(target)
         if progress:
             progress(i + 1, len(names), k)
     cfg.source = {"format": "hf", "path": str(src), "sha256": _weights_sha256(files),

@@ -6,6 +6,10 @@ then renamed into place. A failure or Ctrl-C at any point removes the temp dir, 
 destination either holds a complete model or does not exist. Before anything is written,
 every tensor is checked against the shapes the config implies (`expected_shapes`), so a
 model dir that `Transformer.load_weights` would reject is never produced.
+
+Quantized models (`cfg.weights` int8 | int4) store each linear `X.weight` as `X.qweight` +
+`X.scales` (+ `X.mins` for int4) and the embedding as int8 rows (runtime/qlinear.py has
+the layout); norms and biases stay in `cfg.torch_dtype`.
 """
 from __future__ import annotations
 
@@ -38,6 +42,38 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor `Transformer(cfg)` loads, by HF name → shape (lm_head absent when tied)."""
+    return {k: shape for k, (shape, _) in expected_tensors(cfg).items()}
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name → (shape, dtype) of every stored tensor, in the config's weight format."""
+    shapes = _float_shapes(cfg)
+    if cfg.weights == "float":
+        dt = torch_dtype(cfg.torch_dtype)
+        return {k: (v, dt) for k, v in shapes.items()}
+    from kvrun.runtime.qlinear import int4_group
+    out = {}
+    for name, shape in shapes.items():
+        if not name.endswith(".weight") or len(shape) != 2:    # norms, biases
+            out[name] = (shape, torch_dtype(cfg.torch_dtype))
+            continue
+        base, (N, K) = name[:-len(".weight")], shape
+        # the embedding and lm_head are int8 rows in both formats (qlinear.Int8Embedding)
+        if cfg.weights == "int8" or base in ("model.embed_tokens", "lm_head"):
+            out[base + ".qweight"] = ((N, K), torch.int8)
+            out[base + ".scales"] = ((N,), torch.float32)
+            continue
+        g = int4_group(K, cfg.weight_group)
+        if not g:
+            raise KvrunError(f"{name} has {K} columns, not a multiple of 32: it cannot be "
+                             "stored as int4 (use --weights int8)")
+        out[base + ".qweight"] = ((N, K // 2), torch.uint8)
+        out[base + ".scales"] = ((N, K // g), torch.float16)
+        out[base + ".mins"] = ((N, K // g), torch.float16)
+    return out
+
+
+def _float_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
@@ -141,9 +177,9 @@ def write_model_dir(dest: str | Path, cfg: ModelConfig, tensors: dict[str, torch
     `tokenizers.Tokenizer` (`Tokenizer.to_str()` or the text of an HF tokenizer.json).
     """
     validate_tensors(cfg, tensors)
-    dtype = torch_dtype(cfg.torch_dtype)
-    bad = [k for k, t in tensors.items() if t.dtype != dtype]
-    assert not bad, f"{bad[0]} is {tensors[bad[0]].dtype}, config says {cfg.torch_dtype}"
+    want = expected_tensors(cfg)
+    bad = [k for k, t in tensors.items() if t.dtype != want[k][1]]
+    assert not bad, f"{bad[0]} is {tensors[bad[0]].dtype}, the format needs {want[bad[0]][1]}"
     with atomic_dir(dest, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n",
                                          encoding="utf-8")

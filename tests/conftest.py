@@ -13,9 +13,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The converted default model dir (SmolLM2-135M-Instruct, fp32)."""
+    """The converted default model dir (SmolLM2-135M-Instruct, fp32: the chat default is
+    int4, but the transformers-equality tests need the exact dequantized weights)."""
     from kvrun.runtime.pull import ensure_default_model
-    return ensure_default_model(progress=None)
+    return ensure_default_model(progress=None, weights="fp32")
 
 
 @pytest.fixture(scope="session")

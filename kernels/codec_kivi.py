@@ -8,8 +8,13 @@ are quantized per token over groups of g channels. Round-to-nearest, min-max.
 Read path, one block of up to `block` tokens at a time, zero points never applied per
 element:
     K:  q·k̂_t = α_t q·(s ⊙ v_t) + β_t Σ(q ⊙ s_grp(t)) + q·z_grp(t)
-    V:  p·V̂ = (p ⊙ α)·(s ⊙ v) + Σ_t p_t (s_t β_t + z_t)      (per channel group)
-where v are the unpacked plane values and (α, β) the per-token plane fold (quant.py). The
+    V:  p·V̂[:, γ] = (p ⊙ s_γ)·C[:, γ] + Σ_t p_t z_tγ          (per channel group γ)
+K: v are the unpacked plane values and (α, β) the per-token plane fold (quant.py). V codes
+live in the channel-major int4-GEMM nibble layout (nibble.py) and are multiplied packed:
+the per-token scale goes into p, one op call per head for all channel groups stacked as
+rows (the op's scales run along tokens per channel — the wrong axis for per-token V). The
+per-channel K scale is the wrong axis for the op too (it would need one call per token
+group), so K keeps the unpack path below. The
 per-channel scale is applied to the reused unpack buffer in place (one pass) rather than
 folded into q per token group: the fold needs one tiny GEMM per (head, group) — measured
 ~2x slower on CPU than one (R, D) x (D, n) product. Neither builds a dequantized copy of
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import nibble
 from .codec_base import Codec, Slot
 from .quant import asym_params, dequantize_asym, pack_codes, planes, plane_fold, quantize_asym, unpack_codes_into
 
@@ -38,7 +44,9 @@ class KiviCodec(Codec):
         else:
             par = (Hkv, S, D // self.g)                       # per (head, token, channel group)
             unit = 1
-        return [Slot("codes", "codes", (Hkv, S // P, D), torch.int32, 1, P),
+        codes = (Slot("codes", "codes", (Hkv, S // P, D), torch.int32, 1, P) if self.role == "k"
+                 else self._nib_slot(Hkv, D, S, self.bits))
+        return [codes,
                 Slot("scale", "scales_zeros", par, torch.float16, 1, unit),
                 Slot("zero", "scales_zeros", par, torch.float16, 1, unit)]
 
@@ -62,8 +70,11 @@ class KiviCodec(Codec):
             rec = dequantize_asym(codes, scale, zero).view(Hkv, n, D)
             st["scale"][:, s0:s0 + n] = scale[..., 0]
             st["zero"][:, s0:s0 + n] = zero[..., 0]
-        P = planes(self.bits)
-        st["codes"][:, s0 // P:(s0 + n) // P] = pack_codes(codes.reshape(Hkv, n, D), self.bits, self.G)
+        if self.role == "k":
+            P = planes(self.bits)
+            st["codes"][:, s0 // P:(s0 + n) // P] = pack_codes(codes.reshape(Hkv, n, D), self.bits, self.G)
+        else:
+            self._nib_write(st, codes.reshape(Hkv, n, D), s0, self.bits)
         return rec
 
     def codes(self, st, s0, s1, scale=None, view=None):
@@ -76,9 +87,12 @@ class KiviCodec(Codec):
         return v, *plane_fold(s1 - s0, self.bits, self.G, w.device)
 
     def dequant(self, st, s0, s1):
-        v, alpha, beta = self.codes(st, s0, s1)
-        Hkv, n, D = v.shape
-        C = v * alpha[:, None] + beta[:, None]                           # integer codes
+        if self.role == "k":
+            v, alpha, beta = self.codes(st, s0, s1)
+            C = v * alpha[:, None] + beta[:, None]                       # integer codes
+        else:
+            C = self._nib_codes(st, s0, s1, self.bits, self.D)
+        Hkv, n, D = C.shape
         if self.role == "k":
             G, b0 = self.G, s0 // self.G
             s = st["scale"][:, b0:b0 + n // G, None].float()             # (Hkv, nb, 1, D)
@@ -109,15 +123,15 @@ class KiviCodec(Codec):
         return sc.view(Hkv, R, n)
 
     def mix(self, st, p, s0, s1):
-        """V per token: u = s ⊙ v per channel group (fused into the unpack), then
-        p·V̂ = (p ⊙ α)·u + Σ_t p_t (s_t β_t + z_t) per channel group."""
+        """V per token: the ng channel groups' scaled probabilities p ⊙ s_γ stacked as rows
+        of one packed product per head; row block γ keeps channel group γ."""
         assert self.role == "v"
         Hkv, R, n = p.shape
         g = self.g
         s = st["scale"][:, s0:s1].float()                                # (Hkv, n, ng)
         ng = s.shape[-1]
-        u, alpha, beta = self.codes(st, s0, s1, s[..., None], (Hkv, n, ng, g))
-        zz = st["zero"][:, s0:s1].float().addcmul_(s, beta[:, None])     # (Hkv, n, ng)
-        o = torch.bmm(p * alpha, u)                                      # (Hkv, R, D)
-        o.view(Hkv, R, ng, g).add_(torch.bmm(p, zz)[..., None])
-        return o
+        x = (p[:, None] * s.transpose(1, 2)[:, :, None]).reshape(Hkv, ng * R, n)  # (Hkv, ng*R, n)
+        o = nibble.chan_mix(x, st["codes"], s0, s1, self.bits, self.D, self.ws)  # (Hkv, ng*R, D)
+        o = o.view(Hkv, ng, R, ng, g).diagonal(0, 1, 3)                  # (Hkv, R, g, ng)
+        o = o.permute(0, 1, 3, 2).reshape(Hkv, R, ng * g)
+        return o.add_(torch.bmm(p, st["zero"][:, s0:s1].float()).repeat_interleave(g, -1))

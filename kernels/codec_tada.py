@@ -12,14 +12,17 @@ absorbed into d rather than added on top of it.
 
 Read path: q·x̂_t,h = q·μ̂_t − s_t,h (q·c_t,h) − z_t,h Σ_d q_d. The q·μ̂ term is one matmul of
 all H query heads against the block's means (μ is read once per token for every head).
-V: p·V̂ = p·μ̂ − (p ⊙ s)·C − p·z.
+V: p·V̂ = p·μ̂ − (p ⊙ s)·C − p·z. The deviation codes live in the int4-GEMM nibble layout
+(nibble.py: token-major for K, channel-major for V), so q·c and (p ⊙ s)·C run on the packed
+codes; an 8-bit deviation is two nibble planes.
 """
 from __future__ import annotations
 
 import torch
 
+from . import nibble
 from .codec_base import Codec, Slot
-from .quant import (asym_params, dequantize_asym, pack_codes, plane_fold, planes, quantize_asym,
+from .quant import (asym_params, dequantize_asym, pack_codes, plane_fold, quantize_asym,
                     quantize_sym_int8, sym_int8_params, unpack_codes_into)
 
 
@@ -31,8 +34,7 @@ class TadaCodec(Codec):
         self.method = f"tada-{bits}"
 
     def slots(self, Hkv, D, S):
-        P = planes(self.bits)
-        sl = [Slot("codes", "codes", (Hkv, S // P, D), torch.int32, 1, P),
+        sl = [self._nib_slot(Hkv, D, S, self.bits),
               Slot("scale", "scales_zeros", (Hkv, S), torch.float16, 1, 1),
               Slot("zero", "scales_zeros", (Hkv, S), torch.float16, 1, 1)]
         if self.mu == "fp16":
@@ -57,8 +59,7 @@ class TadaCodec(Codec):
         d = mu_hat[None] - x                                             # (Hkv, n, D)
         scale, zero = asym_params(d, 2, self.bits)                       # (Hkv, n, 1)
         codes = quantize_asym(d, scale, zero, self.bits)
-        P = planes(self.bits)
-        st["codes"][:, s0 // P:(s0 + n) // P] = pack_codes(codes, self.bits, self.G)
+        self._nib_write(st, codes, s0, self.bits)
         st["scale"][:, s0:s0 + n] = scale[..., 0]
         st["zero"][:, s0:s0 + n] = zero[..., 0]
         return mu_hat[None] - dequantize_asym(codes, scale, zero)
@@ -76,21 +77,12 @@ class TadaCodec(Codec):
         ms = st["mu_scale"][s0:s1].float()
         return v, ms * alpha, ms * (beta - 128.0)
 
-    def _codes(self, st, s0, s1):
-        """v (Hkv, n, D) and the folded per-(head, token) scale and zero of the deviation."""
-        P = planes(self.bits)
-        w = st["codes"][:, s0 // P:s1 // P]
-        buf = self.ws.get("c", (w.shape[0], s1 - s0, w.shape[2]), w.device)
-        v = unpack_codes_into(w, self.bits, self.G, buf)
-        alpha, beta = plane_fold(s1 - s0, self.bits, self.G, w.device)
-        s = st["scale"][:, s0:s1].float()                                # (Hkv, n)
-        return v, s * alpha, st["zero"][:, s0:s1].float() + s * beta
-
     def dequant(self, st, s0, s1):
         mv, ma, mb = self._mu(st, s0, s1)
         mu = mv.clone() if ma is None else mv * ma[:, None] + mb[:, None]
-        v, s, z = self._codes(st, s0, s1)
-        return mu[None] - (v * s[..., None] + z[..., None])
+        c = self._nib_codes(st, s0, s1, self.bits, mu.shape[-1])        # (Hkv, n, D)
+        s = st["scale"][:, s0:s1, None].float()
+        return mu[None] - (c * s + st["zero"][:, s0:s1, None].float())
 
     def scores(self, st, qg, s0, s1):
         Hkv, R, D = qg.shape
@@ -100,9 +92,9 @@ class TadaCodec(Codec):
         qmu = torch.mm(qf, mv.t())                                       # (Hkv*R, n)
         if ma is not None:
             qmu.mul_(ma).addcmul_(qf.sum(-1, keepdim=True), mb)
-        v, s, z = self._codes(st, s0, s1)
-        qc = torch.bmm(qg, v.transpose(1, 2))                            # (Hkv, R, n)
-        qc.mul_(s[:, None]).addcmul_(qg.sum(-1, keepdim=True), z[:, None])
+        qc = nibble.tok_dot(qg, st["codes"], s0, s1, self.bits, self.ws)  # (Hkv, R, n)
+        qc.mul_(st["scale"][:, None, s0:s1].float())
+        qc.addcmul_(qg.sum(-1, keepdim=True), st["zero"][:, None, s0:s1].float())
         return torch.sub(qmu.view(Hkv, R, n), qc)
 
     def mix(self, st, p, s0, s1):
@@ -112,7 +104,8 @@ class TadaCodec(Codec):
         pmu = torch.mm(pm if ma is None else pm * ma, mv)                # (Hkv*R, D)
         if mb is not None:
             pmu.add_(torch.mv(pm, mb)[:, None])
-        v, s, z = self._codes(st, s0, s1)
-        pc = torch.bmm(p * s[:, None], v)                                # (Hkv, R, D)
-        pz = torch.bmm(p, z[..., None])                                  # (Hkv, R, 1)
+        D = pmu.shape[-1]
+        pc = nibble.chan_mix(p * st["scale"][:, None, s0:s1].float(), st["codes"], s0, s1, self.bits,
+                             D, self.ws)                                 # (Hkv, R, D)
+        pz = torch.bmm(p, st["zero"][:, s0:s1, None].float())            # (Hkv, R, 1)
         return pmu.view(Hkv, R, -1).sub_(pc).sub_(pz)

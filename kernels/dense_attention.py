@@ -1,7 +1,9 @@
 """Attention over an uncompressed K/V cache (the fp16/bf16/fp32 baseline read path).
 
 The GQA group is folded into the query rows, (B, Hkv, G*T, D), so each KV head is read
-once for all of its query heads instead of being repeated G times in memory.
+once for all of its query heads instead of being repeated G times in memory. A decode step
+(T = 1) over an fp16/bf16 cache runs SDPA in the cache dtype (its CPU kernel accumulates in
+fp32): ~4x faster than converting the whole K/V to fp32 every step.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
     Hkv, S = k.shape[1], k.shape[2]
     assert H % Hkv == 0 and S == q_start + T, (q.shape, k.shape, q_start)
     G = H // Hkv
-    k, v = k.to(q.dtype), v.to(q.dtype)
     qg = q.reshape(B, Hkv, G * T, D)                                   # rows ordered (g, t)
+    if T == 1 and k.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype:
+        return F.scaled_dot_product_attention(qg.to(k.dtype), k, v).to(q.dtype).reshape(B, H, T, D)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     if T == 1:
         o = F.scaled_dot_product_attention(qg, k, v)
     elif q_start == 0 and G == 1:

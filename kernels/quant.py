@@ -150,3 +150,20 @@ class Workspace:
         if b is None or b.numel() < n or (device is not None and b.device != torch.device(device)):
             b = self._bufs[name] = torch.empty(n, dtype=torch.float32, device=device)
         return b[:n].view(shape)
+
+    def get_u8(self, name: str, shape: tuple, device=None) -> torch.Tensor:
+        """A uint8 scratch buffer (bit manipulation of packed codes)."""
+        return self.get_as(name, shape, torch.uint8, device)
+
+    def get_as(self, name: str, shape: tuple, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """A scratch buffer of another dtype (uint8 codes, bf16 GEMM results)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        b = self.get(name, (-(-_numel(shape) * size // 4),), device)
+        return b.view(dtype)[:_numel(shape)].view(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

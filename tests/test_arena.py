@@ -95,7 +95,8 @@ def test_decode_output_matches_reference_over_dequantized_tail():
     a.positions(1)
     a.attend(0, q, k, v)
     out = a.attend(1, q, k, v)
-    assert_close(out, dense_attention(q, K, V, 250), atol=2e-5, rtol=1e-4)
+    # tada-2 V is mixed from packed codes in bf16 (kernels/nibble.py); K here is kivi (fp32)
+    assert_close(out, dense_attention(q, K, V, 250), atol=5e-3, rtol=0)
 
 
 def test_fp16_arena_equals_dense_cache_on_a_model():
@@ -111,7 +112,8 @@ def test_fp16_arena_equals_dense_cache_on_a_model():
     ref = torch.cat([m(ids[:, :150], dense)] + [m(ids[:, t:t + 1], dense) for t in range(150, 230)], 1)
     out = torch.cat([m(ids[:, :150], arena)] + [m(ids[:, t:t + 1], arena) for t in range(150, 230)], 1)
     assert arena.n_tail[0] > 0
-    assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    # the dense fp16 cache decodes with SDPA in fp16 (q rounded to fp16), the arena in fp32
+    assert_close(out, ref, atol=5e-4, rtol=1e-3)
 
 
 def test_truncate_keeps_window_tokens_or_falls_back_to_a_block():

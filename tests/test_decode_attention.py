@@ -1,5 +1,10 @@
 """decode_attention (torch path) equals dense causal attention over the explicitly
-dequantized tail + window + new tokens, for every codec, GQA ratio and window fill."""
+dequantized tail + window + new tokens, for every codec, GQA ratio and window fill.
+
+The fp16 tail is read in fp32 (exact up to fp32 rounding: this catches block, merge and
+masking bugs to 2e-5); the packed codecs multiply in bf16 (nibble.py), so their scores carry
+a relative 2^-9 rounding and the outputs are compared at bf16-attention tolerance — their
+element-wise exactness against the dequantization is tested in test_codecs.py."""
 import pytest
 import torch
 from torch.testing import assert_close
@@ -26,6 +31,10 @@ def _setup(k_method, v_method, Hkv, n_tail, W, T, Gq, seed=0, **kw):
     return q, (kc, ks), (vc, vs), kw_, vw, kn, vn
 
 
+def _tol(method):
+    return dict(atol=2e-5, rtol=1e-4) if method in ("fp16", "bf16") else dict(atol=5e-2, rtol=0)
+
+
 def _reference(q, kt, vt, n_tail, kw, vw, kn, vn):
     (kc, ks), (vc, vs) = kt, vt
     kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0]
@@ -49,7 +58,7 @@ def test_matches_dequantized_reference(method, Gq, case):
     q, kt, vt, kw, vw, kn, vn = args
     out = decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn, block=64, q_chunk=32)
     assert out.shape == q.shape
-    assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert_close(out, ref, **_tol(method if n_tail else "fp16"))
 
 
 @pytest.mark.parametrize("kv", [("kivi-4", "kivi-2"), ("tada-4", "fp16"), ("int8", "gear"),
@@ -58,15 +67,14 @@ def test_mixed_k_v_codecs_and_int8_mean(kv):
     args = _setup(*kv, 3, 224, 40, 3, 3, tada_mu="int8")
     ref = _reference(*args[:3], 224, *args[3:])
     q, kt, vt, kw, vw, kn, vn = args
-    assert_close(decode_attention(q, kt, vt, 224, kw, vw, kn, vn, block=96), ref,
-                 atol=2e-5, rtol=1e-4)
+    assert_close(decode_attention(q, kt, vt, 224, kw, vw, kn, vn, block=96), ref, **_tol(kv[0]))
 
 
 def test_block_size_does_not_change_the_result():
     q, kt, vt, kw, vw, kn, vn = _setup("kivi-2", "kivi-2", 3, 512, 10, 1, 3)
     a = decode_attention(q, kt, vt, 512, kw, vw, kn, vn, block=32)
     b = decode_attention(q, kt, vt, 512, kw, vw, kn, vn, block=4096)
-    assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_close(a, b, atol=1e-2, rtol=0)           # bf16 rounding of each block's products
 
 
 def test_new_tokens_are_causal():

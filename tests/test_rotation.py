@@ -40,7 +40,8 @@ def _cfg(H, Hkv, D=64):
 
 @pytest.mark.parametrize("H,Hkv", [(2, 2), (6, 2), (8, 1)])            # GQA 1, 3, 8
 @pytest.mark.parametrize("n_prev", [0, 20, 150, 300])                  # window empty/partial/full
-@pytest.mark.parametrize("spec", ["kivi-2+rot", "tada-4+rot", "int8+rot-k", "kivi-4/tada-2+rot-v"])
+@pytest.mark.parametrize("spec", ["fp16+rot", "kivi-2+rot", "tada-4+rot", "int8+rot-k",
+                                  "kivi-4/tada-2+rot-v"])
 def test_rotated_attention_equals_unrotated_over_dequantized(H, Hkv, n_prev, spec):
     cfg = _cfg(H, Hkv)
     D = cfg.head_dim
@@ -61,14 +62,18 @@ def test_rotated_attention_equals_unrotated_over_dequantized(H, Hkv, n_prev, spe
     unk = (lambda x: x @ rk.T) if rk is not None else (lambda x: x)
     unv = (lambda x: x @ rv.T) if rv is not None else (lambda x: x)
     rot_new = lambda x, r: (x @ r).half().float() if r is not None else x.half().float()
-    K = torch.cat([unk(a.k_codecs[l].dequant(a.k_store[l], 0, nt))[None],
+    tail = lambda c, st: c.dequant(st, 0, nt) if nt else torch.zeros(Hkv, 0, D)
+    K = torch.cat([unk(tail(a.k_codecs[l], a.k_store[l]))[None],
                    unk(a.win_k[l, None, :, :w].float()), unk(rot_new(k, rk))], 2)
-    V = torch.cat([unv(a.v_codecs[l].dequant(a.v_store[l], 0, nt))[None],
+    V = torch.cat([unv(tail(a.v_codecs[l], a.v_store[l]))[None],
                    unv(a.win_v[l, None, :, :w].float()), unv(rot_new(v, rv))], 2)
     a.positions(T)
     a.attend(0, q, k, v)
     out = a.attend(l, q, k, v)
-    assert_close(out, dense_attention(q, K, V, n_prev), atol=5e-5, rtol=1e-4)
+    # packed codes are multiplied in bf16 by the CPU read path (kernels/nibble.py); the fp16
+    # tail and the window are exact up to fp32 rounding
+    tol = 5e-5 if spec.startswith("fp16") or nt == 0 else 2e-2
+    assert_close(out, dense_attention(q, K, V, n_prev), atol=tol, rtol=tol)
 
 
 def test_rotation_reduces_quantization_error_on_outlier_channels():

@@ -17,7 +17,7 @@ from .errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent
 from .kv import DenseKVCache
 from .kv.arena import build_cache, kv_bytes_at
-from .kv.config import KVConfig
+from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
 from .sampling import SamplingParams
 
@@ -29,6 +29,8 @@ def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
     compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig)."""
     if isinstance(kv, str) and kv == "fp32":
         return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, torch.float32)
+    kv = kv if isinstance(kv, KVConfig) else parse_kv(kv)
+    kv.check_profile(cfg)                   # a profile searched for another model is refused
     return build_cache(cfg, ctx, kv)
 
 

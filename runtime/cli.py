@@ -72,6 +72,9 @@ def kv_options(f):
                      help="Hadamard-rotate K and/or V along the head dim before quantizing.")(f)
     f = click.option("--kv-rotate-seed", default=None, type=int,
                      help="Random ±1 signs on the rotation (seeded).")(f)
+    f = click.option("--kv-budget-mb", default=None, type=float,
+                     help="Pick the best shipped/searched KV configuration that fits this many MiB "
+                          "at -c tokens (overrides --kv).")(f)
     return f
 
 
@@ -84,6 +87,7 @@ def kv_config(kw, spec: str | None = None):
                                        ("keep", "n_keep"), ("kv_rotate", "rotate"),
                                        ("kv_rotate_seed", "rotate_seed"))}
     k, v, profile = kw.pop("kv_k"), kw.pop("kv_v"), kw.pop("kv_profile")
+    kw.pop("kv_budget_mb", None)
     opts = {f: x for f, x in opts.items() if x is not None}
     if spec == "fp32" and not (opts or k or v or profile):
         return "fp32"
@@ -113,7 +117,18 @@ def load_model(kw):
     from .api import load
     if kw["ctx"] < 1:
         raise KvrunError(f"-c/--ctx-size must be >= 1 (got {kw['ctx']})")
+    budget = kw.get("kv_budget_mb")
     kv = kv_config(kw)
+    if budget is not None:
+        from .loader import check_model_dir, load_config
+        from .pull import ensure_default_model
+        from .search import fit_budget
+        path = check_model_dir(kw["model"] or ensure_default_model(progress=eprint))
+        kv, why = fit_budget(load_config(path), kw["ctx"], budget,
+                             **({} if isinstance(kv, str) else
+                                {"residual": kv.residual, "group": kv.group}))
+        eprint(f"[kv] {why}")
+        kw["model"] = path
     return load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kv,
                 prefill_chunk=kw["chunk"], threads=kw["threads"], progress=eprint)
 
@@ -400,6 +415,10 @@ def pull():
     path = ensure_default_model(progress=eprint)
     print(path)
 
+
+from .cli_search import search_cmd  # noqa: E402  (a command module of its own)
+
+main.add_command(search_cmd)
 
 if __name__ == "__main__":
     main()

@@ -63,7 +63,9 @@ def test_info_json(tiny_dir):
     (["-c", "8"], "prompt too long"),
     (["-t", "0"], "threads must be >= 1"),
     (["-b", "0"], "prefill chunk must be >= 1"),
-    (["--kv", "fp13"], "unknown KV cache"),
+    (["--kv", "fp13"], "unknown KV method"),
+    (["--kv", "kivi-3"], "unknown KV method"),
+    (["--kv", "kivi-4", "--kv-residual", "100"], "multiple"),
 ])
 def test_generate_user_errors(tiny_dir, args, fragment):
     base = ["generate", "-p", "a prompt that is longer than eight tokens", "-n", "2"]

@@ -4,6 +4,8 @@
     parse_kv("kivi-4/kivi-2")                K kivi-4, V kivi-2 (same as k=..., v=...)
     parse_kv("fp16", k="kivi-4", v="kivi-2") --kv-k / --kv-v override the --kv method
     parse_kv("tada-4", profile="p.json")     per-layer methods from a profile (§6)
+    parse_kv("profile:p.json")               the same as a spec (for method lists: kvrun ppl)
+    parse_kv("auto")                         the profile shipped for the embedded model
 
 Defaults follow the papers: residual window R = 128 and group G = 32 (KIVI, TaDA's
 LongBench setting); V channel group g = 32 (KIVI's group size, used for both axes in its
@@ -14,7 +16,7 @@ granularity of every codec: tokens leave the window in whole blocks of G.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...kernels.codecs import METHODS, method_family
 from ..errors import KvrunError
@@ -43,6 +45,8 @@ class KVConfig:
     n_keep: int = 4                 # sink tokens kept by a shift
     layers: list | None = None      # per-layer [(k_method, v_method), ...] from a profile
     block: int = 4096               # read-path block size in tokens (rounded to G)
+    # where `layers` came from: {"path", "model", "auto"} (model identity checks, messages)
+    profile_info: dict | None = field(default=None, compare=False, repr=False)
     rotate: str = "none"            # Hadamard rotation along D before quantizing: none | k | v | kv
     rotate_seed: int | None = None  # random ±1 signs on top of the Hadamard matrix (None: no signs)
     layer_rotate: list | None = None    # per-layer rotate values from a profile
@@ -91,8 +95,17 @@ class KVConfig:
         if self.layers is None:
             return [(self.k_method, self.v_method)] * n_layers
         if len(self.layers) != n_layers:
-            raise KvrunError(f"KV profile has {len(self.layers)} layers, the model has {n_layers}")
+            src = (self.profile_info or {}).get("path")
+            raise KvrunError(f"KV profile{f' {src}' if src else ''} has {len(self.layers)} layers, "
+                             f"the model has {n_layers}")
         return list(self.layers)
+
+    def check_profile(self, cfg) -> None:
+        """Refuse a profile searched for another model (geometry; identity for --kv auto)."""
+        if self.profile_info and self.profile_info.get("model"):
+            from .profile import check_profile_model
+            check_profile_model(self.profile_info["model"], cfg, self.profile_info.get("auto", False),
+                                f"KV profile {self.profile_info.get('path', '')}".rstrip())
 
     def layer_rotations(self, n_layers: int) -> list[str]:
         if self.layer_rotate is None:
@@ -137,7 +150,10 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
              profile=None, **fields) -> KVConfig:
     """KVConfig from a --kv spec ("tada-4", or "K/V" like "kivi-4/kivi-2"), optional
     --kv-k / --kv-v overrides, an optional per-layer profile file, and any KVConfig field.
-    A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one)."""
+    A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one).
+
+    The specs "auto" (the shipped profile for the embedded model) and "profile:PATH" name a
+    profile; its "kv" settings (window, groups …) apply unless given in `fields`."""
     spec = (spec or "fp16").strip()
     base, plus, rot = spec.partition("+")
     if plus:
@@ -146,12 +162,30 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
             raise KvrunError(f"--kv {spec!r}: unknown suffix '+{rot}' (use +rot, +rot-k or +rot-v)")
         spec = base
         fields.setdefault("rotate", kinds[rot])
+    auto = spec == "auto"
+    if auto or spec.startswith("profile:"):
+        if profile is not None:
+            raise KvrunError(f"--kv {spec} and --kv-profile both name a profile: give one")
+        if k or v:
+            raise KvrunError(f"--kv-k/--kv-v cannot be combined with --kv {spec}")
+        if auto:
+            from .profile import shipped_default
+            profile = shipped_default()
+        else:
+            profile = spec[len("profile:"):].strip()
+            if not profile:
+                raise KvrunError("--kv profile:PATH needs a path")
+        spec = "fp16"
     if "/" in spec:
         sk, _, sv = spec.partition("/")
     else:
         sk = sv = spec
-    layers = None
+    layers, info = None, None
     if profile is not None:
-        from .profile import load_profile
-        layers = load_profile(profile)
-    return KVConfig(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers, **fields)
+        from .profile import read_profile
+        p = read_profile(profile)
+        layers = p.layers
+        info = {"path": p.path, "model": p.model, "auto": auto}
+        fields = {**p.kv, **({"layer_rotate": p.rotate} if p.rotate else {}), **fields}
+    return KVConfig(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers,
+                    profile_info=info, **fields)

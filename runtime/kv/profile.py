@@ -1,58 +1,198 @@
-"""Per-layer KV precision profiles (DESIGN §6, TaDA's layer-wise precision search).
+"""Per-layer KV precision profiles (DESIGN §6, TaDA §3.3 / Appendix B).
 
-A profile is JSON:
+A profile is JSON written by `kvrun search` (or by hand):
 
     {"format": "kvrun-kv-profile", "version": 1,
-     "layers": [{"k": "tada-4", "v": "tada-2"}, ...],      # one entry per layer, in order
-     ...free metadata (model, budget, score)...}
+     "model": {"name": "SmolLM2-135M-Instruct.Q4_1", "sha256": "b179…",   # source weights
+               "architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64},
+     "ctx": 2048, "budget": 0.30, "bytes": 11010048, "bytes_ratio": 0.2987, "kld": 0.021,
+     "calibration": {"sha256": "…", "tokens": 1152, "windows": 2, …},
+     "kv": {"residual": 128, "group": 32, "v_group": 32, "tada_mu": "fp16", …},
+     "layers": [{"k": "kivi-4", "v": "kivi-2"}, ...]}     # one entry per layer, in order
 
-`--kv-profile FILE` loads it into KVConfig.layers; the layer count is checked against the
-model when the cache is built.
+Only "format" and "layers" are required (hand-written profiles stay short). "kv" holds the
+KVConfig settings the bytes were computed with (window, groups, TaDA's μ storage and any
+rotation flag the KVConfig has); loading a profile applies them unless the caller sets
+them explicitly. "model" is checked against the model the cache is built for: the
+geometry always, the source hash for `--kv auto` (a shipped profile describes one model's
+sensitivities; any other model must run `kvrun search`).
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...kernels.codecs import METHODS
 from ..errors import KvrunError
 
 FORMAT = "kvrun-kv-profile"
+VERSION = 1
+SHIPPED_DEFAULT = "smollm2-135m-0.30.json"      # `--kv auto` for the embedded model
+# KVConfig fields that describe a cache, not a run: these travel with a profile
+_NOT_KV_SETTINGS = ("k_method", "v_method", "layers", "layer_rotate", "ctx_policy", "n_keep",
+                    "block", "profile_info")
 
 
-def load_profile(path) -> list[tuple[str, str]]:
-    path = Path(path)
+@dataclass
+class Profile:
+    layers: list[tuple[str, str]]                   # (k_method, v_method) per layer
+    model: dict = field(default_factory=dict)       # see model_record()
+    kv: dict = field(default_factory=dict)          # KVConfig settings (residual, group …)
+    meta: dict = field(default_factory=dict)        # ctx, budget, bytes_ratio, kld, calibration …
+    path: str | None = None
+    rotate: list[str] | None = None                 # per-layer rotation ("rotate" in entries)
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name if self.path else "profile"
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "model": self.model, **self.meta,
+                "kv": self.kv, "layers": [{"k": k, "v": v, **({"rotate": self.rotate[i]} if self.rotate else {})}
+                                  for i, (k, v) in enumerate(self.layers)]}
+
+
+def model_record(cfg) -> dict:
+    """What a profile records about the model it was searched on."""
+    src = cfg.source or {}
+    name = src.get("name") or (Path(src["path"]).stem if src.get("path") else "")
+    return {"name": name, "sha256": src.get("sha256", ""), "architecture": cfg.architecture,
+            "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+
+
+def kv_settings(kv) -> dict:
+    """The cache-shaping fields of a KVConfig (everything but methods and run policy)."""
+    return {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)
+            if f.name not in _NOT_KV_SETTINGS}
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _check_method(where: str, m) -> str:
+    from .config import check_method
+    if not isinstance(m, str):
+        raise KvrunError(f"{where}: KV method must be a string, got {m!r}")
     try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise KvrunError(f"{path}: no such KV profile") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KvrunError(f"{path}: not valid JSON ({e})") from None
+        return check_method(m)
+    except KvrunError as e:
+        raise KvrunError(f"{where}: {e}") from None
+
+
+def parse_profile(d, where: str = "profile") -> Profile:
+    """Validate a decoded profile; every problem is a one-line KvrunError naming `where`."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise KvrunError(f"{path}: not a kvrun KV profile (format must be {FORMAT!r})")
+        raise KvrunError(f"{where}: not a kvrun KV profile (format must be {FORMAT!r})")
+    if d.get("version", VERSION) != VERSION:
+        raise KvrunError(f"{where}: profile version {d.get('version')!r} is not supported "
+                         f"(this kvrun reads version {VERSION})")
     layers = d.get("layers")
     if not isinstance(layers, list) or not layers:
-        raise KvrunError(f"{path}: 'layers' must be a non-empty list")
+        raise KvrunError(f"{where}: 'layers' must be a non-empty list")
     out = []
     for i, e in enumerate(layers):
         if not isinstance(e, dict) or "k" not in e or "v" not in e:
-            raise KvrunError(f"{path}: layer {i} must be an object with 'k' and 'v'")
-        for key in ("k", "v"):
-            if e[key] not in METHODS:
-                raise KvrunError(f"{path}: layer {i} {key}: unknown KV method {e[key]!r} "
-                                 f"(valid: {', '.join(METHODS)})")
-        out.append((e["k"], e["v"]))
-    return out
+            raise KvrunError(f"{where}: layer {i} must be an object with 'k' and 'v'")
+        out.append((_check_method(f"{where}: layer {i} k", e["k"]),
+                    _check_method(f"{where}: layer {i} v", e["v"])))
+    rots = [e.get("rotate") for e in layers]
+    if any(r is not None for r in rots):
+        if any(r not in ("none", "k", "v", "kv") for r in rots):
+            i = next(i for i, r in enumerate(rots) if r not in ("none", "k", "v", "kv"))
+            raise KvrunError(f"{where}: layer {i} rotate must be one of none, k, v, kv "
+                             f"(got {rots[i]!r}; give it on every layer or on none)")
+    else:
+        rots = None
+    model = d.get("model", {})
+    if isinstance(model, str):                      # a bare name (hand-written profiles)
+        model = {"name": model}
+    if not isinstance(model, dict):
+        raise KvrunError(f"{where}: 'model' must be an object")
+    if "num_layers" in model and model["num_layers"] != len(out):
+        raise KvrunError(f"{where}: 'model' says {model['num_layers']} layers but 'layers' "
+                         f"has {len(out)} entries")
+    kv = d.get("kv", {})
+    if not isinstance(kv, dict):
+        raise KvrunError(f"{where}: 'kv' must be an object")
+    from .config import KVConfig
+    known = {f.name for f in dataclasses.fields(KVConfig)} - set(_NOT_KV_SETTINGS)
+    unknown = sorted(set(kv) - known)
+    if unknown:
+        raise KvrunError(f"{where}: KV setting {unknown[0]!r} is not supported by this kvrun "
+                         f"(known: {', '.join(sorted(known))})")
+    meta = {k: x for k, x in d.items() if k not in ("format", "version", "layers", "model", "kv")}
+    return Profile(out, model, kv, meta, rotate=rots)
 
 
-def save_profile(path, layers, **meta) -> None:
-    """Write a profile atomically; `meta` (model, budget, score …) is stored alongside."""
-    for i, (k, v) in enumerate(layers):
-        if k not in METHODS or v not in METHODS:
-            raise KvrunError(f"layer {i}: unknown KV method in ({k!r}, {v!r})")
-    d = {"format": FORMAT, "version": 1, **meta,
-         "layers": [{"k": k, "v": v} for k, v in layers]}
+def read_profile(path) -> Profile:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KvrunError(f"{path}: no such KV profile") from None
+    except IsADirectoryError:
+        raise KvrunError(f"{path}: is a directory, not a KV profile") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KvrunError(f"{path}: not valid JSON ({e})") from None
+    p = parse_profile(d, str(path))
+    p.path = str(path)
+    return p
+
+
+def load_profile(path) -> list[tuple[str, str]]:
+    """The per-layer (k_method, v_method) list of a profile file."""
+    return read_profile(path).layers
+
+
+def save_profile(path, layers, model: dict | str | None = None, kv: dict | None = None,
+                 rotate: list[str] | None = None, **meta) -> None:
+    """Write a profile atomically; `meta` (ctx, budget, kld …) is stored alongside.
+    The result is validated exactly as it will be read back."""
+    model = {"name": model} if isinstance(model, str) else (model or {})
+    p = Profile([tuple(x) for x in layers], model, kv or {}, meta, rotate=rotate)
+    parse_profile(json.loads(json.dumps(p.to_json())), str(path))
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(d, indent=1) + "\n")
+    tmp.write_text(json.dumps(p.to_json(), indent=1) + "\n")
     tmp.replace(path)
+
+
+def check_profile_model(profile: dict, cfg, auto: bool = False, where: str = "KV profile") -> None:
+    """Refuse a profile searched for another model. `profile` is Profile.model.
+    Geometry must match; with auto=True (a shipped profile) the source hash must too."""
+    rec = model_record(cfg)
+    name = profile.get("name") or "another model"
+    for key, what in (("num_layers", "layers"), ("num_kv_heads", "KV heads"), ("head_dim", "head dim")):
+        if key in profile and profile[key] != rec[key]:
+            if auto:
+                raise KvrunError(f"--kv auto only knows the embedded default model: the shipped "
+                                 f"profile is for {name} ({profile[key]} {what}), this model has "
+                                 f"{rec[key]} {what}; run `kvrun search` for it and pass --kv-profile")
+            raise KvrunError(f"{where} was searched for {name} ({profile[key]} {what}); "
+                             f"this model has {rec[key]} {what}")
+    if auto and profile.get("sha256") and profile["sha256"] != rec["sha256"]:
+        raise KvrunError(f"--kv auto only knows the embedded default model: the shipped profile "
+                         f"is for {name} (sha256 {profile['sha256'][:12]}…), not for this model "
+                         f"({rec['name'] or 'unnamed'}, "
+                         f"sha256 {rec['sha256'][:12] or 'unknown'}…); run `kvrun search` for it "
+                         f"and pass --kv-profile")
+
+
+def shipped_profiles() -> list[Path]:
+    """Profiles that ship inside the package (runtime/profiles/*.json)."""
+    from importlib.resources import files
+    d = files("kvrun.runtime") / "profiles"
+    if not d.is_dir():
+        return []
+    return sorted(Path(str(p)) for p in d.iterdir() if p.name.endswith(".json"))
+
+
+def shipped_default() -> Path:
+    for p in shipped_profiles():
+        if p.name == SHIPPED_DEFAULT:
+            return p
+    raise KvrunError(f"--kv auto: the shipped profile {SHIPPED_DEFAULT} is missing from this "
+                     f"installation (reinstall kvrun)")

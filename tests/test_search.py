@@ -1,0 +1,164 @@
+"""kvrun search (TaDA's per-layer precision search), profiles and the memory-budget mode,
+on a tiny random model (head dim 32: KIVI's 32-channel V groups fit)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvrun
+from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
+from kvrun.runtime.kv.profile import model_record, read_profile
+from kvrun.runtime.search import fit_budget, save_result, search
+
+from tiny import make_tiny_model_dir
+
+CALIB = ("The quick brown fox jumps over the lazy dog near the river bank. "
+         "Seven wizards quietly judge boxing matches every Friday night. ") * 12
+KW = dict(ctx=512, trials=3, seed=3, bits=(2, 4, 8), family="kivi", windows=2, prefix=160, n_score=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_heads=4,
+                            num_kv_heads=2)
+    return kvrun.load(d, ctx=8)
+
+
+@pytest.fixture(scope="module")
+def searched(tiny_model):
+    return search(tiny_model, CALIB, 0.62, **KW)
+
+
+def fp16_bytes(cfg, n):
+    return 2 * cfg.num_layers * cfg.num_kv_heads * n * cfg.head_dim * 2
+
+
+def test_profile_respects_budget_by_arena_accounting(tiny_model, searched):
+    cfg = tiny_model.cfg
+    kv = parse_kv("fp16").replace(layers=searched.layers)
+    cache = build_cache(cfg, KW["ctx"], kv)
+    allocated = sum(cache.nbytes().values())
+    assert allocated == searched.bytes == sum(kv_bytes_at(cfg, kv, KW["ctx"]).values())
+    assert allocated <= 0.62 * fp16_bytes(cfg, KW["ctx"])
+    # the search used the budget: not every slot sits at the cheapest method
+    assert {m for pair in searched.layers for m in pair} != {"kivi-2"}
+    # and the best profile is no worse than the uniform one it could afford
+    assert searched.kld <= searched.uniform["kivi-2"]
+
+
+def test_fixed_seed_is_reproducible(tiny_model, searched):
+    again = search(tiny_model, CALIB, 0.62, **KW)
+    assert again.layers == searched.layers
+    assert again.kld == searched.kld
+
+
+def test_budget_below_smallest_config_is_refused(tiny_model):
+    with pytest.raises(KvrunError, match="smallest candidate"):
+        search(tiny_model, CALIB, 0.2, **KW)
+
+
+def test_profile_round_trip_and_load(tiny_model, searched, tmp_path):
+    p = tmp_path / "p.json"
+    base = parse_kv("fp16")
+    save_result(p, searched, tiny_model, CALIB, budget=0.62, base=base,
+                **{k: v for k, v in KW.items() if k != "bits"}, bits=KW["bits"])
+    prof = read_profile(p)
+    assert prof.layers == searched.layers == load_profile(p)
+    assert prof.model == model_record(tiny_model.cfg)
+    assert prof.meta["ctx"] == 512 and prof.meta["budget"] == 0.62
+    assert prof.meta["kld"] == searched.kld
+    assert prof.meta["bytes_ratio"] == pytest.approx(searched.ratio, abs=1e-6)
+    assert len(prof.meta["calibration"]["sha256"]) == 64
+    kv = parse_kv(f"profile:{p}")
+    assert kv.layers == searched.layers and kv.residual == base.residual
+    m = kvrun.load(tiny_model.path, ctx=64, kv=kv)              # the library path accepts it
+    assert m.generate("The quick", max_tokens=4, temp=0)
+    # a second budget reuses the sensitivity pass: same slots, no new sensitivity forwards
+    r2 = search(tiny_model, CALIB, 0.7, reuse=prof, **KW)
+    assert r2.sensitivity == searched.sensitivity
+    assert r2.evaluations <= KW["trials"] + 1
+
+
+@pytest.mark.parametrize("body, msg", [
+    ("{not json", "not valid JSON"),
+    ('{"format": "other", "layers": []}', "not a kvrun KV profile"),
+    ('{"format": "kvrun-kv-profile", "layers": []}', "'layers' must be a non-empty list"),
+    ('{"format": "kvrun-kv-profile", "layers": [{"k": "kivi-3", "v": "fp16"}]}',
+     "layer 0 k: unknown KV method 'kivi-3'"),
+    ('{"format": "kvrun-kv-profile", "layers": [{"k": "kivi-2"}]}', "layer 0 must be an object with 'k' and 'v'"),
+    ('{"format": "kvrun-kv-profile", "version": 7, "layers": [{"k": "kivi-2", "v": "fp16"}]}',
+     "version 7 is not supported"),
+    ('{"format": "kvrun-kv-profile", "kv": {"wibble": 1}, "layers": [{"k": "kivi-2", "v": "fp16"}]}',
+     "KV setting 'wibble' is not supported"),
+])
+def test_malformed_profile_refused(tmp_path, body, msg):
+    p = tmp_path / "bad.json"
+    p.write_text(body)
+    with pytest.raises(KvrunError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        parse_kv(f"profile:{p}")
+
+
+def test_mismatched_profile_refused(tiny_model, tmp_path):
+    cfg = tiny_model.cfg
+    p = tmp_path / "three.json"
+    save_profile(p, [("kivi-2", "kivi-2")] * 3)
+    with pytest.raises(KvrunError, match="has 3 layers, the model has 2"):
+        build_cache(cfg, 64, parse_kv("fp16", profile=p))
+    rec = {**model_record(cfg), "head_dim": 64, "name": "Other"}
+    save_profile(p, [("kivi-2", "kivi-2")] * 2, model=rec)
+    with pytest.raises(KvrunError, match="searched for Other \\(64 head dim\\); this model has 32 head dim"):
+        kvrun.load(tiny_model.path, ctx=64, kv=parse_kv(f"profile:{p}"))
+
+
+def test_kv_auto_refuses_other_models(tiny_model):
+    kv = parse_kv("auto")                    # the shipped SmolLM2 profile
+    assert kv.layers and len(kv.layers) == 30
+    with pytest.raises(KvrunError, match="--kv auto only knows the embedded default model"):
+        kvrun.load(tiny_model.path, ctx=64, kv=kv)
+    with pytest.raises(KvrunError, match="both name a profile"):
+        parse_kv("auto", profile="x.json")
+
+
+def test_shipped_profile_matches_the_default_model_geometry():
+    from kvrun.runtime.kv.profile import shipped_default
+    prof = read_profile(shipped_default())
+    assert prof.model["num_layers"] == len(prof.layers) == 30
+    assert (prof.model["num_kv_heads"], prof.model["head_dim"]) == (3, 64)
+    assert prof.meta["bytes_ratio"] <= prof.meta["budget"] == 0.30
+
+
+def test_fit_budget(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))        # no user profiles
+    cfg, ctx = tiny_model.cfg, 1024
+    mib = lambda spec: sum(kv_bytes_at(cfg, parse_kv(spec), ctx).values()) / 2**20
+    kv, desc = fit_budget(cfg, ctx, mib("fp16"))
+    assert kv.is_dense and desc.startswith("fp16")
+    kv, desc = fit_budget(cfg, ctx, mib("kivi-4") + 1e-6)
+    assert (kv.k_method, kv.v_method, kv.layers) == ("kivi-4", "kivi-4", None)
+    # a searched profile between kivi-2 and kivi-4 in size is preferred to kivi-2
+    p = tmp_path / "mid.json"
+    save_profile(p, [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")], model=model_record(cfg))
+    budget = sum(kv_bytes_at(cfg, parse_kv(f"profile:{p}"), ctx).values()) / 2**20
+    kv, desc = fit_budget(cfg, ctx, budget, profiles=[p])
+    assert kv.layers == [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")]
+    assert sum(build_cache(cfg, ctx, kv).nbytes().values()) <= budget * 2**20
+    with pytest.raises(KvrunError, match="nothing fits 1024 tokens; the smallest configuration \\(kivi-2\\)"):
+        fit_budget(cfg, ctx, mib("kivi-2") * 0.9)
+
+
+def test_search_command_writes_a_profile(tiny_model, tmp_path):
+    from click.testing import CliRunner
+    from kvrun.runtime.cli_search import search_cmd
+    calib, out = tmp_path / "calib.txt", tmp_path / "p.json"
+    calib.write_text(CALIB)
+    args = ["-m", str(tiny_model.path), "--calib", str(calib), "--budget", "0.62", "-c", "512",
+            "--trials", "1", "--calib-ctx", "160", "--calib-tokens", "32", "-o", str(out)]
+    r = CliRunner().invoke(search_cmd, args)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == str(out)
+    prof = read_profile(out)
+    assert prof.meta["budget"] == 0.62 and prof.meta["bytes_ratio"] <= 0.62
+    r = CliRunner().invoke(search_cmd, args[:-2] + ["--bits", "3", "-o", str(out)])
+    assert isinstance(r.exception, KvrunError) and "--bits must be" in str(r.exception)

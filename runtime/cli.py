@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .errors import KvrunError
+from .errors import KvrunError, read_text_file
 
 
 def eprint(*a, **kw):
@@ -310,16 +310,9 @@ def convert(src, out, weights, group, dtype, force, verbose):
 @click.option("-t", "--threads", default=None, type=int)
 def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill, threads):
     """Perplexity and KL divergence vs the fp16 cache on a text FILE (llama-perplexity style)."""
-    from pathlib import Path
     from .api import load
     from .ppl import format_table, perplexity
-    path = Path(file)
-    if not path.is_file():
-        raise KvrunError(f"{file}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise KvrunError(f"{file}: not UTF-8 text") from None
+    text = read_text_file(file)
     methods = [m.strip() for m in kv_list.split(",") if m.strip()]
     if not methods:
         raise KvrunError("--kv: empty method list")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .errors import KvrunError
+from .errors import KvrunError, read_text_file
 
 
 def _eprint(*a, **kw):
@@ -56,13 +56,7 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     from .api import load
     from .kv.config import KVConfig
     from .search import save_result, search
-    path = Path(calib)
-    if not path.is_file():
-        raise KvrunError(f"{calib}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise KvrunError(f"{calib}: not UTF-8 text") from None
+    text = read_text_file(calib)
     if Path(out).parent and not Path(out).parent.exists():
         raise KvrunError(f"{out}: directory {Path(out).parent} does not exist")
     fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("tada_mu", tada_mu))

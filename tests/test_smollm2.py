@@ -4,7 +4,6 @@ import torch
 
 import kvrun
 
-WIKI = "/work/shared/data/wikitext-2-test.raw"
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import KvrunError
+from .kv_report import fp16_bytes_per_token
 
 GEOMETRIES = {                      # (query heads, KV heads, head dim)
     "llama-2-7b": (32, 32, 128),
@@ -88,10 +89,6 @@ def _stats(times: list[float], n: int) -> tuple[float, float, float]:
     return statistics.fmean(rates), sd, 1e3 * statistics.fmean(times) / n
 
 
-def fp16_bytes(n_layers: int, n_kv: int, head_dim: int, n_tokens: int) -> int:
-    return 2 * n_layers * n_kv * head_dim * n_tokens * 2
-
-
 # -- model mode ----------------------------------------------------------------------------------
 
 def _capture_kv(model, ids: list[int], chunk: int):
@@ -145,7 +142,7 @@ def bench_model(model, methods: list, pp: list[int], tg: int, depths: list[int],
     methods = list(range(len(specs)))                 # KVConfigs are not hashable: use indices
     caches = {m: make_cache(cfg, max(need, 1), specs[m]) for m in methods}
     labels = {m: _label(specs[m]) for m in methods}
-    ref_bytes = fp16_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max(need, 1))
+    ref_bytes = fp16_bytes_per_token(cfg) * max(need, 1)
     records: list[BenchRecord] = []
 
     def record(m, test, n, depth, times, step_ms, fill_kind):
@@ -263,7 +260,7 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
         mean_ms = 1e3 * statistics.fmean(step)
         records.append(BenchRecord(_label(m), "layer", ctx, 0, 1e3 / mean_ms, 0.0, mean_ms,
                                    1e3 * statistics.median(step), total, parts,
-                                   total / fp16_bytes(1, Hkv, D, ctx), peak_rss_bytes(), 1,
+                                   total / (fp16_bytes_per_token(cfg) * ctx), peak_rss_bytes(), 1,
                                    "decode", cps))
         if progress:
             progress(f"[bench] {_label(m)} layer {name}: {mean_ms:.3f} ms/token mean "

@@ -40,12 +40,12 @@ class PplRecord:
 
 
 def windows_of(ids: list[int], ctx: int, n_windows: int | None) -> list[list[int]]:
+    if n_windows is not None and n_windows < 1:
+        raise KvrunError(f"--windows must be >= 1 (got {n_windows})")
     n = len(ids) // ctx
     if n == 0:
         raise KvrunError(f"text has {len(ids)} tokens: need at least -c {ctx} for one window")
     if n_windows is not None:
-        if n_windows < 1:
-            raise KvrunError(f"--windows must be >= 1 (got {n_windows})")
         n = min(n, n_windows)
     return [ids[i * ctx:(i + 1) * ctx] for i in range(n)]
 
@@ -99,7 +99,7 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
             progress(f"[ppl] window {w_i + 1}/{len(wins)}: fp16 ppl {math.exp(b['nll'] / b['n']):.3f} "
                      f"({time.perf_counter() - t_start:.0f} s)")
     base_ppl = math.exp(stats[BASELINE]["nll"] / stats[BASELINE]["n"])
-    fp16_bpt = kv_bytes_per_token(model.cfg, BASELINE, ctx)
+    fp16_bpt = kv_bytes_per_token(model.cfg, BASELINE, ctx)    # dense: the same at any length
     out = []
     for m in methods:
         st = stats[m]
@@ -110,7 +110,7 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
             kld=st["kld"] / st["n"] if m != BASELINE else 0.0,
             top1=st["top1"] / st["n"] if m != BASELINE else 1.0,
             bytes_per_token=bpt, ratio=bpt / fp16_bpt,
-            ratio_32k=kv_bytes_per_token(model.cfg, m, 32768) / kv_bytes_per_token(model.cfg, BASELINE, 32768),
+            ratio_32k=kv_bytes_per_token(model.cfg, m, 32768) / fp16_bpt,
             n_scored=st["n"], seconds=st["t"]))
     return out
 

@@ -7,26 +7,23 @@ are quantized per token over groups of g channels. Round-to-nearest, min-max.
 
 Read path, one block of up to `block` tokens at a time, zero points never applied per
 element:
-    K:  q·k̂_t = α_t q·(s ⊙ v_t) + β_t Σ(q ⊙ s_grp(t)) + q·z_grp(t)
+    K:  q·k̂_t = q·(s_grp(t) ⊙ c_t) + q·z_grp(t)
     V:  p·V̂[:, γ] = (p ⊙ s_γ)·C[:, γ] + Σ_t p_t z_tγ          (per channel group γ)
-K: v are the unpacked plane values and (α, β) the per-token plane fold (quant.py). V codes
-live in the channel-major int4-GEMM nibble layout (nibble.py) and are multiplied packed:
-the per-token scale goes into p, one op call per head for all channel groups stacked as
-rows (the op's scales run along tokens per channel — the wrong axis for per-token V). The
-per-channel K scale is the wrong axis for the op too (it would need one call per token
-group), so K keeps the unpack path below. The
-per-channel scale is applied to the reused unpack buffer in place (one pass) rather than
-folded into q per token group: the fold needs one tiny GEMM per (head, group) — measured
-~2x slower on CPU than one (R, D) x (D, n) product. Neither builds a dequantized copy of
-the cache: the buffer holds one block and is reused for every block and layer.
+K codes live in the channel-major byte planes of chanpack.py: a block is unpacked into a
+reused (D, n) buffer per head, scaled in place (the per-channel scale is the wrong axis for
+any fold into q: it changes every G tokens inside the contraction over channels), and
+multiplied by q in one GEMM. V codes live in the channel-major int4-GEMM nibble layout
+(nibble.py) and are multiplied packed: the per-token scale goes into p, one op call per
+head for all channel groups stacked as rows. Neither builds a dequantized copy of the
+cache: the buffers hold one block and are reused for every block and layer.
 """
 from __future__ import annotations
 
 import torch
 
-from . import nibble
+from . import chanpack, nibble
 from .codec_base import Codec, Slot
-from .quant import asym_params, dequantize_asym, pack_codes, planes, plane_fold, quantize_asym, unpack_codes_into
+from .quant import asym_params, dequantize_asym, quantize_asym
 
 
 class KiviCodec(Codec):
@@ -37,14 +34,14 @@ class KiviCodec(Codec):
         self.method = f"kivi-{bits}"
 
     def slots(self, Hkv, D, S):
-        P = planes(self.bits)
         if self.role == "k":
             par = (Hkv, S // self.G, D)                       # per (head, token group, channel)
             unit = self.G
         else:
             par = (Hkv, S, D // self.g)                       # per (head, token, channel group)
             unit = 1
-        codes = (Slot("codes", "codes", (Hkv, S // P, D), torch.int32, 1, P) if self.role == "k"
+        codes = (Slot("codes", "codes", chanpack.shape(self.bits, Hkv, D, S), torch.uint8, 2,
+                      chanpack.per_byte(self.bits)) if self.role == "k"
                  else self._nib_slot(Hkv, D, S, self.bits))
         return [codes,
                 Slot("scale", "scales_zeros", par, torch.float16, 1, unit),
@@ -71,25 +68,14 @@ class KiviCodec(Codec):
             st["scale"][:, s0:s0 + n] = scale[..., 0]
             st["zero"][:, s0:s0 + n] = zero[..., 0]
         if self.role == "k":
-            P = planes(self.bits)
-            st["codes"][:, s0 // P:(s0 + n) // P] = pack_codes(codes.reshape(Hkv, n, D), self.bits, self.G)
+            chanpack.write(st["codes"], codes.reshape(Hkv, n, D), s0, self.bits)
         else:
             self._nib_write(st, codes.reshape(Hkv, n, D), s0, self.bits)
         return rec
 
-    def codes(self, st, s0, s1, scale=None, view=None):
-        """Unpacked values v (Hkv, n, D) in a reused buffer (optionally times `scale`, see
-        quant.unpack_codes_into), and (α, β) (n,) with codes c = α v + β."""
-        P = planes(self.bits)
-        w = st["codes"][:, s0 // P:s1 // P]
-        buf = self.ws.get("c", (w.shape[0], s1 - s0, w.shape[2]), w.device)
-        v = unpack_codes_into(w, self.bits, self.G, buf, scale, view)
-        return v, *plane_fold(s1 - s0, self.bits, self.G, w.device)
-
     def dequant(self, st, s0, s1):
         if self.role == "k":
-            v, alpha, beta = self.codes(st, s0, s1)
-            C = v * alpha[:, None] + beta[:, None]                       # integer codes
+            C = chanpack.codes(st["codes"], s0, s1, self.bits)           # integer codes
         else:
             C = self._nib_codes(st, s0, s1, self.bits, self.D)
         Hkv, n, D = C.shape
@@ -105,22 +91,30 @@ class KiviCodec(Codec):
 
     # -- read path ------------------------------------------------------------------------
     def scores(self, st, qg, s0, s1):
-        """K per channel: the block buffer is unpacked *and* scaled in one pass (u = s ⊙ v),
-        then one (R, D) x (D, n) product for all tokens; measured ~2x faster on CPU than
-        folding s into q per token group (hundreds of tiny batched GEMMs). With
-        k̂ = s (α v + β) + z:   q·k̂_t = α_t q·u_t + β_t Σ(q⊙s) + q·z."""
+        """K per channel: unpack the block's codes into the reused (D, n) buffer per head
+        (chanpack order), scale it in place per (channel, run of 32 tokens), one GEMM, back
+        to token order, plus the zero-point term q·z per token group."""
         assert self.role == "k"
         Hkv, R, D = qg.shape
-        G, n = self.G, s1 - s0
-        nb, b0 = n // G, s0 // G
-        s = st["scale"][:, b0:b0 + nb].float()                           # (Hkv, nb, D)
-        z = st["zero"][:, b0:b0 + nb].float()
-        u, alpha, beta = self.codes(st, s0, s1, s[:, :, None], (Hkv, nb, G, D))
-        sc = torch.bmm(qg, u.transpose(1, 2)).view(Hkv, R, nb, G)        # (Hkv, R, nb, G)
-        qs = torch.bmm(qg, s.transpose(1, 2))                            # (Hkv, R, nb)
-        qz = torch.bmm(qg, z.transpose(1, 2))                            # (Hkv, R, nb)
-        sc.mul_(alpha[:G]).add_(qs[..., None] * beta[:G]).add_(qz[..., None])
-        return sc.view(Hkv, R, n)
+        G, n, bits = self.G, s1 - s0, self.bits
+        a = s0 // chanpack.unit(bits) * chanpack.unit(bits)              # block-aligned start
+        u = chanpack.unpack_into(st["codes"], a, s1, bits, self.ws)      # (Hkv, D, E, M)
+        E, M = u.shape[2], u.shape[3]
+        ga, nb = a // G, (s1 - 1) // G + 1 - a // G                      # groups touched
+        sT = st["scale"][:, ga:ga + nb].float().transpose(1, 2)          # (Hkv, D, nb)
+        if G == 32:                     # run (e, i) is group i·E + e: a view, no gather
+            sr = sT.view(Hkv, D, M // 32, E).transpose(2, 3) if nb * 32 == E * M else \
+                torch.nn.functional.pad(sT, (0, E * M // 32 - nb)).view(Hkv, D, M // 32, E).transpose(2, 3)
+        else:
+            sr = sT[:, :, chanpack.group_index(a, s1, bits, G, qg.device)]  # (Hkv, D, E, blocks)
+        u.view(Hkv, D, E, M // 32, 32).mul_(sr[..., None])
+        raw = torch.bmm(qg, u.view(Hkv, D, E * M))                       # (Hkv, R, E*M)
+        sc = chanpack.to_token_order(raw, s0 - a, n, bits,
+                                     self.ws.get("kc_sc", (Hkv, R, n), qg.device))
+        b0 = s0 // G
+        qz = torch.bmm(qg, st["zero"][:, b0:b0 + n // G].float().transpose(1, 2))  # (Hkv, R, n/G)
+        sc.view(Hkv, R, n // G, G).add_(qz[..., None])
+        return sc
 
     def mix(self, st, p, s0, s1):
         """V per token: the ng channel groups' scaled probabilities p ⊙ s_γ stacked as rows
@@ -128,9 +122,9 @@ class KiviCodec(Codec):
         assert self.role == "v"
         Hkv, R, n = p.shape
         g = self.g
-        s = st["scale"][:, s0:s1].float()                                # (Hkv, n, ng)
-        ng = s.shape[-1]
-        x = (p[:, None] * s.transpose(1, 2)[:, :, None]).reshape(Hkv, ng * R, n)  # (Hkv, ng*R, n)
+        s = st["scale"][:, s0:s1].float().transpose(1, 2).contiguous()    # (Hkv, ng, n)
+        ng = s.shape[1]
+        x = (p[:, None] * s[:, :, None]).view(Hkv, ng * R, n)            # (Hkv, ng*R, n)
         o = nibble.chan_mix(x, st["codes"], s0, s1, self.bits, self.D, self.ws)  # (Hkv, ng*R, D)
         o = o.view(Hkv, ng, R, ng, g).diagonal(0, 1, 3)                  # (Hkv, R, g, ng)
         o = o.permute(0, 1, 3, 2).reshape(Hkv, R, ng * g)

@@ -16,6 +16,7 @@ granularity of every codec: tokens leave the window in whole blocks of G.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ...kernels.codecs import METHODS, method_family
@@ -50,6 +51,13 @@ class KVConfig:
     rotate: str = "none"            # Hadamard rotation along D before quantizing: none | k | v | kv
     rotate_seed: int | None = None  # random ±1 signs on top of the Hadamard matrix (None: no signs)
     layer_rotate: list | None = None    # per-layer rotate values from a profile
+    # token eviction (DESIGN §5, evict.py): a policy keeps at most `budget` tokens per layer
+    evict: str = "none"             # none | streaming | h2o | snapkv | pyramidkv | kvcrush | kvcrush-h2o
+    budget: int | None = None       # tokens per layer incl. the window (mean over layers for pyramidkv)
+    sinks: int = 4                  # streaming: first tokens always kept
+    snap_window: int = 32           # snapkv/pyramidkv/kvcrush: observation queries of a prefill chunk
+    crush_fraction: float = 0.25    # kvcrush: share of the budget for representatives
+    crush_anchor: str = "random"    # kvcrush: random | mean | alternate
 
     def __post_init__(self):
         check_method(self.k_method)
@@ -83,7 +91,42 @@ class KVConfig:
                              f"{self.group} for KIVI/GEAR")
         if fams & {"gear-l", "gear"} and self.rank >= self.group:
             raise KvrunError(f"GEAR rank {self.rank} must be smaller than the group {self.group}")
-        self.block = max(self.group, self.block // self.group * self.group)
+        unit = math.lcm(self.group, 128)     # whole packed blocks of every layout (chanpack: 128)
+        self.block = max(unit, self.block // unit * unit)
+        self._check_evict()
+
+    def _check_evict(self) -> None:
+        from .evict import ANCHORS, POLICIES
+        if self.evict not in POLICIES:
+            raise KvrunError(f"unknown eviction policy {self.evict!r} ({', '.join(POLICIES)})")
+        if self.crush_anchor not in ANCHORS:
+            raise KvrunError(f"unknown KVCrush anchor {self.crush_anchor!r} ({', '.join(ANCHORS)})")
+        if not 0 < self.crush_fraction < 1:
+            raise KvrunError(f"--crush-fraction must be in (0, 1), got {self.crush_fraction}")
+        if self.snap_window < 1 or self.sinks < 0:
+            raise KvrunError(f"--snap-window must be >= 1 and --sinks >= 0 "
+                             f"(got {self.snap_window}, {self.sinks})")
+        if self.evict == "none":
+            if self.budget is not None:
+                raise KvrunError("--kv-budget needs an eviction policy (--evict)")
+            return
+        if self.budget is None:
+            raise KvrunError(f"--evict {self.evict} needs --kv-budget N (tokens per layer)")
+        if self.ctx_policy != "error":
+            raise KvrunError("--evict and --ctx-policy shift are alternatives: give one")
+        need = self.residual + 2 * self.group + (self.sinks if self.evict == "streaming" else 0)
+        if self.evict_tail() < self.group or (self.evict == "streaming"
+                                              and self.evict_tail() <= self.sinks):
+            raise KvrunError(f"--kv-budget {self.budget} is too small: the window takes "
+                             f"R + G = {self.residual + self.group} tokens, the evictable tail "
+                             f"needs at least one block of G = {self.group}"
+                             + (f" beyond the {self.sinks} sinks" if self.evict == "streaming" else "")
+                             + f" (use >= {need})")
+
+    def evict_tail(self) -> int:
+        """Tail tokens per layer under eviction (mean for pyramidkv): the budget minus the
+        R + G window slots, in whole blocks of G, so tail + window never exceed the budget."""
+        return max(0, self.budget - self.residual - self.group) // self.group * self.group
 
     def methods(self) -> set[str]:
         ms = {self.k_method, self.v_method}
@@ -134,13 +177,14 @@ class KVConfig:
         """Uniform fp16 (or bf16) K and V with no context shift: DenseKVCache serves it."""
         ms = self.methods()
         return (len(ms) == 1 and ms <= {"fp16", "bf16"} and self.ctx_policy == "error"
-                and self.rotate == "none" and self.layer_rotate is None)
+                and self.rotate == "none" and self.layer_rotate is None and self.evict == "none")
 
     def label(self) -> str:
         if self.layers is not None:
             return "profile"
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
-        return base + ("" if self.rotate == "none" else f"+rot{'' if self.rotate == 'kv' else '-' + self.rotate}")
+        base += "" if self.rotate == "none" else f"+rot{'' if self.rotate == 'kv' else '-' + self.rotate}"
+        return base + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
 
     def replace(self, **kw) -> "KVConfig":
         return dataclasses.replace(self, **kw)

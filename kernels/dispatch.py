@@ -1,0 +1,61 @@
+"""Backend choice for the decode-step ops (DESIGN §7): Triton on CUDA tensors, torch on CPU.
+
+`KVRUN_BACKEND=triton|torch` forces one. Triton on CPU tensors runs only in Triton's
+interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are first imported —
+set it before anything imports kvrun.kernels.triton); without it, forcing triton on CPU is
+an error rather than a silent fallback. The Triton module is imported lazily, so the torch
+path never needs triton installed.
+
+Per call, the torch path still runs when the Triton kernel does not cover the request: a
+codec it does not read (`kvrun.kernels.triton.supports`), or an extra tensor argument (an
+output only the torch path fills, such as the attention mass token eviction asks for).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .decode_attention import decode_attention as decode_attention_torch
+
+BACKENDS = ("triton", "torch")
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here (one-line message for the user)."""
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """'triton' or 'torch' for an op on tensor x (honours KVRUN_BACKEND)."""
+    want = os.environ.get("KVRUN_BACKEND", "").strip().lower()
+    if want and want not in BACKENDS:
+        raise BackendError(f"KVRUN_BACKEND={want!r}: expected one of {', '.join(BACKENDS)}")
+    if want == "torch":
+        return "torch"
+    if want == "triton":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise BackendError("KVRUN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                               "(Triton's interpreter); use a CUDA device or KVRUN_BACKEND=torch")
+        _triton()
+        return "triton"
+    return "triton" if x.is_cuda and _triton(required=False) is not None else "torch"
+
+
+def _triton(required: bool = True):
+    try:
+        from . import triton as tri                     # kvrun.kernels.triton (imports triton)
+    except ImportError as e:
+        if required:
+            raise BackendError(f"the Triton backend needs the triton package ({e})") from e
+        return None
+    return tri
+
+
+def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw):
+    """kernels.decode_attention on the chosen backend (same arguments and result)."""
+    extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk")}
+    if backend_for(q) == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
+        tri = _triton()
+        if n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
+            return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new)
+    return decode_attention_torch(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)

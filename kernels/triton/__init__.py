@@ -1,0 +1,6 @@
+"""kvrun.kernels.triton — the Triton implementations of kvrun.kernels' ops (CUDA; on CPU
+only under TRITON_INTERPRET=1, which must be set before this package is imported).
+Importing this package imports triton; kernels/dispatch.py imports it lazily."""
+from .decode_attention import decode_attention, supports
+
+__all__ = ["decode_attention", "supports"]

@@ -1,0 +1,271 @@
+"""decode_attention, Triton: split-K flash-decoding over the compressed tail + window + new
+tokens (DESIGN §7 op 3), reading the packed codes directly (no dequantized copy of the
+cache). Same signature and semantics as kernels/decode_attention.py (the torch path, which
+is this kernel's test oracle).
+
+Structure (flash-decoding, Dao et al. 2023; lightllm's stage1/stage2):
+- stage 1, `_stage1_kernel`, grid (Hkv, n_splits, cdiv(R, BLOCK_R)): one program per
+  (KV head, split of the tokens, block of query rows). The rows are the GQA group folded
+  with the new queries, R = Gq*T, row r = (g, t) = (r // T, r % T), so each packed K/V
+  tile is loaded and dequantized once for every query head that shares it (BLOCK_R covers
+  the whole group for decode, T = 1, Gq <= 64). Per BLOCK_N-token tile: dequantize K in
+  registers (kernels/triton/dequant.py), s = q·k̂ᵀ (fp32 accumulate), online softmax in
+  fp32 (base 2, log2(e) folded into the query scale), acc += p·V̂. Writes the part's
+  normalized output o = acc / l and its log-sum-exp m + log2 l.
+  The op launches stage 1 up to three times into one parts buffer: the compressed tail
+  (codec kinds from the K and V codecs, which may differ), the window (fp16/bf16), and the
+  new tokens (causal: query t sees new tokens 0..t).
+- stage 2, `_stage2_kernel`, grid (Hkv, cdiv(R, BLOCK_R)): merges the parts by log-sum-exp
+  and writes (1, H, T, D) in q's dtype.
+
+Block sizes: BLOCK_N = 32 tokens (the nibble layouts' half-block), BLOCK_D = next power of
+two >= D, BLOCK_R = next power of two >= R clamped to [16, 64] (16: the smallest tl.dot
+tile). Split size: chosen so Hkv * n_splits ≈ 264 programs (2 per H100 SM), in whole
+BLOCK_N tiles; tails not a multiple of it end in a partial split.
+
+Bytes per decode step (T = 1), one layer: every packed byte of the tail once per KV head
+program — n_tail * bytes_per_token(K codec + V codec) (TaDA's μ_t is shared by the Hkv
+programs of a split, which run adjacently because the head is the fastest grid axis, so
+it comes from HBM once and from L2 for the others); window 2 * W * Hkv * D * 2 bytes;
+q, new K/V and output O(H * D); parts 2 * n_parts * Hkv * R * (D + 1) * 4 (write + read).
+Llama-3.1-70B attention (H 64, Hkv 8, D 128) at 32k tokens, R 128: fp16 reads 128 MiB
+per layer per step, kivi-4 ≈ 36 MiB, tada-4 ≈ 35 MiB; the parts add ~2 MiB
+(tools/roofline.py prints the full table and the implied time at a given bandwidth).
+
+Precision: dequantization and accumulation in fp32; on GPU tl.dot takes fp32 operands as
+tf32 (10-bit mantissa — finer than the bf16 rounding of the torch path's packed products);
+the interpreter computes exact fp32.
+
+Codecs: fp16, bf16, int8, kivi-{2,4,8}, tada-{2,4,8} (fp16 or int8 μ), gear-l / gear
+(KIVI backbone + rank-r term + sparse outliers, dequantized tile-wise in registers). Any
+other codec class makes `supports` false and kernels/dispatch.py runs the torch path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codec_base import FpCodec, Int8Codec
+from ..codec_gear import GearCodec
+from ..codec_kivi import KiviCodec
+from ..codec_tada import TadaCodec
+from .dequant import FP, GEAR, INT8, KIVI, TADA, dequant_tile
+
+BLOCK_N = 32
+TARGET_PROGRAMS = 264           # 2 per SM of an H100 (132 SMs)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _stage1_kernel(
+        Q, sq_h, sq_t, sq_d,                                            # (1, H, T, D)
+        KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,                    # K codec storage
+        k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
+        VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,                    # V codec storage
+        v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
+        MID_O, MID_L,                                                   # (P, Hkv, R, D), (P, Hkv, R)
+        part0, n_tok, split, T, Gq, R, D, qk_scale,
+        CAUSAL: tl.constexpr,
+        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
+        K_RANK: tl.constexpr, K_K2: tl.constexpr, K_BYTES: tl.constexpr,
+        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
+        V_RANK: tl.constexpr, V_K2: tl.constexpr, V_BYTES: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BR,) rows (g, t)
+    row_ok = rows < R
+    tq = rows % T
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    # -- the query rows of the GQA group, scaled once (softmax scale and log2 e) -----------
+    qp = Q + (h * Gq + rows // T)[:, None] * sq_h + tq[:, None] * sq_t + d[None, :] * sq_d
+    q = tl.load(qp, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+
+    m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    s_lo = sp * split
+    s_hi = tl.minimum(n_tok, s_lo + split)
+    for n0 in range(s_lo, s_hi, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)                                  # (BN,) token index
+        t_ok = t < s_hi
+        tm = t_ok[:, None]
+        msk = tm & d_ok[None, :]
+        # -- dequantize the K tile, scores --------------------------------------------------
+        k = dequant_tile(KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,
+                         k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
+                         h, t[:, None], d[None, :], tm, msk, D,
+                         K_KIND, K_BITS, False, K_MU8, K_RANK, K_K2, K_BYTES)    # (BN, BD)
+        s = tl.dot(q, tl.trans(k))                                      # (BR, BN)
+        ok = t_ok[None, :]
+        if CAUSAL:
+            ok = ok & (t[None, :] <= tq[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        # -- online softmax (fp32, base 2) ----------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- dequantize the V tile, accumulate ------------------------------------------------
+        v = dequant_tile(VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,
+                         v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
+                         h, t[:, None], d[None, :], tm, msk, D,
+                         V_KIND, V_BITS, True, V_MU8, V_RANK, V_K2, V_BYTES)     # (BN, BD)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    # -- this part's normalized output and log-sum-exp (rows that saw no token: lse -inf) ----
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    part = (part0 + sp) * tl.num_programs(0) + h
+    tl.store(MID_O + (part * R + rows)[:, None] * D + d[None, :], o,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(MID_L + part * R + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _stage2_kernel(MID_O, MID_L,                                        # (P, Hkv, R, D), (P, Hkv, R)
+                   O, so_h, so_t, so_d,                                 # (1, H, T, D)
+                   n_parts, T, Gq, R, D,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(0)
+    Hkv = tl.num_programs(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    d = tl.arange(0, BLOCK_D)
+    msk = row_ok[:, None] & (d < D)[None, :]
+    m = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+    l = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    # -- log-sum-exp merge of the parts ---------------------------------------------------------
+    for p in range(n_parts):
+        part = p * Hkv + h
+        lse = tl.load(MID_L + part * R + rows, mask=row_ok, other=float("-inf"))
+        o = tl.load(MID_O + (part * R + rows)[:, None] * D + d[None, :], mask=msk, other=0.0)
+        m_new = tl.maximum(m, lse)
+        a = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * a[:, None] + o * w[:, None]
+        l = l * a + w
+        m = m_new
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    op = O + (h * Gq + rows // T)[:, None] * so_h + (rows % T)[:, None] * so_t + d[None, :] * so_d
+    tl.store(op, out.to(O.dtype.element_ty), mask=msk)
+
+
+# -- launcher ------------------------------------------------------------------------------------
+
+def supports(codec) -> bool:
+    """True if the kernel reads this codec's storage (else the caller must use torch)."""
+    if isinstance(codec, GearCodec):
+        return codec.bits in (2, 4, 8) and codec.rank >= 1
+    if isinstance(codec, (KiviCodec, TadaCodec)):
+        return codec.bits in (2, 4, 8)
+    return type(codec) in (FpCodec, Int8Codec)
+
+
+def _codec_args(codec, st: dict, D: int):
+    """(9 tensors, 9 ints, (KIND, BITS, MU8, RANK, K2, KBYTES)) for dequant_tile."""
+    kind = (GEAR if isinstance(codec, GearCodec) else KIVI if isinstance(codec, KiviCodec)
+            else TADA if isinstance(codec, TadaCodec) else INT8 if isinstance(codec, Int8Codec)
+            else FP)
+    if kind == FP:
+        return _fp_args(st["x"])
+    x = st["codes"]
+    assert all(t.is_contiguous() for t in st.values()), f"{codec}: storage must be contiguous"
+    sc, zp = st.get("scale"), st.get("zero", st["scale"])
+    mu, mus = st.get("mu", x), st.get("mu_scale", x)
+    la, lb = st.get("lr_a", x), st.get("lr_b", x)
+    oi, ov = st.get("out_idx", x), st.get("out_val", x)
+    # nibble (Hkv, planes, blocks, ·, 32): strides (head, plane, block); chanpack K bytes
+    # (Hkv, D, S*b/8) uint8: (head, channel); KIVI K words (Hkv, S/P, D) int32: head only
+    kbytes = kind in (KIVI, GEAR) and codec.role == "k" and x.dtype == torch.uint8
+    s_p, s_b = ((x.stride(1), x.stride(2)) if x.dim() == 5 else (0, x.stride(1)) if kbytes
+                else (0, 0))
+    ints = [x.stride(0), s_p, s_b, sc.stride(0), codec.G, getattr(codec, "g", 1),
+            la.stride(0), lb.stride(0), oi.stride(0)]
+    bits = 8 if kind == INT8 else codec.bits
+    mu8 = kind == TADA and codec.mu == "int8"
+    rank = codec.rank if kind == GEAR else 0
+    k2 = 2 * codec._k(D) if kind == GEAR and codec.sparsity else 0
+    return [x, sc, zp, mu, mus, la, lb, oi, ov], ints, (kind, bits, mu8, rank, k2, kbytes)
+
+
+def _fp_args(x: torch.Tensor):
+    """A (Hkv, S, D) full-precision tensor (channel stride 1) as an FP 'codec'."""
+    assert x.stride(-1) == 1, "full-precision K/V need a unit channel stride"
+    return [x] * 9, [x.stride(0), 0, x.stride(1), 0, 1, 1, 0, 0, 0], (FP, 16, False, 0, 0, False)
+
+
+def _n_splits(n: int, Hkv: int, split: int | None) -> tuple[int, int]:
+    if split is None:
+        want = max(1, min(-(-TARGET_PROGRAMS // Hkv), -(-n // BLOCK_N)))
+        split = -(-(-(-n // want)) // BLOCK_N) * BLOCK_N
+    assert split > 0 and split % BLOCK_N == 0, f"split {split} must be a multiple of {BLOCK_N}"
+    return -(-n // split), split
+
+
+def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
+                     k_win: torch.Tensor, v_win: torch.Tensor,
+                     k_new: torch.Tensor, v_new: torch.Tensor,
+                     block: int | None = None, q_chunk: int | None = None,
+                     split: int | None = None) -> torch.Tensor:
+    """Causal attention of new queries over [tail, window, new tokens] (Triton).
+
+    Shapes and semantics as kernels.decode_attention.decode_attention: q (1, H, T, D);
+    k_tail / v_tail (codec, storage) holding n_tail tokens; k_win, v_win (1, Hkv, W, D);
+    k_new, v_new (1, Hkv, T, D). Returns (1, H, T, D) in q's dtype. `block` and `q_chunk`
+    (the torch path's CPU tiling) are accepted and ignored; `split` = tokens per stage-1
+    program (a multiple of 32; default: ~264 programs over the tail)."""
+    B, H, T, D = q.shape
+    Hkv = k_new.shape[1]
+    if B != 1:
+        raise ValueError(f"decode_attention: batch 1 only, got q {tuple(q.shape)}")
+    if H % Hkv:
+        raise ValueError(f"decode_attention: H={H} is not a multiple of Hkv={Hkv}")
+    if k_new.shape != (1, Hkv, T, D) or v_new.shape != (1, Hkv, T, D):
+        raise ValueError(f"new K/V {tuple(k_new.shape)} / {tuple(v_new.shape)} != (1, {Hkv}, {T}, {D})")
+    if k_win.shape[:2] != (1, Hkv) or k_win.shape != v_win.shape or k_win.shape[3] != D:
+        raise ValueError(f"window K/V {tuple(k_win.shape)} / {tuple(v_win.shape)} mismatch")
+    for c, _ in (k_tail, v_tail):
+        if n_tail and not supports(c):
+            raise ValueError(f"the Triton decode_attention does not read {c} (use the torch path)")
+    if D > 256:
+        raise ValueError(f"head dim {D} > 256 is not supported by the Triton kernel")
+    Gq, W = H // Hkv, k_win.shape[2]
+    R = Gq * T
+    BLOCK_R = min(64, max(16, triton.next_power_of_2(R)))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    kn = k_new[0] if k_new.stride(-1) == 1 else k_new[0].contiguous()   # (Hkv, T, D)
+    vn = v_new[0] if v_new.stride(-1) == 1 else v_new[0].contiguous()
+    # -- the parts: tail splits, window splits, new-token splits ----------------------------
+    launches = []
+    if n_tail:
+        launches.append((n_tail, k_tail, v_tail, False))
+    if W:
+        launches.append((W, (None, k_win[0]), (None, v_win[0]), False))
+    launches.append((T, (None, kn), (None, vn), True))
+    plan, n_parts = [], 0
+    for n, kt, vt, causal in launches:
+        ns, sz = _n_splits(n, Hkv, split if kt[0] is not None else None)
+        plan.append((n_parts, ns, sz, n, kt, vt, causal))
+        n_parts += ns
+    mid_o = torch.empty(n_parts, Hkv, R, D, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(n_parts, Hkv, R, dtype=torch.float32, device=q.device)
+    out = torch.empty(1, H, T, D, dtype=q.dtype, device=q.device)
+    qk_scale = D ** -0.5 * LOG2E
+    n_rb = triton.cdiv(R, BLOCK_R)
+    for part0, ns, sz, n, (kc, ks), (vc, vs), causal in plan:
+        kt, ki, kk = _codec_args(kc, ks, D) if kc is not None else _fp_args(ks)
+        vt, vi, vk = _codec_args(vc, vs, D) if vc is not None else _fp_args(vs)
+        _stage1_kernel[(Hkv, ns, n_rb)](
+            q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi, mid_o, mid_l,
+            part0, n, sz, T, Gq, R, D, qk_scale, causal, *kk, *vk,
+            BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    _stage2_kernel[(Hkv, n_rb)](mid_o, mid_l, out, out.stride(1), out.stride(2), out.stride(3),
+                                n_parts, T, Gq, R, D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+    return out

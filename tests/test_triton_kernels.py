@@ -1,0 +1,224 @@
+"""The Triton decode_attention (kvrun.kernels.triton) under Triton's CPU interpreter, against
+(a) dense fp32 attention over the codecs' explicit dequantization (`codec.dequant`, the
+definition of the packed bytes) and (b) the torch decode_attention; plus the backend
+dispatch and an end-to-end greedy decode of a tiny model on both backends.
+
+Tolerances: against (a), the kernel dequantizes and accumulates in fp32 (the interpreter's
+tl.dot is exact fp32), so fp32 outputs agree to 2e-5 / 1e-4 relative and fp16 / bf16
+outputs to one rounding of the output dtype. Against (b), the torch path multiplies packed
+codes in bf16 (nibble.py: relative 2^-9 per product), so the packed codecs are compared at
+bf16-attention tolerance (5e-2 absolute, as in test_decode_attention.py); the fp16 / bf16
+tails are exact in both and compared like (a).
+
+TRITON_INTERPRET must be set before kvrun.kernels.triton is imported (triton decides at
+decoration time); shapes stay tiny because the interpreter runs every program in numpy.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+pytest.importorskip("triton")
+
+from kvrun.kernels import dense_attention, make_codec                    # noqa: E402
+from kvrun.kernels import triton as tri                                  # noqa: E402
+from kvrun.kernels.codec_base import FpCodec                             # noqa: E402
+from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
+from kvrun.kernels.dispatch import BackendError, backend_for             # noqa: E402
+from kvrun.kernels.dispatch import decode_attention as dispatch_attention  # noqa: E402
+
+G = 32
+SPLIT = 64          # tokens per stage-1 program in the tests: tails of 96/160/224 end mid-split
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+EXACT_TOL = {F32: dict(atol=2e-5, rtol=1e-4), F16: dict(atol=1e-3, rtol=2e-3),
+             BF16: dict(atol=1e-2, rtol=1.6e-2)}
+PACKED_TOL = dict(atol=5e-2, rtol=0)
+
+# (K method, V method, Gq, D, n_tail, W, T, dtype): every codec and bit width; GQA 1/3/8;
+# D 64/128; window empty (0) / partial / full (R + G - 1 = 63 for R = G = 32); tails not a
+# multiple of SPLIT; 1 and several queries; fp16 / bf16 / fp32 inputs
+CASES = [
+    ("fp16", "fp16", 3, 64, 96, 17, 1, F16),
+    ("bf16", "bf16", 8, 128, 160, 0, 1, BF16),
+    ("int8", "int8", 1, 64, 224, 63, 3, F32),
+    ("kivi-2", "kivi-2", 3, 128, 96, 0, 1, BF16),
+    ("kivi-4", "kivi-4", 8, 64, 160, 40, 1, F16),
+    ("tada-2", "tada-2", 1, 128, 128, 63, 1, F16),
+    ("tada-4", "tada-4", 3, 64, 224, 5, 4, BF16),
+    ("tada-8", "tada-8", 8, 128, 96, 0, 2, F32),
+    ("gear-l", "gear-l", 3, 64, 160, 20, 1, F16),
+    ("gear-l-2", "gear-l-2", 1, 64, 96, 0, 1, BF16),
+    ("gear-l-4", "gear-l-4", 8, 128, 64, 63, 1, F32),
+    ("gear", "gear", 3, 128, 96, 33, 2, F16),
+    ("gear-2", "gear-2", 8, 64, 160, 0, 1, F16),
+    ("gear-4", "gear-4", 1, 64, 224, 10, 1, BF16),
+    # K and V with different codecs
+    ("kivi-4", "kivi-2", 3, 64, 160, 31, 1, F16),
+    ("tada-2", "fp16", 8, 64, 96, 63, 1, BF16),
+    ("int8", "gear", 1, 128, 224, 0, 3, F16),
+    ("fp16", "tada-4", 3, 128, 96, 12, 1, F32),
+    ("gear-l-2", "int8", 3, 64, 160, 2, 1, F16),
+    ("tada-8", "kivi-4", 8, 128, 224, 50, 5, BF16),
+    # no tail: window only / new tokens only
+    ("kivi-2", "kivi-2", 3, 64, 0, 30, 1, F16),
+    ("fp16", "fp16", 8, 128, 0, 0, 6, BF16),
+]
+
+
+def _setup(k_method, v_method, Gq, D, n_tail, W, T, dtype, Hkv=2, seed=0, **kw):
+    torch.manual_seed(seed)
+    kc, vc = make_codec(k_method, "k", G, **kw), make_codec(v_method, "v", G, **kw)
+    S = max(n_tail, G) + G              # storage larger than the tail: reads stop at n_tail
+    ks, vs = kc.alloc(Hkv, D, S), vc.alloc(Hkv, D, S)
+    if n_tail:
+        kc.pack(ks, torch.randn(Hkv, n_tail, D) * 2, 0)
+        vc.pack(vs, torch.randn(Hkv, n_tail, D), 0)
+    wdt = BF16 if dtype == BF16 else F16                                 # the arena's window dtypes
+    kw_, vw = (torch.randn(1, Hkv, W, D).to(wdt) for _ in range(2))
+    kn, vn = (torch.randn(1, Hkv, T, D).to(dtype) for _ in range(2))
+    q = torch.randn(1, Hkv * Gq, T, D).to(dtype)
+    return q, (kc, ks), (vc, vs), n_tail, kw_, vw, kn, vn
+
+
+def _dequantized_reference(q, kt, vt, n_tail, kw, vw, kn, vn):
+    (kc, ks), (vc, vs) = kt, vt
+    kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0].float()
+    vd = vc.dequant(vs, 0, n_tail)[None] if n_tail else vn[:, :, :0].float()
+    K = torch.cat([kd, kw.float(), kn.float()], 2)
+    V = torch.cat([vd, vw.float(), vn.float()], 2)
+    return dense_attention(q.float(), K, V, K.shape[2] - q.shape[2]).to(q.dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_matches_dequantized_and_torch(case):
+    args = _setup(*case)
+    q = args[0]
+    out = tri.decode_attention(*args, split=SPLIT)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, _dequantized_reference(*args), **EXACT_TOL[q.dtype])
+    ref = torch_attention(*args, block=64)
+    packed = args[3] and not {case[0], case[1]} <= {"fp16", "bf16"}
+    assert_close(out.float(), ref.float(), **(PACKED_TOL if packed else EXACT_TOL[q.dtype]))
+
+
+@pytest.mark.parametrize("kv", [("tada-4", "tada-2"), ("tada-8", "kivi-2")])
+def test_tada_int8_means(kv):
+    args = _setup(*kv, 3, 64, 160, 9, 1, F16, tada_mu="int8")
+    assert_close(tri.decode_attention(*args, split=SPLIT), _dequantized_reference(*args),
+                 **EXACT_TOL[F16])
+
+
+def test_split_size_does_not_change_the_result():
+    args = _setup("kivi-2", "tada-4", 3, 64, 224, 7, 1, F32)
+    a = tri.decode_attention(*args, split=32)          # 7 tail parts
+    b = tri.decode_attention(*args, split=256)         # 1 tail part
+    c = tri.decode_attention(*args)                    # the launcher's default split
+    assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_close(a, c, atol=1e-6, rtol=1e-5)
+
+
+def test_new_tokens_are_causal():
+    """Changing a later new token must not change an earlier query's output."""
+    q, kt, vt, n, kw, vw, kn, vn = _setup("tada-4", "kivi-4", 3, 64, 64, 8, 6, F32)
+    a = tri.decode_attention(q, kt, vt, n, kw, vw, kn, vn)
+    kn2, vn2 = kn.clone(), vn.clone()
+    kn2[:, :, 4:] += 5.0
+    vn2[:, :, 4:] -= 3.0
+    b = tri.decode_attention(q, kt, vt, n, kw, vw, kn2, vn2)
+    assert_close(a[:, :, :4], b[:, :, :4], atol=1e-6, rtol=0)
+    assert (a[:, :, 4:] - b[:, :, 4:]).abs().max() > 1e-2
+
+
+def test_bad_shapes_are_refused():
+    q, kt, vt, n, kw, vw, kn, vn = _setup("fp16", "fp16", 3, 64, 32, 4, 2, F32)
+    with pytest.raises(ValueError, match="new K/V"):
+        tri.decode_attention(q, kt, vt, n, kw, vw, kn[:, :, :1], vn)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        tri.decode_attention(q[:, :5], kt, vt, n, kw, vw, kn, vn)
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+class _OddCodec(FpCodec):
+    """A codec class the Triton kernel does not know (stands for a future codec)."""
+
+
+def test_dispatch_backends(monkeypatch):
+    args = _setup("tada-2", "int8", 3, 64, 96, 5, 1, F32)
+    monkeypatch.delenv("KVRUN_BACKEND", raising=False)
+    assert backend_for(args[0]) == "torch"                       # CPU tensors → torch
+    by_default = dispatch_attention(*args, block=64)
+    assert torch.equal(by_default, torch_attention(*args, block=64))
+    monkeypatch.setenv("KVRUN_BACKEND", "triton")
+    assert backend_for(args[0]) == "triton"
+    assert torch.equal(dispatch_attention(*args, block=64), tri.decode_attention(*args))
+    assert not torch.equal(dispatch_attention(*args, block=64), by_default)  # fp32 vs bf16 products
+    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    assert torch.equal(dispatch_attention(*args, block=64), by_default)
+    monkeypatch.setenv("KVRUN_BACKEND", "cuda")
+    with pytest.raises(BackendError, match="KVRUN_BACKEND"):
+        backend_for(args[0])
+    monkeypatch.setenv("KVRUN_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
+        backend_for(args[0])
+
+
+def test_dispatch_falls_back_for_unknown_codecs(monkeypatch):
+    q, kt, vt, n, kw, vw, kn, vn = _setup("fp16", "fp16", 3, 64, 64, 5, 1, F32)
+    odd = _OddCodec("k", G)
+    assert not tri.supports(odd)
+    with pytest.raises(ValueError, match="does not read"):
+        tri.decode_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn)
+    monkeypatch.setenv("KVRUN_BACKEND", "triton")
+    out = dispatch_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn, block=64)
+    assert torch.equal(out, torch_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn, block=64))
+
+
+def test_dispatch_leaves_attention_mass_to_torch(monkeypatch):
+    """Eviction's attention-mass output is a torch-path feature: asking for it runs torch."""
+    q, kt, vt, n, kw, vw, kn, vn = _setup("kivi-4", "tada-4", 3, 64, 64, 5, 1, F32)
+    monkeypatch.setenv("KVRUN_BACKEND", "triton")
+    m1, m2 = (torch.zeros(q.shape[1], n + kw.shape[2] + 1) for _ in range(2))
+    out = dispatch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m1)
+    assert torch.equal(out, torch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m2))
+    assert torch.equal(m1, m2) and m1.sum() > 0
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypatch):
+    """Greedy decode of a tiny model (D 64, GQA 2:1, two layers, K tada-4 / V kivi-2, window
+    32) with the arena's attention on the Triton kernel vs the torch path: same tokens.
+    The 78-token prompt puts 32 tokens in the compressed tail after prefill, and the decode
+    flushes 32 more."""
+    import kvrun
+    from kvrun.runtime.kv.config import parse_kv
+    from tiny import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2,
+                               intermediate_size=256)
+    calls = []
+    real = tri.decode_attention
+
+    def counting(*a, **k):
+        calls.append(a[3])                                        # n_tail of each call
+        return real(*a, **k)
+
+    monkeypatch.setattr(tri, "decode_attention", counting)
+    prompt = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs."
+    tokens = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVRUN_BACKEND", backend)
+        model = kvrun.load(path, dtype="fp32", ctx=256,
+                           kv=parse_kv("tada-4/kivi-2", residual=32, group=32))
+        ids = model.tokenize(prompt)
+        assert len(ids) == 78
+        tokens[backend] = [ev.token_id for ev in model.stream(ids, 24, temp=0)
+                           if ev.token_id is not None]
+    assert len(tokens["torch"]) == 24 and len(set(tokens["torch"])) > 3   # not a constant
+    assert tokens["triton"] == tokens["torch"]
+    assert calls and max(calls) == 64                             # the tail was read by Triton

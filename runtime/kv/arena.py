@@ -33,7 +33,7 @@ import torch
 
 from ...kernels.codec_base import COMPONENTS
 from ...kernels.codecs import make_codec
-from ...kernels.decode_attention import decode_attention
+from ...kernels.dispatch import decode_attention           # Triton on CUDA, torch on CPU
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies

@@ -222,3 +222,44 @@ def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypat
     assert len(tokens["torch"]) == 24 and len(set(tokens["torch"])) > 3   # not a constant
     assert tokens["triton"] == tokens["torch"]
     assert calls and max(calls) == 64                             # the tail was read by Triton
+
+
+# -- bytes moved (the roofline of tools/roofline.py) -------------------------------------------
+
+def test_bytes_per_step_counts_every_packed_byte_once():
+    from kvrun.kernels.triton.decode_attention import bytes_per_step
+    H, Hkv, D, n, W = 64, 8, 128, 32640, 128
+    fp = make_codec("fp16", "k", G), make_codec("fp16", "v", G)
+    b = bytes_per_step(*fp, H, Hkv, D, n, W)
+    assert b["tail_k"] == b["tail_v"] == n * Hkv * D * 2                # (Hkv, S, D) fp16
+    assert b["window"] == 2 * W * Hkv * D * 2
+    n_parts = 33 + 4 + 1                    # tail: 264 / Hkv programs; window: 4 tiles; new: 1
+    assert b["parts"] == 2 * n_parts * Hkv * (H // Hkv) * (D + 1) * 4
+    kv = make_codec("kivi-4", "k", G), make_codec("kivi-2", "v", G)
+    c = bytes_per_step(*kv, H, Hkv, D, n, W)
+    # KIVI K: 4-bit codes + fp16 (scale, zero) per channel per 32 tokens
+    assert c["tail_k"] == n * Hkv * D * (0.5 + 4 / G)
+    # KIVI V: 2-bit codes in the nibble layout + fp16 (scale, zero) per 32 channels
+    assert c["tail_v"] == n * Hkv * (D * 0.25 + 4 * D // 32)
+    # TaDA: μ once per token (not per head)
+    t = bytes_per_step(make_codec("tada-4", "k", G), make_codec("fp16", "v", G), H, Hkv, D, n, W)
+    assert t["tail_k"] == n * (Hkv * (D * 0.5 + 4) + D * 2)
+
+
+def test_roofline_tool_prints_a_row_per_method(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "roofline.py"
+    spec = importlib.util.spec_from_file_location("roofline", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--geometry", "llama-3.1-70b", "--ctx", "32k", "--kv", "fp16", "kivi-4/kivi-2",
+               "tada-2"])
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out[2:]}
+    assert set(rows) == {"fp16", "kivi-4/kivi-2", "tada-2"}
+    fp16_mib = float(rows["fp16"][5])
+    assert abs(fp16_mib - (2 * 32768 * 8 * 128 * 2 + 2 * 38 * 8 * 8 * 129 * 4
+                           + 2 * 128 * (2 * 64 + 2 * 8)) / 2**20) < 0.01
+    assert abs(float(rows["fp16"][6]) - fp16_mib * 2**20 / 3.35e12 * 1e6) < 0.1   # µs at H100 bw
+    assert float(rows["kivi-4/kivi-2"][5]) < float(rows["tada-2"][5]) < fp16_mib

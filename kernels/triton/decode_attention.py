@@ -23,14 +23,15 @@ two >= D, BLOCK_R = next power of two >= R clamped to [16, 64] (16: the smallest
 tile). Split size: chosen so Hkv * n_splits ≈ 264 programs (2 per H100 SM), in whole
 BLOCK_N tiles; tails not a multiple of it end in a partial split.
 
-Bytes per decode step (T = 1), one layer: every packed byte of the tail once per KV head
-program — n_tail * bytes_per_token(K codec + V codec) (TaDA's μ_t is shared by the Hkv
-programs of a split, which run adjacently because the head is the fastest grid axis, so
-it comes from HBM once and from L2 for the others); window 2 * W * Hkv * D * 2 bytes;
-q, new K/V and output O(H * D); parts 2 * n_parts * Hkv * R * (D + 1) * 4 (write + read).
-Llama-3.1-70B attention (H 64, Hkv 8, D 128) at 32k tokens, R 128: fp16 reads 128 MiB
-per layer per step, kivi-4 ≈ 36 MiB, tada-4 ≈ 35 MiB; the parts add ~2 MiB
-(tools/roofline.py prints the full table and the implied time at a given bandwidth).
+Bytes per decode step (T = 1), one layer (`bytes_per_step`): read every packed byte of the
+tail once — n_tail * bytes_per_token(K codec + V codec); TaDA's μ_t is shared by the Hkv
+programs of a split, which run adjacently (the head is the fastest grid axis), so it comes
+from HBM once and from L2 for the others — plus the window 2 * W * Hkv * D * 2, q, new K/V
+and the output (written) 2 * D * (2H + 2Hkv), and the split-K partials, written by stage 1
+and read by stage 2: 2 * n_parts * Hkv * R * (D + 1) * 4. Llama-3.1-70B attention (H 64,
+Hkv 8, D 128, R 8) at 32k tokens (window 128, 38 parts): fp16 130.4 MiB (40.8 µs at
+3.35 TB/s), int8 67.7 MiB, kivi-4 42.8 MiB (13.4 µs), kivi-2 26.8 MiB (8.4 µs), tada-4
+52.7 MiB, gear-l 62.7 MiB, of which the partials are 2.4 MiB (tools/roofline.py).
 
 Precision: dequantization and accumulation in fp32; on GPU tl.dot takes fp32 operands as
 tf32 (10-bit mantissa — finer than the bf16 rounding of the torch path's packed products);
@@ -70,10 +71,13 @@ def _stage1_kernel(
         part0, n_tok, split, T, Gq, R, D, qk_scale,
         CAUSAL: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
-        K_RANK: tl.constexpr, K_K2: tl.constexpr, K_BYTES: tl.constexpr,
+        K_RANK: tl.constexpr, K_K2: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
-        V_RANK: tl.constexpr, V_K2: tl.constexpr, V_BYTES: tl.constexpr,
+        V_RANK: tl.constexpr, V_K2: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (Hkv, n_splits, cdiv(R, BLOCK_R)); tiles (BLOCK_R rows, BLOCK_N tokens, BLOCK_D).
+    Reads its split's packed K/V bytes once (Llama-3.1-70B, 32k, kivi-4: 1.2 MiB per program
+    of 33 x 8) and its BLOCK_R query rows; writes BLOCK_R * (BLOCK_D + 1) fp32."""
     h = tl.program_id(0)
     sp = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BR,) rows (g, t)
@@ -99,7 +103,7 @@ def _stage1_kernel(
         k = dequant_tile(KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,
                          k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
                          h, t[:, None], d[None, :], tm, msk, D,
-                         K_KIND, K_BITS, False, K_MU8, K_RANK, K_K2, K_BYTES)    # (BN, BD)
+                         K_KIND, K_BITS, False, K_MU8, K_RANK, K_K2)    # (BN, BD)
         s = tl.dot(q, tl.trans(k))                                      # (BR, BN)
         ok = t_ok[None, :]
         if CAUSAL:
@@ -114,7 +118,7 @@ def _stage1_kernel(
         v = dequant_tile(VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,
                          v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
                          h, t[:, None], d[None, :], tm, msk, D,
-                         V_KIND, V_BITS, True, V_MU8, V_RANK, V_K2, V_BYTES)     # (BN, BD)
+                         V_KIND, V_BITS, True, V_MU8, V_RANK, V_K2)     # (BN, BD)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     # -- this part's normalized output and log-sum-exp (rows that saw no token: lse -inf) ----
@@ -132,6 +136,8 @@ def _stage2_kernel(MID_O, MID_L,                                        # (P, Hk
                    O, so_h, so_t, so_d,                                 # (1, H, T, D)
                    n_parts, T, Gq, R, D,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (Hkv, cdiv(R, BLOCK_R)); reads n_parts * BLOCK_R * (BLOCK_D + 1) fp32 partials,
+    writes BLOCK_R * D outputs (Llama-3.1-70B, 32k: 38 parts, 1.2 MiB read in all)."""
     h = tl.program_id(0)
     Hkv = tl.num_programs(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -169,7 +175,7 @@ def supports(codec) -> bool:
 
 
 def _codec_args(codec, st: dict, D: int):
-    """(9 tensors, 9 ints, (KIND, BITS, MU8, RANK, K2, KBYTES)) for dequant_tile."""
+    """(9 tensors, 9 ints, (KIND, BITS, MU8, RANK, K2)) for dequant_tile."""
     kind = (GEAR if isinstance(codec, GearCodec) else KIVI if isinstance(codec, KiviCodec)
             else TADA if isinstance(codec, TadaCodec) else INT8 if isinstance(codec, Int8Codec)
             else FP)
@@ -182,23 +188,22 @@ def _codec_args(codec, st: dict, D: int):
     la, lb = st.get("lr_a", x), st.get("lr_b", x)
     oi, ov = st.get("out_idx", x), st.get("out_val", x)
     # nibble (Hkv, planes, blocks, ·, 32): strides (head, plane, block); chanpack K bytes
-    # (Hkv, D, S*b/8) uint8: (head, channel); KIVI K words (Hkv, S/P, D) int32: head only
-    kbytes = kind in (KIVI, GEAR) and codec.role == "k" and x.dtype == torch.uint8
-    s_p, s_b = ((x.stride(1), x.stride(2)) if x.dim() == 5 else (0, x.stride(1)) if kbytes
-                else (0, 0))
+    # (Hkv, D, S*b/8): (head, channel)
+    assert x.dtype == torch.uint8 and x.dim() in (3, 5), f"{codec}: unknown code layout {x.shape}"
+    s_p, s_b = (x.stride(1), x.stride(2)) if x.dim() == 5 else (0, x.stride(1))
     ints = [x.stride(0), s_p, s_b, sc.stride(0), codec.G, getattr(codec, "g", 1),
             la.stride(0), lb.stride(0), oi.stride(0)]
     bits = 8 if kind == INT8 else codec.bits
     mu8 = kind == TADA and codec.mu == "int8"
     rank = codec.rank if kind == GEAR else 0
     k2 = 2 * codec._k(D) if kind == GEAR and codec.sparsity else 0
-    return [x, sc, zp, mu, mus, la, lb, oi, ov], ints, (kind, bits, mu8, rank, k2, kbytes)
+    return [x, sc, zp, mu, mus, la, lb, oi, ov], ints, (kind, bits, mu8, rank, k2)
 
 
 def _fp_args(x: torch.Tensor):
     """A (Hkv, S, D) full-precision tensor (channel stride 1) as an FP 'codec'."""
     assert x.stride(-1) == 1, "full-precision K/V need a unit channel stride"
-    return [x] * 9, [x.stride(0), 0, x.stride(1), 0, 1, 1, 0, 0, 0], (FP, 16, False, 0, 0, False)
+    return [x] * 9, [x.stride(0), 0, x.stride(1), 0, 1, 1, 0, 0, 0], (FP, 16, False, 0, 0)
 
 
 def _n_splits(n: int, Hkv: int, split: int | None) -> tuple[int, int]:
@@ -207,6 +212,23 @@ def _n_splits(n: int, Hkv: int, split: int | None) -> tuple[int, int]:
         split = -(-(-(-n // want)) // BLOCK_N) * BLOCK_N
     assert split > 0 and split % BLOCK_N == 0, f"split {split} must be a multiple of {BLOCK_N}"
     return -(-n // split), split
+
+
+def bytes_per_step(k_codec, v_codec, H: int, Hkv: int, D: int, n_tail: int, W: int,
+                   T: int = 1, act_bytes: int = 2, split: int | None = None) -> dict[str, float]:
+    """Memory traffic of one decode_attention call by item (bytes): the roofline of this
+    kernel. Tail: every packed byte once (codec.bytes_per_token, exact; TaDA's μ counted
+    once per token — see the module docstring). Window: fp16/bf16 K and V. io: q, new K/V
+    and the output at `act_bytes` each. parts: stage 1 writes and stage 2 reads the fp32
+    (o, lse) of every (part, KV head, row)."""
+    R = (H // Hkv) * T
+    n_parts = (_n_splits(n_tail, Hkv, split)[0] if n_tail else 0) + (_n_splits(W, Hkv, None)[0]
+                                                                     if W else 0) + _n_splits(T, Hkv, None)[0]
+    return {"tail_k": n_tail * sum(k_codec.bytes_per_token(Hkv, D).values()),
+            "tail_v": n_tail * sum(v_codec.bytes_per_token(Hkv, D).values()),
+            "window": 2.0 * W * Hkv * D * 2,
+            "io": float(act_bytes * D * T * (2 * H + 2 * Hkv)),
+            "parts": 2.0 * n_parts * Hkv * R * (D + 1) * 4}
 
 
 def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,

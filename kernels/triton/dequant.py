@@ -7,12 +7,10 @@ the definition of what the bytes mean and tests/test_triton_kernels.py checks ag
 
 - nibble layouts (int8, TaDA deviations, KIVI V codes): uint8 bytes holding two 4-bit codes
   (or four 2-bit codes); token-major for K (W rows = tokens), channel-major for V;
-- pack_codes words (TaDA's int8 means; KIVI K codes before chanpack.py): int32 words holding
-  32/b codes of consecutive token planes of a G-token block, top plane stored two's
-  complement;
+- pack_codes words (TaDA's int8 means): int32 words holding 32/b codes of consecutive token
+  planes of a G-token block, top plane stored two's complement;
 - chanpack byte planes (KIVI / GEAR K codes): per (head, channel) a row of bytes, runs of
-  32 tokens in successive bit fields. Both KIVI K layouts are read (chosen from the storage
-  dtype), so the kernel follows whichever the torch codec writes.
+  32 tokens in successive bit fields.
 
 A codec is described to the kernel by one KIND constexpr and a fixed argument bundle (see
 decode_attention._codec_args); unused pointers are dummies and never dereferenced.
@@ -83,11 +81,9 @@ def dequant_tile(X, SC, ZP, MU, MUS, LA, LB, OI, OV,
                  s_h, s_p, s_b, sc_h, G, VG, la_h, lb_h, o_h,
                  h, t, d, tmask, mask, D,
                  KIND: tl.constexpr, BITS: tl.constexpr, CHAN: tl.constexpr,
-                 MU8: tl.constexpr, RANK: tl.constexpr, K2: tl.constexpr,
-                 KBYTES: tl.constexpr):
+                 MU8: tl.constexpr, RANK: tl.constexpr, K2: tl.constexpr):
     """x̂ (N, BD) float32 for tail tokens t (N, 1) of KV head h, channels d (1, BD);
-    0 where `mask` is false. CHAN selects the V orientation (K otherwise); KBYTES: KIVI K
-    codes in chanpack's byte planes instead of pack_codes words."""
+    0 where `mask` is false. CHAN selects the V orientation (K otherwise)."""
     if KIND == 0:
         # -- FP: (Hkv, S, D) fp16/bf16 (or a window view), head stride s_h, token stride s_b
         x = tl.load(X + h * s_h + t * s_b + d, mask=mask, other=0.0).to(tl.float32)
@@ -115,10 +111,7 @@ def dequant_tile(X, SC, ZP, MU, MUS, LA, LB, OI, OV,
             c = _nibble_codes(X, h, t, d, mask, s_h, s_p, s_b, BITS, CHAN)
             soff = h * sc_h + t * (D // VG) + d // VG
         else:
-            if KBYTES:
-                c = _chanpack_codes(X + h * s_h, t, d, mask, s_b, BITS)
-            else:
-                c = _word_codes(X + h * s_h, t, d, mask, G, D, BITS)
+            c = _chanpack_codes(X + h * s_h, t, d, mask, s_b, BITS)
             soff = h * sc_h + (t // G) * D + d
         s = tl.load(SC + soff, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(ZP + soff, mask=mask, other=0.0).to(tl.float32)

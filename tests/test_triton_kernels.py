@@ -62,6 +62,8 @@ CASES = [
     ("fp16", "tada-4", 3, 128, 96, 12, 1, F32),
     ("gear-l-2", "int8", 3, 64, 160, 2, 1, F16),
     ("tada-8", "kivi-4", 8, 128, 224, 50, 5, BF16),
+    # a prefill chunk: R = Gq*T = 90 rows, two row blocks of 64
+    ("kivi-4", "tada-2", 3, 64, 96, 10, 30, F16),
     # no tail: window only / new tokens only
     ("kivi-2", "kivi-2", 3, 64, 0, 30, 1, F16),
     ("fp16", "fp16", 8, 128, 0, 0, 6, BF16),
@@ -130,6 +132,17 @@ def test_new_tokens_are_causal():
     b = tri.decode_attention(q, kt, vt, n, kw, vw, kn2, vn2)
     assert_close(a[:, :, :4], b[:, :, :4], atol=1e-6, rtol=0)
     assert (a[:, :, 4:] - b[:, :, 4:]).abs().max() > 1e-2
+
+
+def test_strided_inputs():
+    """q as the model produces it (a transposed (1, T, H, D) view) and a window that is a
+    slice of a larger ring, like the arena's."""
+    q, kt, vt, n, kw, vw, kn, vn = _setup("int8", "kivi-2", 3, 64, 96, 9, 3, F16)
+    qs = q.transpose(1, 2).contiguous().transpose(1, 2)                 # (1, H, T, D) strided
+    ring_k, ring_v = (torch.randn(1, 2, 64, 64).half() for _ in range(2))
+    ring_k[:, :, :9], ring_v[:, :, :9] = kw, vw
+    out = tri.decode_attention(qs, kt, vt, n, ring_k[:, :, :9], ring_v[:, :, :9], kn, vn)
+    assert torch.equal(out, tri.decode_attention(q, kt, vt, n, kw, vw, kn, vn))
 
 
 def test_bad_shapes_are_refused():

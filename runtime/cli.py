@@ -58,11 +58,14 @@ def kv_options(f):
     """--kv and its refinements; they build one KVConfig (see runtime/kv/config.py)."""
     f = click.option("--kv", default="fp16", show_default=True,
                      help="KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, "
-                          "tada-2/4/8, gear-l, gear; or K/V like kivi-4/kivi-2.")(f)
+                          "tada-2/4/8, gear-l, gear; or K/V like kivi-4/kivi-2; suffixes "
+                          "@N (groups of N) and +rot (Hadamard rotation).")(f)
     f = click.option("--kv-k", default=None, help="Method for K only.")(f)
     f = click.option("--kv-v", default=None, help="Method for V only.")(f)
     f = click.option("--kv-residual", default=None, type=int, help="Full-precision window R (default 128).")(f)
     f = click.option("--kv-group", default=None, type=int, help="Token group / flush block G (default 32).")(f)
+    f = click.option("--kv-vgroup", default=None, type=int,
+                     help="Channels per V scale group g for per-token V (default 32).")(f)
     f = click.option("--kv-rank", default=None, type=int, help="GEAR low-rank rank r (default 4).")(f)
     f = click.option("--kv-profile", default=None, type=click.Path(), help="Per-layer profile JSON.")(f)
     f = click.option("--ctx-policy", default=None, type=click.Choice(["error", "shift"]),
@@ -72,10 +75,39 @@ def kv_options(f):
                      help="Hadamard-rotate K and/or V along the head dim before quantizing.")(f)
     f = click.option("--kv-rotate-seed", default=None, type=int,
                      help="Random ±1 signs on the rotation (seeded).")(f)
+    f = eviction_options(f)
     f = click.option("--kv-budget-mb", default=None, type=float,
                      help="Pick the best shipped/searched KV configuration that fits this many MiB "
                           "at -c tokens (overrides --kv).")(f)
     return f
+
+
+def eviction_options(f):
+    """Token eviction (runtime/kv/evict.py); combinable with any --kv method."""
+    from .kv.evict import ANCHORS, POLICIES
+    f = click.option("--evict", default=None,       # checked by KVConfig: a one-line error
+                     help=f"Token-eviction policy: {', '.join(POLICIES[1:])} (needs --kv-budget).")(f)
+    f = click.option("--kv-budget", default=None, type=int,
+                     help="Tokens kept per layer with --evict, window included (mean for pyramidkv).")(f)
+    f = click.option("--sinks", default=None, type=int, help="streaming: first tokens kept (default 4).")(f)
+    f = click.option("--snap-window", default=None, type=int,
+                     help="snapkv/pyramidkv/kvcrush: observation queries (default 32).")(f)
+    f = click.option("--crush-fraction", default=None, type=float,
+                     help="kvcrush: budget share of representatives (default 0.25).")(f)
+    f = click.option("--crush-anchor", default=None, type=click.Choice(ANCHORS),
+                     help="kvcrush: Hamming anchor (default random).")(f)
+    return f
+
+
+EVICT_FLAGS = (("evict", "evict"), ("kv_budget", "budget"), ("sinks", "sinks"),
+               ("snap_window", "snap_window"), ("crush_fraction", "crush_fraction"),
+               ("crush_anchor", "crush_anchor"))
+
+
+def eviction_fields(kw) -> dict:
+    """KVConfig fields from the eviction flags in `kw` (consumed; unset ones omitted)."""
+    got = {f: kw.pop(o, None) for o, f in EVICT_FLAGS}
+    return {f: x for f, x in got.items() if x is not None}
 
 
 def kv_config(kw, spec: str | None = None):
@@ -83,12 +115,13 @@ def kv_config(kw, spec: str | None = None):
     from .kv.config import parse_kv
     spec = kw.pop("kv") if spec is None else spec
     opts = {f: kw.pop(o) for o, f in (("kv_residual", "residual"), ("kv_group", "group"),
+                                       ("kv_vgroup", "v_group"),
                                        ("kv_rank", "rank"), ("ctx_policy", "ctx_policy"),
                                        ("keep", "n_keep"), ("kv_rotate", "rotate"),
                                        ("kv_rotate_seed", "rotate_seed"))}
     k, v, profile = kw.pop("kv_k"), kw.pop("kv_v"), kw.pop("kv_profile")
     kw.pop("kv_budget_mb", None)
-    opts = {f: x for f, x in opts.items() if x is not None}
+    opts = {f: x for f, x in opts.items() if x is not None} | eviction_fields(kw)
     if spec == "fp32" and not (opts or k or v or profile):
         return "fp32"
     return parse_kv(spec, k=k, v=v, profile=profile, **opts)

@@ -23,6 +23,11 @@ double quantization of those tokens (K rotated and re-quantized; V re-quantized 
 own reconstruction, which for RTN min-max per token is nearly idempotent), once every
 ~ctx/2 generated tokens.
 
+Token eviction (`KVConfig.evict`, DESIGN §5) is the third policy: the tail is allocated for
+the budget instead of max_ctx and arena_evict.ArenaEviction takes over the append path
+(per-KV-head token sets, dirty blocks re-packed in place; see that module). Positions stay
+absolute (`seq_len`), so n_tail + n_win + evicted == seq_len.
+
 Interrupted forwards (Ctrl-C between layers) leave layers at different lengths;
 `truncate(seq_len)` makes them consistent again (it may have to keep fewer tokens if a
 layer already flushed: it falls back to the last whole tail block and returns the count).
@@ -37,6 +42,7 @@ from ...kernels.dispatch import decode_attention           # Triton on CUDA, tor
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies
+from .arena_evict import ArenaEviction, tail_sizes
 from .cache import KV_DTYPES, DenseKVCache
 from .config import KVConfig, parse_kv
 
@@ -65,18 +71,19 @@ class KVArena:
     """Preallocated window + compressed tail for `max_ctx` tokens, all layers."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-                 kv: KVConfig, inv_freq: torch.Tensor, device="cpu"):
+                 kv: KVConfig, inv_freq: torch.Tensor, device="cpu", n_heads: int | None = None):
         kv.check_model(head_dim, n_layers)
         self.L, self.Hkv, self.D, self.max_ctx, self.kv = n_layers, n_kv_heads, head_dim, max_ctx, kv
         self.R, self.G = kv.residual, kv.group
-        self.S = tail_capacity(max_ctx, self.R, self.G)
+        self.S_l = tail_sizes(kv, n_layers, max_ctx)      # per-layer tail (eviction: budget)
+        self.S = max(self.S_l)
         self.inv_freq = inv_freq.to(torch.float64)                       # (D/2,)
         self.layer_methods = kv.layer_methods(n_layers)
         get = _codec_factory(kv)
         self.k_codecs = [get(k, "k") for k, _ in self.layer_methods]
         self.v_codecs = [get(v, "v") for _, v in self.layer_methods]
-        self.k_store = [c.alloc(n_kv_heads, head_dim, self.S, device) for c in self.k_codecs]
-        self.v_store = [c.alloc(n_kv_heads, head_dim, self.S, device) for c in self.v_codecs]
+        self.k_store = [c.alloc(n_kv_heads, head_dim, S, device) for c, S in zip(self.k_codecs, self.S_l)]
+        self.v_store = [c.alloc(n_kv_heads, head_dim, S, device) for c, S in zip(self.v_codecs, self.S_l)]
         self.wdtype = window_dtype(kv)
         wshape = (n_layers, n_kv_heads, self.R + self.G, head_dim)        # (L, Hkv, R+G, D)
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
@@ -92,6 +99,7 @@ class KVArena:
         self.n_win = [0] * n_layers           # window tokens per layer
         self.seq_len = 0
         self.n_shifts = 0
+        self.ev = (ArenaEviction(self, n_heads or n_kv_heads) if kv.evict != "none" else None)
 
     # -- the cache interface -----------------------------------------------------------------
     def positions(self, T: int) -> torch.Tensor:
@@ -114,10 +122,13 @@ class KVArena:
         if rv is not None:                          # P·V = (P·(VR))·Rᵀ
             v = rotate(v.float(), rv)
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
+        mass, mass_from = self.ev.mass_buffer(layer, k.shape[2]) if self.ev else (None, 0)
         o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
                              (self.v_codecs[layer], self.v_store[layer]), nt,
                              self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
-                             k, v, block=self.kv.block)
+                             k, v, block=self.kv.block, mass=mass, mass_from=mass_from)
+        if self.ev:
+            self.ev.after_attend(layer, mass, k.shape[2])
         self._append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
@@ -138,13 +149,16 @@ class KVArena:
 
     def commit(self, T: int) -> None:
         self.seq_len += T
-        assert all(nt + w == self.seq_len for nt, w in zip(self.n_tail, self.n_win)), \
+        drop = self.ev.n_drop if self.ev else [0] * self.L               # evicted tokens
+        assert all(nt + w + d == self.seq_len for nt, w, d in zip(self.n_tail, self.n_win, drop)), \
             "a layer was skipped: call truncate(seq_len) after an interrupted forward"
 
     def truncate(self, n: int) -> int:
         """Keep the first n tokens if possible; returns how many were kept (a multiple of G
         when a layer had already flushed past n). Also repairs layers left inconsistent."""
         assert 0 <= n <= self.seq_len, (n, self.seq_len)
+        if self.ev:
+            return self.ev.truncate(n)
         kept = n
         for nt in self.n_tail:
             if n < nt:
@@ -161,13 +175,15 @@ class KVArena:
         self.n_tail = [0] * self.L
         self.n_win = [0] * self.L
         self.seq_len = 0
+        if self.ev:
+            self.ev.reset()
 
     def nbytes(self) -> dict[str, int]:
         """Exact bytes of every allocated tensor, by component."""
         out = dict.fromkeys(COMPONENTS, 0)
         for codecs, stores in ((self.k_codecs, self.k_store), (self.v_codecs, self.v_store)):
-            for c, st in zip(codecs, stores):
-                for s in c.slots(self.Hkv, self.D, self.S):
+            for c, st, S in zip(codecs, stores, self.S_l):
+                for s in c.slots(self.Hkv, self.D, S):
                     out[s.component] += st[s.name].nbytes
         out["window"] += self.win_k.nbytes + self.win_v.nbytes
         return out
@@ -179,6 +195,8 @@ class KVArena:
     # -- window → tail ---------------------------------------------------------------------------
     def _append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append k, v: (Hkv, T, D) (window dtype) to layer l, flushing whole blocks of G."""
+        if self.ev:
+            return self.ev.append(l, k, v)
         w, T = self.n_win[l], k.shape[1]
         total = w + T
         if total < self.R + self.G:
@@ -190,7 +208,7 @@ class KVArena:
         seq_k = torch.cat([self.win_k[l, :, :w], k], 1)                 # (Hkv, w+T, D), transient
         seq_v = torch.cat([self.win_v[l, :, :w], v], 1)
         nt = self.n_tail[l]
-        assert nt + f <= self.S, (nt, f, self.S)
+        assert nt + f <= self.S_l[l], (nt, f, self.S_l[l])
         kc, vc = self.k_codecs[l], self.v_codecs[l]
         for c0 in range(0, f, self.kv.block):
             c1 = min(f, c0 + self.kv.block)
@@ -266,7 +284,8 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
         return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
                             KV_DTYPES[kv.k_method], device=device)
     inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device)
+    return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
+                   n_heads=cfg.num_heads)
 
 
 def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
@@ -279,9 +298,8 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
     if kv.is_dense:
         out["window"] = 2 * L * Hkv * n_tokens * D * torch.empty((), dtype=KV_DTYPES[kv.k_method]).element_size()
         return {"window": out["window"]}
-    S = tail_capacity(n_tokens, kv.residual, kv.group)
     get = _codec_factory(kv)
-    for km, vm in kv.layer_methods(L):
+    for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):
         for c in (get(km, "k"), get(vm, "v")):
             for s in c.slots(Hkv, D, S):
                 out[s.component] += s.nbytes

@@ -194,7 +194,10 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
              profile=None, **fields) -> KVConfig:
     """KVConfig from a --kv spec ("tada-4", or "K/V" like "kivi-4/kivi-2"), optional
     --kv-k / --kv-v overrides, an optional per-layer profile file, and any KVConfig field.
-    A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one).
+    A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one);
+    an "@N" suffix sets both quantization groups to N ("kivi-4@64+rot": K scales per 64
+    tokens, V scales per 64 channels), so methods with different groups can be compared
+    side by side in one `kvrun ppl` / `kvrun bench` run.
 
     The specs "auto" (the shipped profile for the embedded model) and "profile:PATH" name a
     profile; its "kv" settings (window, groups …) apply unless given in `fields`."""
@@ -206,6 +209,12 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
             raise KvrunError(f"--kv {spec!r}: unknown suffix '+{rot}' (use +rot, +rot-k or +rot-v)")
         spec = base
         fields.setdefault("rotate", kinds[rot])
+    if "@" in spec:
+        spec, _, g = spec.partition("@")
+        if not g.strip().isdigit() or int(g) < 1:
+            raise KvrunError(f"--kv {spec}@{g}: the group after '@' must be a positive integer")
+        fields.setdefault("group", int(g))
+        fields.setdefault("v_group", int(g))
     auto = spec == "auto"
     if auto or spec.startswith("profile:"):
         if profile is not None:

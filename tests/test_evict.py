@@ -1,0 +1,307 @@
+"""Token eviction (runtime/kv/evict.py, runtime/kv/arena_evict.py).
+
+Policies are checked on hand-built attention patterns against their definitions; the arena
+is checked in lockstep against a reference cache that keeps every K/V and attends over
+exactly the tokens the arena reports kept, at their original positions (so a wrong RoPE
+position, a wrong slot gather or a lost token changes the logits)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.testing import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kvrun  # noqa: E402
+from kvrun.runtime.cli import main  # noqa: E402
+from kvrun.runtime.errors import KvrunError  # noqa: E402
+from kvrun.runtime.kv import parse_kv  # noqa: E402
+from kvrun.runtime.kv.arena import kv_bytes_at  # noqa: E402
+from kvrun.runtime.kv.evict import (crush_anchor, crush_bits, crush_buckets,  # noqa: E402
+                                    kvcrush_keep, pyramid_budgets, select, snapkv_pool)
+from tiny import make_tiny_model_dir  # noqa: E402
+
+
+def _pos(n, Hkv=2):
+    return torch.arange(n).expand(Hkv, n)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: thread start-up dominates, and the machine may be shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -- policies on hand-built patterns ------------------------------------------------------------
+
+def test_streaming_keeps_sinks_and_recent():
+    pos = torch.tensor([[9, 0, 5, 1, 7, 2, 8, 3, 6, 4]] * 2)            # slot order != position
+    keep = select("streaming", torch.zeros(4, 10), pos, 5, sinks=2)
+    assert sorted(pos[0, keep[0]].tolist()) == [0, 1, 7, 8, 9]
+    assert torch.equal(keep[0], keep[1])
+
+
+def test_h2o_keeps_the_heavy_hitter_and_recent():
+    H, Hkv, n = 4, 2, 12
+    score = torch.rand(H, n, generator=torch.Generator().manual_seed(0)) * 0.1
+    score[0:2, 3] = 5.0                 # KV head 0's group attends token 3 heavily
+    score[2:4, 6] = 5.0                 # KV head 1's group: token 6
+    score[:, 8] = 1.0                   # both: token 8
+    keep = select("h2o", score, _pos(n), 4, n_recent=2)
+    assert keep.tolist() == [[3, 8, 10, 11], [6, 8, 10, 11]]
+    # without a recent share it is exactly the top-k of the group sums
+    keep = select("h2o", score, _pos(n), 3, n_recent=0)
+    ref = score.view(2, 2, n).sum(1).topk(3, -1).indices.sort(-1).values
+    assert torch.equal(keep, ref)
+
+
+def test_snapkv_picks_the_pooled_top_k():
+    n = 20
+    score = torch.zeros(2, n)
+    score[0, 10] = 1.0                  # one peak: pooling (kernel 7) spreads it to 7..13
+    score[1, 2] = 0.5
+    score[1, 17] = 0.9
+    pooled = snapkv_pool(score, _pos(n))
+    assert pooled[0].nonzero()[:, 0].tolist() == list(range(7, 14))
+    keep = select("snapkv", score.repeat_interleave(2, 0) / 2, _pos(n), 7)
+    assert keep[0].tolist() == list(range(7, 14))
+    ref = pooled.topk(7, -1).indices.sort(-1).values
+    assert torch.equal(keep[0], ref[0])
+    # head 1: 17's neighbourhood 14..19 (6 tokens, clipped at the end) then 2's (0..5)
+    assert set(keep[1].tolist()) >= set(range(14, 20))
+    assert set(keep[1].tolist()) - set(range(14, 20)) <= set(range(0, 6))
+
+
+def test_snapkv_pools_in_position_order():
+    """Slots reused by eviction are not in position order: pooling must follow positions."""
+    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
+    pos = perm[None]
+    score = torch.zeros(1, 8)
+    score[0, (perm == 3).nonzero()[0, 0]] = 1.0                        # peak at position 3
+    pooled = snapkv_pool(score, pos, kernel=3)
+    hot = sorted(pos[0, pooled[0] > 0].tolist())
+    assert hot == [2, 3, 4]
+
+
+def test_pyramid_budgets_sum_and_decrease():
+    for total, L, unit in [(27 * 32 * 30, 30, 32), (3 * 16 * 4, 4, 16), (5 * 32 * 7, 7, 32)]:
+        b = pyramid_budgets(total, L, unit)
+        assert sum(b) == total and len(b) == L
+        assert all(x % unit == 0 and x >= unit for x in b)
+        assert all(x >= y for x, y in zip(b, b[1:])) and b[0] > b[-1]
+    assert pyramid_budgets(64, 1, 32) == [64]
+
+
+def test_kvcrush_buckets_are_distinct_and_ordered_by_distance():
+    g = torch.Generator().manual_seed(1)
+    n, H, n_rep = 101, 9, 10
+    bits = torch.rand(n, H, generator=g) < 0.5
+    anc = crush_anchor(bits, "alternate")
+    order, bucket, reps = crush_buckets(bits, anc, n_rep)
+    dist = (bits != anc).sum(-1)
+    assert sorted(order.tolist()) == list(range(n))
+    assert (dist[order][1:] >= dist[order][:-1]).all()                 # counting sort
+    assert sorted(bucket[reps].tolist()) == list(range(n_rep))          # one rep per bucket
+    sizes = torch.bincount(bucket, minlength=n_rep)
+    assert sizes.max() - sizes.min() <= 1                               # equal buckets
+    # a bucket never mixes a farther token before a nearer one
+    for b in range(n_rep - 1):
+        assert dist[bucket == b].max() <= dist[bucket == b + 1].min()
+
+
+@pytest.mark.parametrize("anchor", ["random", "mean", "alternate"])
+def test_kvcrush_keeps_base_plus_representatives(anchor):
+    g = torch.Generator().manual_seed(2)
+    H, Hkv, n, k = 6, 2, 64, 16
+    score = torch.rand(H, n, generator=g)
+    keep = kvcrush_keep(score, _pos(n, Hkv), Hkv, k, 0.25, anchor, base="h2o")
+    n_rep = 4
+    grp = score.view(Hkv, H // Hkv, n).sum(1)
+    bits = crush_bits(score, k - n_rep)
+    anc = crush_anchor(bits, anchor)
+    for h in range(Hkv):
+        base = set(grp[h].topk(k - n_rep).indices.tolist())
+        kept = keep[h].tolist()
+        assert len(set(kept)) == k and base <= set(kept)
+        reps = sorted(set(kept) - base)
+        cand = torch.tensor(sorted(set(range(n)) - base))
+        _, bucket, ref = crush_buckets(bits[cand], anc, n_rep)
+        assert reps == sorted(cand[ref].tolist())
+        assert len({int(bucket[(cand == r).nonzero()[0, 0]]) for r in reps}) == n_rep
+
+
+# -- the arena ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("ev") / "tiny")
+
+
+class KeptReference:
+    """Cache interface that stores every token's K/V (rounded like the arena's window) and
+    attends over the positions in `self.kept[layer]` (Hkv, n) plus the new tokens."""
+
+    def __init__(self, L, Hkv, D, n_max):
+        self.K = torch.zeros(L, Hkv, n_max, D)
+        self.V = torch.zeros(L, Hkv, n_max, D)
+        self.seq_len, self.kept = 0, None
+
+    def positions(self, T):
+        return torch.arange(self.seq_len, self.seq_len + T)
+
+    def attend(self, layer, q, k, v):
+        T, H, Hkv, D = q.shape[2], q.shape[1], k.shape[1], q.shape[3]
+        s = self.seq_len
+        self.K[layer, :, s:s + T] = k[0].half().float()
+        self.V[layer, :, s:s + T] = v[0].half().float()
+        out = torch.empty(1, H, T, D)
+        new = torch.arange(s, s + T)
+        for h in range(Hkv):
+            idx = torch.cat([self.kept[layer][h], new])                # (n,)
+            Kh, Vh = self.K[layer, h, idx], self.V[layer, h, idx]
+            hidden = idx[None] > new[:, None]                          # (T, n) causal
+            for g in range(H // Hkv):
+                qh = q[0, h * (H // Hkv) + g].float()                  # (T, D)
+                sc = (qh @ Kh.T * D ** -0.5).masked_fill(hidden, float("-inf"))
+                out[0, h * (H // Hkv) + g] = sc.softmax(-1) @ Vh
+        return out
+
+    def commit(self, T):
+        self.seq_len += T
+
+
+def _lockstep(m, budget, n_total, prompt_len, chunk, seed=0):
+    """Drive the arena model and the reference in lockstep; returns (arena, steps, bytes)."""
+    tr, cache = m.transformer, m.engine.cache
+    cfg = m.cfg
+    ref = KeptReference(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, n_total + 8)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (prompt_len,), generator=g).tolist()
+    nbytes = sum(cache.nbytes().values())
+    feed = [ids[s:s + chunk] for s in range(0, len(ids), chunk)]
+    while cache.seq_len < n_total:
+        batch = feed.pop(0) if feed else [nxt]
+        ref.kept = [cache.ev.kept_positions(l) for l in range(cfg.num_layers)]
+        a = cache
+        for l in range(cfg.num_layers):                                 # within the budget
+            assert ref.kept[l].shape[1] <= a.S_l[l] + a.R + a.G - 1
+            assert len(set(ref.kept[l][0].tolist())) == ref.kept[l].shape[1]
+        la = tr(torch.tensor([batch]), cache)[0]                        # (T, V)
+        assert sum(k.shape[1] for k in ref.kept) <= budget * cfg.num_layers
+        lr = tr(torch.tensor([batch]), ref)[0]
+        assert_close(la, lr, atol=2e-4, rtol=1e-4)
+        nxt = int(la[-1].argmax())
+        assert 0 <= nxt < cfg.vocab_size
+    assert sum(cache.nbytes().values()) == nbytes
+    return cache
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "pyramidkv", "kvcrush",
+                                    "kvcrush-h2o"])
+def test_arena_matches_reference_over_kept_tokens(tiny_dir, policy):
+    budget = 16 + 16 + 48                                             # R + G + 3 blocks
+    kv = parse_kv("fp16", residual=16, group=16, evict=policy, budget=budget, sinks=3,
+                  snap_window=8)
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=4096, kv=kv, prefill_chunk=64)
+    cache = _lockstep(m, budget, 4 * budget, prompt_len=100, chunk=40)
+    assert cache.seq_len >= 4 * budget and sum(cache.ev.n_drop) > 0
+    assert cache.ev.n_compactions > 0
+    for l in range(m.cfg.num_layers):
+        kept = cache.ev.kept_positions(l)
+        assert int(kept.max()) == cache.seq_len - 1                     # the newest is kept
+        if policy == "streaming":
+            assert kept[:, :3].tolist() == [[0, 1, 2]] * kept.shape[0]  # sinks survive
+    if policy != "streaming":   # per-head selection: the heads' token sets differ somewhere
+        assert any(not torch.equal(cache.ev.kept_positions(l)[0], cache.ev.kept_positions(l)[1])
+                   for l in range(m.cfg.num_layers))
+
+
+@pytest.mark.parametrize("method", ["tada-4", "kivi-2", "int8"])
+def test_compressed_codecs_with_eviction_stay_bounded(tmp_path, method):
+    d = make_tiny_model_dir(tmp_path / "d32", hidden_size=128)          # head dim 32
+    budget = 32 + 32 + 64
+    kv = parse_kv(method, residual=32, group=32, evict="h2o", budget=budget)
+    m = kvrun.load(d, dtype="fp32", ctx=4096, kv=kv)
+    cache = m.engine.cache
+    b0 = sum(cache.nbytes().values())
+    ids = torch.randint(3, m.cfg.vocab_size, (4 * budget,), generator=torch.Generator().manual_seed(0))
+    logits = m.transformer(ids[None], cache)
+    for t in range(40):                                                 # decode on top
+        logits = m.transformer(torch.tensor([[int(logits[0, -1].argmax())]]), cache)
+    assert torch.isfinite(logits).all()
+    assert cache.seq_len == 4 * budget + 40
+    assert all(nt + w <= budget for nt, w in zip(cache.n_tail, cache.n_win))
+    assert sum(cache.nbytes().values()) == b0
+    # the allocation does not depend on the context size, only on the budget
+    assert kv_bytes_at(m.cfg, kv, 4096) == kv_bytes_at(m.cfg, kv, 65536) == cache.nbytes()
+
+
+def test_generation_of_4x_budget_outputs_valid_text(tiny_dir):
+    from kvrun.runtime.sampling import SamplingParams
+    budget = 64
+    kv = parse_kv("fp16", residual=16, group=16, evict="snapkv", budget=budget)
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024, kv=kv)
+    b0 = m.kv_bytes()
+    ids = m.tokenize("abc " * 30)
+    events = list(m.engine.stream(ids, 4 * budget, SamplingParams(temp=0.0), set()))
+    toks = [e.token_id for e in events if e.token_id is not None]
+    assert len(toks) == 4 * budget and all(0 <= t < m.cfg.vocab_size for t in toks)
+    assert events[-1].finish_reason == "length"
+    assert m.tokenizer.decode(toks, skip_special=True) == "".join(e.text for e in events)
+    assert m.engine.cache.seq_len == len(ids) + 4 * budget - 1 and m.kv_bytes() == b0
+
+
+def test_truncate_within_window_and_reset(tiny_dir):
+    kv = parse_kv("fp16", residual=16, group=16, evict="h2o", budget=64)
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024, kv=kv)
+    c = m.engine.cache
+    m.transformer(torch.randint(3, 200, (1, 150)), c)
+    assert c.truncate(148) == 148 and c.seq_len == 148                 # window tokens only
+    m.transformer(torch.tensor([[5, 6]]), c)                            # consistent again
+    assert c.truncate(10) == 0 and c.seq_len == 0                       # evicted history: reset
+    m.transformer(torch.randint(3, 200, (1, 20)), c)
+    assert c.seq_len == 20
+
+
+# -- configuration and CLI errors ---------------------------------------------------------------
+
+@pytest.mark.parametrize("fields,msg", [
+    (dict(evict="lru", budget=512), "unknown eviction policy"),
+    (dict(evict="h2o"), "needs --kv-budget"),
+    (dict(budget=512), "needs an eviction policy"),
+    (dict(evict="h2o", budget=100), "too small"),
+    (dict(evict="streaming", budget=192, sinks=40), "too small"),
+    (dict(evict="kvcrush", budget=512, crush_fraction=1.5), "crush-fraction"),
+    (dict(evict="h2o", budget=512, ctx_policy="shift"), "alternatives"),
+])
+def test_bad_eviction_config(fields, msg):
+    with pytest.raises(KvrunError, match=msg):
+        parse_kv("tada-4", **fields)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--evict", "lru", "--kv-budget", "512"], "unknown eviction policy 'lru'"),
+    (["--evict", "h2o", "--kv-budget", "100"], "too small"),
+    (["--evict", "snapkv"], "needs --kv-budget"),
+    (["--kv-budget", "512"], "needs an eviction policy"),
+])
+def test_cli_eviction_errors_are_one_line(tiny_dir, args, msg):
+    r = CliRunner().invoke(main, ["generate", "-m", str(tiny_dir), "-p", "hi", "-n", "2",
+                                  "--kv", "tada-4"] + args)
+    assert r.exit_code != 0
+    out = r.output.strip()
+    assert out.startswith("error: ") and msg in out and len(out.splitlines()) == 1
+
+
+def test_cli_generate_with_eviction(tiny_dir):
+    r = CliRunner().invoke(main, ["generate", "-m", str(tiny_dir), "-p", "hello " * 40,
+                                  "-n", "200", "--temp", "0", "--kv", "fp16", "--kv-residual", "16",
+                                  "--kv-group", "16", "--evict", "streaming", "--kv-budget", "64",
+                                  "--sinks", "2", "-c", "1024"])
+    assert r.exit_code == 0, r.output

@@ -341,7 +341,8 @@ def convert(src, out, weights, group, dtype, force, verbose):
               type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
 @click.option("-t", "--threads", default=None, type=int)
-def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill, threads):
+@eviction_options
+def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill, threads, **ev):
     """Perplexity and KL divergence vs the fp16 cache on a text FILE (llama-perplexity style)."""
     from .api import load
     from .ppl import format_table, perplexity
@@ -349,8 +350,12 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
     methods = [m.strip() for m in kv_list.split(",") if m.strip()]
     if not methods:
         raise KvrunError("--kv: empty method list")
+    evict = eviction_fields(ev)
+    if evict:
+        from .kv.config import parse_kv
+        parse_kv("fp16", **evict)               # bad eviction flags fail before loading
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
-    records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint)
+    records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint, evict=evict)
     if as_json:
         print(json.dumps([r.to_dict() for r in records], indent=2))
     else:
@@ -380,15 +385,19 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
 @click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int)
 @click.option("-t", "--threads", default=None, type=int)
 @click.option("-s", "--seed", default=0, show_default=True, type=int)
+@eviction_options
 def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_csv, plot_path,
-          dtype, chunk, threads, seed):
+          dtype, chunk, threads, seed, **ev):
     """Measure pp/tg speed, KV bytes and peak memory for several KV methods side by side."""
     from . import bench as B
     from .kv.config import parse_kv
     methods = [m.strip() for m in kv_list.split(",") if m.strip()]
     if not methods:
         raise KvrunError("--kv: empty method list")
-    specs = [m if m == "fp32" else parse_kv(m) for m in methods]
+    evict = eviction_fields(ev)                 # applies to every method but fp32
+    if evict and "fp32" in methods:
+        raise KvrunError("--evict needs arena methods: fp32 is the plain dense cache")
+    specs = [m if m == "fp32" else parse_kv(m, **evict) for m in methods]
     if tg < 1:
         raise KvrunError(f"-n must be >= 1 (got {tg})")
     if reps < 1:

@@ -66,15 +66,25 @@ def score_window(transformer, cache, window: list[int], chunk: int, prefill_chun
 
 
 def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | None = None,
-               chunk: int = 32, progress=None) -> list[PplRecord]:
-    """Evaluate `methods` (KV specs) side by side; the fp16 baseline is always first."""
+               chunk: int = 32, progress=None, evict: dict | None = None) -> list[PplRecord]:
+    """Evaluate `methods` (KV specs) side by side; the fp16 baseline is always first.
+    `evict` (KVConfig eviction fields, e.g. {"evict": "snapkv", "budget": 512}) applies to
+    every listed method, fp16 included; the baseline stays the full fp16 cache."""
     from .api import kv_bytes_per_token, make_cache
     if ctx < 8 or ctx % 2:
         raise KvrunError(f"-c must be an even number >= 8 (got {ctx})")
     if chunk < 1:
         raise KvrunError(f"--chunk must be >= 1 (got {chunk})")
-    methods = [BASELINE] + [m for m in methods if m != BASELINE]
-    caches = {m: make_cache(model.cfg, ctx, m) for m in methods}     # validates every spec
+    if evict:
+        from .kv.config import parse_kv
+        specs = {BASELINE: BASELINE}
+        for m in methods:
+            spec = parse_kv(m, **evict)
+            specs[spec.label() if spec.layers is None else f"{m}+{spec.evict}@{spec.budget}"] = spec
+    else:
+        specs = {m: m for m in [BASELINE] + [m for m in methods if m != BASELINE]}
+    methods = list(specs)
+    caches = {m: make_cache(model.cfg, ctx, specs[m]) for m in methods}     # validates every spec
     ids = model.tokenize(text)
     wins = windows_of(ids, ctx, n_windows)
     stats = {m: dict(nll=0.0, kld=0.0, top1=0, n=0, t=0.0) for m in methods}
@@ -104,13 +114,13 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
     for m in methods:
         st = stats[m]
         ppl = math.exp(st["nll"] / st["n"])
-        bpt = kv_bytes_per_token(model.cfg, m, ctx)
+        bpt = kv_bytes_per_token(model.cfg, specs[m], ctx)
         out.append(PplRecord(
             method=m, ppl=ppl, dppl=100.0 * (ppl / base_ppl - 1.0),
             kld=st["kld"] / st["n"] if m != BASELINE else 0.0,
             top1=st["top1"] / st["n"] if m != BASELINE else 1.0,
             bytes_per_token=bpt, ratio=bpt / fp16_bpt,
-            ratio_32k=kv_bytes_per_token(model.cfg, m, 32768) / fp16_bpt,
+            ratio_32k=kv_bytes_per_token(model.cfg, specs[m], 32768) / fp16_bpt,
             n_scored=st["n"], seconds=st["t"]))
     return out
 

@@ -143,6 +143,12 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("ev") / "tiny")
 
 
+@pytest.fixture(scope="module")
+def tiny32_dir(tmp_path_factory):
+    """Head dim 32: the packed codecs need D a multiple of 32."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("ev32") / "tiny", hidden_size=128)
+
+
 class KeptReference:
     """Cache interface that stores every token's K/V (rounded like the arena's window) and
     attends over the positions in `self.kept[layer]` (Hkv, n) plus the new tokens."""
@@ -223,8 +229,8 @@ def test_arena_matches_reference_over_kept_tokens(tiny_dir, policy):
 
 
 @pytest.mark.parametrize("method", ["tada-4", "kivi-2", "int8"])
-def test_compressed_codecs_with_eviction_stay_bounded(tmp_path, method):
-    d = make_tiny_model_dir(tmp_path / "d32", hidden_size=128)          # head dim 32
+def test_compressed_codecs_with_eviction_stay_bounded(tiny32_dir, method):
+    d = tiny32_dir
     budget = 32 + 32 + 64
     kv = parse_kv(method, residual=32, group=32, evict="h2o", budget=budget)
     m = kvrun.load(d, dtype="fp32", ctx=4096, kv=kv)
@@ -276,7 +282,8 @@ def test_truncate_within_window_and_reset(tiny_dir):
     (dict(evict="h2o"), "needs --kv-budget"),
     (dict(budget=512), "needs an eviction policy"),
     (dict(evict="h2o", budget=100), "too small"),
-    (dict(evict="streaming", budget=192, sinks=40), "too small"),
+    (dict(evict="streaming", budget=223, sinks=40), r"too small.*use >= 224"),
+    (dict(evict="h2o", budget=191), r"too small.*use >= 192"),
     (dict(evict="kvcrush", budget=512, crush_fraction=1.5), "crush-fraction"),
     (dict(evict="h2o", budget=512, ctx_policy="shift"), "alternatives"),
 ])
@@ -305,3 +312,36 @@ def test_cli_generate_with_eviction(tiny_dir):
                                   "--kv-group", "16", "--evict", "streaming", "--kv-budget", "64",
                                   "--sinks", "2", "-c", "1024"])
     assert r.exit_code == 0, r.output
+
+
+def test_no_eviction_below_the_budget_is_the_plain_arena(tiny32_dir):
+    """While the context fits the budget nothing is evicted and the logits are bit-identical
+    to the arena without eviction (the mass output does not disturb the read path)."""
+    ids = torch.randint(3, 200, (1, 90), generator=torch.Generator().manual_seed(3))
+    out = []
+    for fields in ({}, dict(evict="h2o", budget=512), dict(evict="snapkv", budget=512)):
+        m = kvrun.load(tiny32_dir, dtype="fp32", ctx=512,
+                       kv=parse_kv("int8", residual=32, group=32, **fields))
+        logits = [m.transformer(ids[:, :70], m.engine.cache)]
+        for t in range(70, 90):
+            logits.append(m.transformer(ids[:, t:t + 1], m.engine.cache))
+        out.append(torch.cat(logits, 1))
+        if fields:
+            assert sum(m.engine.cache.ev.n_drop) == 0
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+def test_cli_ppl_with_eviction(tiny32_dir, tmp_path):
+    import json
+    f = tmp_path / "t.txt"
+    f.write_text("the quick brown fox jumps over the lazy dog. " * 30)
+    r = CliRunner().invoke(main, ["ppl", str(f), "-m", str(tiny32_dir), "-c", "384", "--windows", "1",
+                                  "--kv", "fp16,int8", "--evict", "streaming", "--kv-budget", "224",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(r.stdout[r.stdout.index("["):])
+    assert [x["method"] for x in recs] == ["fp16", "fp16+streaming@224", "int8+streaming@224"]
+    assert all(x["ppl"] > 1 and x["n_scored"] == 191 for x in recs)
+    assert recs[1]["kld"] > 0                      # 384-token windows do not fit 224 tokens
+    r = CliRunner().invoke(main, ["ppl", str(f), "-m", str(tiny32_dir), "--evict", "h2o"])
+    assert r.exit_code != 0 and "needs --kv-budget" in r.output

@@ -114,7 +114,8 @@ class KVConfig:
             raise KvrunError(f"--evict {self.evict} needs --kv-budget N (tokens per layer)")
         if self.ctx_policy != "error":
             raise KvrunError("--evict and --ctx-policy shift are alternatives: give one")
-        need = self.residual + 2 * self.group + (self.sinks if self.evict == "streaming" else 0)
+        G = self.group                # smallest budget: R + G window slots + tail blocks
+        need = self.residual + G + G * (self.sinks // G + 1 if self.evict == "streaming" else 1)
         if self.evict_tail() < self.group or (self.evict == "streaming"
                                               and self.evict_tail() <= self.sinks):
             raise KvrunError(f"--kv-budget {self.budget} is too small: the window takes "

@@ -124,8 +124,13 @@ class KiviCodec(Codec):
         g = self.g
         s = st["scale"][:, s0:s1].float().transpose(1, 2).contiguous()    # (Hkv, ng, n)
         ng = s.shape[1]
-        x = (p[:, None] * s[:, :, None]).view(Hkv, ng * R, n)            # (Hkv, ng*R, n)
-        o = nibble.chan_mix(x, st["codes"], s0, s1, self.bits, self.D, self.ws)  # (Hkv, ng*R, D)
-        o = o.view(Hkv, ng, R, ng, g).diagonal(0, 1, 3)                  # (Hkv, R, g, ng)
-        o = o.permute(0, 1, 3, 2).reshape(Hkv, R, ng * g)
-        return o.add_(torch.bmm(p, st["zero"][:, s0:s1].float()).repeat_interleave(g, -1))
+        x = self.ws.get_as("mix_x", (Hkv, ng, R, n), torch.bfloat16, p.device)
+        torch.mul(p[:, None], s[:, :, None], out=x)                      # bf16 straight away
+        o = nibble.chan_mix(x.view(Hkv, ng * R, n), st["codes"], s0, s1, self.bits, self.D,
+                            self.ws, centered=True)                      # x·(C − c0), (Hkv, ng*R, D)
+        o = o.view(Hkv, ng, R, ng, g).diagonal(0, 1, 3).permute(0, 1, 3, 2)  # (Hkv, R, ng, g)
+        # per-token offsets in one product: Σ_t p_t (c0·s_tγ + z_tγ)
+        w = s.mul_(nibble.center(self.bits)).add_(st["zero"][:, s0:s1].float().transpose(1, 2))
+        off = torch.bmm(p, w.transpose(1, 2))                            # (Hkv, R, ng)
+        out = torch.empty(Hkv, R, ng, g, device=p.device)
+        return torch.add(o, off[..., None], out=out).view(Hkv, R, ng * g)

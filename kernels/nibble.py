@@ -208,8 +208,10 @@ def chan_codes(buf: torch.Tensor, s0: int, s1: int, bits: int, D: int) -> torch.
 
 
 def chan_mix(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int, D: int,
-             ws) -> torch.Tensor:
-    """x (Hkv, M, n) float32 over tokens [s0, s1) → (Hkv, M, D) float32 = x · C."""
+             ws, centered: bool = False) -> torch.Tensor:
+    """x (Hkv, M, n) float32 or bf16 over tokens [s0, s1) → (Hkv, M, D) float32 = x · C, or
+    x · (C − center(bits)) with `centered` (the caller folds Σ x·center into its own
+    per-token offsets and saves a pass over x)."""
     Hkv, M, n = x.shape
     nc = buf.shape[2]
     if bits == 2:
@@ -230,6 +232,8 @@ def chan_mix(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int, D:
                          for i in range(2)]
         o = torch.stack(outs).float().view(Hkv, nc, 2, M, 64).sum(2)
         out = o.permute(0, 2, 1, 3).reshape(Hkv, M, nc * 64)
+        if centered:
+            return out[..., :D]
         off = xp.float().sum(-1, keepdim=True) * center(bits)
     else:
         xb = x.to(torch.bfloat16).contiguous()
@@ -239,5 +243,7 @@ def chan_mix(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int, D:
         o = torch.stack(outs).float().view(Hkv, nc, planes(bits), M, 64)
         o = torch.add(o[:, :, 1], o[:, :, 0], alpha=16) if bits == 8 else o[:, :, 0]
         out = o.permute(0, 2, 1, 3).reshape(Hkv, M, nc * 64)
+        if centered:
+            return out[..., :D]
         off = xb.float().sum(-1, keepdim=True) * (center(bits) * (17 if bits == 8 else 1))
     return out[..., :D].add_(off)

@@ -363,6 +363,51 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
 
 
 @main.command()
+@click.argument("file", type=click.Path())
+@click.option("--kv", "kv_list", default="fp16", show_default=True,
+              help="Comma list of KV methods (each combined with --evict when given).")
+@click.option("-c", "--ctx-size", "ctx", default=2048, show_default=True, type=int,
+              help="Prompt length in tokens (filler + needle + question).")
+@click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
+              help="Needle depths as fractions of the filler.")
+@click.option("--trials", default=3, show_default=True, type=int, help="Needles per depth.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="Also run the full fp16 cache without eviction.")
+@click.option("--json", "as_json", is_flag=True, help="Records as JSON on stdout.")
+@click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
+@click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
+@click.option("-t", "--threads", default=None, type=int)
+@click.option("-s", "--seed", default=0, show_default=True, type=int)
+@eviction_options
+def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, chunk_prefill,
+           threads, seed, **ev):
+    """Needle-in-a-haystack retrieval accuracy by depth, with FILE as the filler text."""
+    from .api import load
+    from .kv.config import parse_kv
+    from .needle import format_table, run_needle
+    text = read_text_file(file)
+    try:
+        ds = [float(x) for x in depths.split(",") if x.strip()]
+    except ValueError:
+        raise KvrunError(f"--depths: expected comma-separated fractions, got {depths!r}") from None
+    if not ds or any(not 0 <= d <= 1 for d in ds):
+        raise KvrunError(f"--depths: fractions in [0, 1], got {depths!r}")
+    evict = eviction_fields(ev)
+    specs = {"fp16": "fp16"} if baseline else {}
+    for m in (x.strip() for x in kv_list.split(",") if x.strip()):
+        spec = parse_kv(m, **evict)
+        specs[spec.label()] = spec
+    m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
+    records = run_needle(m, text, ctx, ds, specs, trials, seed=seed, progress=eprint)
+    if as_json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+    else:
+        print(format_table(records))
+
+
+@main.command()
 @click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
 @click.option("--kv", "kv_list", default="fp16,int8,kivi-2,kivi-4,tada-4,gear-l", show_default=True,
               help="Comma list of KV methods, measured side by side.")

@@ -1,0 +1,62 @@
+"""The needle-in-a-haystack builder (runtime/needle.py) and `kvrun needle`."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kvrun.runtime.cli import main  # noqa: E402
+from kvrun.runtime.errors import KvrunError  # noqa: E402
+from kvrun.runtime.needle import Needle, build_prompt, make_needle  # noqa: E402
+from tiny import make_tiny_model_dir  # noqa: E402
+
+
+def _chars(s):
+    return [ord(c) for c in s]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_needle_is_planted_at_its_depth(depth):
+    filler = _chars("abcdefghij" * 100)
+    nd = Needle("Oslo", "1234567")
+    ids, at = build_prompt(_chars, filler, 400, depth, nd, offset=7)
+    fact, cue = _chars(nd.fact), _chars(nd.cue)
+    n_fill = 400 - len(fact) - len(cue)
+    assert len(ids) == 400 and at == round(depth * n_fill)
+    assert ids[at:at + len(fact)] == fact and ids[-len(cue):] == cue
+    assert ids[:at] == filler[7:7 + at]                                 # filler from the offset
+    assert ids[at + len(fact):-len(cue)] == filler[7 + at:7 + n_fill]
+
+
+def test_needle_answers_and_errors():
+    nd = make_needle(random.Random(0))
+    assert len(nd.number) == 7 and nd.city in nd.cue and nd.number in nd.fact
+    assert nd.found(f" {nd.number}.") and nd.found(f" {nd.number[:3]},{nd.number[3:]}")
+    assert not nd.found(" 12") and not nd.found(nd.number[:-1])
+    with pytest.raises(KvrunError, match="too small"):
+        build_prompt(_chars, _chars("x" * 500), 50, 0.5, nd)
+    with pytest.raises(KvrunError, match="filler text has"):
+        build_prompt(_chars, _chars("x" * 100), 300, 0.5, nd)
+    with pytest.raises(KvrunError, match="depth"):
+        build_prompt(_chars, _chars("x" * 900), 300, 1.5, nd)
+
+
+def test_cli_needle_runs_every_configuration(tmp_path):
+    d = make_tiny_model_dir(tmp_path / "tiny")
+    f = tmp_path / "fill.txt"
+    f.write_text("Some filler sentence about nothing in particular. " * 40)
+    r = CliRunner().invoke(main, ["needle", str(f), "-m", str(d), "-c", "300", "--depths", "0,1",
+                                  "--trials", "1", "--kv", "fp16", "--evict", "h2o",
+                                  "--kv-budget", "224", "--json"])
+    assert r.exit_code == 0, r.output
+    recs = json.loads(r.stdout[r.stdout.index("["):])
+    assert [(x["method"], x["depth"]) for x in recs] == [
+        ("fp16", 0.0), ("fp16", 1.0), ("fp16+h2o@224", 0.0), ("fp16+h2o@224", 1.0)]
+    assert all(x["accuracy"] in (0.0, 1.0) and x["trials"] == 1 for x in recs)
+    r = CliRunner().invoke(main, ["needle", str(f), "-m", str(d), "--depths", "0.5,2"])
+    assert r.exit_code != 0 and "--depths" in r.output

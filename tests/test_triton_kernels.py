@@ -276,3 +276,24 @@ def test_roofline_tool_prints_a_row_per_method(capsys):
                            + 2 * 128 * (2 * 64 + 2 * 8)) / 2**20) < 0.01
     assert abs(float(rows["fp16"][6]) - fp16_mib * 2**20 / 3.35e12 * 1e6) < 0.1   # µs at H100 bw
     assert float(rows["kivi-4/kivi-2"][5]) < float(rows["tada-2"][5]) < fp16_mib
+
+
+# -- the GPU compile (no GPU needed) ---------------------------------------------------------
+
+def test_kernels_compile_for_h100_without_register_spills():
+    """The interpreter runs programs a GPU compile would reject and is blind to register
+    pressure: compile the launches of three calls for sm_90 with triton's bundled ptxas
+    (tools/sm90_check.py, in a process without TRITON_INTERPRET)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("triton's CUDA toolchain (ptxas, cuobjdump) is not bundled here")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "sm90_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(tool), "--kv", "gear", "tada-8/kivi-2", "int8",
+                        "--t", "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
+    assert len(lines) == 3 * 4 and all(ln.endswith(" 0 B stack") for ln in lines), r.stdout

@@ -18,10 +18,14 @@ Structure (flash-decoding, Dao et al. 2023; lightllm's stage1/stage2):
 - stage 2, `_stage2_kernel`, grid (Hkv, cdiv(R, BLOCK_R)): merges the parts by log-sum-exp
   and writes (1, H, T, D) in q's dtype.
 
-Block sizes: BLOCK_N = 32 tokens (the nibble layouts' half-block), BLOCK_D = next power of
-two >= D, BLOCK_R = next power of two >= R clamped to [16, 64] (16: the smallest tl.dot
-tile). Split size: chosen so Hkv * n_splits ≈ 264 programs (2 per H100 SM), in whole
-BLOCK_N tiles; tails not a multiple of it end in a partial split.
+Block sizes: BLOCK_N = 32 tokens (the nibble layouts' half-block; 16 when a codec is GEAR,
+whose low-rank and outlier terms need more registers), BLOCK_D = next power of two >= D,
+BLOCK_R = next power of two >= R clamped to [16, 64] (16: the smallest tl.dot tile; 32 for
+GEAR), 8 warps; stage 2: BLOCK_R up to 64, 4 warps. Compiled for sm_90 by ptxas
+(tools/sm90_check.py), no configuration spills registers at D = 128, Gq = 8 (138–254
+registers per thread; the GEAR tile sizes are what keeps it from spilling). Split size:
+chosen so Hkv * n_splits ≈ 264 programs (2 per H100 SM), in whole 32-token tiles; tails not
+a multiple of it end in a partial split.
 
 Bytes per decode step (T = 1), one layer (`bytes_per_step`): read every packed byte of the
 tail once — n_tail * bytes_per_token(K codec + V codec); TaDA's μ_t is shared by the Hkv
@@ -43,8 +47,6 @@ other codec class makes `supports` false and kernels/dispatch.py runs the torch 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +57,8 @@ from ..codec_kivi import KiviCodec
 from ..codec_tada import TadaCodec
 from .dequant import FP, GEAR, INT8, KIVI, TADA, dequant_tile
 
-BLOCK_N = 32
+BLOCK_N = 32                    # split granularity and default token tile
+NUM_WARPS = 8
 TARGET_PROGRAMS = 264           # 2 per SM of an H100 (132 SMs)
 LOG2E = 1.4426950408889634
 
@@ -76,8 +79,8 @@ def _stage1_kernel(
         V_RANK: tl.constexpr, V_K2: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (Hkv, n_splits, cdiv(R, BLOCK_R)); tiles (BLOCK_R rows, BLOCK_N tokens, BLOCK_D).
-    Reads its split's packed K/V bytes once (Llama-3.1-70B, 32k, kivi-4: 1.2 MiB per program
-    of 33 x 8) and its BLOCK_R query rows; writes BLOCK_R * (BLOCK_D + 1) fp32."""
+    Reads its split's packed K/V bytes once (Llama-3.1-70B, 32k, kivi-4: ≈ 155 KiB in each
+    of 8 x 33 programs) and its BLOCK_R query rows; writes BLOCK_R * (D + 1) fp32."""
     h = tl.program_id(0)
     sp = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BR,) rows (g, t)
@@ -258,36 +261,49 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
             raise ValueError(f"the Triton decode_attention does not read {c} (use the torch path)")
     if D > 256:
         raise ValueError(f"head dim {D} > 256 is not supported by the Triton kernel")
-    Gq, W = H // Hkv, k_win.shape[2]
-    R = Gq * T
-    BLOCK_R = min(64, max(16, triton.next_power_of_2(R)))
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    kn = k_new[0] if k_new.stride(-1) == 1 else k_new[0].contiguous()   # (Hkv, T, D)
-    vn = v_new[0] if v_new.stride(-1) == 1 else v_new[0].contiguous()
-    # -- the parts: tail splits, window splits, new-token splits ----------------------------
-    launches = []
-    if n_tail:
-        launches.append((n_tail, k_tail, v_tail, False))
-    if W:
-        launches.append((W, (None, k_win[0]), (None, v_win[0]), False))
-    launches.append((T, (None, kn), (None, vn), True))
-    plan, n_parts = [], 0
-    for n, kt, vt, causal in launches:
-        ns, sz = _n_splits(n, Hkv, split if kt[0] is not None else None)
-        plan.append((n_parts, ns, sz, n, kt, vt, causal))
-        n_parts += ns
+    launches, n_parts = _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split)
+    R = (H // Hkv) * T
     mid_o = torch.empty(n_parts, Hkv, R, D, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(n_parts, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, H, T, D, dtype=q.dtype, device=q.device)
-    qk_scale = D ** -0.5 * LOG2E
-    n_rb = triton.cdiv(R, BLOCK_R)
-    for part0, ns, sz, n, (kc, ks), (vc, vs), causal in plan:
+    for grid, args, cx in launches:
+        _stage1_kernel[grid](*args(mid_o, mid_l), **cx)
+    BLOCK_R = min(64, max(16, triton.next_power_of_2(R)))
+    _stage2_kernel[(Hkv, triton.cdiv(R, BLOCK_R))](
+        mid_o, mid_l, out, out.stride(1), out.stride(2), out.stride(3), n_parts, T, H // Hkv, R, D,
+        BLOCK_R=BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+    return out
+
+
+def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split):
+    """The stage-1 launches — tail splits, window splits, new-token splits (causal) — as
+    [(grid, args(mid_o, mid_l) -> argument list, constexprs)], and the number of parts."""
+    _, H, T, D = q.shape
+    Hkv, W = k_new.shape[1], k_win.shape[2]
+    Gq = H // Hkv
+    R = Gq * T
+    kn = k_new[0] if k_new.stride(-1) == 1 else k_new[0].contiguous()   # (Hkv, T, D)
+    vn = v_new[0] if v_new.stride(-1) == 1 else v_new[0].contiguous()
+    parts = [(n_tail, k_tail, v_tail, False, split)] if n_tail else []
+    if W:
+        parts.append((W, (None, k_win[0]), (None, v_win[0]), False, None))
+    parts.append((T, (None, kn), (None, vn), True, None))
+    launches, n_parts = [], 0
+    for n, (kc, ks), (vc, vs), causal, sp in parts:
+        ns, sz = _n_splits(n, Hkv, sp)
         kt, ki, kk = _codec_args(kc, ks, D) if kc is not None else _fp_args(ks)
         vt, vi, vk = _codec_args(vc, vs, D) if vc is not None else _fp_args(vs)
-        _stage1_kernel[(Hkv, ns, n_rb)](
-            q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi, mid_o, mid_l,
-            part0, n, sz, T, Gq, R, D, qk_scale, causal, *kk, *vk,
-            BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
-    _stage2_kernel[(Hkv, n_rb)](mid_o, mid_l, out, out.stride(1), out.stride(2), out.stride(3),
-                                n_parts, T, Gq, R, D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
-    return out
+        # GEAR's low-rank and outlier terms hold more tiles in registers: smaller tiles
+        gear = isinstance(kc, GearCodec) or isinstance(vc, GearCodec)
+        block_r = min(32 if gear else 64, max(16, triton.next_power_of_2(R)))
+        cx = dict(CAUSAL=causal, K_KIND=kk[0], K_BITS=kk[1], K_MU8=kk[2], K_RANK=kk[3], K_K2=kk[4],
+                  V_KIND=vk[0], V_BITS=vk[1], V_MU8=vk[2], V_RANK=vk[3], V_K2=vk[4],
+                  BLOCK_R=block_r, BLOCK_N=16 if gear else BLOCK_N,
+                  BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=NUM_WARPS)
+
+        def args(mid_o, mid_l, kt=kt, ki=ki, vt=vt, vi=vi, part0=n_parts, n=n, sz=sz):
+            return [q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi, mid_o, mid_l,
+                    part0, n, sz, T, Gq, R, D, D ** -0.5 * LOG2E]
+        launches.append(((Hkv, ns, triton.cdiv(R, block_r)), args, cx))
+        n_parts += ns
+    return launches, n_parts

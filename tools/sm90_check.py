@@ -1,0 +1,106 @@
+"""Compile the Triton decode_attention kernels for an H100 (sm_90) on a machine without a
+GPU, and report registers and spills per launch configuration.
+
+    python tools/sm90_check.py [--head-dim 128] [--gq 8] [--t 1] [--kv fp16 kivi-4/kivi-2 ...]
+
+Triton's interpreter (the CPU tests) accepts programs that do not compile for a GPU and
+says nothing about register pressure; this runs the real compiler pipeline (TTIR → TTGIR →
+PTX → ptxas, bundled with the triton wheel) on exactly the launches `decode_attention`
+would make (its `_plan`) and reads the cubin's resource usage with the bundled cuobjdump.
+Exit status 1 if a configuration fails to compile or spills registers. Must run without
+TRITON_INTERPRET (the interpreter replaces the kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+          torch.uint8: "u8", torch.int32: "i32"}
+
+
+def signature(fn, args, cx):
+    names = fn.arg_names
+    sig = {}
+    for name, a in zip(names, args):
+        sig[name] = ("*" + DTYPES[a.dtype] if isinstance(a, torch.Tensor) else
+                     "fp32" if isinstance(a, float) else "i1" if isinstance(a, bool) else "i32")
+    for name in names[len(args):]:
+        sig[name] = "constexpr"
+    return sig
+
+
+def check(method: str, H: int, Hkv: int, D: int, T: int, dtype=torch.float16) -> list[dict]:
+    """Compile every launch of one decode_attention call (stage 1 per part, stage 2) for
+    sm_90; one dict per launch (registers, spilled stack bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kvrun.kernels import make_codec
+    da = importlib.import_module("kvrun.kernels.triton.decode_attention")
+    k_m, _, v_m = method.partition("/")
+    G, S = 32, 256
+    kc, vc = make_codec(k_m, "k", G), make_codec(v_m or k_m, "v", G)
+    ks, vs = kc.alloc(Hkv, D, S), vc.alloc(Hkv, D, S)
+    q = torch.zeros(1, H, T, D, dtype=dtype)
+    win = torch.zeros(1, Hkv, 40, D, dtype=torch.float16)
+    new = torch.zeros(1, Hkv, T, D, dtype=dtype)
+    launches, n_parts = da._plan(q, (kc, ks), (vc, vs), S, win, win, new, new, None)
+    mid = torch.zeros(1, dtype=torch.float32)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    R = (H // Hkv) * T
+    stage2 = ((Hkv, 1), [mid, mid, q, 1, 1, 1, n_parts, T, H // Hkv, R, D],
+              dict(BLOCK_R=min(64, max(16, triton.next_power_of_2(R))),
+                   BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4))
+    out = []
+    for fn, grid, a, cx in ([(da._stage1_kernel, g, args(mid, mid), c) for g, args, c in launches]
+                            + [(da._stage2_kernel, *stage2)]):
+        cx = dict(cx)
+        nw = cx.pop("num_warps")
+        src = ASTSource(fn, signature(fn, a, cx), cx)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        reg = int(re.search(r"REG:(\d+)", usage).group(1))
+        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+        out.append(dict(method=method, kernel=fn.__name__,
+                        kinds=(cx["K_KIND"], cx["V_KIND"]) if "K_KIND" in cx else "-", grid=grid,
+                        block=(cx["BLOCK_R"], cx.get("BLOCK_N", "-"), cx["BLOCK_D"]), warps=nw,
+                        regs=reg, spill_bytes=stack))
+    return out
+
+
+def main(argv=None) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("error: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
+        return 2
+    from kvrun.kernels import METHODS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kv", nargs="+", default=list(METHODS))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--gq", type=int, default=8, help="query heads per KV head")
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--t", type=int, default=1, help="new tokens (queries per head)")
+    a = ap.parse_args(argv)
+    bad = 0
+    for m in a.kv:
+        for r in check(m, a.gq * a.hkv, a.hkv, a.head_dim, a.t):
+            flag = "" if r["spill_bytes"] == 0 else "  SPILLS"
+            bad += bool(flag)
+            print(f"{r['method']:<16} {r['kernel']:<15} kinds {r['kinds']} grid {r['grid']} block {r['block']} "
+                  f"warps {r['warps']}: {r['regs']} regs, {r['spill_bytes']} B stack{flag}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

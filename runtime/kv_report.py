@@ -15,4 +15,9 @@ def format_kv(model) -> str:
     lines = [f"KV cache: {len(model.engine.cached)} / {cache.max_ctx} tokens, "
              f"{total / 2**20:.2f} MiB allocated ({total / ref:.3f}x fp16 at {cache.max_ctx} tokens)"]
     lines += [f"  {k:<16} {v / 2**20:10.2f} MiB" for k, v in parts.items()]
+    ev = getattr(cache, "ev", None)
+    if ev is not None:                  # token eviction: what the bounded arena holds
+        kept = [nt + w for nt, w in zip(cache.n_tail, cache.n_win)]
+        lines.append(f"  eviction: {cache.kv.evict}, budget {cache.kv.budget} tokens/layer, "
+                     f"holding {min(kept)}-{max(kept)} per layer, {sum(ev.n_drop)} evicted in all")
     return "\n".join(lines)

@@ -73,9 +73,10 @@ class ArenaEviction:
         assert n_heads % a.Hkv == 0, (n_heads, a.Hkv)
         self.needs_mass = kv.evict != "streaming"
         self.resets = resets_scores(kv.evict)
-        self.pos_tail = [torch.zeros(a.Hkv, S, dtype=torch.long) for S in a.S_l]   # (Hkv, S)
-        self.acc_tail = [torch.zeros(n_heads, S) for S in a.S_l]                   # (H, S)
-        self.acc_win = torch.zeros(a.L, n_heads, a.R + a.G)                        # (L, H, R+G)
+        dev = self.dev = a.win_k.device
+        self.pos_tail = [torch.zeros(a.Hkv, S, dtype=torch.long, device=dev) for S in a.S_l]  # (Hkv, S)
+        self.acc_tail = [torch.zeros(n_heads, S, device=dev) for S in a.S_l]                  # (H, S)
+        self.acc_win = torch.zeros(a.L, n_heads, a.R + a.G, device=dev)                       # (L, H, R+G)
         self.n_drop = [0] * a.L               # tokens evicted per layer
         self.pending = [None] * a.L           # (H, T) mass of the tokens being appended
         self.n_compactions = 0
@@ -90,7 +91,8 @@ class ArenaEviction:
         if not self.needs_mass:
             return None, 0
         n = self.a.n_tail[l] + self.a.n_win[l] + T
-        return torch.zeros(self.H, n), (max(0, T - self.kv.snap_window) if self.resets else 0)
+        return (torch.zeros(self.H, n, device=self.dev),
+                max(0, T - self.kv.snap_window) if self.resets else 0)
 
     def after_attend(self, l: int, mass, T: int) -> None:
         if mass is None:
@@ -107,7 +109,7 @@ class ArenaEviction:
         """KVArena._append with eviction: k, v (Hkv, T, D) in the window dtype."""
         a = self.a
         w, T, nt = a.n_win[l], k.shape[1], a.n_tail[l]
-        acc_new = self.pending[l] if self.pending[l] is not None else torch.zeros(self.H, T)
+        acc_new = self.pending[l] if self.pending[l] is not None else torch.zeros(self.H, T, device=self.dev)
         self.pending[l] = None
         total = w + T
         if total < a.R + a.G:
@@ -121,7 +123,7 @@ class ArenaEviction:
         seq_v = torch.cat([a.win_v[l, :, :w], v], 1)
         seq_a = torch.cat([self.acc_win[l][:, :w], acc_new], 1)         # (H, w+T)
         p0 = nt + self.n_drop[l]                                         # position of seq[0]
-        seq_pos = torch.arange(p0, p0 + total)
+        seq_pos = torch.arange(p0, p0 + total, device=self.dev)
         if nt + f <= a.S_l[l]:
             self._pack(l, seq_k[:, :f], seq_v[:, :f], nt)
             self.pos_tail[l][:, nt:nt + f] = seq_pos[:f]
@@ -160,7 +162,7 @@ class ArenaEviction:
         """(Hkv, n_kept) sorted absolute positions of the tokens layer l holds, per KV head."""
         a = self.a
         nt, w = a.n_tail[l], a.n_win[l]
-        win = torch.arange(nt + self.n_drop[l], nt + self.n_drop[l] + w)
+        win = torch.arange(nt + self.n_drop[l], nt + self.n_drop[l] + w, device=self.dev)
         return torch.cat([self.pos_tail[l][:, :nt], win.expand(a.Hkv, w)], 1).sort(-1).values
 
     # -- internals -----------------------------------------------------------------------------

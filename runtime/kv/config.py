@@ -182,7 +182,7 @@ class KVConfig:
 
     def label(self) -> str:
         if self.layers is not None:
-            return "profile"
+            return "profile" + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
         base += "" if self.rotate == "none" else f"+rot{'' if self.rotate == 'kv' else '-' + self.rotate}"
         return base + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")

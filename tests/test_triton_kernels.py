@@ -295,5 +295,50 @@ def test_kernels_compile_for_h100_without_register_spills():
     r = subprocess.run([sys.executable, str(tool), "--kv", "gear", "tada-8/kivi-2", "int8",
                         "--t", "2"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if "regs" in ln]
+    lines = [ln for ln in r.stdout.splitlines() if "regs" in ln and "kivi_pack" not in ln]
     assert len(lines) == 3 * 4 and all(ln.endswith(" 0 B stack") for ln in lines), r.stdout
+    pack = [ln for ln in r.stdout.splitlines() if ln.startswith("kivi_pack")]
+    assert len(pack) == 4 and all(ln.endswith(" 0 B stack, fma False") for ln in pack), r.stdout
+
+
+# -- kivi_pack: the compress kernel, bit-identical to KiviCodec.pack ---------------------------
+
+def _pack_both(role, bits, D, G, s0, n, ties=False, v_group=32):
+    from kvrun.kernels.triton.kivi_pack import kivi_pack
+    torch.manual_seed(s0 + n + D + bits)
+    c = make_codec(f"kivi-{bits}", role, G, v_group=v_group)
+    ref, out = c.alloc(2, D, 512), c.alloc(2, D, 512)
+    if s0:          # earlier tokens: a flush half-filling a storage block must keep them
+        pre = torch.randn(2, s0, D).half().float()
+        c.pack(ref, pre, 0)
+        c.pack(out, pre, 0)
+    if ties:        # values on a 0.25 grid with group range [0, 7.5]: exact .5 ties to round
+        x = torch.randint(0, 31, (2, n, D)).float() * 0.25
+        x[:, ::G], x[:, 1::G] = 0.0, 7.5                  # every K group (per channel)
+        x[..., ::v_group], x[..., 1::v_group] = 0.0, 7.5  # every V group (per token)
+    else:           # the arena packs fp16 window values
+        x = (torch.randn(2, n, D) * 3).half().float()
+    c.pack(ref, x, s0)
+    kivi_pack(c, out, x, s0)
+    return ref, out
+
+
+@pytest.mark.parametrize("role", ["k", "v"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("D,G,s0,n,ties", [(64, 32, 0, 32, False), (64, 32, 32, 96, True),
+                                           (96, 32, 96, 64, False), (128, 64, 64, 128, False)])
+def test_kivi_pack_is_bit_identical(role, bits, D, G, s0, n, ties):
+    ref, out = _pack_both(role, bits, D, G, s0, n, ties)
+    for name in ref:
+        assert torch.equal(out[name], ref[name]), name
+    assert ref["codes"].any()
+
+
+def test_kivi_pack_refuses_what_it_does_not_pack():
+    from kvrun.kernels.triton.kivi_pack import kivi_pack
+    c = make_codec("kivi-4", "k", G)
+    with pytest.raises(ValueError, match="multiples of G"):
+        kivi_pack(c, c.alloc(2, 64, 128), torch.zeros(2, 48, 64), 0)
+    g = make_codec("gear", "k", G)
+    with pytest.raises(ValueError, match="KIVI codec"):
+        kivi_pack(g, g.alloc(2, 64, 128), torch.zeros(2, 32, 64), 0)

@@ -80,6 +80,39 @@ def check(method: str, H: int, Hkv: int, D: int, T: int, dtype=torch.float16) ->
     return out
 
 
+def check_pack(D: int) -> list[dict]:
+    """Compile kivi_pack's kernels (K and V, 2 and 4 bits) for sm_90 as the launcher does
+    (no FP fusion); `fma` says whether the PTX still holds a fused multiply-add, which would
+    break bit-exactness with the torch pack."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kp = importlib.import_module("kvrun.kernels.triton.kivi_pack")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    common = dict(X="*fp32", sx_h="i32", sx_t="i32", CODES="*u8", sc_h="i32", SCALE="*fp16",
+                  ZERO="*fp16", s0="i32", n="i32", D="i32", BITS="constexpr", BLOCK_D="constexpr")
+    bd = max(64, triton.next_power_of_2(D))
+    out = []
+    for bits in (2, 4):
+        for fn, sig, cx, nw in ((kp._kivi_k_kernel, dict(common, sc_d="i32", n_groups="i32", G="constexpr"),
+                                 dict(BITS=bits, G=32, BLOCK_D=bd), kp.K_WARPS),
+                                (kp._kivi_v_kernel, dict(common, sc_c="i32", sp_h="i32", NG="constexpr",
+                                                         VG="constexpr"),
+                                 dict(BITS=bits, NG=D // 32, VG=32, BLOCK_D=bd), kp.V_WARPS)):
+            sig = {name: sig[name] for name in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=nw, enable_fp_fusion=False))
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                       capture_output=True, text=True, check=True).stdout
+            out.append(dict(kernel=fn.__name__, bits=bits, fma="fma.rn.f32" in k.asm["ptx"],
+                            regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                            spill_bytes=int(re.search(r"STACK:(\d+)", usage).group(1))))
+    return out
+
+
 def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("error: unset TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
@@ -99,6 +132,11 @@ def main(argv=None) -> int:
             bad += bool(flag)
             print(f"{r['method']:<16} {r['kernel']:<15} kinds {r['kinds']} grid {r['grid']} block {r['block']} "
                   f"warps {r['warps']}: {r['regs']} regs, {r['spill_bytes']} B stack{flag}")
+    for r in check_pack(a.head_dim):
+        flag = "  SPILLS" if r["spill_bytes"] else "  FMA" if r["fma"] else ""
+        bad += bool(flag)
+        print(f"kivi_pack {r['kernel']:<15} bits {r['bits']}: {r['regs']} regs, "
+              f"{r['spill_bytes']} B stack, fma {r['fma']}{flag}")
     return 1 if bad else 0
 
 

@@ -2,5 +2,6 @@
 only under TRITON_INTERPRET=1, which must be set before this package is imported).
 Importing this package imports triton; kernels/dispatch.py imports it lazily."""
 from .decode_attention import decode_attention, supports
+from .kivi_pack import kivi_pack
 
-__all__ = ["decode_attention", "supports"]
+__all__ = ["decode_attention", "kivi_pack", "supports"]

@@ -102,9 +102,8 @@ class KiviCodec(Codec):
         E, M = u.shape[2], u.shape[3]
         ga, nb = a // G, (s1 - 1) // G + 1 - a // G                      # groups touched
         sT = st["scale"][:, ga:ga + nb].float().transpose(1, 2)          # (Hkv, D, nb)
-        if G == 32:                     # run (e, i) is group i·E + e: a view, no gather
-            sr = sT.view(Hkv, D, M // 32, E).transpose(2, 3) if nb * 32 == E * M else \
-                torch.nn.functional.pad(sT, (0, E * M // 32 - nb)).view(Hkv, D, M // 32, E).transpose(2, 3)
+        if G == 32 and nb * 32 == E * M:  # run (e, i) is group i·E + e: no gather
+            sr = sT.view(Hkv, D, M // 32, E).transpose(2, 3).contiguous()
         else:
             sr = sT[:, :, chanpack.group_index(a, s1, bits, G, qg.device)]  # (Hkv, D, E, blocks)
         u.view(Hkv, D, E, M // 32, 32).mul_(sr[..., None])

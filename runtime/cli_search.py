@@ -47,11 +47,14 @@ def _bits(s: str) -> list[int]:
               help="A profile from an earlier search on the same calibration: reuse its sensitivity pass.")
 @click.option("--kv-residual", default=None, type=int, help="Full-precision window R (default 128).")
 @click.option("--kv-group", default=None, type=int, help="Token group / flush block G (default 32).")
+@click.option("--kv-vgroup", default=None, type=int, help="Channels per V scale group (default 32).")
+@click.option("--kv-rotate", default=None, type=click.Choice(["none", "k", "v", "kv"]),
+              help="Hadamard-rotate K and/or V in every layer (recorded in the profile).")
 @click.option("--tada-mu", default=None, type=click.Choice(["fp16", "int8"]), help="TaDA mean storage.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-t", "--threads", default=None, type=int)
 def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windows, prefix, n_score,
-               reuse, kv_residual, kv_group, tada_mu, dtype, threads):
+               reuse, kv_residual, kv_group, kv_vgroup, kv_rotate, tada_mu, dtype, threads):
     """Search per-layer K/V bits minimizing KL divergence vs fp16 under a KV memory budget."""
     from .api import load
     from .kv.config import KVConfig
@@ -59,8 +62,8 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     text = read_text_file(calib)
     if Path(out).parent and not Path(out).parent.exists():
         raise KvrunError(f"{out}: directory {Path(out).parent} does not exist")
-    fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("tada_mu", tada_mu))
-              if x is not None}
+    fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("v_group", kv_vgroup),
+                                ("rotate", kv_rotate), ("tada_mu", tada_mu)) if x is not None}
     base = KVConfig(**fields)
     bl = _bits(bits)
     m = load(model, dtype=dtype, ctx=8, threads=threads, progress=_eprint)

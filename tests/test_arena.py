@@ -233,3 +233,35 @@ def test_config_errors(kw, match):
 def test_v_group_must_divide_head_dim():
     with pytest.raises(KvrunError, match="does not divide"):
         build_cache(CFG, 100, parse_kv("kivi-2", v_group=48))
+
+
+def test_group_suffix_sets_both_groups_and_labels():
+    kv = parse_kv("kivi-4@64+rot")
+    assert (kv.group, kv.v_group, kv.rotate) == (64, 64, "kv")
+    assert kv.label() == "kivi-4@64+rot"
+    assert parse_kv("kivi-2").label() == "kivi-2"
+    assert parse_kv("kivi-2", group=64).label() == "kivi-2@64/32"
+    for bad in ("kivi-4@", "kivi-4@x", "kivi-4@0"):
+        with pytest.raises(KvrunError, match="after '@'"):
+            parse_kv(bad)
+
+
+@pytest.mark.parametrize("spec", ["kivi-2@64", "kivi-4@64+rot", "gear-l@64"])
+def test_larger_groups_read_path_matches_reference(spec):
+    """Groups of 64/128 tokens (K) and channels (V): the arena's decode output equals attention
+    over its own dequantized tail, with a tail that ends inside a packed block."""
+    kv = parse_kv(spec, residual=128)
+    a = build_cache(CFG, 1024, kv)
+    g = torch.Generator().manual_seed(3)
+    _feed(a, 128 * 3 + 64 + 7, g)
+    q = torch.randn(1, H, 1, D, generator=g)
+    k = torch.randn(1, Hkv, 1, D, generator=g).half()
+    v = torch.randn(1, Hkv, 1, D, generator=g).half()
+    nt, w = a.n_tail[0], a.n_win[0]
+    kt = a.k_codecs[0].dequant(a.k_store[0], 0, nt)
+    vt = a.v_codecs[0].dequant(a.v_store[0], 0, nt)
+    kk = torch.cat([kt, a.win_k[0, :, :w].float(), k[0].float()], 1)[None]
+    vv = torch.cat([vt, a.win_v[0, :, :w].float(), v[0].float()], 1)[None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+    a.positions(1)
+    assert_close(a.attend(0, q, k, v), ref, atol=2e-2, rtol=2e-2)

@@ -184,6 +184,8 @@ class KVConfig:
         if self.layers is not None:
             return "profile" + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
+        if (self.group, self.v_group) != (32, 32):
+            base += f"@{self.group}" if self.group == self.v_group else f"@{self.group}/{self.v_group}"
         base += "" if self.rotate == "none" else f"+rot{'' if self.rotate == 'kv' else '-' + self.rotate}"
         return base + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
 

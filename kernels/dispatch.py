@@ -9,6 +9,8 @@ path never needs triton installed.
 Per call, the torch path still runs when the Triton kernel does not cover the request: a
 codec it does not read (`kvrun.kernels.triton.supports`), or an extra tensor argument (an
 output only the torch path fills, such as the attention mass token eviction asks for).
+`pack` (a flush of window tokens into the tail) has a Triton kernel for KIVI only
+(`kivi_pack`, bit-identical storage); every other codec packs with torch on both backends.
 """
 from __future__ import annotations
 
@@ -59,3 +61,15 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw
         if n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
             return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new)
     return decode_attention_torch(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
+
+
+def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
+    """codec.pack(st, x, s0) on the chosen backend: x (Hkv, n, D) into tail tokens
+    [s0, s0+n). Writes the storage only (bit-identical on both backends); use codec.dequant
+    for the reconstruction."""
+    if backend_for(x) == "triton":
+        tri = _triton()
+        if tri.kivi_pack_supports(codec):
+            tri.kivi_pack(codec, st, x, s0)
+            return
+    codec.pack(st, x, s0)

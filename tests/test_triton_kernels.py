@@ -205,7 +205,8 @@ def test_dispatch_leaves_attention_mass_to_torch(monkeypatch):
 
 def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypatch):
     """Greedy decode of a tiny model (D 64, GQA 2:1, two layers, K tada-4 / V kivi-2, window
-    32) with the arena's attention on the Triton kernel vs the torch path: same tokens.
+    32) with the arena's attention (and its KIVI V flushes) on the Triton kernels vs the
+    torch path: same tokens.
     The 78-token prompt puts 32 tokens in the compressed tail after prefill, and the decode
     flushes 32 more."""
     import kvrun
@@ -222,6 +223,14 @@ def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypat
         return real(*a, **k)
 
     monkeypatch.setattr(tri, "decode_attention", counting)
+    packs = []
+    real_pack = tri.kivi_pack
+
+    def counting_pack(codec, st, x, s0):
+        packs.append(codec.role)
+        return real_pack(codec, st, x, s0)
+
+    monkeypatch.setattr(tri, "kivi_pack", counting_pack)
     prompt = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs."
     tokens = {}
     for backend in ("torch", "triton"):
@@ -235,6 +244,7 @@ def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypat
     assert len(tokens["torch"]) == 24 and len(set(tokens["torch"])) > 3   # not a constant
     assert tokens["triton"] == tokens["torch"]
     assert calls and max(calls) == 64                             # the tail was read by Triton
+    assert packs and set(packs) == {"v"}                          # kivi-2 V flushed by kivi_pack
 
 
 # -- bytes moved (the roofline of tools/roofline.py) -------------------------------------------
@@ -342,3 +352,24 @@ def test_kivi_pack_refuses_what_it_does_not_pack():
     g = make_codec("gear", "k", G)
     with pytest.raises(ValueError, match="KIVI codec"):
         kivi_pack(g, g.alloc(2, 64, 128), torch.zeros(2, 32, 64), 0)
+
+
+def test_dispatch_pack(monkeypatch):
+    """kernels.dispatch.pack: kivi_pack under KVRUN_BACKEND=triton, codec.pack otherwise and
+    for every other codec; the storage is the same either way."""
+    from kvrun.kernels.dispatch import pack
+    used = []
+    real = tri.kivi_pack
+    monkeypatch.setattr(tri, "kivi_pack", lambda *a: used.append(a[0].method) or real(*a))
+    x = (torch.randn(2, 64, 64) * 2).half().float()
+    for method in ("kivi-4", "tada-2"):
+        c = make_codec(method, "k", G)
+        stores = {}
+        for backend in ("torch", "triton"):
+            monkeypatch.setenv("KVRUN_BACKEND", backend)
+            stores[backend] = c.alloc(2, 64, 128)
+            pack(c, stores[backend], x, 32)
+        for name in stores["torch"]:
+            assert torch.equal(stores["torch"][name], stores["triton"][name]), (method, name)
+        assert stores["torch"]["codes"].any()
+    assert used == ["kivi-4"]                                   # once: kivi under triton

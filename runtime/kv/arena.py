@@ -38,7 +38,7 @@ import torch
 
 from ...kernels.codec_base import COMPONENTS
 from ...kernels.codecs import make_codec
-from ...kernels.dispatch import decode_attention           # Triton on CUDA, torch on CPU
+from ...kernels.dispatch import decode_attention, pack     # Triton on CUDA, torch on CPU
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies
@@ -212,8 +212,8 @@ class KVArena:
         kc, vc = self.k_codecs[l], self.v_codecs[l]
         for c0 in range(0, f, self.kv.block):
             c1 = min(f, c0 + self.kv.block)
-            kc.pack(self.k_store[l], seq_k[:, c0:c1].float(), nt + c0)
-            vc.pack(self.v_store[l], seq_v[:, c0:c1].float(), nt + c0)
+            pack(kc, self.k_store[l], seq_k[:, c0:c1].float(), nt + c0)   # kernels.dispatch
+            pack(vc, self.v_store[l], seq_v[:, c0:c1].float(), nt + c0)
         self.win_k[l, :, :total - f] = seq_k[:, f:]
         self.win_v[l, :, :total - f] = seq_v[:, f:]
         self.n_tail[l], self.n_win[l] = nt + f, total - f

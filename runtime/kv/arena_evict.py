@@ -142,6 +142,7 @@ class ArenaEviction:
         """Keep the first n tokens when only window tokens go (every layer's tail lies below
         n); otherwise evicted history cannot be restored: empty the cache (returns 0)."""
         a = self.a
+        self.pending = [None] * a.L            # an interrupted forward may leave one behind
         starts = [nt + d for nt, d in zip(a.n_tail, self.n_drop)]        # window start per layer
         if all(s <= n for s in starts):
             for l, s in enumerate(starts):

@@ -359,3 +359,30 @@ def test_kv_report_shows_eviction(tiny_dir):
     assert "holding 56-56 per layer" in rep and sum(c.ev.n_drop) == 2 * (200 - 56)
     assert f"{sum(c.ev.n_drop)} evicted in all" in rep
     assert parse_kv("fp16", evict="h2o", budget=512).label() == "fp16+h2o@512"
+
+
+def test_interrupted_forward_with_eviction_is_repaired(tiny_dir):
+    """Ctrl-C between layers: the engine truncates back to what every layer holds; with
+    eviction that is exact when only window tokens differ, and the cache keeps working."""
+    kv = parse_kv("fp16", residual=16, group=16, evict="h2o", budget=64)
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024, kv=kv)
+    prompt = m.tokenize("abcdefgh" * 25)
+    m.engine.prefill(prompt)
+    attend, calls = m.cache.attend, {"n": 0}
+
+    def flaky(layer, q, k, v):
+        calls["n"] += 1
+        if calls["n"] == 2:                     # the second layer of the next forward
+            raise KeyboardInterrupt
+        return attend(layer, q, k, v)
+    m.cache.attend = flaky
+    with pytest.raises(KeyboardInterrupt):
+        m.engine.decode_step(5)
+    m.cache.attend = attend
+    assert len(m.engine.cached) == m.cache.seq_len == len(prompt)      # layer 0's token dropped
+    assert all(nt + w + d == len(prompt)
+               for nt, w, d in zip(m.cache.n_tail, m.cache.n_win, m.cache.ev.n_drop))
+    got = m.engine.decode_step(5)
+    ref = kvrun.load(tiny_dir, dtype="fp32", ctx=1024, kv=kv)
+    ref.engine.prefill(prompt)
+    assert_close(got, ref.engine.decode_step(5), atol=1e-5, rtol=1e-5)

@@ -80,6 +80,7 @@ class ArenaEviction:
         self.n_drop = [0] * a.L               # tokens evicted per layer
         self.pending = [None] * a.L           # (H, T) mass of the tokens being appended
         self.n_compactions = 0
+        self.n_repacked = 0                   # kept tail tokens re-packed (per head, summed)
 
     def n_recent(self, l: int) -> int:
         """H2O's even split: half the budget goes to recent tokens; the window counts."""
@@ -208,6 +209,7 @@ class ArenaEviction:
         row[nt:] = dirty_tail.numel() + torch.arange(f)
         rows = row[src]                                                              # (Hkv, nd)
         assert bool((rows >= 0).all())
+        self.n_repacked += int((rows < dirty_tail.numel()).sum())      # double-quantized
         idx = rows[..., None].expand(-1, -1, a.D)
         newk, newv = kd.gather(1, idx), vd.gather(1, idx)                            # (Hkv, nd, D)
         new_pos = pos.gather(1, src)

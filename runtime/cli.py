@@ -155,7 +155,7 @@ def load_model(kw):
     if budget is not None:
         from .loader import check_model_dir, load_config
         from .pull import ensure_default_model
-        from .search import fit_budget
+        from .budget import fit_budget
         path = check_model_dir(kw["model"] or ensure_default_model(progress=eprint))
         kv, why = fit_budget(load_config(path), kw["ctx"], budget,
                              **({} if isinstance(kv, str) else

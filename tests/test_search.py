@@ -10,7 +10,8 @@ import kvrun
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
 from kvrun.runtime.kv.profile import model_record, read_profile
-from kvrun.runtime.search import fit_budget, save_result, search
+from kvrun.runtime.budget import fit_budget
+from kvrun.runtime.search import save_result, search
 
 from tiny import make_tiny_model_dir
 
@@ -136,7 +137,7 @@ def test_fit_budget(tiny_model, tmp_path, monkeypatch):
     kv, desc = fit_budget(cfg, ctx, mib("fp16"))
     assert kv.is_dense and desc.startswith("fp16")
     kv, desc = fit_budget(cfg, ctx, mib("kivi-4") + 1e-6)
-    assert (kv.k_method, kv.v_method, kv.layers) == ("kivi-4", "kivi-4", None)
+    assert (kv.k_method, kv.v_method, kv.layers, kv.rotate) == ("kivi-4", "kivi-4", None, "kv")
     # a searched profile between kivi-2 and kivi-4 in size is preferred to kivi-2
     p = tmp_path / "mid.json"
     save_profile(p, [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")], model=model_record(cfg))
@@ -144,7 +145,7 @@ def test_fit_budget(tiny_model, tmp_path, monkeypatch):
     kv, desc = fit_budget(cfg, ctx, budget, profiles=[p])
     assert kv.layers == [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")]
     assert sum(build_cache(cfg, ctx, kv).nbytes().values()) <= budget * 2**20
-    with pytest.raises(KvrunError, match="nothing fits 1024 tokens; the smallest configuration \\(kivi-2\\)"):
+    with pytest.raises(KvrunError, match="nothing fits 1024 tokens; the smallest configuration \\(kivi-2\\+rot\\)"):
         fit_budget(cfg, ctx, mib("kivi-2") * 0.9)
 
 

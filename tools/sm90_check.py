@@ -52,13 +52,12 @@ def check(method: str, H: int, Hkv: int, D: int, T: int, dtype=torch.float16) ->
     q = torch.zeros(1, H, T, D, dtype=dtype)
     win = torch.zeros(1, Hkv, 40, D, dtype=torch.float16)
     new = torch.zeros(1, Hkv, T, D, dtype=dtype)
-    launches, n_parts = da._plan(q, (kc, ks), (vc, vs), S, win, win, new, new, None)
+    grid, args, cx, n_parts = da._plan(q, (kc, ks), (vc, vs), S, win, win, new, new, None)
+    launches = [(grid, args, cx)]
     mid = torch.zeros(1, dtype=torch.float32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     R = (H // Hkv) * T
-    stage2 = ((Hkv, 1), [mid, mid, q, 1, 1, 1, n_parts, T, H // Hkv, R, D],
-              dict(BLOCK_R=min(64, max(16, triton.next_power_of_2(R))),
-                   BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4))
+    stage2 = ((Hkv, 1), [mid, mid, q, 1, 1, 1, n_parts, T, H // Hkv, R, D], da._stage2_config(R, D))
     out = []
     for fn, grid, a, cx in ([(da._stage1_kernel, g, args(mid, mid), c) for g, args, c in launches]
                             + [(da._stage2_kernel, *stage2)]):
@@ -95,7 +94,7 @@ def check_pack(D: int) -> list[dict]:
     out = []
     for bits in (2, 4):
         for fn, sig, cx, nw in ((kp._kivi_k_kernel, dict(common, sc_d="i32", n_groups="i32", G="constexpr"),
-                                 dict(BITS=bits, G=32, BLOCK_D=bd), kp.K_WARPS),
+                                 dict(BITS=bits, G=32, BLOCK_D=bd), kp.k_warps(D)),
                                 (kp._kivi_v_kernel, dict(common, sc_c="i32", sp_h="i32", NG="constexpr",
                                                          VG="constexpr"),
                                  dict(BITS=bits, NG=D // 32, VG=32, BLOCK_D=bd), kp.V_WARPS)):

@@ -3,29 +3,30 @@ tokens (DESIGN §7 op 3), reading the packed codes directly (no dequantized copy
 cache). Same signature and semantics as kernels/decode_attention.py (the torch path, which
 is this kernel's test oracle).
 
-Structure (flash-decoding, Dao et al. 2023; lightllm's stage1/stage2):
-- stage 1, `_stage1_kernel`, grid (Hkv, n_splits, cdiv(R, BLOCK_R)): one program per
-  (KV head, split of the tokens, block of query rows). The rows are the GQA group folded
-  with the new queries, R = Gq*T, row r = (g, t) = (r // T, r % T), so each packed K/V
-  tile is loaded and dequantized once for every query head that shares it (BLOCK_R covers
-  the whole group for decode, T = 1, Gq <= 64). Per BLOCK_N-token tile: dequantize K in
+Structure (flash-decoding, Dao et al. 2023; lightllm's stage1/stage2), two launches:
+- stage 1, `_stage1_kernel`, grid (Hkv, n_split + 1, cdiv(R, BLOCK_R)): one program per
+  (KV head, part, block of query rows). The rows are the GQA group folded with the new
+  queries, R = Gq*T, row r = (g, t) = (r // T, r % T), so each packed K/V tile is loaded
+  and dequantized once for every query head that shares it (BLOCK_R covers the whole group
+  for decode, T = 1, Gq <= 64). Parts 0..n_split-1 are splits of the compressed tail, read
+  in the K and V codecs' formats (which may differ: the codec kinds are constexprs, so each
+  pair compiles its own kernel); the last part is the fp16/bf16 window followed by the new
+  tokens (causal: query t sees new tokens 0..t). Per BLOCK_N-token tile: dequantize K in
   registers (kernels/triton/dequant.py), s = q·k̂ᵀ (fp32 accumulate), online softmax in
   fp32 (base 2, log2(e) folded into the query scale), acc += p·V̂. Writes the part's
   normalized output o = acc / l and its log-sum-exp m + log2 l.
-  The op launches stage 1 up to three times into one parts buffer: the compressed tail
-  (codec kinds from the K and V codecs, which may differ), the window (fp16/bf16), and the
-  new tokens (causal: query t sees new tokens 0..t).
 - stage 2, `_stage2_kernel`, grid (Hkv, cdiv(R, BLOCK_R)): merges the parts by log-sum-exp
   and writes (1, H, T, D) in q's dtype.
 
 Block sizes: BLOCK_N = 32 tokens (the nibble layouts' half-block; 16 when a codec is GEAR,
 whose low-rank and outlier terms need more registers), BLOCK_D = next power of two >= D,
-BLOCK_R = next power of two >= R clamped to [16, 64] (16: the smallest tl.dot tile; 32 for
-GEAR), 8 warps; stage 2: BLOCK_R up to 64, 4 warps. Compiled for sm_90 by ptxas
-(tools/sm90_check.py), no configuration spills registers at D = 128, Gq = 8 (138–254
-registers per thread; the GEAR tile sizes are what keeps it from spilling). Split size:
-chosen so Hkv * n_splits ≈ 264 programs (2 per H100 SM), in whole 32-token tiles; tails not
-a multiple of it end in a partial split.
+BLOCK_R = next power of two >= R clamped to [16, 32] (16: the smallest tl.dot tile; up to
+64 over an uncompressed tail), 8 warps (4 at D <= 64); stage 2: BLOCK_R up to 32, 4 warps.
+Compiled for sm_90 by ptxas (tools/sm90_check.py), no configuration spills registers at
+D = 128, Gq = 8, T = 1..8, nor at SmolLM2's D = 64, Gq = 3 (126-254 registers per thread;
+the smaller tiles for packed codecs and GEAR are what keeps them from spilling). Split
+size: chosen so Hkv * n_splits ≈ 264 programs (2 per H100 SM), in whole 32-token tiles;
+tails not a multiple of it end in a partial split.
 
 Bytes per decode step (T = 1), one layer (`bytes_per_step`): read every packed byte of the
 tail once — n_tail * bytes_per_token(K codec + V codec); TaDA's μ_t is shared by the Hkv
@@ -33,15 +34,15 @@ programs of a split, which run adjacently (the head is the fastest grid axis), s
 from HBM once and from L2 for the others — plus the window 2 * W * Hkv * D * 2, q, new K/V
 and the output (written) 2 * D * (2H + 2Hkv), and the split-K partials, written by stage 1
 and read by stage 2: 2 * n_parts * Hkv * R * (D + 1) * 4. Llama-3.1-70B attention (H 64,
-Hkv 8, D 128, R 8) at 32k tokens (window 128, 38 parts): fp16 130.4 MiB (40.8 µs at
-3.35 TB/s), int8 67.7 MiB, kivi-4 42.8 MiB (13.4 µs), kivi-2 26.8 MiB (8.4 µs), tada-4
-52.7 MiB, gear-l 62.7 MiB, of which the partials are 2.4 MiB (tools/roofline.py).
+Hkv 8, D 128, R 8) at 32k tokens (window 128, 34 parts): fp16 130.2 MiB (40.7 µs at
+3.35 TB/s), int8 67.4 MiB, kivi-4 42.5 MiB (13.3 µs), kivi-2 26.6 MiB (8.3 µs), tada-4
+52.5 MiB, gear-l 62.4 MiB, of which the partials are 2.1 MiB (tools/roofline.py).
 
 Precision: dequantization and accumulation in fp32; on GPU tl.dot takes fp32 operands as
 tf32 (10-bit mantissa — finer than the bf16 rounding of the torch path's packed products);
 the interpreter computes exact fp32.
 
-Codecs: fp16, bf16, int8, kivi-{2,4,8}, tada-{2,4,8} (fp16 or int8 μ), gear-l / gear
+Codecs: fp16, bf16 (any FpCodec dtype), int8, kivi-{2,4,8}, tada-{2,4,8} (fp16 or int8 μ), gear-l / gear
 (KIVI backbone + rank-r term + sparse outliers, dequantized tile-wise in registers). Any
 other codec class makes `supports` false and kernels/dispatch.py runs the torch path.
 """
@@ -64,42 +65,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _stage1_kernel(
-        Q, sq_h, sq_t, sq_d,                                            # (1, H, T, D)
-        KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,                    # K codec storage
-        k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
-        VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,                    # V codec storage
-        v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
-        MID_O, MID_L,                                                   # (P, Hkv, R, D), (P, Hkv, R)
-        part0, n_tok, split, T, Gq, R, D, qk_scale,
-        CAUSAL: tl.constexpr,
-        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
-        K_RANK: tl.constexpr, K_K2: tl.constexpr,
-        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
-        V_RANK: tl.constexpr, V_K2: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (Hkv, n_splits, cdiv(R, BLOCK_R)); tiles (BLOCK_R rows, BLOCK_N tokens, BLOCK_D).
-    Reads its split's packed K/V bytes once (Llama-3.1-70B, 32k, kivi-4: ≈ 155 KiB in each
-    of 8 x 33 programs) and its BLOCK_R query rows; writes BLOCK_R * (D + 1) fp32."""
-    h = tl.program_id(0)
-    sp = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BR,) rows (g, t)
-    row_ok = rows < R
-    tq = rows % T
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    # -- the query rows of the GQA group, scaled once (softmax scale and log2 e) -----------
-    qp = Q + (h * Gq + rows // T)[:, None] * sq_h + tq[:, None] * sq_t + d[None, :] * sq_d
-    q = tl.load(qp, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
-
-    m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
-    l_i = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    s_lo = sp * split
-    s_hi = tl.minimum(n_tok, s_lo + split)
-    for n0 in range(s_lo, s_hi, BLOCK_N):
+def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
+                  KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,
+                  k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
+                  VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,
+                  v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
+                  CAUSAL: tl.constexpr,
+                  K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
+                  K_RANK: tl.constexpr, K_K2: tl.constexpr,
+                  V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
+                  V_RANK: tl.constexpr, V_K2: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of the rows q (BR, BD) over tokens [lo, hi) of one K/V source,
+    continuing (m_i, l_i, acc)."""
+    for n0 in range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)                                  # (BN,) token index
-        t_ok = t < s_hi
+        t_ok = t < hi
         tm = t_ok[:, None]
         msk = tm & d_ok[None, :]
         # -- dequantize the K tile, scores --------------------------------------------------
@@ -124,11 +104,76 @@ def _stage1_kernel(
                          V_KIND, V_BITS, True, V_MU8, V_RANK, V_K2)     # (BN, BD)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_fp(q, m_i, l_i, acc, h, n, tq, d, d_ok, D, K, V, s_h, s_t,
+               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_attend_range over a full-precision (Hkv, n, D) K/V pair (window or new tokens)."""
+    return _attend_range(q, m_i, l_i, acc, h, 0, n, tq, d, d_ok, D,
+                         K, K, K, K, K, K, K, K, K, s_h, 0, s_t, 0, 1, 1, 0, 0, 0,
+                         V, V, V, V, V, V, V, V, V, s_h, 0, s_t, 0, 1, 1, 0, 0, 0,
+                         CAUSAL, 0, 16, False, 0, 0, 0, 16, False, 0, 0, BLOCK_N)
+
+
+@triton.jit
+def _stage1_kernel(
+        Q, sq_h, sq_t, sq_d,                                            # (1, H, T, D)
+        KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,                    # K codec storage
+        k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
+        VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,                    # V codec storage
+        v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
+        KW, VW, sw_h, sw_t,                                             # (Hkv, W, D) window
+        KN, VN, sn_h, sn_t,                                             # (Hkv, T, D) new tokens
+        MID_O, MID_L,                                                   # (P, Hkv, R, D), (P, Hkv, R)
+        n_tail, n_split, split, W, T, Gq, R, D, qk_scale,
+        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
+        K_RANK: tl.constexpr, K_K2: tl.constexpr,
+        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
+        V_RANK: tl.constexpr, V_K2: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (Hkv, n_split + 1, cdiv(R, BLOCK_R)); tiles (BLOCK_R rows, BLOCK_N tokens,
+    BLOCK_D). Programs sp < n_split read tail tokens [sp·split, (sp+1)·split) — their packed
+    K/V bytes once (Llama-3.1-70B, 32k, kivi-4: ≈ 155 KiB in each of 8 x 33 programs); the
+    last program per head reads the fp16 window and the new tokens (causal). Each writes
+    BLOCK_R * (D + 1) fp32."""
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BR,) rows (g, t)
+    row_ok = rows < R
+    tq = rows % T
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    # -- the query rows of the GQA group, scaled once (softmax scale and log2 e) -----------
+    qp = Q + (h * Gq + rows // T)[:, None] * sq_h + tq[:, None] * sq_t + d[None, :] * sq_d
+    q = tl.load(qp, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * qk_scale
+
+    m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    if sp < n_split:
+        # -- a split of the compressed tail, in the K and V codecs' packed formats ------------
+        lo = sp * split
+        m_i, l_i, acc = _attend_range(
+            q, m_i, l_i, acc, h, lo, tl.minimum(n_tail, lo + split), tq, d, d_ok, D,
+            KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,
+            k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
+            VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,
+            v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
+            False, K_KIND, K_BITS, K_MU8, K_RANK, K_K2, V_KIND, V_BITS, V_MU8, V_RANK, V_K2,
+            BLOCK_N)
+    else:
+        # -- the full-precision window, then the new tokens (query t sees new 0..t) -----------
+        m_i, l_i, acc = _attend_fp(q, m_i, l_i, acc, h, W, tq, d, d_ok, D, KW, VW, sw_h, sw_t,
+                                   False, BLOCK_N)
+        m_i, l_i, acc = _attend_fp(q, m_i, l_i, acc, h, T, tq, d, d_ok, D, KN, VN, sn_h, sn_t,
+                                   True, BLOCK_N)
     # -- this part's normalized output and log-sum-exp (rows that saw no token: lse -inf) ----
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    part = (part0 + sp) * tl.num_programs(0) + h
+    part = sp * tl.num_programs(0) + h
     tl.store(MID_O + (part * R + rows)[:, None] * D + d[None, :], o,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(MID_L + part * R + rows, lse, mask=row_ok)
@@ -140,7 +185,7 @@ def _stage2_kernel(MID_O, MID_L,                                        # (P, Hk
                    n_parts, T, Gq, R, D,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (Hkv, cdiv(R, BLOCK_R)); reads n_parts * BLOCK_R * (BLOCK_D + 1) fp32 partials,
-    writes BLOCK_R * D outputs (Llama-3.1-70B, 32k: 38 parts, 1.2 MiB read in all)."""
+    writes BLOCK_R * D outputs (Llama-3.1-70B, 32k: 34 parts, 1.1 MiB read in all)."""
     h = tl.program_id(0)
     Hkv = tl.num_programs(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -225,8 +270,7 @@ def bytes_per_step(k_codec, v_codec, H: int, Hkv: int, D: int, n_tail: int, W: i
     and the output at `act_bytes` each. parts: stage 1 writes and stage 2 reads the fp32
     (o, lse) of every (part, KV head, row)."""
     R = (H // Hkv) * T
-    n_parts = (_n_splits(n_tail, Hkv, split)[0] if n_tail else 0) + (_n_splits(W, Hkv, None)[0]
-                                                                     if W else 0) + _n_splits(T, Hkv, None)[0]
+    n_parts = (_n_splits(n_tail, Hkv, split)[0] if n_tail else 0) + 1  # + window/new part
     return {"tail_k": n_tail * sum(k_codec.bytes_per_token(Hkv, D).values()),
             "tail_v": n_tail * sum(v_codec.bytes_per_token(Hkv, D).values()),
             "window": 2.0 * W * Hkv * D * 2,
@@ -261,49 +305,53 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
             raise ValueError(f"the Triton decode_attention does not read {c} (use the torch path)")
     if D > 256:
         raise ValueError(f"head dim {D} > 256 is not supported by the Triton kernel")
-    launches, n_parts = _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split)
+    grid, args, cx, n_parts = _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split)
     R = (H // Hkv) * T
     mid_o = torch.empty(n_parts, Hkv, R, D, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(n_parts, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, H, T, D, dtype=q.dtype, device=q.device)
-    for grid, args, cx in launches:
-        _stage1_kernel[grid](*args(mid_o, mid_l), **cx)
-    BLOCK_R = min(64, max(16, triton.next_power_of_2(R)))
-    _stage2_kernel[(Hkv, triton.cdiv(R, BLOCK_R))](
+    _stage1_kernel[grid](*args(mid_o, mid_l), **cx)
+    cx2 = _stage2_config(R, D)
+    _stage2_kernel[(Hkv, triton.cdiv(R, cx2["BLOCK_R"]))](
         mid_o, mid_l, out, out.stride(1), out.stride(2), out.stride(3), n_parts, T, H // Hkv, R, D,
-        BLOCK_R=BLOCK_R, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+        **cx2)
     return out
 
 
+def _stage2_config(R: int, D: int) -> dict:
+    return dict(BLOCK_R=min(32, max(16, triton.next_power_of_2(R))),
+                BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+
+
 def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split):
-    """The stage-1 launches — tail splits, window splits, new-token splits (causal) — as
-    [(grid, args(mid_o, mid_l) -> argument list, constexprs)], and the number of parts."""
+    """The stage-1 launch: (grid, args(mid_o, mid_l) -> argument list, constexprs, n_parts).
+    Parts: n_split tail splits, then one window + new tokens part."""
     _, H, T, D = q.shape
     Hkv, W = k_new.shape[1], k_win.shape[2]
     Gq = H // Hkv
     R = Gq * T
     kn = k_new[0] if k_new.stride(-1) == 1 else k_new[0].contiguous()   # (Hkv, T, D)
     vn = v_new[0] if v_new.stride(-1) == 1 else v_new[0].contiguous()
-    parts = [(n_tail, k_tail, v_tail, False, split)] if n_tail else []
-    if W:
-        parts.append((W, (None, k_win[0]), (None, v_win[0]), False, None))
-    parts.append((T, (None, kn), (None, vn), True, None))
-    launches, n_parts = [], 0
-    for n, (kc, ks), (vc, vs), causal, sp in parts:
-        ns, sz = _n_splits(n, Hkv, sp)
-        kt, ki, kk = _codec_args(kc, ks, D) if kc is not None else _fp_args(ks)
-        vt, vi, vk = _codec_args(vc, vs, D) if vc is not None else _fp_args(vs)
-        # GEAR's low-rank and outlier terms hold more tiles in registers: smaller tiles
-        gear = isinstance(kc, GearCodec) or isinstance(vc, GearCodec)
-        block_r = min(32 if gear else 64, max(16, triton.next_power_of_2(R)))
-        cx = dict(CAUSAL=causal, K_KIND=kk[0], K_BITS=kk[1], K_MU8=kk[2], K_RANK=kk[3], K_K2=kk[4],
-                  V_KIND=vk[0], V_BITS=vk[1], V_MU8=vk[2], V_RANK=vk[3], V_K2=vk[4],
-                  BLOCK_R=block_r, BLOCK_N=16 if gear else BLOCK_N,
-                  BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=NUM_WARPS)
+    kw = k_win[0] if k_win.stride(-1) == 1 else k_win[0].contiguous()   # (Hkv, W, D)
+    vw = v_win[0] if v_win.stride(-1) == 1 else v_win[0].contiguous()
+    if vw.stride() != kw.stride() or vn.stride() != kn.stride():
+        kw, vw, kn, vn = kw.contiguous(), vw.contiguous(), kn.contiguous(), vn.contiguous()
+    (kc, ks), (vc, vs) = k_tail, v_tail
+    n_split, sz = _n_splits(n_tail, Hkv, split) if n_tail else (0, BLOCK_N)
+    kt, ki, kk = _codec_args(kc, ks, D) if n_tail else _fp_args(kn)
+    vt, vi, vk = _codec_args(vc, vs, D) if n_tail else _fp_args(vn)
+    # dequantization holds more tiles in registers than a plain fp16 read, and GEAR's
+    # low-rank and outlier terms more again: smaller tiles keep sm_90 from spilling
+    gear = n_tail and (isinstance(kc, GearCodec) or isinstance(vc, GearCodec))
+    packed = n_tail and not (type(kc) is FpCodec and type(vc) is FpCodec)
+    block_r = min(32 if packed else 64, max(16, triton.next_power_of_2(R)))
+    cx = dict(K_KIND=kk[0], K_BITS=kk[1], K_MU8=kk[2], K_RANK=kk[3], K_K2=kk[4],
+              V_KIND=vk[0], V_BITS=vk[1], V_MU8=vk[2], V_RANK=vk[3], V_K2=vk[4],
+              BLOCK_R=block_r, BLOCK_N=16 if gear else BLOCK_N,
+              BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=NUM_WARPS if D > 64 else 4)
 
-        def args(mid_o, mid_l, kt=kt, ki=ki, vt=vt, vi=vi, part0=n_parts, n=n, sz=sz):
-            return [q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi, mid_o, mid_l,
-                    part0, n, sz, T, Gq, R, D, D ** -0.5 * LOG2E]
-        launches.append(((Hkv, ns, triton.cdiv(R, block_r)), args, cx))
-        n_parts += ns
-    return launches, n_parts
+    def args(mid_o, mid_l):
+        return [q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi,
+                kw, vw, kw.stride(0), kw.stride(1), kn, vn, kn.stride(0), kn.stride(1),
+                mid_o, mid_l, n_tail, n_split, sz, W, T, Gq, R, D, D ** -0.5 * LOG2E]
+    return (Hkv, n_split + 1, triton.cdiv(R, block_r)), args, cx, n_split + 1

@@ -23,8 +23,8 @@ the torch codec): this is the kernel those fused ops would end in, tested bit-ex
   writes n·Dp·bits/8 + 4·n·D/g.
 Per decode step the arena flushes one block of G = 32 tokens every 32 steps; for Llama-3.1-70B
 (Hkv 8, D 128) kivi-4 that is, per layer and flush, 128 KiB read (fp32 x; 64 KiB from
-fp16) and 16 + 2 KiB written for K (codes, scales/zeros), 16 + 4 KiB for V. Warps: 4 (K),
-8 (V); neither spills registers on sm_90 at D = 128 (tools/sm90_check.py).
+fp16) and 16 + 2 KiB written for K (codes, scales/zeros), 16 + 4 KiB for V. Warps: 4 (K; 2
+at D <= 64), 8 (V); neither spills registers on sm_90 at D = 64 or 128 (tools/sm90_check.py).
 """
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ from ..codec_kivi import KiviCodec
 from ..codec_gear import GearCodec
 
 K_WARPS, V_WARPS = 4, 8                 # no register spills on sm_90 at D = 128 (sm90_check)
+
+
+def k_warps(D: int) -> int:
+    """Warps of the K kernel: 2 at D <= 64, where ptxas caps 4 warps at 128 registers."""
+    return K_WARPS if D > 64 else 2
 
 
 @triton.jit
@@ -190,7 +195,7 @@ def kivi_pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
         nblk = (s0 + n - 1) // U - s0 // U + 1
         _kivi_k_kernel[(Hkv, nblk)](x, x.stride(0), x.stride(1), codes, codes.stride(0),
                                     codes.stride(1), scale, zero, s0, n, D, scale.shape[1],
-                                    BITS=codec.bits, G=G, BLOCK_D=BLOCK_D, num_warps=K_WARPS,
+                                    BITS=codec.bits, G=G, BLOCK_D=BLOCK_D, num_warps=k_warps(D),
                                     **opts)
     else:
         if D % codec.g:

@@ -104,12 +104,12 @@ class Codec:
 
 
 class FpCodec(Codec):
-    """Uncompressed tail (fp16 or bf16): the lossless codec, used in per-layer mixes."""
+    """Uncompressed tail (fp16, bf16 or fp32): the lossless codec, used in per-layer mixes."""
 
     def __init__(self, role: str, G: int, dtype: torch.dtype = torch.float16):
         super().__init__(role, G)
         self.dtype = dtype
-        self.method = "fp16" if dtype == torch.float16 else "bf16"
+        self.method = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
     def slots(self, Hkv, D, S):
         return [Slot("x", "codes", (Hkv, S, D), self.dtype, 1, 1)]

@@ -1,6 +1,6 @@
 """Codec registry: method names → codec objects (DESIGN §4).
 
-Method names: fp16, bf16, int8, kivi-2, kivi-4, tada-2, tada-4, tada-8, and GEAR on a KIVI
+Method names: fp16, bf16, fp32 (uncompressed), int8, kivi-2, kivi-4, tada-2, tada-4, tada-8, and GEAR on a KIVI
 backbone: gear-l / gear (4-bit backbone), gear-l-2 / gear-2 (2-bit), gear-l-4 / gear-4.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .codec_gear import GearCodec
 from .codec_kivi import KiviCodec
 from .codec_tada import TadaCodec
 
-METHODS = ("fp16", "bf16", "int8", "kivi-2", "kivi-4", "tada-2", "tada-4", "tada-8",
+METHODS = ("fp16", "bf16", "fp32", "int8", "kivi-2", "kivi-4", "tada-2", "tada-4", "tada-8",
            "gear-l", "gear-l-2", "gear-l-4", "gear", "gear-2", "gear-4")
 
 
@@ -20,8 +20,8 @@ def method_family(method: str) -> tuple[str, int]:
     """("kivi", 2) for "kivi-2"; gear defaults to a 4-bit backbone. ValueError if unknown."""
     if method not in METHODS:
         raise ValueError(method)
-    if method in ("fp16", "bf16"):
-        return method, 16
+    if method in ("fp16", "bf16", "fp32"):
+        return method, 32 if method == "fp32" else 16
     if method == "int8":
         return "int8", 8
     if method in ("gear-l", "gear"):
@@ -37,6 +37,8 @@ def make_codec(method: str, role: str, G: int, v_group: int = 32, rank: int = 4,
         return FpCodec(role, G, torch.float16)
     if fam == "bf16":
         return FpCodec(role, G, torch.bfloat16)
+    if fam == "fp32":
+        return FpCodec(role, G, torch.float32)
     if fam == "int8":
         return Int8Codec(role, G)
     if fam == "kivi":

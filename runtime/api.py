@@ -27,8 +27,6 @@ DEFAULT_CTX = 4096
 def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
     """A KV cache for `ctx` tokens: the dense cache for plain fp16/bf16/fp32, otherwise the
     compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig)."""
-    if isinstance(kv, str) and kv == "fp32":
-        return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, torch.float32)
     kv = kv if isinstance(kv, KVConfig) else parse_kv(kv)
     kv.check_profile(cfg)                   # a profile searched for another model is refused
     return build_cache(cfg, ctx, kv)
@@ -37,8 +35,6 @@ def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
 def kv_bytes_per_token(cfg: ModelConfig, kv: "str | KVConfig", n_tokens: int) -> float:
     """Bytes per token of a cache sized for `n_tokens` (window and metadata included),
     computed from the codec formulas without allocating."""
-    if isinstance(kv, str) and kv == "fp32":
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     return sum(kv_bytes_at(cfg, kv, n_tokens).values()) / n_tokens
 
 

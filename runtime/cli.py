@@ -111,7 +111,7 @@ def eviction_fields(kw) -> dict:
 
 
 def kv_config(kw, spec: str | None = None):
-    """A KVConfig (or the plain "fp32" dense cache) from the --kv flags in `kw` (consumed)."""
+    """A KVConfig from the --kv flags in `kw` (consumed)."""
     from .kv.config import parse_kv
     spec = kw.pop("kv") if spec is None else spec
     opts = {f: kw.pop(o) for o, f in (("kv_residual", "residual"), ("kv_group", "group"),
@@ -122,8 +122,6 @@ def kv_config(kw, spec: str | None = None):
     k, v, profile = kw.pop("kv_k"), kw.pop("kv_v"), kw.pop("kv_profile")
     kw.pop("kv_budget_mb", None)
     opts = {f: x for f, x in opts.items() if x is not None} | eviction_fields(kw)
-    if spec == "fp32" and not (opts or k or v or profile):
-        return "fp32"
     return parse_kv(spec, k=k, v=v, profile=profile, **opts)
 
 
@@ -439,10 +437,8 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
     methods = [m.strip() for m in kv_list.split(",") if m.strip()]
     if not methods:
         raise KvrunError("--kv: empty method list")
-    evict = eviction_fields(ev)                 # applies to every method but fp32
-    if evict and "fp32" in methods:
-        raise KvrunError("--evict needs arena methods: fp32 is the plain dense cache")
-    specs = [m if m == "fp32" else parse_kv(m, **evict) for m in methods]
+    evict = eviction_fields(ev)                 # applies to every method
+    specs = [parse_kv(m, **evict) for m in methods]
     if tg < 1:
         raise KvrunError(f"-n must be >= 1 (got {tg})")
     if reps < 1:

@@ -265,3 +265,19 @@ def test_larger_groups_read_path_matches_reference(spec):
     ref = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
     a.positions(1)
     assert_close(a.attend(0, q, k, v), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_is_a_method_like_the_others():
+    """fp32 is the uncompressed dense cache when uniform, and a lossless per-layer codec in
+    mixes; byte accounting covers both."""
+    kv = parse_kv("fp32")
+    c = build_cache(CFG, 200, kv)
+    assert isinstance(c, DenseKVCache) and c.k.dtype == torch.float32
+    assert sum(kv_bytes_at(CFG, kv, 200).values()) == 2 * L * Hkv * 200 * D * 4
+    a = build_cache(CFG, 400, parse_kv("fp32/kivi-4", residual=64))
+    assert isinstance(a, KVArena) and a.k_codecs[0].method == "fp32"
+    _feed(a, 150, torch.Generator().manual_seed(0))
+    kt = a.k_codecs[0].dequant(a.k_store[0], 0, a.n_tail[0])
+    assert kt.dtype == torch.float32 and a.n_tail[0] == 150 - 64 - (150 - 64) % 32
+    with pytest.raises(KvrunError, match="valid"):
+        parse_kv("fp64")

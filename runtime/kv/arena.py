@@ -52,7 +52,9 @@ def tail_capacity(max_ctx: int, R: int, G: int) -> int:
 
 
 def window_dtype(kv: KVConfig) -> torch.dtype:
-    return torch.bfloat16 if kv.methods() == {"bf16"} else torch.float16
+    """fp16, or bf16 / fp32 when every layer uses that uncompressed method."""
+    ms = kv.methods()
+    return KV_DTYPES[next(iter(ms))] if ms in ({"bf16"}, {"fp32"}) else torch.float16
 
 
 def _codec_factory(kv: KVConfig):
@@ -303,7 +305,7 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
         for c in (get(km, "k"), get(vm, "v")):
             for s in c.slots(Hkv, D, S):
                 out[s.component] += s.nbytes
-    out["window"] += 2 * L * Hkv * (kv.residual + kv.group) * D * 2
+    out["window"] += 2 * L * Hkv * (kv.residual + kv.group) * D * window_dtype(kv).itemsize
     return out
 
 

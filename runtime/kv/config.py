@@ -23,6 +23,7 @@ from ...kernels.codecs import METHODS, method_family
 from ..errors import KvrunError
 
 CTX_POLICIES = ("error", "shift")
+DENSE = {"fp16", "bf16", "fp32"}          # uncompressed methods
 ROTATE = ("none", "k", "v", "kv")
 
 
@@ -81,7 +82,7 @@ class KVConfig:
         fams = {method_family(m)[0] for m in self.methods()}
         if not 0 < self.sparsity < 50:
             raise KvrunError(f"GEAR sparsity must be in (0, 50) percent, got {self.sparsity}")
-        if fams - {"fp16", "bf16"} and self.group % 16:
+        if fams - DENSE and self.group % 16:
             raise KvrunError(f"KV group {self.group} must be a multiple of 16 for quantized codecs "
                              f"(codes are packed 16 tokens per 32-bit word at 2 bits)")
         if self.group > 256:
@@ -175,9 +176,9 @@ class KVConfig:
 
     @property
     def is_dense(self) -> bool:
-        """Uniform fp16 (or bf16) K and V with no context shift: DenseKVCache serves it."""
+        """Uniform fp16 (bf16, fp32) K and V with no context shift: DenseKVCache serves it."""
         ms = self.methods()
-        return (len(ms) == 1 and ms <= {"fp16", "bf16"} and self.ctx_policy == "error"
+        return (len(ms) == 1 and ms <= DENSE and self.ctx_policy == "error"
                 and self.rotate == "none" and self.layer_rotate is None and self.evict == "none")
 
     def label(self) -> str:

@@ -96,12 +96,15 @@ def eviction_options(f):
                      help="kvcrush: budget share of representatives (default 0.25).")(f)
     f = click.option("--crush-anchor", default=None, type=click.Choice(ANCHORS),
                      help="kvcrush: Hamming anchor (default random).")(f)
+    f = click.option("--evict-slack", default=None, type=int,
+                     help="Tail tokens freed beyond need at each compaction (default 0): fewer "
+                          "compactions, so fewer re-quantizations for KIVI/GEAR keys.")(f)
     return f
 
 
 EVICT_FLAGS = (("evict", "evict"), ("kv_budget", "budget"), ("sinks", "sinks"),
                ("snap_window", "snap_window"), ("crush_fraction", "crush_fraction"),
-               ("crush_anchor", "crush_anchor"))
+               ("crush_anchor", "crush_anchor"), ("evict_slack", "evict_slack"))
 
 
 def eviction_fields(kw) -> dict:

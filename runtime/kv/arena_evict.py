@@ -178,28 +178,31 @@ class ArenaEviction:
             vc.pack(a.v_store[l], v[:, c0:c1].float(), s0 + c0)
 
     def _compact(self, l, xk, xv, xa, xpos) -> None:
-        """The tail is full: keep S of the n_tail + f candidates per head (the tail, then the
-        f flushing tokens xk, xv (Hkv, f, D) with scores xa (H, f), positions xpos (f,))."""
+        """The tail is full: keep K = S - slack of the n_tail + f candidates per head (the
+        tail, then the f flushing tokens xk, xv (Hkv, f, D) with scores xa (H, f), positions
+        xpos (f,)). The kept tokens end up in slots [0, K)."""
         a = self.a
         S, nt, f, G, Hkv = a.S_l[l], a.n_tail[l], xk.shape[1], a.G, a.Hkv
+        K = S - min(self.kv.evict_slack // G * G, S - G)
         n = nt + f
         pos = torch.cat([self.pos_tail[l][:, :nt], xpos[None].expand(Hkv, f)], 1)   # (Hkv, n)
         score = torch.cat([self.acc_tail[l][:, :nt], xa], 1)                        # (H, n)
-        keep = select(self.policy, score, pos, S, sinks=self.kv.sinks, n_recent=self.n_recent(l),
+        keep = select(self.policy, score, pos, K, sinks=self.kv.sinks, n_recent=self.n_recent(l),
                       crush_fraction=self.kv.crush_fraction, crush_anchor=self.kv.crush_anchor)
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
-        # -- clean blocks: every head keeps all G tokens; they stay as packed ----------------
+        # -- clean blocks (in [0, K), every head keeps all G tokens) stay as packed -----------
         slot_kept = torch.zeros(Hkv, S, dtype=torch.bool)
         slot_kept[:, :nt] = kept[:, :nt]
         clean = slot_kept.view(Hkv, S // G, G).all(-1).all(0).repeat_interleave(G)  # (S,)
-        dirty = torch.nonzero(~clean)[:, 0]                                          # (nd,)
+        clean[K:] = False
+        dirty = torch.nonzero(~clean[:K])[:, 0]          # target slots (nd,)
         nd = dirty.numel()
         in_clean = torch.zeros(n, dtype=torch.bool)
         in_clean[:nt] = clean[:nt]
         fill = kept & ~in_clean[None]                                                # (Hkv, n)
         src = torch.nonzero(fill)[:, 1].view(Hkv, nd)    # per head, candidate order
-        # -- sources: dequantize dirty tail blocks before any of them is overwritten ---------
-        dirty_tail = dirty[dirty < nt]
+        # -- sources: dequantize the other tail blocks before any of them is overwritten -----
+        dirty_tail = torch.nonzero(~clean[:nt])[:, 0]
         runs = _runs(dirty_tail, G)
         kc, vc = a.k_codecs[l], a.v_codecs[l]
         kd = torch.cat([kc.dequant(a.k_store[l], r0, r1) for r0, r1 in runs] + [xk.float()], 1)
@@ -223,6 +226,6 @@ class ArenaEviction:
         self.acc_tail[l][:, dirty] = new_acc
         if self.resets:
             self.acc_tail[l].zero_()
-        a.n_tail[l] = S
-        self.n_drop[l] += n - S
+        a.n_tail[l] = K
+        self.n_drop[l] += n - K
         self.n_compactions += 1

@@ -59,6 +59,7 @@ class KVConfig:
     snap_window: int = 32           # snapkv/pyramidkv/kvcrush: observation queries of a prefill chunk
     crush_fraction: float = 0.25    # kvcrush: share of the budget for representatives
     crush_anchor: str = "random"    # kvcrush: random | mean | alternate
+    evict_slack: int = 0            # tail tokens freed beyond need per compaction (whole G blocks)
 
     def __post_init__(self):
         check_method(self.k_method)
@@ -104,6 +105,8 @@ class KVConfig:
             raise KvrunError(f"unknown KVCrush anchor {self.crush_anchor!r} ({', '.join(ANCHORS)})")
         if not 0 < self.crush_fraction < 1:
             raise KvrunError(f"--crush-fraction must be in (0, 1), got {self.crush_fraction}")
+        if self.evict_slack < 0:
+            raise KvrunError(f"--evict-slack must be >= 0, got {self.evict_slack}")
         if self.snap_window < 1 or self.sinks < 0:
             raise KvrunError(f"--snap-window must be >= 1 and --sinks >= 0 "
                              f"(got {self.snap_window}, {self.sinks})")

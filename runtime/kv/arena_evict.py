@@ -15,8 +15,9 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   absolute sequence length (`arena.seq_len`), not the number of cached tokens.
   (TaDA's per-token mean is shared across heads per slot: it is recomputed on re-pack from
   whatever tokens share the slot, so the reconstruction stays exact to the codec.)
-- When a flush would overflow the tail, the policy keeps S of the n_tail + f candidates
-  per head. A tail block whose G tokens every head keeps is *clean* and is not touched
+- When a flush would overflow the tail, the policy keeps K = S of the n_tail + f
+  candidates per head (K = S - slack with `evict_slack`, so compactions are rarer), in
+  slots [0, K). A tail block whose G tokens every head keeps is *clean* and is not touched
   (its codes stay bit-exact). The other blocks are *dirty*: their kept tokens and the kept
   incoming tokens are re-packed into the dirty blocks' slots (evicted slots are reused in
   place; the tail behaves as a ring at block granularity — streaming evicts the oldest

@@ -9,8 +9,8 @@ import pytest
 import kvrun
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
-from kvrun.runtime.kv.profile import model_record, read_profile
 from kvrun.runtime.budget import fit_budget
+from kvrun.runtime.kv.profile import model_record, read_profile
 from kvrun.runtime.search import save_result, search
 
 from tiny import make_tiny_model_dir
@@ -163,3 +163,19 @@ def test_search_command_writes_a_profile(tiny_model, tmp_path):
     assert prof.meta["budget"] == 0.62 and prof.meta["bytes_ratio"] <= 0.62
     r = CliRunner().invoke(search_cmd, args[:-2] + ["--bits", "3", "-o", str(out)])
     assert isinstance(r.exception, KvrunError) and "--bits must be" in str(r.exception)
+
+
+def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
+    from kvrun.runtime.config import ModelConfig
+    from kvrun.runtime.kv.profile import shipped_profiles
+    cfg = ModelConfig.tiny(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576)
+    assert cfg.head_dim == 64
+    names = set()
+    for path in shipped_profiles():
+        prof = read_profile(path)
+        ctx, budget = prof.meta["ctx"], prof.meta["budget"]
+        fp16 = 2 * 30 * 3 * ctx * 64 * 2
+        got = sum(kv_bytes_at(cfg, parse_kv(f"profile:{path}"), ctx).values())
+        assert got == prof.meta["bytes"] and got <= budget * fp16, path.name
+        names.add(path.name)
+    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json"} <= names

@@ -5,22 +5,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from kvrun.kernels import decode_attention, make_codec
+from attention_cases import attention_case
+from kvrun.kernels import decode_attention
 
 D, G = 32, 32
 
 
-def _setup(method, Hkv, Gq, n_tail, W, T, seed=0):
-    torch.manual_seed(seed)
-    kc, vc = make_codec(method, "k", G), make_codec(method, "v", G)
-    ks, vs = kc.alloc(Hkv, D, max(n_tail, G)), vc.alloc(Hkv, D, max(n_tail, G))
-    if n_tail:
-        kc.pack(ks, torch.randn(Hkv, n_tail, D) * 2, 0)
-        vc.pack(vs, torch.randn(Hkv, n_tail, D), 0)
-    kw, vw = (torch.randn(1, Hkv, W, D).half() for _ in range(2))
-    kn, vn = (torch.randn(1, Hkv, T, D) for _ in range(2))
-    q = torch.randn(1, Hkv * Gq, T, D)
-    return q, (kc, ks), (vc, vs), kw, vw, kn, vn
+def _setup(method, Hkv, Gq, n_tail, W, T):
+    return attention_case(method, method, Hkv, Gq, D, n_tail, W, T, G=G)
 
 
 def _reference_probs(q, kt, vt, n_tail, kw, vw, kn):

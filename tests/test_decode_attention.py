@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from kvrun.kernels import decode_attention, dense_attention, make_codec
+from attention_cases import attention_case
+from kvrun.kernels import decode_attention, dense_attention
 
 D, G = 64, 32
 
@@ -17,18 +18,8 @@ D, G = 64, 32
 CASES = [(0, 0, 1), (0, 30, 1), (32, 0, 1), (160, 35, 5), (480, 32, 5), (96, 17, 70)]
 
 
-def _setup(k_method, v_method, Hkv, n_tail, W, T, Gq, seed=0, **kw):
-    torch.manual_seed(seed)
-    S = max(n_tail, G)
-    kc, vc = make_codec(k_method, "k", G, **kw), make_codec(v_method, "v", G, **kw)
-    ks, vs = kc.alloc(Hkv, D, S), vc.alloc(Hkv, D, S)
-    if n_tail:
-        kc.pack(ks, torch.randn(Hkv, n_tail, D) * 2, 0)
-        vc.pack(vs, torch.randn(Hkv, n_tail, D), 0)
-    kw_, vw = (torch.randn(1, Hkv, W, D).half() for _ in range(2))
-    kn, vn = (torch.randn(1, Hkv, T, D) for _ in range(2))
-    q = torch.randn(1, Hkv * Gq, T, D)
-    return q, (kc, ks), (vc, vs), kw_, vw, kn, vn
+def _setup(k_method, v_method, Hkv, n_tail, W, T, Gq, **kw):
+    return attention_case(k_method, v_method, Hkv, Gq, D, n_tail, W, T, G=G, **kw)
 
 
 def _tol(method):

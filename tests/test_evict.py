@@ -22,7 +22,7 @@ from kvrun.runtime.kv import parse_kv  # noqa: E402
 from kvrun.runtime.kv.arena import kv_bytes_at  # noqa: E402
 from kvrun.runtime.kv.evict import (crush_anchor, crush_bits, crush_buckets,  # noqa: E402
                                     kvcrush_keep, pyramid_budgets, select, snapkv_pool)
-from tiny import make_tiny_model_dir  # noqa: E402
+from tiny import interrupted_forward, make_tiny_model_dir  # noqa: E402
 
 
 def _pos(n, Hkv=2):
@@ -372,17 +372,8 @@ def test_interrupted_forward_with_eviction_is_repaired(tiny_dir):
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024, kv=kv)
     prompt = m.tokenize("abcdefgh" * 25)
     m.engine.prefill(prompt)
-    attend, calls = m.cache.attend, {"n": 0}
-
-    def flaky(layer, q, k, v):
-        calls["n"] += 1
-        if calls["n"] == 2:                     # the second layer of the next forward
-            raise KeyboardInterrupt
-        return attend(layer, q, k, v)
-    m.cache.attend = flaky
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_forward(m), pytest.raises(KeyboardInterrupt):   # in the second layer
         m.engine.decode_step(5)
-    m.cache.attend = attend
     assert len(m.engine.cached) == m.cache.seq_len == len(prompt)      # layer 0's token dropped
     assert all(nt + w + d == len(prompt)
                for nt, w, d in zip(m.cache.n_tail, m.cache.n_win, m.cache.ev.n_drop))

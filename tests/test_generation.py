@@ -5,7 +5,7 @@ import torch
 import kvrun
 from kvrun.runtime.chat_session import ChatSession
 from kvrun.runtime.sampling import SamplingParams, apply_repetition_penalty, sample
-from tiny import make_tiny_model_dir
+from tiny import interrupted_forward, make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -117,18 +117,8 @@ def test_interrupted_forward_is_repaired(tmp_path):
         "int8", residual=32, group=32))
     prompt = m.tokenize("a" * 100)
     m.engine.prefill(prompt)
-    calls = {"n": 0}
-    attend = m.cache.attend
-
-    def flaky(layer, q, k, v):
-        calls["n"] += 1
-        if calls["n"] == 2:                     # the second layer of the next forward
-            raise KeyboardInterrupt
-        return attend(layer, q, k, v)
-    m.cache.attend = flaky
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_forward(m), pytest.raises(KeyboardInterrupt):   # in the second layer
         m.engine.decode_step(5)
-    m.cache.attend = attend
     n = len(m.engine.cached)
     assert n == m.cache.seq_len and n <= len(prompt)
     got = m.engine.prefill(prompt[n:] + [5]) if n < len(prompt) else m.engine.decode_step(5)

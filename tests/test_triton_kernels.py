@@ -23,6 +23,7 @@ from torch.testing import assert_close
 
 pytest.importorskip("triton")
 
+from attention_cases import attention_case                               # noqa: E402
 from kvrun.kernels import dense_attention, make_codec                    # noqa: E402
 from kvrun.kernels import triton as tri                                  # noqa: E402
 from kvrun.kernels.codec_base import FpCodec                             # noqa: E402
@@ -70,19 +71,11 @@ CASES = [
 ]
 
 
-def _setup(k_method, v_method, Gq, D, n_tail, W, T, dtype, Hkv=2, seed=0, **kw):
-    torch.manual_seed(seed)
-    kc, vc = make_codec(k_method, "k", G, **kw), make_codec(v_method, "v", G, **kw)
-    S = max(n_tail, G) + G              # storage larger than the tail: reads stop at n_tail
-    ks, vs = kc.alloc(Hkv, D, S), vc.alloc(Hkv, D, S)
-    if n_tail:
-        kc.pack(ks, torch.randn(Hkv, n_tail, D) * 2, 0)
-        vc.pack(vs, torch.randn(Hkv, n_tail, D), 0)
-    wdt = BF16 if dtype == BF16 else F16                                 # the arena's window dtypes
-    kw_, vw = (torch.randn(1, Hkv, W, D).to(wdt) for _ in range(2))
-    kn, vn = (torch.randn(1, Hkv, T, D).to(dtype) for _ in range(2))
-    q = torch.randn(1, Hkv * Gq, T, D).to(dtype)
-    return q, (kc, ks), (vc, vs), n_tail, kw_, vw, kn, vn
+def _setup(k_method, v_method, Gq, D, n_tail, W, T, dtype, Hkv=2, **kw):
+    """A case with storage larger than the tail (reads stop at n_tail), n_tail returned too."""
+    q, kt, vt, kw_, vw, kn, vn = attention_case(k_method, v_method, Hkv, Gq, D, n_tail, W, T,
+                                                dtype, G=G, spare=G, **kw)
+    return q, kt, vt, n_tail, kw_, vw, kn, vn
 
 
 def _dequantized_reference(q, kt, vt, n_tail, kw, vw, kn, vn):

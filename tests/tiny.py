@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -48,3 +49,21 @@ def make_tiny_model_dir(path: Path, architecture: str = "llama", seed: int = 0, 
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+@contextmanager
+def interrupted_forward(m, at_call: int = 2):
+    """Within the block, the model's attention call number `at_call` raises KeyboardInterrupt
+    (Ctrl-C between two layers of a forward); the cache's own attend is restored after."""
+    attend, calls = m.cache.attend, {"n": 0}
+
+    def flaky(layer, q, k, v):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            raise KeyboardInterrupt
+        return attend(layer, q, k, v)
+    m.cache.attend = flaky
+    try:
+        yield
+    finally:
+        m.cache.attend = attend

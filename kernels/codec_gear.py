@@ -108,12 +108,17 @@ class GearCodec(KiviCodec):
             self._B0[D] = torch.randn(D, self.rank, generator=g)
         return self._B0[D].to(device)
 
+    def _factors(self, st, s0, s1):
+        """Low-rank factors of the blocks in [s0, s1): A (Hkv, nb, G, r), B (Hkv, nb, D, r)."""
+        G, b0, nb = self.G, s0 // self.G, (s1 - s0) // self.G
+        A = st["lr_a"][:, s0:s1].float().view(-1, nb, G, self.rank)
+        return A, st["lr_b"][:, b0:b0 + nb].float()
+
     def dequant(self, st, s0, s1):
         x = super().dequant(st, s0, s1)                                  # (Hkv, n, D)
         Hkv, n, D = x.shape
         G, nb, b0 = self.G, n // self.G, s0 // self.G
-        A = st["lr_a"][:, s0:s1].float().view(Hkv, nb, G, self.rank)
-        B = st["lr_b"][:, b0:b0 + nb].float()                            # (Hkv, nb, D, r)
+        A, B = self._factors(st, s0, s1)
         x += torch.matmul(A, B.transpose(-1, -2)).view(Hkv, n, D)
         if self.sparsity:
             if self.role == "k":
@@ -131,8 +136,7 @@ class GearCodec(KiviCodec):
         G = self.G
         nb, b0 = n // G, s0 // G
         sb = sc.view(Hkv, R, nb, G)
-        B = st["lr_b"][:, b0:b0 + nb].float()                            # (Hkv, nb, D, r)
-        A = st["lr_a"][:, s0:s1].float().view(Hkv, nb, G, self.rank)
+        A, B = self._factors(st, s0, s1)
         qB = torch.matmul(qg[:, None], B)                                # (Hkv, nb, R, r)
         sb.add_(torch.matmul(qB, A.transpose(-1, -2)).transpose(1, 2))  # (Hkv, R, nb, G)
         if self.sparsity:
@@ -148,9 +152,8 @@ class GearCodec(KiviCodec):
         o = super().mix(st, p, s0, s1)                                   # (Hkv, R, D)
         Hkv, R, n = p.shape
         G = self.G
-        nb, b0 = n // G, s0 // G
-        A = st["lr_a"][:, s0:s1].float().view(Hkv, nb, G, self.rank)
-        B = st["lr_b"][:, b0:b0 + nb].float()                            # (Hkv, nb, D, r)
+        nb = n // G
+        A, B = self._factors(st, s0, s1)
         pA = torch.matmul(p.view(Hkv, R, nb, G).transpose(1, 2), A)      # (Hkv, nb, R, r)
         o += torch.einsum("hbrk,hbdk->hrd", pA, B)
         if self.sparsity:

@@ -172,6 +172,11 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def print_records(records, as_json: bool, render) -> None:
+    """Result records on stdout: a JSON list of their dicts, or `render(records)` (a table)."""
+    print(json.dumps([r.to_dict() for r in records], indent=2) if as_json else render(records))
+
+
 def print_stats(t) -> None:
     eprint(f"\n[prompt: {t.prompt_tokens} tok, {t.prompt_tok_s:.1f} tok/s | "
            f"generated: {t.gen_tokens} tok, {t.gen_tok_s:.1f} tok/s | "
@@ -357,10 +362,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
         parse_kv("fp16", **evict)               # bad eviction flags fail before loading
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
     records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint, evict=evict)
-    if as_json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
-    else:
-        print(format_table(records))
+    print_records(records, as_json, format_table)
 
 
 @main.command()
@@ -402,10 +404,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
         specs[spec.label()] = spec
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
     records = run_needle(m, text, ctx, ds, specs, trials, seed=seed, progress=eprint)
-    if as_json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
-    else:
-        print(format_table(records))
+    print_records(records, as_json, format_table)
 
 
 @main.command()
@@ -476,12 +475,7 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         if need > m.cfg.max_position:
             eprint(f"note: depth {need} is beyond the model's trained context "
                    f"({m.cfg.max_position}); latency and memory figures are still valid")
-    if as_json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
-    elif as_csv:
-        print(B.to_csv(records))
-    else:
-        print(B.format_table(records, title))
+    print_records(records, as_json, lambda rs: B.to_csv(rs) if as_csv else B.format_table(rs, title))
     if plot_path:
         B.plot(records, plot_path)
         eprint(f"wrote {plot_path}")

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import Workspace
+
 _IDX: dict = {}
 
 
@@ -120,7 +122,6 @@ def to_token_order(x: torch.Tensor, skip: int, n: int, bits: int, out: torch.Ten
 
 def codes(buf: torch.Tensor, s0: int, s1: int, bits: int) -> torch.Tensor:
     """Explicit codes (Hkv, n, D) float32 in token order (dequantization, tests)."""
-    from .quant import Workspace
     a = s0 // unit(bits) * unit(bits)
     u = unpack_into(buf, a, s1, bits, Workspace())                       # (Hkv, D, E, M)
     Hkv, D, E, M = u.shape

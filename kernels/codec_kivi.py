@@ -102,7 +102,8 @@ class KiviCodec(Codec):
         E, M = u.shape[2], u.shape[3]
         ga, nb = a // G, (s1 - 1) // G + 1 - a // G                      # groups touched
         sT = st["scale"][:, ga:ga + nb].float().transpose(1, 2)          # (Hkv, D, nb)
-        if G == 32 and nb * 32 == E * M:  # run (e, i) is group i·E + e: a view (44 µs vs 127 µs gather)
+        if G == 32 and nb * 32 == E * M:   # run (e, i) is group i·E + e: a view,
+            # 44 µs against 127 µs for the gather below (quiet, 1 thread, 4096 tokens)
             sr = sT.view(Hkv, D, M // 32, E).transpose(2, 3).contiguous()
         else:
             sr = sT[:, :, chanpack.group_index(a, s1, bits, G, qg.device)]  # (Hkv, D, E, blocks)
@@ -126,7 +127,7 @@ class KiviCodec(Codec):
         x = self.ws.get_as("mix_x", (Hkv, ng, R, n), torch.bfloat16, p.device)
         torch.mul(p[:, None], s[:, :, None], out=x)                      # bf16 straight away
         o = nibble.chan_mix(x.view(Hkv, ng * R, n), st["codes"], s0, s1, self.bits, self.D,
-                            self.ws, centered=True)                      # x·(C − c0), (Hkv, ng*R, D)
+                            self.ws, centered=True)              # x·(C − c0): (Hkv, ng*R, D)
         o = o.view(Hkv, ng, R, ng, g).diagonal(0, 1, 3).permute(0, 1, 3, 2)  # (Hkv, R, ng, g)
         # per-token offsets in one product: Σ_t p_t (c0·s_tγ + z_tγ)
         w = s.mul_(nibble.center(self.bits)).add_(st["zero"][:, s0:s1].float().transpose(1, 2))

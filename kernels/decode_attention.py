@@ -53,11 +53,12 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
     assert k_new.shape == (1, Hkv, T, D) and v_new.shape == (1, Hkv, T, D), (k_new.shape, q.shape)
     assert k_win.shape[:2] == (1, Hkv) and k_win.shape == v_win.shape, (k_win.shape, v_win.shape)
     assert n_tail == 0 or block % k_tail[0].G == 0, f"block {block} is not a multiple of G"
+    N = n_tail + k_win.shape[2] + T                                      # keys of the last query
     if mass is not None:
-        assert mass.shape == (H, n_tail + k_win.shape[2] + T) and mass.dtype == torch.float32, \
-            f"mass {tuple(mass.shape)} {mass.dtype} != ({H}, {n_tail + k_win.shape[2] + T}) float32"
+        assert mass.shape == (H, N) and mass.dtype == torch.float32, \
+            f"mass {tuple(mass.shape)} {mass.dtype} != ({H}, {N}) float32"
         mass = (mass, mass_from)
-    q_chunk = max(1, min(q_chunk, SCORE_LIMIT // ((H // Hkv) * (n_tail + k_win.shape[2] + T) * Hkv)))
+    q_chunk = max(1, min(q_chunk, SCORE_LIMIT // (H * N)))             # H·Tc·N logits per chunk
     if T <= q_chunk:
         return _attend(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, 0, block, mass)
     out = torch.empty_like(q)
@@ -109,4 +110,4 @@ def _add_mass(mass, p, den, t0, Tq, Gq):
         return
     Hkv, R, N = p.shape
     pr = (p / den).view(Hkv, Gq, Tq, N)[:, :, lo:].sum(2)                # (Hkv, Gq, N)
-    out[:, :N] += pr.reshape(Hkv * Gq, N)                                     # rows h = kv * Gq + g
+    out[:, :N] += pr.reshape(Hkv * Gq, N)                                # rows h = kv * Gq + g

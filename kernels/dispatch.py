@@ -1,6 +1,7 @@
-"""Backend choice for the decode-step ops (DESIGN §7): Triton on CUDA tensors, torch on CPU.
+"""Backend choice for the decode-step ops (DESIGN §7): Triton on CUDA tensors; on CPU the
+native C kernel (kernels/native/, built with gcc at first use) when it builds, else torch.
 
-`KVRUN_BACKEND=triton|torch` forces one. Triton on CPU tensors runs only in Triton's
+`KVRUN_BACKEND=triton|native|torch` forces one. Triton on CPU tensors runs only in Triton's
 interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are first imported —
 set it before anything imports kvrun.kernels.triton); without it, forcing triton on CPU is
 an error rather than a silent fallback. The Triton module is imported lazily, so the torch
@@ -18,9 +19,10 @@ import os
 
 import torch
 
+from . import native
 from .decode_attention import decode_attention as decode_attention_torch
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "native", "torch")
 
 
 class BackendError(RuntimeError):
@@ -28,19 +30,27 @@ class BackendError(RuntimeError):
 
 
 def backend_for(x: torch.Tensor) -> str:
-    """'triton' or 'torch' for an op on tensor x (honours KVRUN_BACKEND)."""
+    """'triton', 'native' or 'torch' for an op on tensor x (honours KVRUN_BACKEND)."""
     want = os.environ.get("KVRUN_BACKEND", "").strip().lower()
     if want and want not in BACKENDS:
         raise BackendError(f"KVRUN_BACKEND={want!r}: expected one of {', '.join(BACKENDS)}")
     if want == "torch":
         return "torch"
+    if want == "native":
+        if x.is_cuda:
+            raise BackendError("KVRUN_BACKEND=native runs on CPU tensors only")
+        if native.load() is None:
+            raise BackendError(f"KVRUN_BACKEND=native: the native kernels did not build ({native.error()})")
+        return "native"
     if want == "triton":
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise BackendError("KVRUN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
                                "(Triton's interpreter); use a CUDA device or KVRUN_BACKEND=torch")
         _triton()
         return "triton"
-    return "triton" if x.is_cuda and _triton(required=False) is not None else "torch"
+    if x.is_cuda:
+        return "triton" if _triton(required=False) is not None else "torch"
+    return "native" if native.load() is not None else "torch"
 
 
 def _triton(required: bool = True):
@@ -56,7 +66,13 @@ def _triton(required: bool = True):
 def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw):
     """kernels.decode_attention on the chosen backend (same arguments and result)."""
     extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk")}
-    if backend_for(q) == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
+    be = backend_for(q)
+    if be == "native":
+        from .native.decode_attention import decode_attention as decode_attention_native
+        out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
+        if out is not None:                 # None: a request the C kernel does not cover
+            return out
+    if be == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
         tri = _triton()
         if n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
             return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new)
@@ -67,7 +83,7 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
     """codec.pack(st, x, s0) on the chosen backend: x (Hkv, n, D) into tail tokens
     [s0, s0+n). Writes the storage only (bit-identical on both backends); use codec.dequant
     for the reconstruction."""
-    if backend_for(x) == "triton":
+    if backend_for(x) == "triton":     # (native: packing stays in torch, it is off the hot path)
         tri = _triton()
         if tri.kivi_pack_supports(codec):
             tri.kivi_pack(codec, st, x, s0)

@@ -1,0 +1,811 @@
+/* decode_attention, native CPU implementation (kvrun.kernels.native).
+ *
+ * Attention of R query rows per KV head (the GQA group x T new tokens, rows ordered
+ * (g, t)) over [compressed tail, full-precision window, new tokens], reading the packed
+ * codes of every codec in place. One call per layer:
+ *
+ *   phase 1  logits: per (KV head, token split), tail tiles of 32 tokens are dequantized
+ *            into a (D, 32) tile in L1 (K codes are channel-major in every packed K
+ *            layout) and dotted with the rows; fp tails, the window and the new tokens
+ *            are dotted token by token. Causal mask over the new tokens only.
+ *   phase 2  one exact softmax per row (two-pass flash-decoding: the logits of a row are
+ *            few, R*N floats), optional attention-mass output for token eviction.
+ *   phase 3  p.V: per (KV head, token split) every token's V row is dequantized once and
+ *            accumulated into the rows' partial outputs; splits are summed at the end.
+ *
+ * Work is spread over OpenMP threads (torch's own libgomp: the same thread pool as
+ * torch's ops, so no second pool competes for the cores). Compiled at first use by
+ * kvrun/kernels/native/__init__.py with -O3 -march=native; the loops are written so
+ * that gcc vectorizes them over the 32 tokens of a tile or the D channels of a row.
+ *
+ * Bytes read per decode step and layer: each packed byte, scale and zero of the tail
+ * once, the window and the new tokens once, q once; the logits (4*R*N bytes) are written
+ * and read twice in L2.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+typedef _Float16 f16;
+
+enum { C_FP16 = 0, C_BF16 = 1, C_FP32 = 2, C_INT8 = 3, C_KIVI = 4, C_TADA = 5 };
+enum { TILE = 32, MAXD = 256 };
+
+/* One codec's storage for one layer: pointers into the preallocated tensors and their
+ * element strides (see native/decode_attention.py, `describe`). */
+typedef struct {
+    int32_t kind, role, bits, G, g, rank, k2, mu_int8;
+    const void *x;       int64_t xs[2];     /* fp tail (Hkv, S, D): h, t           */
+    const uint8_t *codes; int64_t cs[4];    /* packed codes, layout per kind/role   */
+    const f16 *scale, *zero; int64_t ss[3]; /* scales / zeros                       */
+    const void *mu; const f16 *mu_scale; int64_t mus;   /* TaDA means               */
+    const f16 *lr_a; int64_t as[2];         /* GEAR A (Hkv, S, r): h, t             */
+    const f16 *lr_b; int64_t bs[3];         /* GEAR B (Hkv, S/G, D, r): h, blk, d   */
+    const uint8_t *oidx; const f16 *oval; int64_t os[3];  /* GEAR outliers          */
+} Codec;
+
+typedef struct {
+    int32_t Hkv, R, D, Tq, t0, n_tail, W, Tn, wdtype, ndtype, mass_lo, Gq, nthreads;
+    const float *q;            /* (Hkv, R, D) fp32, already scaled by 1/sqrt(D)        */
+    const void *kw, *vw;       /* window (Hkv, W, D) in wdtype, strides h, t           */
+    int64_t kws[2], vws[2];
+    const void *kn, *vn;       /* new tokens (Hkv, Tn, D) in ndtype                    */
+    int64_t kns[2], vns[2];
+    float *out;                /* (Hkv, R, D)                                          */
+    float *sc;                 /* scratch (Hkv, R, N) logits / probabilities           */
+    float *part;               /* scratch (Hkv, nsplit, R, D) partial outputs          */
+    float *mass;               /* NULL or (Hkv*Gq, N) += p over rows t >= mass_lo      */
+    int64_t mass_stride;
+    const Codec *kc, *vc;
+} Args;
+
+/* -- scalar helpers --------------------------------------------------------------------- */
+
+static inline float bf16f(uint16_t b) {
+    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
+    return v.f;
+}
+
+/* n fp16 values to fp32 (F16C, 8 at a time: gcc does not vectorize the plain cast) */
+static inline void f16_to_f32(const f16 *restrict p, int n, float *restrict o) {
+    int d = 0;
+#if defined(__F16C__)
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
+#endif
+    for (; d < n; d++) o[d] = (float)p[d];
+}
+
+/* row of D values of an uncompressed tensor in dtype `kind` (0 fp16, 1 bf16, 2 fp32) */
+static inline void load_row(const void *base, int64_t off, int kind, int D, float *restrict o) {
+    if (kind == C_FP16) {
+        f16_to_f32((const f16 *)base + off, D, o);
+    } else if (kind == C_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int d = 0; d < D; d++) o[d] = bf16f(p[d]);
+    } else {
+        const float *p = (const float *)base + off;
+        for (int d = 0; d < D; d++) o[d] = p[d];
+    }
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+    float s = 0.f;
+    for (int d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* exp for x <= 0 (logits minus the row max), vectorizable: 2^n * p(r), |rel err| < 2e-7 */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    float n = __builtin_roundf(x * 1.44269504f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { uint32_t u; float f; } s = { (uint32_t)((int32_t)n + 127) << 23 };
+    return p * s.f;
+}
+
+/* -- packed code rows -------------------------------------------------------------------- */
+
+/* 32 codes of one channel row of a K tile: (b >> shift) & mask over 32 bytes */
+static inline void codes32(const uint8_t *restrict b, int shift, int mask, float *restrict o) {
+    for (int j = 0; j < TILE; j++) o[j] = (float)((b[j] >> shift) & mask);
+}
+
+/* K tile (D, 32) of raw codes for tokens [t0, t0+32) of head h, t0 % 32 == 0.
+ * tok layout (int8 / TaDA; nibble.py): (Hkv, P, S/U, D, 32), U = 64 (128 for 2 bits),
+ *   token i of a superblock: byte i % 32, shift 4*((i%64)/32) + 2*(i/64); 8 bits = 2 planes.
+ * chanpack (KIVI; chanpack.py): (Hkv, D, S/E), block of U = 32E tokens = 32 bytes per
+ *   channel, run e of the block at bits [bits*e, bits*(e+1)). */
+static void k_codes(const Codec *c, int h, int64_t t0, int D, float *restrict kt) {
+    const int64_t *s = c->cs;
+    if (c->kind == C_KIVI) {
+        int E = 8 / c->bits, U = 32 * E, mask = (1 << c->bits) - 1;
+        const uint8_t *b = c->codes + h * s[0] + (t0 / U) * 32;
+        int sh = c->bits * (int)((t0 % U) / 32);
+        for (int d = 0; d < D; d++) codes32(b + d * s[1], sh, mask, kt + d * TILE);
+        return;
+    }
+    int U = c->bits == 2 ? 128 : 64;
+    int64_t i0 = t0 % U;
+    int sh = 4 * (int)((i0 % 64) / 32) + 2 * (int)(i0 / 64);
+    const uint8_t *b = c->codes + h * s[0] + (t0 / U) * s[2];
+    if (c->bits == 8) {
+        float lo[TILE];
+        for (int d = 0; d < D; d++) {
+            codes32(b + d * s[3], sh, 15, kt + d * TILE);
+            codes32(b + s[1] + d * s[3], sh, 15, lo);
+            for (int j = 0; j < TILE; j++) kt[d * TILE + j] = 16.f * kt[d * TILE + j] + lo[j];
+        }
+        return;
+    }
+    int mask = c->bits == 2 ? 3 : 15;
+    for (int d = 0; d < D; d++) codes32(b + d * s[3], sh, mask, kt + d * TILE);
+}
+
+/* V row (D,) of raw codes for token t of head h. chan layout (nibble.py):
+ * (Hkv, P, Dp/64, rows, 32), byte j of a row = channel j (low nibble) | j+32 (high);
+ * 2 bits: rows per 64 tokens = 32, token i of the block in row i % 32, shift 2*(i/32). */
+static void v_codes(const Codec *c, int h, int64_t t, int D, float *restrict o) {
+    const int64_t *s = c->cs;
+    int64_t row = t;
+    int sh = 0, mask = 15;
+    if (c->bits == 2) {
+        row = (t / 64) * 32 + t % 32;
+        sh = 2 * (int)((t % 64) / 32);
+        mask = 3;
+    }
+    int ncb = (D + 63) / 64;
+    for (int cb = 0; cb < ncb; cb++) {
+        const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
+        float tmp[64];
+        for (int j = 0; j < 32; j++) {
+            tmp[j] = (float)((b[j] >> sh) & mask);
+            tmp[j + 32] = (float)((b[j] >> (sh + 4)) & mask);
+        }
+        if (c->bits == 8) {
+            const uint8_t *l = b + s[1];
+            for (int j = 0; j < 32; j++) {
+                tmp[j] = 16.f * tmp[j] + (float)(l[j] & 15);
+                tmp[j + 32] = 16.f * tmp[j + 32] + (float)(l[j] >> 4);
+            }
+        }
+        int n = D - cb * 64 < 64 ? D - cb * 64 : 64;
+        memcpy(o + cb * 64, tmp, n * sizeof(float));
+    }
+}
+
+/* TaDA mean row (D,) of token t: fp16, or int8 in quant.pack_codes' word layout
+ * ((S/4, D) int32, per block of G tokens: word row j, plane i = token j + i*G/4 at bits
+ * [8i, 8i+8), the top plane stored as c - 128) times the per-token fp16 scale. */
+static void mu_row(const Codec *c, int64_t t, int D, float *restrict o) {
+    if (!c->mu_int8) {
+        load_row(c->mu, t * c->mus, C_FP16, D, o);
+        return;
+    }
+    int J = c->G / 4;
+    int64_t w = t % c->G;
+    int i = (int)(w / J);
+    const uint32_t *row = (const uint32_t *)c->mu + ((t / c->G) * J + w % J) * c->mus;
+    float ms = (float)c->mu_scale[t];
+    for (int d = 0; d < D; d++) {
+        uint32_t f = (row[d] >> (8 * i)) & 255u;
+        if (i == 3) f ^= 128u;
+        o[d] = ((float)f - 128.f) * ms;
+    }
+}
+
+/* -- micro-kernels ---------------------------------------------------------------------------- */
+
+/* sc[r * N + j] = sum_d q[r * D + d] * kt[d * 32 + j] for r < R, j < 32 (a tile's logits) */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void scores_rows(const float *q, int D, const float *kt,
+                                                              float *sc, int64_t N, const int NR) {
+    for (int j0 = 0; j0 < TILE; j0 += 16) {
+        __m256 a[4][2];
+        for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            __m256 k0 = _mm256_loadu_ps(kt + d * TILE + j0), k1 = _mm256_loadu_ps(kt + d * TILE + j0 + 8);
+            for (int i = 0; i < NR; i++) {
+                __m256 qb = _mm256_broadcast_ss(q + i * D + d);
+                a[i][0] = _mm256_fmadd_ps(qb, k0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(qb, k1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < NR; i++) {
+            _mm256_storeu_ps(sc + i * N + j0, a[i][0]);
+            _mm256_storeu_ps(sc + i * N + j0 + 8, a[i][1]);
+        }
+    }
+}
+#endif
+
+static void tile_scores(const float *q, int R, int D, const float *kt, float *sc, int64_t N) {
+    int r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; r0 + 4 <= R; r0 += 4) scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 4);
+    switch (R - r0) {
+    case 3: scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 3); return;
+    case 2: scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 2); return;
+    case 1: scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 1); return;
+    default: return;
+    }
+#endif
+    for (; r0 < R; r0++) {
+        float acc[TILE] = {0};
+        for (int d = 0; d < D; d++) {
+            float qd = q[r0 * D + d];
+            for (int j = 0; j < TILE; j++) acc[j] += qd * kt[d * TILE + j];
+        }
+        memcpy(sc + r0 * N, acc, sizeof acc);
+    }
+}
+
+/* acc[r * D + d] += sum_{j<n} p[r * N + j] * vt[j * D + d] (a tile's share of p.V) */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void mix_rows(const float *p, int64_t N, int n, int D,
+                                                           const float *vt, float *acc, const int NR) {
+    int d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16) {
+        __m256 a[4][2];
+        for (int i = 0; i < NR; i++) {
+            a[i][0] = _mm256_loadu_ps(acc + i * D + d0);
+            a[i][1] = _mm256_loadu_ps(acc + i * D + d0 + 8);
+        }
+        for (int j = 0; j < n; j++) {
+            __m256 v0 = _mm256_loadu_ps(vt + j * D + d0), v1 = _mm256_loadu_ps(vt + j * D + d0 + 8);
+            for (int i = 0; i < NR; i++) {
+                __m256 pb = _mm256_broadcast_ss(p + i * N + j);
+                a[i][0] = _mm256_fmadd_ps(pb, v0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(pb, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < NR; i++) {
+            _mm256_storeu_ps(acc + i * D + d0, a[i][0]);
+            _mm256_storeu_ps(acc + i * D + d0 + 8, a[i][1]);
+        }
+    }
+    for (; d0 < D; d0++)
+        for (int i = 0; i < NR; i++)
+            for (int j = 0; j < n; j++) acc[i * D + d0] += p[i * N + j] * vt[j * D + d0];
+}
+#endif
+
+static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float *vt, float *acc) {
+    int r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; r0 + 4 <= R; r0 += 4) mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 4);
+    switch (R - r0) {
+    case 3: mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 3); return;
+    case 2: mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 2); return;
+    case 1: mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 1); return;
+    default: return;
+    }
+#endif
+    for (; r0 < R; r0++)
+        for (int j = 0; j < n; j++) {
+            float pr = p[r0 * N + j];
+            for (int d = 0; d < D; d++) acc[r0 * D + d] += pr * vt[j * D + d];
+        }
+}
+
+
+/* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
+#if defined(__AVX512F__)
+#define HAVE_FAST 1
+
+/* 16 codes from 16 bytes: (b >> sh) & mask, as fp32 */
+static inline __m512 dec16(const uint8_t *b, __m128i sh, __m512i mask) {
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w, sh), mask));
+}
+
+/* acc[i][j] = sum_d qx[i * D + d] * code(d, j), j < 32, i < NR; channel d's 32 codes are
+ * the bytes at b + d * ds ((byte >> sh) & mask); with b2 (8-bit tok layout: two nibble
+ * planes) code = 16 * code + ((b2 byte >> sh) & 15). */
+static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int D, const uint8_t *b,
+        const uint8_t *b2, int64_t ds, int sh, int mask, float *acc, const int NR) {
+    __m512 a[4][2];
+    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    __m128i shv = _mm_cvtsi32_si128(sh);
+    __m512i mv = _mm512_set1_epi32(mask), m15 = _mm512_set1_epi32(15);
+    __m512 sixteen = _mm512_set1_ps(16.f);
+    for (int d = 0; d < D; d++) {
+        __m512 c0 = dec16(b + d * ds, shv, mv), c1 = dec16(b + d * ds + 16, shv, mv);
+        if (b2) {
+            c0 = _mm512_fmadd_ps(c0, sixteen, dec16(b2 + d * ds, shv, m15));
+            c1 = _mm512_fmadd_ps(c1, sixteen, dec16(b2 + d * ds + 16, shv, m15));
+        }
+        for (int i = 0; i < NR; i++) {
+            __m512 qb = _mm512_set1_ps(qx[i * D + d]);
+            a[i][0] = _mm512_fmadd_ps(qb, c0, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(qb, c1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        _mm512_storeu_ps(acc + i * TILE, a[i][0]);
+        _mm512_storeu_ps(acc + i * TILE + 16, a[i][1]);
+    }
+}
+
+static void kdot(const float *qx, int R, int D, const uint8_t *b, const uint8_t *b2, int64_t ds,
+                 int sh, int mask, float *acc) {
+    int r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 4);
+    switch (R - r0) {
+    case 3: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 3); break;
+    case 2: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 2); break;
+    case 1: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 1); break;
+    default: break;
+    }
+}
+
+static inline float hsum_dot(const float *a, const float *b, int D) {
+    __m512 s = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s);
+    float r = _mm512_reduce_add_ps(s);
+    for (; d < D; d++) r += a[d] * b[d];
+    return r;
+}
+
+/* logits of a packed K tile (int8 / KIVI / GEAR / TaDA) straight from the codes into
+ * sc[r * N + j]; returns 0 when the layout has no fast path */
+static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
+                       float *sc, int64_t N) {
+    if (c->kind < C_INT8 || R > 64) return 0;
+    const int64_t *s = c->cs;
+    const uint8_t *b, *b2 = NULL;
+    int64_t ds;
+    int sh, mask;
+    if (c->kind == C_KIVI) {
+        int E = 8 / c->bits, U = 32 * E;
+        b = c->codes + h * s[0] + (t0 / U) * 32;
+        ds = s[1];
+        sh = c->bits * (int)((t0 % U) / 32);
+        mask = (1 << c->bits) - 1;
+    } else {
+        int U = c->bits == 2 ? 128 : 64;
+        int64_t i0 = t0 % U;
+        b = c->codes + h * s[0] + (t0 / U) * s[2];
+        ds = s[3];
+        sh = 4 * (int)((i0 % 64) / 32) + 2 * (int)(i0 / 64);
+        mask = c->bits == 2 ? 3 : 15;
+        if (c->bits == 8) b2 = b + s[1];
+    }
+    float qx[64 * MAXD], acc[64 * TILE], bias[64];
+    const float *qd = q;
+    if (c->kind == C_KIVI) {               /* q . (s c + z) = (q s) . c + q . z */
+        const f16 *sp = c->scale + h * c->ss[0] + (t0 / c->G) * c->ss[1];
+        const f16 *zp = c->zero + h * c->ss[0] + (t0 / c->G) * c->ss[1];
+        float sv[MAXD], zv[MAXD];
+        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+        for (int r = 0; r < R; r++) {
+            float bz = 0.f;
+            for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
+            bias[r] = bz;
+        }
+        qd = qx;
+    } else {
+        for (int r = 0; r < R; r++) {
+            float sq = 0.f;
+            for (int d = 0; d < D; d++) sq += q[r * D + d];
+            bias[r] = sq;
+        }
+    }
+    kdot(qd, R, D, b, b2, ds, sh, mask, acc);
+    if (c->kind == C_KIVI) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < TILE; j++) sc[r * N + j] = acc[r * TILE + j] + bias[r];
+        if (c->rank) {                     /* GEAR: q . (A_t B^T) = (q B) . A_t */
+            const f16 *A = c->lr_a + h * c->as[0] + t0 * c->as[1];
+            const f16 *B = c->lr_b + h * c->bs[0] + (t0 / c->G) * c->bs[1];
+            float bf[MAXD * 8], bt[8 * MAXD], qb[64 * 8], af[TILE * 8];
+            int rk = c->rank;
+            f16_to_f32(B, D * rk, bf);
+            for (int d = 0; d < D; d++)
+                for (int k = 0; k < rk; k++) bt[k * D + d] = bf[d * rk + k];
+            f16_to_f32(A, TILE * rk, af);      /* (32, r) rows, contiguous */
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < rk; k++) qb[r * rk + k] = hsum_dot(q + r * D, bt + k * D, D);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < TILE; j++) {
+                    float v = 0.f;
+                    for (int k = 0; k < rk; k++) v += qb[r * rk + k] * af[j * rk + k];
+                    sc[r * N + j] += v;
+                }
+        }
+        if (c->k2) {                       /* GEAR outliers of this tile's tokens */
+            int64_t blk = t0 / c->G, off = t0 - blk * c->G;
+            const uint8_t *ix = c->oidx + h * c->os[0] + blk * c->os[1];
+            const f16 *vx = c->oval + h * c->os[0] + blk * c->os[1];
+            for (int d = 0; d < D; d++)
+                for (int k = 0; k < c->k2; k++) {
+                    int64_t tok = (int64_t)ix[d * c->os[2] + k] - off;
+                    if (tok < 0 || tok >= TILE) continue;
+                    float v = (float)vx[d * c->os[2] + k];
+                    for (int r = 0; r < R; r++) sc[r * N + tok] += q[r * D + d] * v;
+                }
+        }
+        return 1;
+    }
+    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
+    float st[TILE];
+    for (int j = 0; j < TILE; j++) st[j] = (float)sp[j * c->ss[1]];
+    if (c->kind == C_INT8) {               /* s (q . c - 128 sum q) */
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < TILE; j++) sc[r * N + j] = st[j] * (acc[r * TILE + j] - 128.f * bias[r]);
+        return 1;
+    }
+    /* TaDA: q . mu_t - s (q . c) - z sum q */
+    const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
+    float row[MAXD];
+    for (int j = 0; j < TILE; j++) {
+        float z = (float)zp[j * c->ss[1]];
+        mu_row(c, t0 + j, D, row);
+        for (int r = 0; r < R; r++)
+            sc[r * N + j] = hsum_dot(q + r * D, row, D) - st[j] * acc[r * TILE + j] - z * bias[r];
+    }
+    return 1;
+}
+
+/* p.V over tail tokens [t0, t1) of a packed V in the chan layout (int8 / KIVI / GEAR /
+ * TaDA), D a multiple of 64: every token's 64-channel blocks decoded into 4 registers,
+ * dequantized (c s + z, TaDA mu - (c s + z), GEAR + A_t B^T) and accumulated into acc
+ * (R, D), four rows at a time held in registers. Returns 0 when there is no fast path. */
+static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int h, int64_t t0, int64_t t1,
+        int cb, const float *p, int64_t N, int D, float *acc, const float *bfull, const int NR) {
+    const int64_t *s = c->cs;
+    __m512 a[4][4];
+    for (int i = 0; i < NR; i++)
+        for (int k = 0; k < 4; k++) a[i][k] = _mm512_loadu_ps(acc + i * D + cb * 64 + 16 * k);
+    __m512i mv = _mm512_set1_epi32(c->bits == 2 ? 3 : 15), m15 = _mm512_set1_epi32(15);
+    __m512 sixteen = _mm512_set1_ps(16.f);
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t row = t;
+        int sh = 0;
+        if (c->bits == 2) { row = (t / 64) * 32 + t % 32; sh = 2 * (int)((t % 64) / 32); }
+        const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
+        __m128i lo = _mm_cvtsi32_si128(sh), hi = _mm_cvtsi32_si128(sh + 4);
+        __m512 v[4] = { dec16(b, lo, mv), dec16(b + 16, lo, mv), dec16(b, hi, mv), dec16(b + 16, hi, mv) };
+        if (c->bits == 8) {
+            const uint8_t *l = b + s[1];
+            __m128i z0 = _mm_cvtsi32_si128(0), z4 = _mm_cvtsi32_si128(4);
+            v[0] = _mm512_fmadd_ps(v[0], sixteen, dec16(l, z0, m15));
+            v[1] = _mm512_fmadd_ps(v[1], sixteen, dec16(l + 16, z0, m15));
+            v[2] = _mm512_fmadd_ps(v[2], sixteen, dec16(l, z4, m15));
+            v[3] = _mm512_fmadd_ps(v[3], sixteen, dec16(l + 16, z4, m15));
+        }
+        if (c->kind == C_KIVI) {
+            const f16 *sp = c->scale + h * c->ss[0] + t * c->ss[1];
+            const f16 *zp = c->zero + h * c->ss[0] + t * c->ss[1];
+            for (int k = 0; k < 4; k++) {
+                int gi = (cb * 64 + 16 * k) / c->g;
+                v[k] = _mm512_fmadd_ps(v[k], _mm512_set1_ps((float)sp[gi * c->ss[2]]),
+                                       _mm512_set1_ps((float)zp[gi * c->ss[2]]));
+            }
+        } else {
+            float sv = (float)c->scale[h * c->ss[0] + t * c->ss[1]];
+            if (c->kind == C_INT8) {
+                __m512 ss = _mm512_set1_ps(sv), zz = _mm512_set1_ps(-128.f * sv);
+                for (int k = 0; k < 4; k++) v[k] = _mm512_fmadd_ps(v[k], ss, zz);
+            } else {
+                float zv = (float)c->zero[h * c->ss[0] + t * c->ss[1]];
+                float mu[MAXD];
+                mu_row(c, t, D, mu);
+                __m512 ss = _mm512_set1_ps(sv), zz = _mm512_set1_ps(zv);
+                for (int k = 0; k < 4; k++)
+                    v[k] = _mm512_sub_ps(_mm512_loadu_ps(mu + cb * 64 + 16 * k), _mm512_fmadd_ps(v[k], ss, zz));
+            }
+        }
+        for (int i = 0; i < NR; i++) {
+            __m512 pb = _mm512_set1_ps(p[i * N + t]);
+            for (int k = 0; k < 4; k++) a[i][k] = _mm512_fmadd_ps(pb, v[k], a[i][k]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int k = 0; k < 4; k++) _mm512_storeu_ps(acc + i * D + cb * 64 + 16 * k, a[i][k]);
+}
+
+static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                      int R, int D, float *acc) {
+    if (c->kind < C_INT8 || D % 64 != 0 || (c->kind == C_KIVI && c->g % 16 != 0)) return 0;
+    /* GEAR: runs of tokens within one block of G share B (converted once per run) */
+    int64_t step = c->rank ? c->G - t0 % c->G : t1 - t0;
+    float bfull[8 * MAXD];
+    for (int64_t a0 = t0; a0 < t1; ) {
+        int64_t a1 = a0 + step < t1 ? a0 + step : t1;
+        if (c->rank) {
+            const f16 *B = c->lr_b + h * c->bs[0] + (a0 / c->G) * c->bs[1];     /* (D, r) */
+            float tmp[MAXD * 8];
+            f16_to_f32(B, D * c->rank, tmp);
+            for (int d = 0; d < D; d++)
+                for (int k = 0; k < c->rank; k++) bfull[k * D + d] = tmp[d * c->rank + k];
+        }
+        for (int cb = 0; cb < D / 64; cb++) {
+            int r0 = 0;
+            for (; r0 + 4 <= R; r0 += 4) vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 4);
+            switch (R - r0) {
+            case 3: vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 3); break;
+            case 2: vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 2); break;
+            case 1: vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 1); break;
+            default: break;
+            }
+        }
+        if (c->rank) {                     /* GEAR: sum_t p_t A_t B^T = (sum_t p_t A_t) B^T */
+            for (int r = 0; r < R; r++) {
+                float pa[8] = {0};
+                for (int64_t t = a0; t < a1; t++) {
+                    const f16 *A = c->lr_a + h * c->as[0] + t * c->as[1];
+                    float pt = p[r * N + t];
+                    for (int k = 0; k < c->rank; k++) pa[k] += pt * (float)A[k];
+                }
+                for (int k = 0; k < c->rank; k++)
+                    for (int d = 0; d < D; d++) acc[r * D + d] += pa[k] * bfull[k * D + d];
+            }
+        }
+        if (c->k2)                         /* GEAR outliers: p_t * value at their channels */
+            for (int64_t t = a0; t < a1; t++) {
+                const uint8_t *ix = c->oidx + h * c->os[0] + t * c->os[1];
+                const f16 *vx = c->oval + h * c->os[0] + t * c->os[1];
+                for (int k = 0; k < c->k2; k++) {
+                    float v = (float)vx[k];
+                    for (int r = 0; r < R; r++) acc[r * D + ix[k]] += p[r * N + t] * v;
+                }
+            }
+        a0 = a1;
+        step = c->rank ? c->G : t1 - t0;
+    }
+    return 1;
+}
+#else
+#define HAVE_FAST 0
+static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
+                       float *sc, int64_t N) { return 0; }
+static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                      int R, int D, float *acc) { return 0; }
+#endif
+
+/* -- tail reads ----------------------------------------------------------------------------- */
+
+/* rows [32][D] of an uncompressed (or mean) tensor transposed into kt[D][32] */
+static void rows_to_tile(const void *base, int64_t off, int64_t stride, int kind, int D,
+                         float *restrict kt, float sign) {
+    float row[MAXD];
+    for (int j = 0; j < TILE; j++) {
+        load_row(base, off + j * stride, kind, D, row);
+        for (int d = 0; d < D; d++) kt[d * TILE + j] += sign * row[d];
+    }
+}
+
+/* dequantized K tile kt[D][32] for tail tokens [t0, t0+32) of head h */
+static void k_tile(const Codec *c, int h, int64_t t0, int D, float *restrict kt) {
+    if (c->kind <= C_FP32) {
+        memset(kt, 0, sizeof(float) * D * TILE);
+        rows_to_tile(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, D, kt, 1.f);
+        return;
+    }
+    k_codes(c, h, t0, D, kt);
+    if (c->kind == C_KIVI) {               /* k = c * s[grp][d] + z[grp][d] */
+        const f16 *s = c->scale + h * c->ss[0] + (t0 / c->G) * c->ss[1];
+        const f16 *z = c->zero + h * c->ss[0] + (t0 / c->G) * c->ss[1];
+        for (int d = 0; d < D; d++) {
+            float sd = (float)s[d * c->ss[2]], zd = (float)z[d * c->ss[2]];
+            float *k = kt + d * TILE;
+            for (int j = 0; j < TILE; j++) k[j] = k[j] * sd + zd;
+        }
+        if (c->rank) {                     /* GEAR: + A_t B_blk^T */
+            const f16 *A = c->lr_a + h * c->as[0] + t0 * c->as[1];
+            const f16 *B = c->lr_b + h * c->bs[0] + (t0 / c->G) * c->bs[1];
+            float a[8][TILE], b[MAXD * 8];
+            for (int k = 0; k < c->rank; k++)
+                for (int j = 0; j < TILE; j++) a[k][j] = (float)A[j * c->as[1] + k];
+            f16_to_f32(B, D * c->rank, b);
+            for (int d = 0; d < D; d++) {
+                float *kd = kt + d * TILE;
+                for (int k = 0; k < c->rank; k++) {
+                    float bk = b[d * c->rank + k];
+                    for (int j = 0; j < TILE; j++) kd[j] += bk * a[k][j];
+                }
+            }
+        }
+        if (c->k2) {                       /* GEAR outliers: (token in block, value) per channel */
+            int64_t blk = t0 / c->G, off = t0 - blk * c->G;
+            const uint8_t *ix = c->oidx + h * c->os[0] + blk * c->os[1];
+            const f16 *vx = c->oval + h * c->os[0] + blk * c->os[1];
+            for (int d = 0; d < D; d++)
+                for (int k = 0; k < c->k2; k++) {
+                    int64_t tok = (int64_t)ix[d * c->os[2] + k] - off;
+                    if (tok >= 0 && tok < TILE) kt[d * TILE + tok] += (float)vx[d * c->os[2] + k];
+                }
+        }
+        return;
+    }
+    /* int8: s (c - 128); TaDA: mu - (c s + z) */
+    const f16 *s = c->scale + h * c->ss[0] + t0 * c->ss[1];
+    float st[TILE], zt[TILE];
+    for (int j = 0; j < TILE; j++) st[j] = (float)s[j * c->ss[1]];
+    if (c->kind == C_INT8) {
+        for (int j = 0; j < TILE; j++) zt[j] = -128.f * st[j];
+    } else {
+        const f16 *z = c->zero + h * c->ss[0] + t0 * c->ss[1];
+        for (int j = 0; j < TILE; j++) { st[j] = -st[j]; zt[j] = -(float)z[j * c->ss[1]]; }
+    }
+    for (int d = 0; d < D; d++) {
+        float *k = kt + d * TILE;
+        for (int j = 0; j < TILE; j++) k[j] = k[j] * st[j] + zt[j];
+    }
+    if (c->kind == C_TADA) {               /* + mu_t (shared by the KV heads) */
+        if (!c->mu_int8) {
+            rows_to_tile(c->mu, t0 * c->mus, c->mus, C_FP16, D, kt, 1.f);
+        } else {
+            float row[MAXD];
+            for (int j = 0; j < TILE; j++) {
+                mu_row(c, t0 + j, D, row);
+                for (int d = 0; d < D; d++) kt[d * TILE + j] += row[d];
+            }
+        }
+    }
+}
+
+/* dequantized V row (D,) of tail token t of head h */
+static void v_row(const Codec *c, int h, int64_t t, int D, float *restrict o) {
+    if (c->kind <= C_FP32) {
+        load_row(c->x, h * c->xs[0] + t * c->xs[1], c->kind, D, o);
+        return;
+    }
+    v_codes(c, h, t, D, o);
+    if (c->kind == C_KIVI) {               /* per token and channel group of g */
+        const f16 *s = c->scale + h * c->ss[0] + t * c->ss[1];
+        const f16 *z = c->zero + h * c->ss[0] + t * c->ss[1];
+        for (int d0 = 0, gi = 0; d0 < D; d0 += c->g, gi++) {
+            float sg = (float)s[gi * c->ss[2]], zg = (float)z[gi * c->ss[2]];
+            for (int d = d0; d < d0 + c->g; d++) o[d] = o[d] * sg + zg;
+        }
+        if (c->rank) {
+            const f16 *A = c->lr_a + h * c->as[0] + t * c->as[1];
+            const f16 *B = c->lr_b + h * c->bs[0] + (t / c->G) * c->bs[1];
+            float a[8], b[MAXD * 8];
+            f16_to_f32(A, c->rank, a);
+            f16_to_f32(B, D * c->rank, b);          /* (D, r) contiguous */
+            for (int d = 0; d < D; d++)
+                for (int k = 0; k < c->rank; k++) o[d] += a[k] * b[d * c->rank + k];
+        }
+        if (c->k2) {
+            const uint8_t *ix = c->oidx + h * c->os[0] + t * c->os[1];
+            const f16 *vx = c->oval + h * c->os[0] + t * c->os[1];
+            for (int k = 0; k < c->k2; k++) o[ix[k]] += (float)vx[k];
+        }
+        return;
+    }
+    float s = (float)c->scale[h * c->ss[0] + t * c->ss[1]];
+    if (c->kind == C_INT8) {
+        for (int d = 0; d < D; d++) o[d] = (o[d] - 128.f) * s;
+        return;
+    }
+    float z = (float)c->zero[h * c->ss[0] + t * c->ss[1]];
+    float mu[MAXD];
+    mu_row(c, t, D, mu);
+    for (int d = 0; d < D; d++) o[d] = mu[d] - (o[d] * s + z);
+}
+
+/* -- the op ---------------------------------------------------------------------------------- */
+
+static void fp_scores(const void *base, const int64_t *st, int kind, int h, int64_t n0, int64_t n1,
+                      int64_t col0, const float *q, int R, int D, float *sc, int64_t N) {
+    float row[MAXD];
+    for (int64_t t = n0; t < n1; t++) {
+        load_row(base, h * st[0] + t * st[1], kind, D, row);
+        for (int r = 0; r < R; r++) sc[r * N + col0 + t] = dot(q + r * D, row, D);
+    }
+}
+
+int kvrun_decode_attention(const Args *a) {
+    const int Hkv = a->Hkv, R = a->R, D = a->D;
+    const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn;
+    if (D > MAXD || (nt % TILE) != 0) return 1;
+    const int nsplit = a->nthreads < 1 ? 1 : a->nthreads;
+    const int64_t ntile = nt / TILE;
+
+#pragma omp parallel num_threads(a->nthreads)
+    {
+        /* phase 1: logits. Items (head, split): a split of tail tiles + its share of the
+         * window / new tokens. */
+#pragma omp for schedule(static)
+        for (int it = 0; it < Hkv * nsplit; it++) {
+            int h = it / nsplit, sp = it % nsplit;
+            const float *q = a->q + (int64_t)h * R * D;
+            float *sc = a->sc + (int64_t)h * R * N;
+            int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
+            float kt[MAXD * TILE];
+            for (int64_t ti = a0; ti < a1; ti++) {
+                if (k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) continue;
+                k_tile(a->kc, h, ti * TILE, D, kt);
+                tile_scores(q, R, D, kt, sc + ti * TILE, N);
+            }
+            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
+            fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
+            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
+            fp_scores(a->kn, a->kns, a->ndtype, h, u0, u1, nt + W, q, R, D, sc, N);
+        }
+        /* phase 2: causal mask over the new tokens, one exact softmax per row, mass */
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < Hkv * R; hr++) {
+            float *s = a->sc + (int64_t)hr * N;
+            int r = hr % R, t = r % a->Tq;                   /* rows ordered (g, t) */
+            int64_t vis = nt + W + a->t0 + t + 1;             /* keys this query sees */
+            if (vis > N) vis = N;
+            float m = -INFINITY;
+            for (int64_t n = 0; n < vis; n++) m = s[n] > m ? s[n] : m;
+            float den = 0.f;
+            for (int64_t n = 0; n < vis; n++) { float e = exp_neg(s[n] - m); s[n] = e; den += e; }
+            for (int64_t n = vis; n < N; n++) s[n] = 0.f;
+            float inv = 1.f / den;
+            for (int64_t n = 0; n < vis; n++) s[n] *= inv;
+        }
+        if (a->mass) {
+#pragma omp for schedule(static)
+            for (int hq = 0; hq < Hkv * a->Gq; hq++) {       /* query head = kv * Gq + g */
+                int h = hq / a->Gq, g = hq % a->Gq;
+                float *m = a->mass + (int64_t)hq * a->mass_stride;
+                for (int t = 0; t < a->Tq; t++) {
+                    if (a->t0 + t < a->mass_lo) continue;
+                    const float *s = a->sc + ((int64_t)h * R + g * a->Tq + t) * N;
+                    for (int64_t n = 0; n < N; n++) m[n] += s[n];
+                }
+            }
+        }
+        /* phase 3: p.V into per-split partial outputs */
+#pragma omp for schedule(static)
+        for (int it = 0; it < Hkv * nsplit; it++) {
+            int h = it / nsplit, sp = it % nsplit;
+            const float *p = a->sc + (int64_t)h * R * N;
+            float *acc = a->part + (int64_t)it * R * D;
+            memset(acc, 0, sizeof(float) * R * D);
+            float vt[TILE * MAXD];
+            int64_t b0 = ntile * sp / nsplit * TILE, b1 = ntile * (sp + 1) / nsplit * TILE;
+            if (b1 > b0 && v_mix_fast(a->vc, h, b0, b1, p, N, R, D, acc)) b0 = b1;
+            for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
+                for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);
+                tile_mix(p + t0, N, R, TILE, D, vt, acc);
+            }
+            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
+            for (int64_t t0 = w0; t0 < w1; t0 += TILE) {
+                int n = w1 - t0 < TILE ? (int)(w1 - t0) : TILE;
+                for (int j = 0; j < n; j++)
+                    load_row(a->vw, h * a->vws[0] + (t0 + j) * a->vws[1], a->wdtype, D, vt + j * D);
+                tile_mix(p + nt + t0, N, R, n, D, vt, acc);
+            }
+            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
+            for (int64_t t0 = u0; t0 < u1; t0 += TILE) {
+                int n = u1 - t0 < TILE ? (int)(u1 - t0) : TILE;
+                for (int j = 0; j < n; j++)
+                    load_row(a->vn, h * a->vns[0] + (t0 + j) * a->vns[1], a->ndtype, D, vt + j * D);
+                tile_mix(p + nt + W + t0, N, R, n, D, vt, acc);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < Hkv * R; hr++) {
+            int h = hr / R, r = hr % R;
+            float *o = a->out + (int64_t)hr * D;
+            for (int d = 0; d < D; d++) o[d] = 0.f;
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float *pp = a->part + ((int64_t)(h * nsplit + sp) * R + r) * D;
+                for (int d = 0; d < D; d++) o[d] += pp[d];
+            }
+        }
+    }
+    return 0;
+}

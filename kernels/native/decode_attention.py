@@ -1,0 +1,189 @@
+"""decode_attention on the native CPU kernel (decode_attention.c): same arguments and
+result as kernels.decode_attention (the torch implementation), one C call per query chunk.
+
+`describe` maps a codec and its storage to the C descriptor (pointers + element strides);
+it returns None for a request the kernel does not cover (a tail that is not a whole number
+of 32-token tiles, head dim > 256, GEAR rank > 8), and the caller uses the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from ..codec_base import FpCodec, Int8Codec
+from ..codec_gear import GearCodec
+from ..codec_kivi import KiviCodec
+from ..codec_tada import TadaCodec
+from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
+from ..quant import Workspace
+from . import load
+
+FP16, BF16, FP32, INT8, KIVI, TADA = range(6)
+_FP = {torch.float16: FP16, torch.bfloat16: BF16, torch.float32: FP32}
+MAX_D, MAX_RANK, TILE = 256, 8, 32
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+class CodecDesc(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("kind", "role", "bits", "G", "g", "rank", "k2", "mu_int8")] + [
+        ("x", _p), ("xs", _i64 * 2),
+        ("codes", _p), ("cs", _i64 * 4),
+        ("scale", _p), ("zero", _p), ("ss", _i64 * 3),
+        ("mu", _p), ("mu_scale", _p), ("mus", _i64),
+        ("lr_a", _p), ("as_", _i64 * 2),
+        ("lr_b", _p), ("bs", _i64 * 3),
+        ("oidx", _p), ("oval", _p), ("os", _i64 * 3)]
+
+
+class Args(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("Hkv", "R", "D", "Tq", "t0", "n_tail", "W", "Tn",
+                                              "wdtype", "ndtype", "mass_lo", "Gq", "nthreads")] + [
+        ("q", _p), ("kw", _p), ("vw", _p), ("kws", _i64 * 2), ("vws", _i64 * 2),
+        ("kn", _p), ("vn", _p), ("kns", _i64 * 2), ("vns", _i64 * 2),
+        ("out", _p), ("sc", _p), ("part", _p), ("mass", _p), ("mass_stride", _i64),
+        ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc))]
+
+
+def _strides(dst, t: torch.Tensor, n: int):
+    for i in range(n):
+        dst[i] = t.stride(i)
+
+
+def describe(codec, st: dict) -> CodecDesc | None:
+    """The C descriptor of a codec's storage, or None when the kernel does not read it."""
+    c = CodecDesc()
+    c.role = 0 if codec.role == "k" else 1
+    c.G = codec.G
+    if isinstance(codec, FpCodec):
+        x = st["x"]
+        if x.stride(2) != 1:
+            return None
+        c.kind, c.x = _FP[x.dtype], x.data_ptr()
+        _strides(c.xs, x, 2)
+        return c
+    codes = st["codes"]
+    c.codes = codes.data_ptr()
+    _strides(c.cs, codes, min(4, codes.dim()))
+    c.scale = st["scale"].data_ptr()
+    if isinstance(codec, Int8Codec):
+        c.kind, c.bits = INT8, 8
+        _strides(c.ss, st["scale"], 2)
+        return c
+    c.zero = st["zero"].data_ptr()
+    _strides(c.ss, st["scale"], st["scale"].dim())
+    c.bits = codec.bits
+    if isinstance(codec, TadaCodec):
+        c.kind = TADA
+        mu = st["mu"]
+        c.mu, c.mus = mu.data_ptr(), mu.stride(0)
+        if codec.mu == "int8":
+            c.mu_int8, c.mu_scale = 1, st["mu_scale"].data_ptr()
+        return c
+    if not isinstance(codec, KiviCodec):
+        return None
+    c.kind, c.g = KIVI, codec.g
+    if isinstance(codec, GearCodec):
+        if codec.rank > MAX_RANK:
+            return None
+        c.rank = codec.rank
+        a, b = st["lr_a"], st["lr_b"]
+        if a.stride(2) != 1 or a.stride(1) != codec.rank or b.stride(3) != 1 or b.stride(2) != codec.rank:
+            return None
+        c.lr_a, c.lr_b = st["lr_a"].data_ptr(), st["lr_b"].data_ptr()
+        _strides(c.as_, st["lr_a"], 2)
+        _strides(c.bs, st["lr_b"], 3)
+        if codec.sparsity:
+            oi = st["out_idx"]
+            c.k2, c.oidx, c.oval = oi.shape[-1], oi.data_ptr(), st["out_val"].data_ptr()
+            _strides(c.os, oi, oi.dim() - 1)
+    return c
+
+
+_WS = Workspace()
+_EMPTY = None             # descriptor of an empty tail (set below)
+_DESC: dict = {}          # (id(codec), id(first storage tensor)) -> (weakref to it, descriptor)
+
+
+def _cached(codec, st: dict) -> CodecDesc | None:
+    """describe() once per storage: the descriptor lives as long as the storage tensor (a
+    weak reference checks it is the same live tensor, so a reused id or address never
+    returns stale pointers)."""
+    t = next(iter(st.values()))
+    key = (id(codec), id(t))
+    hit = _DESC.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    d = describe(codec, st)
+    _DESC[key] = (weakref.ref(t, lambda _, k=key: _DESC.pop(k, None)), d)
+    return d
+
+
+def supports(k_tail, v_tail, n_tail: int, D: int) -> bool:
+    return load() is not None and D <= MAX_D and n_tail % TILE == 0
+
+
+def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
+                     block: int = DEFAULT_BLOCK, q_chunk: int = DEFAULT_Q_CHUNK,
+                     mass: torch.Tensor | None = None, mass_from: int = 0):
+    """kernels.decode_attention (see there) on the native kernel; None when it does not
+    cover the request (the caller then runs the torch implementation)."""
+    B, H, T, D = q.shape
+    Hkv = k_new.shape[1]
+    if B != 1 or q.device.type != "cpu" or not supports(k_tail, v_tail, n_tail, D):
+        return None
+    kd = _cached(*k_tail) if n_tail else _EMPTY
+    vd = _cached(*v_tail) if n_tail else _EMPTY
+    if kd is None or vd is None:
+        return None
+    N = n_tail + k_win.shape[2] + T
+    if mass is not None:
+        assert mass.shape == (H, N) and mass.dtype == torch.float32 and mass.is_contiguous(), \
+            f"mass {tuple(mass.shape)} {mass.dtype} != ({H}, {N}) float32"
+    q_chunk = max(1, min(q_chunk, SCORE_LIMIT // (H * N)))
+    out = q if T <= q_chunk else torch.empty_like(q)
+    for t0 in range(0, T, q_chunk):
+        t1 = min(T, t0 + q_chunk)
+        o = _attend(q[:, :, t0:t1], kd, vd, n_tail, k_win, v_win, k_new[:, :, :t1],
+                    v_new[:, :, :t1], t0, mass, mass_from)
+        if T <= q_chunk:
+            return o
+        out[:, :, t0:t1] = o
+    return out
+
+
+_EMPTY = CodecDesc()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(1, Hkv, n, D) with unit channel stride."""
+    return x if x.stride(3) == 1 else x.contiguous()
+
+
+def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from):
+    _, H, Tq, D = q.shape
+    Hkv, W, Tn = k_new.shape[1], k_win.shape[2], k_new.shape[2]
+    Gq = H // Hkv
+    R = Gq * Tq
+    N = n_tail + W + Tn
+    nth = torch.get_num_threads()
+    qg = _WS.get("q", (H, Tq, D))                                   # rows ordered (g, t) per head
+    torch.mul(q[0] if q.dtype == torch.float32 else q[0].float(), D ** -0.5, out=qg)
+    kw, vw, kn, vn = _rows(k_win), _rows(v_win), _rows(k_new), _rows(v_new)
+    assert kw.dtype == vw.dtype and kn.dtype == vn.dtype, (kw.dtype, kn.dtype)
+    out = torch.empty(1, H, Tq, D)
+    sc = _WS.get("sc", (Hkv * R * N,))
+    part = _WS.get("part", (Hkv * nth * R * D,))
+    a = Args(Hkv, R, D, Tq, t0, n_tail, W, Tn, _FP[kw.dtype], _FP[kn.dtype], mass_from, Gq, nth,
+             qg.data_ptr(), kw.data_ptr(), vw.data_ptr(), (kw.stride(1), kw.stride(2)),
+             (vw.stride(1), vw.stride(2)), kn.data_ptr(), vn.data_ptr(),
+             (kn.stride(1), kn.stride(2)), (vn.stride(1), vn.stride(2)),
+             out.data_ptr(), sc.data_ptr(), part.data_ptr(),
+             mass.data_ptr() if mass is not None else None,
+             mass.stride(0) if mass is not None else 0, ctypes.pointer(kd), ctypes.pointer(vd))
+    rc = load().kvrun_decode_attention(ctypes.byref(a))
+    assert rc == 0, f"native decode_attention refused its arguments ({rc})"
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

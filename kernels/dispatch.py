@@ -8,10 +8,13 @@ an error rather than a silent fallback. The Triton module is imported lazily, so
 path never needs triton installed.
 
 Per call, the torch path still runs when the Triton kernel does not cover the request: a
-codec it does not read (`kvrun.kernels.triton.supports`), or an extra tensor argument (an
-output only the torch path fills, such as the attention mass token eviction asks for).
+codec it does not read (`kvrun.kernels.triton.supports`), or an extra tensor argument the
+Triton kernel does not know. The attention mass token eviction asks for (`mass=`,
+`mass_from=`) is served by the Triton kernel too (a third launch over its logits).
 `pack` (a flush of window tokens into the tail) has a Triton kernel for KIVI only
 (`kivi_pack`, bit-identical storage); every other codec packs with torch on both backends.
+`rope_compress_k` / `vproj_compress` (the fused write ops, DESIGN §7 ops 1-2) run their
+Triton kernel for KIVI, TaDA and int8 codecs and torch for the rest (and on native/torch).
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def _triton(required: bool = True):
 
 def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw):
     """kernels.decode_attention on the chosen backend (same arguments and result)."""
-    extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk")}
+    extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk", "mass", "mass_from")}
     be = backend_for(q)
     if be == "native":
         from .native.decode_attention import decode_attention as decode_attention_native
@@ -75,8 +78,21 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw
     if be == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
         tri = _triton()
         if n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
-            return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new)
+            return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
+                                        mass=kw.get("mass"), mass_from=kw.get("mass_from", 0))
     return decode_attention_torch(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
+
+
+def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
+                  rot_k=None, rot_v=None, **kw):
+    """The arena's decode step as one op where the backend has it fused (native CPU:
+    rotate + round + window append + attention, kernels/native/decode_attention.py
+    `attend_append`); None elsewhere, and the caller runs the steps one by one."""
+    if backend_for(q) != "native":
+        return None
+    from .native.decode_attention import attend_append as fused
+    return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
+                 rot_k, rot_v, **kw)
 
 
 def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
@@ -89,3 +105,24 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
             tri.kivi_pack(codec, st, x, s0)
             return
     codec.pack(st, x, s0)
+
+
+def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R) -> int:
+    """kernels.fused_compress.rope_compress_k on the chosen backend (the Triton kernel for
+    KIVI / TaDA / int8 codecs, bit-identical storage; torch otherwise and on CPU)."""
+    if backend_for(x) == "triton":
+        from .triton import fused_compress as tfc
+        if tfc.supports(codec):
+            return tfc.rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R)
+    from .fused_compress import rope_compress_k as rope_compress_k_torch
+    return rope_compress_k_torch(x, cos, sin, win, w, codec, st, n_tail, R)
+
+
+def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R) -> int:
+    """kernels.fused_compress.vproj_compress on the chosen backend (as rope_compress_k)."""
+    if backend_for(x) == "triton":
+        from .triton import fused_compress as tfc
+        if tfc.supports(codec):
+            return tfc.vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R)
+    from .fused_compress import vproj_compress as vproj_compress_torch
+    return vproj_compress_torch(x, weight, bias, win, w, codec, st, n_tail, R)

@@ -81,3 +81,30 @@ def test_unsupported_tail_falls_back():
     """A tail that is not a whole number of 32-token tiles is left to the torch path."""
     q, kt, vt, kw, vw, kn, vn = attention_case("fp16", "fp16", 2, 3, 64, 16, 4, 1, G=16)
     assert native_attention(q, kt, vt, 16, kw, vw, kn, vn) is None
+
+
+@pytest.mark.parametrize("rot", ["none", "k", "kv"])
+@pytest.mark.parametrize("wdt", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_fused_append_equals_the_steps(rot, wdt, T):
+    """attend_append = rotate new K/V (and q), round to the window dtype, write the window
+    slots, attend, un-rotate the output — each step done separately in torch."""
+    from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
+    from kvrun.kernels.native.decode_attention import attend_append
+    Hkv, Gq, D, n_tail, W = 2, 3, 64, 96, 7
+    q, kt, vt, _, _, kn, vn = attention_case("kivi-4", "tada-4", Hkv, Gq, D, n_tail, W, T)
+    win_k, win_v = torch.randn(Hkv, W + T + 4, D).to(wdt), torch.randn(Hkv, W + T + 4, D).to(wdt)
+    r = rotation_matrix(D, random_signs(D, 1))
+    rk = r if rot != "none" else None
+    rv = r if rot == "kv" else None
+    ref_k, ref_v = win_k.clone(), win_v.clone()
+    qr = rotate(q, rk) if rk is not None else q
+    k2 = (rotate(kn.float(), rk) if rk is not None else kn).to(wdt)
+    v2 = (rotate(vn.float(), rv) if rv is not None else vn).to(wdt)
+    ref_k[:, W:W + T], ref_v[:, W:W + T] = k2[0], v2[0]
+    ref = native_attention(qr, kt, vt, n_tail, ref_k[None, :, :W], ref_v[None, :, :W], k2, v2)
+    ref = unrotate(ref, rv) if rv is not None else ref
+    out = attend_append(q, kt, vt, n_tail, win_k[None, :, :W], win_v[None, :, :W], kn, vn,
+                        win_k[:, W:W + T], win_v[:, W:W + T], rk, rv)
+    assert torch.equal(win_k, ref_k) and torch.equal(win_v, ref_v)
+    assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -50,8 +50,10 @@ typedef struct {
 } Codec;
 
 typedef struct {
-    int32_t Hkv, R, D, Tq, t0, n_tail, W, Tn, wdtype, ndtype, mass_lo, Gq, nthreads;
-    const float *q;            /* (Hkv, R, D) fp32, already scaled by 1/sqrt(D)        */
+    int32_t Hkv, R, D, Tq, t0, n_tail, W, Tn, wdtype, ndtype, qdtype, mass_lo, Gq, nthreads;
+    const void *qin;           /* queries (H, Tq, D) in qdtype, strides h, t           */
+    int64_t qs[2];
+    float *q;                  /* scratch (Hkv, R, D): queries * 1/sqrt(D), fp32        */
     const void *kw, *vw;       /* window (Hkv, W, D) in wdtype, strides h, t           */
     int64_t kws[2], vws[2];
     const void *kn, *vn;       /* new tokens (Hkv, Tn, D) in ndtype                    */
@@ -62,6 +64,12 @@ typedef struct {
     float *mass;               /* NULL or (Hkv*Gq, N) += p over rows t >= mass_lo      */
     int64_t mass_stride;
     const Codec *kc, *vc;
+    /* fused window append (arena): when kdst is set, the new tokens are rotated (rk, rv:
+     * (D, D) fp32 or NULL; K and q share rk), rounded to wdtype, written to kdst / vdst
+     * (Hkv, Tn, D) and attended from there; the output is un-rotated by rv. */
+    const float *rk, *rv;
+    void *kdst, *vdst;
+    int64_t kds[2], vds[2];
 } Args;
 
 /* -- scalar helpers --------------------------------------------------------------------- */
@@ -91,6 +99,33 @@ static inline void load_row(const void *base, int64_t off, int kind, int D, floa
     } else {
         const float *p = (const float *)base + off;
         for (int d = 0; d < D; d++) o[d] = p[d];
+    }
+}
+
+/* y = x @ M (M: (D, D) row-major), in place through a copy */
+static void matvec(float *restrict x, const float *restrict M, int D) {
+    float y[MAXD] = {0};
+    for (int e = 0; e < D; e++) {
+        float xe = x[e];
+        const float *m = M + (int64_t)e * D;
+        for (int d = 0; d < D; d++) y[d] += xe * m[d];
+    }
+    memcpy(x, y, sizeof(float) * D);
+}
+
+/* store a row rounded to dtype `kind` (fp16 and bf16 round to nearest even) */
+static void store_row(void *base, int64_t off, int kind, int D, const float *restrict x) {
+    if (kind == C_FP16) {
+        f16 *p = (f16 *)base + off;
+        for (int d = 0; d < D; d++) p[d] = (f16)x[d];
+    } else if (kind == C_BF16) {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int d = 0; d < D; d++) {
+            union { float f; uint32_t u; } v = { x[d] };
+            p[d] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+        }
+    } else {
+        memcpy((float *)base + off, x, sizeof(float) * D);
     }
 }
 
@@ -305,6 +340,7 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
 #if defined(__AVX512F__)
 #define HAVE_FAST 1
+#define PREFETCH 256
 
 /* 16 codes from 16 bytes: (b >> sh) & mask, as fp32 */
 static inline __m512 dec16(const uint8_t *b, __m128i sh, __m512i mask) {
@@ -323,6 +359,9 @@ static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int
     __m512i mv = _mm512_set1_epi32(mask), m15 = _mm512_set1_epi32(15);
     __m512 sixteen = _mm512_set1_ps(16.f);
     for (int d = 0; d < D; d++) {
+        /* channel rows are ds bytes apart (KIVI: one row per channel, 64+ streams, more
+         * than the hardware prefetcher follows): fetch this row's bytes 8 tiles ahead */
+        _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
         __m512 c0 = dec16(b + d * ds, shv, mv), c1 = dec16(b + d * ds + 16, shv, mv);
         if (b2) {
             c0 = _mm512_fmadd_ps(c0, sixteen, dec16(b2 + d * ds, shv, m15));
@@ -359,6 +398,45 @@ static inline float hsum_dot(const float *a, const float *b, int D) {
     float r = _mm512_reduce_add_ps(s);
     for (; d < D; d++) r += a[d] * b[d];
     return r;
+}
+
+/* lane i of the result = sum of the 16 lanes of v[i] */
+static inline __m512 hsum16x16(const __m512 v[16]) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. The means are token-major,
+ * so 16 tokens' dot products are reduced together (hsum16x16) instead of one by one. */
+static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
+    float mu[16 * MAXD];
+    for (int j0 = 0; j0 < TILE; j0 += 16) {
+        for (int j = 0; j < 16; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
+        for (int r = 0; r < R; r++) {
+            const float *qr = q + r * D;
+            if (D % 16 == 0) {
+                __m512 v[16];
+                for (int j = 0; j < 16; j++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(mu + j * D + d), a);
+                    v[j] = a;
+                }
+                _mm512_storeu_ps(out + r * TILE + j0, hsum16x16(v));
+            } else {
+                for (int j = 0; j < 16; j++) out[r * TILE + j0 + j] = dot(qr, mu + j * D, D);
+            }
+        }
+    }
 }
 
 /* logits of a packed K tile (int8 / KIVI / GEAR / TaDA) straight from the codes into
@@ -451,12 +529,12 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
     }
     /* TaDA: q . mu_t - s (q . c) - z sum q */
     const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
-    float row[MAXD];
+    float qm[64 * TILE];
+    mu_scores(c, t0, q, R, D, qm);
     for (int j = 0; j < TILE; j++) {
         float z = (float)zp[j * c->ss[1]];
-        mu_row(c, t0 + j, D, row);
         for (int r = 0; r < R; r++)
-            sc[r * N + j] = hsum_dot(q + r * D, row, D) - st[j] * acc[r * TILE + j] - z * bias[r];
+            sc[r * N + j] = qm[r * TILE + j] - st[j] * acc[r * TILE + j] - z * bias[r];
     }
     return 1;
 }
@@ -718,6 +796,30 @@ int kvrun_decode_attention(const Args *a) {
     if (D > MAXD || (nt % TILE) != 0) return 1;
     const int nsplit = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t ntile = nt / TILE;
+    const float scale = 1.f / sqrtf((float)D);
+    for (int hq = 0; hq < Hkv * a->Gq; hq++)             /* rows of head h: (g, t) */
+        for (int t = 0; t < a->Tq; t++) {
+            float *dst = a->q + ((int64_t)hq * a->Tq + t) * D;
+            load_row(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
+            if (a->kdst && a->rk) matvec(dst, a->rk, D);
+            for (int d = 0; d < D; d++) dst[d] *= scale;
+        }
+    const void *kn = a->kn, *vn = a->vn;
+    const int64_t *kns = a->kns, *vns = a->vns;
+    int ndt = a->ndtype;
+    if (a->kdst) {                                       /* fused window append */
+        float row[MAXD];
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t t = 0; t < Tn; t++) {
+                load_row(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
+                if (a->rk) matvec(row, a->rk, D);
+                store_row(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
+                load_row(a->vn, h * a->vns[0] + t * a->vns[1], a->ndtype, D, row);
+                if (a->rv) matvec(row, a->rv, D);
+                store_row(a->vdst, h * a->vds[0] + t * a->vds[1], a->wdtype, D, row);
+            }
+        kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
+    }
 
 #pragma omp parallel num_threads(a->nthreads)
     {
@@ -738,7 +840,7 @@ int kvrun_decode_attention(const Args *a) {
             int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
             fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
             int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            fp_scores(a->kn, a->kns, a->ndtype, h, u0, u1, nt + W, q, R, D, sc, N);
+            fp_scores(kn, kns, ndt, h, u0, u1, nt + W, q, R, D, sc, N);
         }
         /* phase 2: causal mask over the new tokens, one exact softmax per row, mass */
 #pragma omp for schedule(static)
@@ -792,7 +894,7 @@ int kvrun_decode_attention(const Args *a) {
             for (int64_t t0 = u0; t0 < u1; t0 += TILE) {
                 int n = u1 - t0 < TILE ? (int)(u1 - t0) : TILE;
                 for (int j = 0; j < n; j++)
-                    load_row(a->vn, h * a->vns[0] + (t0 + j) * a->vns[1], a->ndtype, D, vt + j * D);
+                    load_row(vn, h * vns[0] + (t0 + j) * vns[1], ndt, D, vt + j * D);
                 tile_mix(p + nt + W + t0, N, R, n, D, vt, acc);
             }
         }
@@ -805,6 +907,14 @@ int kvrun_decode_attention(const Args *a) {
                 const float *pp = a->part + ((int64_t)(h * nsplit + sp) * R + r) * D;
                 for (int d = 0; d < D; d++) o[d] += pp[d];
             }
+        }
+    }
+    if (a->kdst && a->rv) {                              /* o = o' R_v^T */
+        float y[MAXD];
+        for (int64_t i = 0; i < (int64_t)Hkv * R; i++) {
+            float *o = a->out + i * D;
+            for (int d = 0; d < D; d++) y[d] = dot(o, a->rv + (int64_t)d * D, D);
+            memcpy(o, y, sizeof(float) * D);
         }
     }
     return 0;

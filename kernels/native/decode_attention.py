@@ -17,7 +17,6 @@ from ..codec_gear import GearCodec
 from ..codec_kivi import KiviCodec
 from ..codec_tada import TadaCodec
 from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
-from ..quant import Workspace
 from . import load
 
 FP16, BF16, FP32, INT8, KIVI, TADA = range(6)
@@ -41,11 +40,12 @@ class CodecDesc(ctypes.Structure):
 
 class Args(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("Hkv", "R", "D", "Tq", "t0", "n_tail", "W", "Tn",
-                                              "wdtype", "ndtype", "mass_lo", "Gq", "nthreads")] + [
-        ("q", _p), ("kw", _p), ("vw", _p), ("kws", _i64 * 2), ("vws", _i64 * 2),
+                                              "wdtype", "ndtype", "qdtype", "mass_lo", "Gq", "nthreads")] + [
+        ("qin", _p), ("qs", _i64 * 2), ("q", _p), ("kw", _p), ("vw", _p), ("kws", _i64 * 2), ("vws", _i64 * 2),
         ("kn", _p), ("vn", _p), ("kns", _i64 * 2), ("vns", _i64 * 2),
         ("out", _p), ("sc", _p), ("part", _p), ("mass", _p), ("mass_stride", _i64),
-        ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc))]
+        ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc)),
+        ("rk", _p), ("rv", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2)]
 
 
 def _strides(dst, t: torch.Tensor, n: int):
@@ -103,7 +103,6 @@ def describe(codec, st: dict) -> CodecDesc | None:
     return c
 
 
-_WS = Workspace()
 _EMPTY = None             # descriptor of an empty tail (set below)
 _DESC: dict = {}          # (id(codec), id(first storage tensor)) -> (weakref to it, descriptor)
 
@@ -163,27 +162,66 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(3) == 1 else x.contiguous()
 
 
-def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from):
+def _scratch(name: str, n: int) -> int:
+    """Address of a reused float32 scratch buffer of at least n elements."""
+    b = _BUF.get(name)
+    if b is None or b.numel() < n:
+        b = _BUF[name] = torch.empty(max(n, b.numel() * 3 // 2 if b is not None else 0))
+    return b.data_ptr()
+
+
+_BUF: dict = {}
+
+
+def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
+                  rot_k=None, rot_v=None, mass=None, mass_from=0):
+    """decode_attention with the arena's window append fused in (one C call per layer):
+    the new tokens k_new, v_new (1, Hkv, T, D), any float dtype, are rotated by rot_k /
+    rot_v ((D, D) float32, x @ R; q is rotated by rot_k too), rounded to the window dtype
+    and written to k_dst / v_dst (Hkv, T, D) window slots, then attended from there; the
+    output is un-rotated by rot_v. Same result as rotating, rounding and appending first
+    and calling decode_attention on the rotated q. None when not covered (the caller then
+    runs those steps itself)."""
+    B, H, T, D = q.shape
+    if B != 1 or q.device.type != "cpu" or not supports(k_tail, v_tail, n_tail, D):
+        return None
+    N = n_tail + k_win.shape[2] + T
+    if T > min(DEFAULT_Q_CHUNK, SCORE_LIMIT // (H * N)):
+        return None
+    kd = _cached(*k_tail) if n_tail else _EMPTY
+    vd = _cached(*v_tail) if n_tail else _EMPTY
+    if kd is None or vd is None or k_dst.stride(2) != 1 or v_dst.stride(2) != 1:
+        return None
+    for r in (rot_k, rot_v):
+        assert r is None or (r.dtype == torch.float32 and r.is_contiguous()), "rotation: (D, D) float32"
+    return _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, 0, mass, mass_from,
+                   fuse=(k_dst, v_dst, rot_k, rot_v))
+
+
+def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, fuse=None):
     _, H, Tq, D = q.shape
     Hkv, W, Tn = k_new.shape[1], k_win.shape[2], k_new.shape[2]
     Gq = H // Hkv
     R = Gq * Tq
     N = n_tail + W + Tn
     nth = torch.get_num_threads()
-    qg = _WS.get("q", (H, Tq, D))                                   # rows ordered (g, t) per head
-    torch.mul(q[0] if q.dtype == torch.float32 else q[0].float(), D ** -0.5, out=qg)
-    kw, vw, kn, vn = _rows(k_win), _rows(v_win), _rows(k_new), _rows(v_new)
+    q, kw, vw, kn, vn = _rows(q), _rows(k_win), _rows(v_win), _rows(k_new), _rows(v_new)
     assert kw.dtype == vw.dtype and kn.dtype == vn.dtype, (kw.dtype, kn.dtype)
     out = torch.empty(1, H, Tq, D)
-    sc = _WS.get("sc", (Hkv * R * N,))
-    part = _WS.get("part", (Hkv * nth * R * D,))
-    a = Args(Hkv, R, D, Tq, t0, n_tail, W, Tn, _FP[kw.dtype], _FP[kn.dtype], mass_from, Gq, nth,
-             qg.data_ptr(), kw.data_ptr(), vw.data_ptr(), (kw.stride(1), kw.stride(2)),
-             (vw.stride(1), vw.stride(2)), kn.data_ptr(), vn.data_ptr(),
-             (kn.stride(1), kn.stride(2)), (vn.stride(1), vn.stride(2)),
-             out.data_ptr(), sc.data_ptr(), part.data_ptr(),
+    a = Args(Hkv, R, D, Tq, t0, n_tail, W, Tn, _FP[kw.dtype], _FP[kn.dtype], _FP[q.dtype],
+             mass_from, Gq, nth, q.data_ptr(), (q.stride(1), q.stride(2)),
+             _scratch("q", H * Tq * D), kw.data_ptr(), vw.data_ptr(),
+             (kw.stride(1), kw.stride(2)), (vw.stride(1), vw.stride(2)), kn.data_ptr(),
+             vn.data_ptr(), (kn.stride(1), kn.stride(2)), (vn.stride(1), vn.stride(2)),
+             out.data_ptr(), _scratch("sc", Hkv * R * N), _scratch("part", Hkv * nth * R * D),
              mass.data_ptr() if mass is not None else None,
              mass.stride(0) if mass is not None else 0, ctypes.pointer(kd), ctypes.pointer(vd))
+    if fuse is not None:
+        k_dst, v_dst, rot_k, rot_v = fuse
+        a.rk = rot_k.data_ptr() if rot_k is not None else None
+        a.rv = rot_v.data_ptr() if rot_v is not None else None
+        a.kdst, a.vdst = k_dst.data_ptr(), v_dst.data_ptr()
+        a.kds[0], a.kds[1], a.vds[0], a.vds[1] = k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1)
     rc = load().kvrun_decode_attention(ctypes.byref(a))
     assert rc == 0, f"native decode_attention refused its arguments ({rc})"
     return out if q.dtype == torch.float32 else out.to(q.dtype)

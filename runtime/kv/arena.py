@@ -38,7 +38,7 @@ import torch
 
 from ...kernels.codec_base import COMPONENTS
 from ...kernels.codecs import make_codec
-from ...kernels.dispatch import decode_attention, pack     # Triton on CUDA, torch on CPU
+from ...kernels.dispatch import attend_append, decode_attention, pack  # per backend
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies
@@ -119,6 +119,16 @@ class KVArena:
         nt, w = self.n_tail[layer], self.n_win[layer]
         assert nt + w + k.shape[2] <= self.max_ctx, "positions() must run before attend()"
         rk, rv = self.rot_k[layer], self.rot_v[layer]
+        T = k.shape[2]
+        if self.ev is None and w + T < self.R + self.G:          # no flush: the fused op
+            o = attend_append(q, (self.k_codecs[layer], self.k_store[layer]),
+                              (self.v_codecs[layer], self.v_store[layer]), nt,
+                              self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
+                              k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
+                              rk, rv)
+            if o is not None:
+                self.n_win[layer] = w + T
+                return o
         if rk is not None:                          # q·k = (qR)·(kR)
             q, k = rotate(q, rk), rotate(k.float(), rk)
         if rv is not None:                          # P·V = (P·(VR))·Rᵀ

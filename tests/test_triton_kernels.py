@@ -198,14 +198,57 @@ def test_dispatch_falls_back_for_unknown_codecs(monkeypatch):
     assert torch.equal(out, torch_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn, block=64))
 
 
-def test_dispatch_leaves_attention_mass_to_torch(monkeypatch):
-    """Eviction's attention-mass output is a torch-path feature: asking for it runs torch."""
-    q, kt, vt, n, kw, vw, kn, vn = _setup("kivi-4", "tada-4", 3, 64, 64, 5, 1, F32)
+def _dense_mass(q, kt, vt, n_tail, kw, vw, kn, vn, mass_from):
+    """Attention probabilities over the dequantized cache, summed over queries t >= mass_from."""
+    (kc, ks), _ = kt, vt
+    kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0].float()
+    K = torch.cat([kd, kw.float(), kn.float()], 2)                      # (1, Hkv, N, D)
+    H, T, D = q.shape[1], q.shape[2], q.shape[3]
+    K = K.repeat_interleave(H // K.shape[1], 1)
+    s = q.float() @ K.transpose(-1, -2) * D ** -0.5                     # (1, H, T, N)
+    N = K.shape[2]
+    hidden = torch.arange(N)[None, :] > (N - T + torch.arange(T))[:, None]
+    p = s.masked_fill(hidden, float("-inf")).softmax(-1)
+    return p[0, :, mass_from:].sum(1)                                   # (H, N)
+
+
+@pytest.mark.parametrize("case,mass_from", [
+    (("kivi-4", "tada-4", 1, 64, 96, 5, 1, F32), 0),
+    (("int8", "kivi-2", 3, 128, 160, 33, 4, F16), 2),
+    (("tada-2", "gear-l", 8, 64, 64, 0, 3, F32), 3),                   # no query counted
+    (("fp16", "fp16", 3, 64, 0, 7, 3, BF16), 0),
+])
+def test_attention_mass(case, mass_from):
+    """mass= (token eviction's accumulated attention): += the exact probabilities of the
+    queries t >= mass_from, against dense attention over the dequantized cache, and the
+    output unchanged by asking for it."""
+    args = _setup(*case)
+    q, n, W, T = args[0], args[3], case[5], case[6]
+    init = torch.rand(q.shape[1], n + W + T)
+    mass = init.clone()
+    out = tri.decode_attention(*args, split=SPLIT, mass=mass, mass_from=mass_from)
+    assert torch.equal(out, tri.decode_attention(*args, split=SPLIT))
+    assert_close(mass - init, _dense_mass(*args, mass_from), atol=2e-5, rtol=1e-4)
+    if mass_from < T:
+        assert_close((mass - init).sum(1), torch.full((q.shape[1],), float(T - mass_from)),
+                     atol=1e-4, rtol=0)
+
+
+def test_dispatch_serves_attention_mass_on_triton(monkeypatch):
+    """Eviction's attention-mass output runs on the Triton kernel under KVRUN_BACKEND=triton
+    (no torch fallback) and agrees with the torch path's."""
+    q, kt, vt, n, kw, vw, kn, vn = _setup("kivi-4", "tada-4", 3, 64, 64, 5, 2, F32)
     monkeypatch.setenv("KVRUN_BACKEND", "triton")
-    m1, m2 = (torch.zeros(q.shape[1], n + kw.shape[2] + 1) for _ in range(2))
-    out = dispatch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m1)
-    assert torch.equal(out, torch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m2))
-    assert torch.equal(m1, m2) and m1.sum() > 0
+    called = []
+    real = tri.decode_attention
+    monkeypatch.setattr(tri, "decode_attention", lambda *a, **k: called.append(k) or real(*a, **k))
+    m1, m2 = (torch.zeros(q.shape[1], n + kw.shape[2] + 2) for _ in range(2))
+    out = dispatch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m1, mass_from=1)
+    ref = torch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m2, mass_from=1)
+    assert called and called[0]["mass"] is m1 and called[0]["mass_from"] == 1
+    assert_close(out, ref, **PACKED_TOL)
+    assert_close(m1, m2, atol=1e-3, rtol=0)      # the torch path's bf16 packed products
+    assert m1.sum() > 0
 
 
 # -- end to end ------------------------------------------------------------------------------

@@ -17,6 +17,12 @@ Structure (flash-decoding, Dao et al. 2023; lightllm's stage1/stage2), two launc
   normalized output o = acc / l and its log-sum-exp m + log2 l.
 - stage 2, `_stage2_kernel`, grid (Hkv, cdiv(R, BLOCK_R)): merges the parts by log-sum-exp
   and writes (1, H, T, D) in q's dtype.
+- only with `mass=` (token eviction's accumulated attention): stage 1 also stores every
+  row's masked logits (Hkv, R, N) fp32, stage 2 the rows' final log-sum-exp, and
+  `_mass_kernel`, grid (Hkv, cdiv(N, 128)), adds Σ_{t >= mass_from} 2^(s − lse) per query
+  head into mass (H, N) — the torch path's p / den. Extra traffic: 2 · Hkv · R · N · 4
+  bytes of logits (written, read) + 2 · H · N · 4 of mass (Llama-3.1-70B, 32k, T = 1:
+  8 MiB + 16 MiB, a third of a kivi-4 step: eviction's scoring is not free).
 
 Block sizes: BLOCK_N = 32 tokens (the nibble layouts' half-block; 16 when a codec is GEAR,
 whose low-rank and outlier terms need more registers), BLOCK_D = next power of two >= D,
@@ -62,6 +68,7 @@ BLOCK_N = 32                    # split granularity and default token tile
 NUM_WARPS = 8
 TARGET_PROGRAMS = 264           # 2 per SM of an H100 (132 SMs)
 LOG2E = 1.4426950408889634
+MASS_BLOCK_N = 128              # tokens per attention-mass program
 
 
 @triton.jit
@@ -74,9 +81,11 @@ def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
                   K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
                   K_RANK: tl.constexpr, K_K2: tl.constexpr,
                   V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
-                  V_RANK: tl.constexpr, V_K2: tl.constexpr, BLOCK_N: tl.constexpr):
+                  V_RANK: tl.constexpr, V_K2: tl.constexpr, BLOCK_N: tl.constexpr,
+                  S_OUT=None, s_row=None, row_ok=None, s_off=0, STORE_S: tl.constexpr = False):
     """Online softmax of the rows q (BR, BD) over tokens [lo, hi) of one K/V source,
-    continuing (m_i, l_i, acc)."""
+    continuing (m_i, l_i, acc). STORE_S: also write the masked base-2 logits of token t to
+    S_OUT + s_row + s_off + t (s_row (BR,): each row's offset; the attention-mass pass)."""
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)                                  # (BN,) token index
         t_ok = t < hi
@@ -92,6 +101,9 @@ def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
         if CAUSAL:
             ok = ok & (t[None, :] <= tq[:, None])
         s = tl.where(ok, s, float("-inf"))
+        if STORE_S:
+            tl.store(S_OUT + s_row[:, None] + s_off + t[None, :], s,
+                     mask=row_ok[:, None] & t_ok[None, :])
         # -- online softmax (fp32, base 2) ----------------------------------------------------
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -109,12 +121,14 @@ def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
 
 @triton.jit
 def _attend_fp(q, m_i, l_i, acc, h, n, tq, d, d_ok, D, K, V, s_h, s_t,
-               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               S_OUT, s_row, row_ok, s_off, STORE_S: tl.constexpr):
     """_attend_range over a full-precision (Hkv, n, D) K/V pair (window or new tokens)."""
     return _attend_range(q, m_i, l_i, acc, h, 0, n, tq, d, d_ok, D,
                          K, K, K, K, K, K, K, K, K, s_h, 0, s_t, 0, 1, 1, 0, 0, 0,
                          V, V, V, V, V, V, V, V, V, s_h, 0, s_t, 0, 1, 1, 0, 0, 0,
-                         CAUSAL, 0, 16, False, 0, 0, 0, 16, False, 0, 0, BLOCK_N)
+                         CAUSAL, 0, 16, False, 0, 0, 0, 16, False, 0, 0, BLOCK_N,
+                         S_OUT, s_row, row_ok, s_off, STORE_S)
 
 
 @triton.jit
@@ -127,17 +141,20 @@ def _stage1_kernel(
         KW, VW, sw_h, sw_t,                                             # (Hkv, W, D) window
         KN, VN, sn_h, sn_t,                                             # (Hkv, T, D) new tokens
         MID_O, MID_L,                                                   # (P, Hkv, R, D), (P, Hkv, R)
+        S_OUT,                                                          # (Hkv, R, N) fp32 or dummy
         n_tail, n_split, split, W, T, Gq, R, D, qk_scale,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
         K_RANK: tl.constexpr, K_K2: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
         V_RANK: tl.constexpr, V_K2: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        STORE_S: tl.constexpr = False):
     """Grid (Hkv, n_split + 1, cdiv(R, BLOCK_R)); tiles (BLOCK_R rows, BLOCK_N tokens,
     BLOCK_D). Programs sp < n_split read tail tokens [sp·split, (sp+1)·split) — their packed
     K/V bytes once (Llama-3.1-70B, 32k, kivi-4: ≈ 155 KiB in each of 8 x 33 programs); the
     last program per head reads the fp16 window and the new tokens (causal). Each writes
-    BLOCK_R * (D + 1) fp32."""
+    BLOCK_R * (D + 1) fp32 (STORE_S: and its rows' masked logits, (BR, n) fp32, into S_OUT
+    for the attention-mass pass)."""
     h = tl.program_id(0)
     sp = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)           # (BR,) rows (g, t)
@@ -152,6 +169,8 @@ def _stage1_kernel(
     m_i = tl.full((BLOCK_R,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    N = n_tail + W + T
+    s_row = (h * R + rows) * N                                          # rows of S_OUT
     if sp < n_split:
         # -- a split of the compressed tail, in the K and V codecs' packed formats ------------
         lo = sp * split
@@ -162,13 +181,13 @@ def _stage1_kernel(
             VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,
             v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
             False, K_KIND, K_BITS, K_MU8, K_RANK, K_K2, V_KIND, V_BITS, V_MU8, V_RANK, V_K2,
-            BLOCK_N)
+            BLOCK_N, S_OUT, s_row, row_ok, 0, STORE_S)
     else:
         # -- the full-precision window, then the new tokens (query t sees new 0..t) -----------
         m_i, l_i, acc = _attend_fp(q, m_i, l_i, acc, h, W, tq, d, d_ok, D, KW, VW, sw_h, sw_t,
-                                   False, BLOCK_N)
+                                   False, BLOCK_N, S_OUT, s_row, row_ok, n_tail, STORE_S)
         m_i, l_i, acc = _attend_fp(q, m_i, l_i, acc, h, T, tq, d, d_ok, D, KN, VN, sn_h, sn_t,
-                                   True, BLOCK_N)
+                                   True, BLOCK_N, S_OUT, s_row, row_ok, n_tail + W, STORE_S)
     # -- this part's normalized output and log-sum-exp (rows that saw no token: lse -inf) ----
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -183,9 +202,11 @@ def _stage1_kernel(
 def _stage2_kernel(MID_O, MID_L,                                        # (P, Hkv, R, D), (P, Hkv, R)
                    O, so_h, so_t, so_d,                                 # (1, H, T, D)
                    n_parts, T, Gq, R, D,
-                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                   WRITE_LSE: tl.constexpr = False):
     """Grid (Hkv, cdiv(R, BLOCK_R)); reads n_parts * BLOCK_R * (BLOCK_D + 1) fp32 partials,
-    writes BLOCK_R * D outputs (Llama-3.1-70B, 32k: 34 parts, 1.1 MiB read in all)."""
+    writes BLOCK_R * D outputs (Llama-3.1-70B, 32k: 34 parts, 1.1 MiB read in all).
+    WRITE_LSE: also the rows' final log-sum-exp (base 2), into MID_L's part n_parts."""
     h = tl.program_id(0)
     Hkv = tl.num_programs(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -207,8 +228,37 @@ def _stage2_kernel(MID_O, MID_L,                                        # (P, Hk
         l = l * a + w
         m = m_new
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    if WRITE_LSE:
+        tl.store(MID_L + (n_parts * Hkv + h) * R + rows, m + tl.log2(l), mask=row_ok)
     op = O + (h * Gq + rows // T)[:, None] * so_h + (rows % T)[:, None] * so_t + d[None, :] * so_d
     tl.store(op, out.to(O.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _mass_kernel(S, LSE,                                                # (Hkv, R, N), (Hkv, R) fp32
+                 MASS, sm_h,                                            # (H, N) fp32
+                 T, Gq, R, N, mass_from,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Attention mass: grid (Hkv, cdiv(N, BLOCK_N)). For each query head h·Gq + g of the
+    group and each token n of the block: mass += Σ_{t >= mass_from} 2^(s[(g, t), n] − lse),
+    the exact probabilities of the whole row (stage 1's logits, stage 2's log-sum-exp).
+    Reads Gq·(T − mass_from)·BLOCK_N·4 bytes of logits, read-modify-writes Gq·BLOCK_N·4 of
+    mass; each mass element belongs to one program."""
+    h = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    for g in range(Gq):
+        tot = tl.zeros((BLOCK_N,), tl.float32)
+        for t0 in range(mass_from, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = t < T
+            r = h * R + g * T + t                                       # rows (g, t)
+            lse = tl.load(LSE + r, mask=t_ok, other=0.0)
+            s = tl.load(S + r[:, None] * N + n[None, :], mask=t_ok[:, None] & n_ok[None, :],
+                        other=float("-inf"))
+            tot += tl.sum(tl.exp2(s - lse[:, None]), 0)
+        mp = MASS + (h * Gq + g) * sm_h + n
+        tl.store(mp, tl.load(mp, mask=n_ok, other=0.0) + tot, mask=n_ok)
 
 
 # -- launcher ------------------------------------------------------------------------------------
@@ -282,14 +332,19 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
                      k_win: torch.Tensor, v_win: torch.Tensor,
                      k_new: torch.Tensor, v_new: torch.Tensor,
                      block: int | None = None, q_chunk: int | None = None,
-                     split: int | None = None) -> torch.Tensor:
+                     split: int | None = None, mass: torch.Tensor | None = None,
+                     mass_from: int = 0) -> torch.Tensor:
     """Causal attention of new queries over [tail, window, new tokens] (Triton).
 
     Shapes and semantics as kernels.decode_attention.decode_attention: q (1, H, T, D);
     k_tail / v_tail (codec, storage) holding n_tail tokens; k_win, v_win (1, Hkv, W, D);
     k_new, v_new (1, Hkv, T, D). Returns (1, H, T, D) in q's dtype. `block` and `q_chunk`
     (the torch path's CPU tiling) are accepted and ignored; `split` = tokens per stage-1
-    program (a multiple of 32; default: ~264 programs over the tail)."""
+    program (a multiple of 32; default: ~264 programs over the tail).
+    mass: optional float32 (H, n_tail + W + T), += the attention probabilities of queries
+    t >= mass_from summed over those queries, per query head (as the torch path): stage 1
+    then also writes its logits (Hkv, R, N) fp32, stage 2 the rows' log-sum-exp, and a third
+    launch (`_mass_kernel`) turns them into probabilities."""
     B, H, T, D = q.shape
     Hkv = k_new.shape[1]
     if B != 1:
@@ -305,16 +360,27 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
             raise ValueError(f"the Triton decode_attention does not read {c} (use the torch path)")
     if D > 256:
         raise ValueError(f"head dim {D} > 256 is not supported by the Triton kernel")
+    N = n_tail + k_win.shape[2] + T
+    if mass is not None and (mass.shape != (H, N) or mass.dtype != torch.float32
+                             or mass.stride(1) != 1):
+        raise ValueError(f"mass {tuple(mass.shape)} {mass.dtype} must be ({H}, {N}) float32 "
+                         "with unit token stride")
     grid, args, cx, n_parts = _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split)
     R = (H // Hkv) * T
+    want_mass = mass is not None and mass_from < T
     mid_o = torch.empty(n_parts, Hkv, R, D, dtype=torch.float32, device=q.device)
-    mid_l = torch.empty(n_parts, Hkv, R, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(n_parts + want_mass, Hkv, R, dtype=torch.float32, device=q.device)
+    s_out = torch.empty(Hkv, R, N, dtype=torch.float32, device=q.device) if want_mass else None
     out = torch.empty(1, H, T, D, dtype=q.dtype, device=q.device)
-    _stage1_kernel[grid](*args(mid_o, mid_l), **cx)
+    _stage1_kernel[grid](*args(mid_o, mid_l, s_out), **cx, STORE_S=want_mass)
     cx2 = _stage2_config(R, D)
     _stage2_kernel[(Hkv, triton.cdiv(R, cx2["BLOCK_R"]))](
         mid_o, mid_l, out, out.stride(1), out.stride(2), out.stride(3), n_parts, T, H // Hkv, R, D,
-        **cx2)
+        **cx2, WRITE_LSE=want_mass)
+    if want_mass:
+        _mass_kernel[(Hkv, triton.cdiv(N, MASS_BLOCK_N))](
+            s_out, mid_l[n_parts], mass, mass.stride(0), T, H // Hkv, R, N, max(0, mass_from),
+            BLOCK_T=min(16, triton.next_power_of_2(T)), BLOCK_N=MASS_BLOCK_N, num_warps=4)
     return out
 
 
@@ -350,8 +416,8 @@ def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split):
               BLOCK_R=block_r, BLOCK_N=16 if gear else BLOCK_N,
               BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=NUM_WARPS if D > 64 else 4)
 
-    def args(mid_o, mid_l):
+    def args(mid_o, mid_l, s_out=None):
         return [q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi,
                 kw, vw, kw.stride(0), kw.stride(1), kn, vn, kn.stride(0), kn.stride(1),
-                mid_o, mid_l, n_tail, n_split, sz, W, T, Gq, R, D, D ** -0.5 * LOG2E]
+                mid_o, mid_l, mid_o if s_out is None else s_out, n_tail, n_split, sz, W, T, Gq, R, D, D ** -0.5 * LOG2E]
     return (Hkv, n_split + 1, triton.cdiv(R, block_r)), args, cx, n_split + 1

@@ -11,6 +11,12 @@ codes, scales/zeros, means, low-rank factors, outliers); window, q / new K,V / o
 the split-K partials are added as the kernel moves them (kernels/triton/decode_attention.py
 bytes_per_step). Decode at batch 1 is memory-bound, so time ≈ bytes / bandwidth; the real
 kernel can only be slower (launch latency ~ a few µs per launch, 4 launches per layer).
+
+The last column is the cache-write side of the step (kernels/triton/fused_compress.py:
+rope_compress_k + vproj_compress), averaged over G steps (one of which flushes a block:
+window read and compacted, G tokens packed): window and tail bytes only — the new rows'
+sources (K rows, cos/sin, and for V the hidden state and the Wv weight, 16 MiB at 70B)
+belong to the projections and are not counted. It is not part of the total.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 
 from kvrun.kernels import METHODS, make_codec
 from kvrun.kernels.triton.decode_attention import bytes_per_step
+from kvrun.kernels.triton.fused_compress import bytes_per_step as write_bytes_per_step
 from kvrun.runtime.bench import parse_count, parse_geometry
 from kvrun.runtime.kv.config import KVConfig
 
@@ -39,7 +46,14 @@ def roofline(geometry: str, ctx: int, methods, bw_tbs: float = H100_TBS, kv: KVC
                   for x, role in ((k_m, "k"), (v_m or k_m, "v")))
         items = {k: v * layers for k, v in bytes_per_step(kc, vc, H, Hkv, D, n_tail, W).items()}
         total = sum(items.values())
-        rows.append(dict(method=m, **items, total=total, us=total / (bw_tbs * 1e12) * 1e6))
+        write = 0.0
+        for c in (kc, vc):
+            plain = write_bytes_per_step(c, Hkv, D, R)
+            flush = write_bytes_per_step(c, Hkv, D, R, flush=True)
+            write += ((G - 1) * (plain["window"] + plain["tail"])
+                      + flush["window"] + flush["tail"]) / G * layers
+        rows.append(dict(method=m, **items, total=total, us=total / (bw_tbs * 1e12) * 1e6,
+                         write=write))
     return rows
 
 
@@ -62,13 +76,13 @@ def main(argv=None):
           f"G={kv.group}), {a.layers} layer(s), T=1, at {a.bw} TB/s")
     fp16 = next((r["total"] for r in rows if r["method"] == "fp16"), None)
     print(f"{'method':<18}{'tail K MiB':>11}{'tail V MiB':>11}{'window':>9}{'parts':>9}"
-          f"{'total MiB':>11}{'µs/step':>10}{'x fp16':>8}")
+          f"{'total MiB':>11}{'µs/step':>10}{'x fp16':>8}{'write KiB':>11}")
     for r in rows:
         mib = lambda x: x / 2**20                                       # noqa: E731
         ratio = f"{fp16 / r['total']:.2f}" if fp16 else "-"
         print(f"{r['method']:<18}{mib(r['tail_k']):>11.2f}{mib(r['tail_v']):>11.2f}"
               f"{mib(r['window']):>9.2f}{mib(r['parts']):>9.2f}{mib(r['total']):>11.2f}"
-              f"{r['us']:>10.1f}{ratio:>8}")
+              f"{r['us']:>10.1f}{ratio:>8}{r['write'] / 1024:>11.1f}")
 
 
 if __name__ == "__main__":

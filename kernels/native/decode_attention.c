@@ -490,20 +490,25 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
         if (c->rank) {                     /* GEAR: q . (A_t B^T) = (q B) . A_t */
             const f16 *A = c->lr_a + h * c->as[0] + t0 * c->as[1];
             const f16 *B = c->lr_b + h * c->bs[0] + (t0 / c->G) * c->bs[1];
-            float bf[MAXD * 8], bt[8 * MAXD], qb[64 * 8], af[TILE * 8];
+            float bf[MAXD * 8], bt[8 * MAXD], af[TILE * 8];
             int rk = c->rank;
             f16_to_f32(B, D * rk, bf);
             for (int d = 0; d < D; d++)
                 for (int k = 0; k < rk; k++) bt[k * D + d] = bf[d * rk + k];
             f16_to_f32(A, TILE * rk, af);      /* (32, r) rows, contiguous */
-            for (int r = 0; r < R; r++)
-                for (int k = 0; k < rk; k++) qb[r * rk + k] = hsum_dot(q + r * D, bt + k * D, D);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < TILE; j++) {
-                    float v = 0.f;
-                    for (int k = 0; k < rk; k++) v += qb[r * rk + k] * af[j * rk + k];
-                    sc[r * N + j] += v;
+            float at[8 * TILE];                /* A^T (r, 32): vectors over the tile's tokens */
+            for (int j = 0; j < TILE; j++)
+                for (int k = 0; k < rk; k++) at[k * TILE + j] = af[j * rk + k];
+            for (int r = 0; r < R; r++) {
+                __m512 s0 = _mm512_loadu_ps(sc + r * N), s1 = _mm512_loadu_ps(sc + r * N + 16);
+                for (int k = 0; k < rk; k++) {
+                    __m512 qk = _mm512_set1_ps(hsum_dot(q + r * D, bt + k * D, D));
+                    s0 = _mm512_fmadd_ps(qk, _mm512_loadu_ps(at + k * TILE), s0);
+                    s1 = _mm512_fmadd_ps(qk, _mm512_loadu_ps(at + k * TILE + 16), s1);
                 }
+                _mm512_storeu_ps(sc + r * N, s0);
+                _mm512_storeu_ps(sc + r * N + 16, s1);
+            }
         }
         if (c->k2) {                       /* GEAR outliers of this tile's tokens */
             int64_t blk = t0 / c->G, off = t0 - blk * c->G;
@@ -623,16 +628,16 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
             }
         }
         if (c->rank) {                     /* GEAR: sum_t p_t A_t B^T = (sum_t p_t A_t) B^T */
-            for (int r = 0; r < R; r++) {
-                float pa[8] = {0};
-                for (int64_t t = a0; t < a1; t++) {
-                    const f16 *A = c->lr_a + h * c->as[0] + t * c->as[1];
-                    float pt = p[r * N + t];
-                    for (int k = 0; k < c->rank; k++) pa[k] += pt * (float)A[k];
+            int n = (int)(a1 - a0), rk = c->rank;
+            float af[8 * 256], at[8 * 256];    /* A rows of the run (n <= G <= 256), A^T */
+            f16_to_f32(c->lr_a + h * c->as[0] + a0 * c->as[1], n * rk, af);
+            for (int t = 0; t < n; t++)
+                for (int k = 0; k < rk; k++) at[k * n + t] = af[t * rk + k];
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < rk; k++) {
+                    float pa = dot(p + r * N + a0, at + k * n, n);
+                    for (int d = 0; d < D; d++) acc[r * D + d] += pa * bfull[k * D + d];
                 }
-                for (int k = 0; k < c->rank; k++)
-                    for (int d = 0; d < D; d++) acc[r * D + d] += pa[k] * bfull[k * D + d];
-            }
         }
         if (c->k2)                         /* GEAR outliers: p_t * value at their channels */
             for (int64_t t = a0; t < a1; t++) {

@@ -87,7 +87,7 @@ def describe(codec, st: dict) -> CodecDesc | None:
         return None
     c.kind, c.g = KIVI, codec.g
     if isinstance(codec, GearCodec):
-        if codec.rank > MAX_RANK:
+        if codec.rank > MAX_RANK or codec.G > 256:
             return None
         c.rank = codec.rank
         a, b = st["lr_a"], st["lr_b"]

@@ -169,15 +169,20 @@ class _OddCodec(FpCodec):
 def test_dispatch_backends(monkeypatch):
     args = _setup("tada-2", "int8", 3, 64, 96, 5, 1, F32)
     monkeypatch.delenv("KVRUN_BACKEND", raising=False)
-    assert backend_for(args[0]) == "torch"                       # CPU tensors → torch
+    from kvrun.kernels import native
+    from kvrun.kernels.native.decode_attention import decode_attention as native_attention
+    default = "native" if native.load() is not None else "torch"
+    assert backend_for(args[0]) == default                       # CPU tensors → native C / torch
     by_default = dispatch_attention(*args, block=64)
-    assert torch.equal(by_default, torch_attention(*args, block=64))
+    if default == "native":
+        assert torch.equal(by_default, native_attention(*args))
+    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    by_torch = dispatch_attention(*args, block=64)
+    assert torch.equal(by_torch, torch_attention(*args, block=64))
     monkeypatch.setenv("KVRUN_BACKEND", "triton")
     assert backend_for(args[0]) == "triton"
     assert torch.equal(dispatch_attention(*args, block=64), tri.decode_attention(*args))
-    assert not torch.equal(dispatch_attention(*args, block=64), by_default)  # fp32 vs bf16 products
-    monkeypatch.setenv("KVRUN_BACKEND", "torch")
-    assert torch.equal(dispatch_attention(*args, block=64), by_default)
+    assert not torch.equal(dispatch_attention(*args, block=64), by_torch)  # fp32 vs bf16 products
     monkeypatch.setenv("KVRUN_BACKEND", "cuda")
     with pytest.raises(BackendError, match="KVRUN_BACKEND"):
         backend_for(args[0])

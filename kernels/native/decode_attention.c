@@ -418,6 +418,24 @@ static inline __m512 hsum16x16(const __m512 v[16]) {
 /* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. The means are token-major,
  * so 16 tokens' dot products are reduced together (hsum16x16) instead of one by one. */
 static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
+    if (!c->mu_int8 && D % 16 == 0) {      /* fp16 means converted inside the FMAs */
+        for (int j0 = 0; j0 < TILE; j0 += 16) {
+            const f16 *m = (const f16 *)c->mu + (t0 + j0) * c->mus;
+            for (int r = 0; r < R; r++) {
+                const float *qr = q + r * D;
+                __m512 v[16];
+                for (int j = 0; j < 16; j++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d),
+                                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + j * c->mus + d))), a);
+                    v[j] = a;
+                }
+                _mm512_storeu_ps(out + r * TILE + j0, hsum16x16(v));
+            }
+        }
+        return;
+    }
     float mu[16 * MAXD];
     for (int j0 = 0; j0 < TILE; j0 += 16) {
         for (int j = 0; j < 16; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);

@@ -4,8 +4,10 @@ each codec, side by side, for 1 and 2 threads.
     python tools/attn_speed.py --depth 4096 8192 --threads 1 2 --kv fp16 int8 kivi-4 tada-4
 
 SmolLM2-135M geometry by default (30 layers, H=9, Hkv=3, D=64), fp32 queries as the model
-runs on CPU. The fp16 row is kvrun's DenseKVCache (what `--kv fp16` uses); the others are
-the KVArena read path (decode_attention over the packed tail + window). Caches are filled
+runs on CPU. The fp16 row is kvrun's DenseKVCache (what `--kv fp16` uses, torch SDPA); the
+others are the KVArena read path on the backend dispatch picks (native C on CPU when it
+builds; KVRUN_BACKEND=torch for the torch path). `arena:fp16` is an arena whose tail is
+uncompressed fp16 (the native kernel's fp16 path, to compare with SDPA). Caches are filled
 through their own write path (`ingest`). The methods are timed round-robin (one step each,
 repeated --steps times) so that load drift on a shared machine hits all of them alike; the
 table shows the median ms per step and fp16 time / method time (> 1: faster than fp16).
@@ -22,7 +24,16 @@ import time
 import torch
 
 from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.kv import build_cache, kv_ratio_at, parse_kv
+from kvrun.runtime.kv import KVArena, build_cache, kv_ratio_at, parse_kv
+from kvrun.runtime.rope import inv_frequencies
+
+
+def make_cache(cfg, ctx, spec):
+    if spec.startswith("arena:"):            # force the arena even for an uncompressed method
+        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
+                       parse_kv(spec.split(":", 1)[1]), inv, n_heads=cfg.num_heads)
+    return build_cache(cfg, ctx, parse_kv(spec))
 
 
 def fill(cache, cfg, depth, chunk=1024):
@@ -61,7 +72,7 @@ def main():
     for depth in args.depth:
         caches = {}
         for spec in args.kv:
-            caches[spec] = build_cache(cfg, depth + len(args.threads) * (args.steps + 3), parse_kv(spec))
+            caches[spec] = make_cache(cfg, depth + len(args.threads) * (args.steps + 3), spec)
             fill(caches[spec], cfg, depth)
         for th in args.threads:
             torch.set_num_threads(th)
@@ -81,7 +92,7 @@ def main():
     print("|" + "---|" * (2 + len(cols)))
     for spec in args.kv:
         cells = [f"{res[spec, d, t]:7.2f} ({res[base, d, t] / res[spec, d, t]:4.2f}x)" for d, t in cols]
-        ratio = kv_ratio_at(cfg, parse_kv(spec), args.depth[0])
+        ratio = kv_ratio_at(cfg, parse_kv(spec.split(":")[-1]), args.depth[0])
         print(f"| {spec:8s} | {ratio:.3f} | " + " | ".join(cells) + " |")
 
 

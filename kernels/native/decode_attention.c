@@ -4,23 +4,30 @@
  * (g, t)) over [compressed tail, full-precision window, new tokens], reading the packed
  * codes of every codec in place. One call per layer:
  *
- *   phase 1  logits: per (KV head, token split), tail tiles of 32 tokens are dequantized
- *            into a (D, 32) tile in L1 (K codes are channel-major in every packed K
- *            layout) and dotted with the rows; fp tails, the window and the new tokens
- *            are dotted token by token. Causal mask over the new tokens only.
- *   phase 2  one exact softmax per row (two-pass flash-decoding: the logits of a row are
- *            few, R*N floats), optional attention-mass output for token eviction.
- *   phase 3  p.V: per (KV head, token split) every token's V row is dequantized once and
- *            accumulated into the rows' partial outputs; splits are summed at the end.
+ *   phase 0  (arena decode step, optional) rotate q / new K / new V, round the new K/V to
+ *            the window dtype and write them into the window slots.
+ *   phase 1  logits. Work items are token splits (one per thread); each walks its tail
+ *            in chunks of CHUNK tiles of 32 tokens with the KV heads innermost (TaDA's
+ *            means, shared by the heads, come from memory once per chunk). A packed K
+ *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
+ *            register, scales folded into q or applied per token); without AVX-512 it is
+ *            dequantized into a (D, 32) tile in L1 and multiplied by an AVX2/C micro-kernel.
+ *            fp tails, the window and the new tokens are dotted token by token.
+ *   phase 2  causal mask over the new tokens, one exact softmax per row (two-pass
+ *            flash-decoding: a row's logits are few, R*N floats), optional attention mass.
+ *   phase 3  p.V in the same chunk order: every V row is decoded and dequantized in
+ *            registers (c s + z; TaDA mu - (c s + z); GEAR adds (p A) B^T per block) and
+ *            accumulated into the rows' per-split partial outputs, summed at the end;
+ *            then the output is un-rotated (phase 0's rotation).
  *
- * Work is spread over OpenMP threads (torch's own libgomp: the same thread pool as
- * torch's ops, so no second pool competes for the cores). Compiled at first use by
- * kvrun/kernels/native/__init__.py with -O3 -march=native; the loops are written so
- * that gcc vectorizes them over the 32 tokens of a tile or the D channels of a row.
+ * Work runs on OpenMP threads from torch's own libgomp (the .so is linked against the
+ * libgomp.so.1 torch loaded, so there is one thread pool). Built at first use by
+ * kvrun/kernels/native/__init__.py with -O3 -march=native.
  *
- * Bytes read per decode step and layer: each packed byte, scale and zero of the tail
- * once, the window and the new tokens once, q once; the logits (4*R*N bytes) are written
- * and read twice in L2.
+ * Bytes read per decode step and layer: every packed byte, scale and zero of the tail
+ * once (TaDA's means once per chunk, the other heads hit cache), the window and the new
+ * tokens once, q once; the logits (4*R*N bytes per head) are written and read twice in L2.
+ * SmolLM2 at 4096 tokens, kivi-4: ~1.0 MB per layer, against 3.0 MB for the fp16 cache.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,7 +41,7 @@
 typedef _Float16 f16;
 
 enum { C_FP16 = 0, C_BF16 = 1, C_FP32 = 2, C_INT8 = 3, C_KIVI = 4, C_TADA = 5 };
-enum { TILE = 32, MAXD = 256 };
+enum { TILE = 32, MAXD = 256, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
 
 /* One codec's storage for one layer: pointers into the preallocated tensors and their
  * element strides (see native/decode_attention.py, `describe`). */
@@ -846,24 +853,33 @@ int kvrun_decode_attention(const Args *a) {
 
 #pragma omp parallel num_threads(a->nthreads)
     {
-        /* phase 1: logits. Items (head, split): a split of tail tiles + its share of the
-         * window / new tokens. */
+        /* phase 1: logits. Items: token splits; inside, chunks of CHUNK tiles with the KV
+         * heads innermost, so data the heads share (TaDA's means) is read from memory once
+         * per chunk and from L1/L2 by the other heads. */
 #pragma omp for schedule(static)
-        for (int it = 0; it < Hkv * nsplit; it++) {
-            int h = it / nsplit, sp = it % nsplit;
-            const float *q = a->q + (int64_t)h * R * D;
-            float *sc = a->sc + (int64_t)h * R * N;
+        for (int sp = 0; sp < nsplit; sp++) {
             int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
             float kt[MAXD * TILE];
-            for (int64_t ti = a0; ti < a1; ti++) {
-                if (k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) continue;
-                k_tile(a->kc, h, ti * TILE, D, kt);
-                tile_scores(q, R, D, kt, sc + ti * TILE, N);
+            for (int64_t c0 = a0; c0 < a1; c0 += CHUNK) {
+                int64_t c1 = c0 + CHUNK < a1 ? c0 + CHUNK : a1;
+                for (int h = 0; h < Hkv; h++) {
+                    const float *q = a->q + (int64_t)h * R * D;
+                    float *sc = a->sc + (int64_t)h * R * N;
+                    for (int64_t ti = c0; ti < c1; ti++) {
+                        if (k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) continue;
+                        k_tile(a->kc, h, ti * TILE, D, kt);
+                        tile_scores(q, R, D, kt, sc + ti * TILE, N);
+                    }
+                }
             }
             int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
-            fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
             int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            fp_scores(kn, kns, ndt, h, u0, u1, nt + W, q, R, D, sc, N);
+            for (int h = 0; h < Hkv; h++) {
+                const float *q = a->q + (int64_t)h * R * D;
+                float *sc = a->sc + (int64_t)h * R * N;
+                fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
+                fp_scores(kn, kns, ndt, h, u0, u1, nt + W, q, R, D, sc, N);
+            }
         }
         /* phase 2: causal mask over the new tokens, one exact softmax per row, mass */
 #pragma omp for schedule(static)
@@ -892,42 +908,51 @@ int kvrun_decode_attention(const Args *a) {
                 }
             }
         }
-        /* phase 3: p.V into per-split partial outputs */
+        /* phase 3: p.V into per-split partial outputs part (nsplit, Hkv, R, D), the same
+         * chunk order as phase 1 */
 #pragma omp for schedule(static)
-        for (int it = 0; it < Hkv * nsplit; it++) {
-            int h = it / nsplit, sp = it % nsplit;
-            const float *p = a->sc + (int64_t)h * R * N;
-            float *acc = a->part + (int64_t)it * R * D;
-            memset(acc, 0, sizeof(float) * R * D);
+        for (int sp = 0; sp < nsplit; sp++) {
+            float *part = a->part + (int64_t)sp * Hkv * R * D;
+            memset(part, 0, sizeof(float) * Hkv * R * D);
             float vt[TILE * MAXD];
             int64_t b0 = ntile * sp / nsplit * TILE, b1 = ntile * (sp + 1) / nsplit * TILE;
-            if (b1 > b0 && v_mix_fast(a->vc, h, b0, b1, p, N, R, D, acc)) b0 = b1;
-            for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
-                for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);
-                tile_mix(p + t0, N, R, TILE, D, vt, acc);
+            for (int64_t c0 = b0; c0 < b1; c0 += CHUNK * TILE) {
+                int64_t c1 = c0 + CHUNK * TILE < b1 ? c0 + CHUNK * TILE : b1;
+                for (int h = 0; h < Hkv; h++) {
+                    const float *p = a->sc + (int64_t)h * R * N;
+                    float *acc = part + (int64_t)h * R * D;
+                    if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
+                    for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
+                        for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);
+                        tile_mix(p + t0, N, R, TILE, D, vt, acc);
+                    }
+                }
             }
             int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
-            for (int64_t t0 = w0; t0 < w1; t0 += TILE) {
-                int n = w1 - t0 < TILE ? (int)(w1 - t0) : TILE;
-                for (int j = 0; j < n; j++)
-                    load_row(a->vw, h * a->vws[0] + (t0 + j) * a->vws[1], a->wdtype, D, vt + j * D);
-                tile_mix(p + nt + t0, N, R, n, D, vt, acc);
-            }
             int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            for (int64_t t0 = u0; t0 < u1; t0 += TILE) {
-                int n = u1 - t0 < TILE ? (int)(u1 - t0) : TILE;
-                for (int j = 0; j < n; j++)
-                    load_row(vn, h * vns[0] + (t0 + j) * vns[1], ndt, D, vt + j * D);
-                tile_mix(p + nt + W + t0, N, R, n, D, vt, acc);
+            for (int h = 0; h < Hkv; h++) {
+                const float *p = a->sc + (int64_t)h * R * N;
+                float *acc = part + (int64_t)h * R * D;
+                for (int64_t t0 = w0; t0 < w1; t0 += TILE) {
+                    int n = w1 - t0 < TILE ? (int)(w1 - t0) : TILE;
+                    for (int j = 0; j < n; j++)
+                        load_row(a->vw, h * a->vws[0] + (t0 + j) * a->vws[1], a->wdtype, D, vt + j * D);
+                    tile_mix(p + nt + t0, N, R, n, D, vt, acc);
+                }
+                for (int64_t t0 = u0; t0 < u1; t0 += TILE) {
+                    int n = u1 - t0 < TILE ? (int)(u1 - t0) : TILE;
+                    for (int j = 0; j < n; j++)
+                        load_row(vn, h * vns[0] + (t0 + j) * vns[1], ndt, D, vt + j * D);
+                    tile_mix(p + nt + W + t0, N, R, n, D, vt, acc);
+                }
             }
         }
 #pragma omp for schedule(static)
         for (int hr = 0; hr < Hkv * R; hr++) {
-            int h = hr / R, r = hr % R;
             float *o = a->out + (int64_t)hr * D;
             for (int d = 0; d < D; d++) o[d] = 0.f;
             for (int sp = 0; sp < nsplit; sp++) {
-                const float *pp = a->part + ((int64_t)(h * nsplit + sp) * R + r) * D;
+                const float *pp = a->part + ((int64_t)sp * Hkv * R + hr) * D;
                 for (int d = 0; d < D; d++) o[d] += pp[d];
             }
         }

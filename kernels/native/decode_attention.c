@@ -425,6 +425,26 @@ static inline __m512 hsum16x16(const __m512 v[16]) {
 /* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. The means are token-major,
  * so 16 tokens' dot products are reduced together (hsum16x16) instead of one by one. */
 static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
+    if (!c->mu_int8 && D == 64 && R <= 3) {  /* decode: each mean row converted once, */
+        __m512 part[3][16];                    /* FMAs into every query row's partials  */
+        for (int j0 = 0; j0 < TILE; j0 += 16) {
+            const f16 *m = (const f16 *)c->mu + (t0 + j0) * c->mus;
+            for (int j = 0; j < 16; j++) {
+                const __m256i *mr = (const __m256i *)(m + j * c->mus);
+                __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256(mr)), m1 = _mm512_cvtph_ps(_mm256_loadu_si256(mr + 1));
+                __m512 m2 = _mm512_cvtph_ps(_mm256_loadu_si256(mr + 2)), m3 = _mm512_cvtph_ps(_mm256_loadu_si256(mr + 3));
+                for (int r = 0; r < R; r++) {
+                    const float *qr = q + r * D;
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), m0);
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16), m1, a);
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 32), m2, a);
+                    part[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 48), m3, a);
+                }
+            }
+            for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * TILE + j0, hsum16x16(part[r]));
+        }
+        return;
+    }
     if (!c->mu_int8 && D % 16 == 0) {      /* fp16 means converted inside the FMAs */
         for (int j0 = 0; j0 < TILE; j0 += 16) {
             const f16 *m = (const f16 *)c->mu + (t0 + j0) * c->mus;
@@ -462,6 +482,30 @@ static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, 
             }
         }
     }
+}
+
+/* (n, r) row-major -> (r, n): for rank 4 and n % 16 == 0 with two-source permutes (16
+ * rows = 4 registers of 4 rows x 4 ranks), else element by element */
+static void transpose_rank(const float *restrict src, int n, int r, float *restrict dst) {
+    if (r == 4 && n % 16 == 0) {
+        for (int k = 0; k < 4; k++) {
+            int lo[16], hi[16];
+            for (int c = 0; c < 16; c++) {              /* lanes 0-7 used: rows c of (X0 | X1) */
+                lo[c] = (c % 8 < 4 ? 0 : 16) + (c % 4) * 4 + k;
+                hi[c] = lo[c];
+            }
+            __m512i il = _mm512_loadu_si512(lo), ih = _mm512_loadu_si512(hi);
+            for (int i0 = 0; i0 < n; i0 += 16) {
+                const float *x = src + i0 * 4;
+                __m512 p01 = _mm512_permutex2var_ps(_mm512_loadu_ps(x), il, _mm512_loadu_ps(x + 16));
+                __m512 p23 = _mm512_permutex2var_ps(_mm512_loadu_ps(x + 32), ih, _mm512_loadu_ps(x + 48));
+                _mm512_storeu_ps(dst + k * n + i0, _mm512_shuffle_f32x4(p01, p23, 0x44));
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < r; k++) dst[k * n + i] = src[i * r + k];
 }
 
 /* logits of a packed K tile (int8 / KIVI / GEAR / TaDA) straight from the codes into
@@ -518,12 +562,10 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
             float bf[MAXD * 8], bt[8 * MAXD], af[TILE * 8];
             int rk = c->rank;
             f16_to_f32(B, D * rk, bf);
-            for (int d = 0; d < D; d++)
-                for (int k = 0; k < rk; k++) bt[k * D + d] = bf[d * rk + k];
+            transpose_rank(bf, D, rk, bt);
             f16_to_f32(A, TILE * rk, af);      /* (32, r) rows, contiguous */
             float at[8 * TILE];                /* A^T (r, 32): vectors over the tile's tokens */
-            for (int j = 0; j < TILE; j++)
-                for (int k = 0; k < rk; k++) at[k * TILE + j] = af[j * rk + k];
+            transpose_rank(af, TILE, rk, at);
             for (int r = 0; r < R; r++) {
                 __m512 s0 = _mm512_loadu_ps(sc + r * N), s1 = _mm512_loadu_ps(sc + r * N + 16);
                 for (int k = 0; k < rk; k++) {
@@ -611,11 +653,17 @@ static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int 
                 for (int k = 0; k < 4; k++) v[k] = _mm512_fmadd_ps(v[k], ss, zz);
             } else {
                 float zv = (float)c->zero[h * c->ss[0] + t * c->ss[1]];
-                float mu[MAXD];
-                mu_row(c, t, D, mu);
-                __m512 ss = _mm512_set1_ps(sv), zz = _mm512_set1_ps(zv);
-                for (int k = 0; k < 4; k++)
-                    v[k] = _mm512_sub_ps(_mm512_loadu_ps(mu + cb * 64 + 16 * k), _mm512_fmadd_ps(v[k], ss, zz));
+                __m512 ss = _mm512_set1_ps(sv), zz = _mm512_set1_ps(zv), m[4];
+                if (!c->mu_int8) {         /* this block's 64 fp16 means, converted in registers */
+                    const f16 *mp = (const f16 *)c->mu + t * c->mus + cb * 64;
+                    for (int k = 0; k < 4; k++)
+                        m[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * k)));
+                } else {
+                    float mu[MAXD];
+                    mu_row(c, t, D, mu);
+                    for (int k = 0; k < 4; k++) m[k] = _mm512_loadu_ps(mu + cb * 64 + 16 * k);
+                }
+                for (int k = 0; k < 4; k++) v[k] = _mm512_sub_ps(m[k], _mm512_fmadd_ps(v[k], ss, zz));
             }
         }
         for (int i = 0; i < NR; i++) {
@@ -639,8 +687,7 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
             const f16 *B = c->lr_b + h * c->bs[0] + (a0 / c->G) * c->bs[1];     /* (D, r) */
             float tmp[MAXD * 8];
             f16_to_f32(B, D * c->rank, tmp);
-            for (int d = 0; d < D; d++)
-                for (int k = 0; k < c->rank; k++) bfull[k * D + d] = tmp[d * c->rank + k];
+            transpose_rank(tmp, D, c->rank, bfull);
         }
         for (int cb = 0; cb < D / 64; cb++) {
             int r0 = 0;
@@ -656,8 +703,7 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
             int n = (int)(a1 - a0), rk = c->rank;
             float af[8 * 256], at[8 * 256];    /* A rows of the run (n <= G <= 256), A^T */
             f16_to_f32(c->lr_a + h * c->as[0] + a0 * c->as[1], n * rk, af);
-            for (int t = 0; t < n; t++)
-                for (int k = 0; k < rk; k++) at[k * n + t] = af[t * rk + k];
+            transpose_rank(af, n, rk, at);
             for (int r = 0; r < R; r++)
                 for (int k = 0; k < rk; k++) {
                     float pa = dot(p + r * N + a0, at + k * n, n);

@@ -469,8 +469,10 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         if need > 1 << 20:
             raise KvrunError(f"depth {need} tokens is beyond what this benchmark allocates (1M)")
         records = B.bench_model(m, specs, pps, tg, d, reps, fill=fill, seed=seed, progress=eprint)
+        from ..kernels.dispatch import backend_for
         title = (f"{m.cfg.source.get('path', m.path.name)} | dtype {dtype} | threads "
-                 f"{__import__('torch').get_num_threads()} | fill {fill}"
+                 f"{__import__('torch').get_num_threads()} | attention "
+                 f"{backend_for(__import__('torch').zeros(1))} | fill {fill}"
                  + (" (SYNTHETIC K/V: latency and memory only)" if fill == "synthetic" else ""))
         if need > m.cfg.max_position:
             eprint(f"note: depth {need} is beyond the model's trained context "

@@ -108,3 +108,30 @@ def test_fused_append_equals_the_steps(rot, wdt, T):
                         win_k[:, W:W + T], win_v[:, W:W + T], rk, rv)
     assert torch.equal(win_k, ref_k) and torch.equal(win_v, ref_v)
     assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path):
+    """No gcc (or a failed build): load() is None with a reason, dispatch runs torch, and
+    forcing the native backend is a one-line error."""
+    from kvrun.kernels import dispatch
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_err", None)
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
+    monkeypatch.delenv("KVRUN_BACKEND", raising=False)
+    assert native.load() is None and native.error()
+    q = torch.zeros(1, 3, 1, 64)
+    assert dispatch.backend_for(q) == "torch"
+    monkeypatch.setenv("KVRUN_BACKEND", "native")
+    with pytest.raises(dispatch.BackendError, match="did not build"):
+        dispatch.backend_for(q)
+    assert not list(tmp_path.glob("native/*.so"))          # nothing half-written
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
+    a = native._build()
+    mtime = a.stat().st_mtime_ns
+    assert native._build() == a and a.stat().st_mtime_ns == mtime   # built once
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp left

@@ -135,3 +135,21 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     mtime = a.stat().st_mtime_ns
     assert native._build() == a and a.stat().st_mtime_ns == mtime   # built once
     assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp left
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """The kernel built without its AVX-512 paths: the (D, 32) tile path machines without
+    AVX-512 run (AVX2 micro-kernels), checked here on every codec too."""
+    import ctypes
+    import kvrun.kernels.native.decode_attention as nd
+    lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
+    lib.kvrun_decode_attention.restype = ctypes.c_int
+    monkeypatch.setattr(nd, "load", lambda: lib)
+    monkeypatch.setattr(native, "_lib", lib)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_portable_path_matches_dequantized_reference(portable, method):
+    for geom in (GEOMS[0], GEOMS[1], GEOMS[2]):
+        _check(method, method, geom)

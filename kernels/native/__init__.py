@@ -40,11 +40,14 @@ def _compiler() -> str:
     return os.environ.get("CC", "gcc")
 
 
-def _build() -> Path:
+def _build(extra: tuple = ()) -> Path:
+    """Compile (once) and return the shared object's path. `extra` flags make a variant,
+    e.g. ("-DKVRUN_NO_AVX512",): the portable tile path the tests also check."""
     cc = _compiler()
     src = SRC.read_bytes()
+    flags = FLAGS + list(extra)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(src + ver.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + ver.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"decode_attention-{key}.so"
     if out.exists():
         return out
@@ -52,7 +55,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         os.replace(tmp, out)

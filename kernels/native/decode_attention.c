@@ -345,7 +345,7 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 
 
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
 #define PREFETCH 256
 

@@ -360,7 +360,7 @@ static inline __m512 dec16(const uint8_t *b, __m128i sh, __m512i mask) {
  * planes) code = 16 * code + ((b2 byte >> sh) & 15). */
 static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int D, const uint8_t *b,
         const uint8_t *b2, int64_t ds, int sh, int mask, float *acc, const int NR) {
-    __m512 a[4][2];
+    __m512 a[8][2];                        /* up to 8 rows: 16 of the 32 registers */
     for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
     __m128i shv = _mm_cvtsi32_si128(sh);
     __m512i mv = _mm512_set1_epi32(mask), m15 = _mm512_set1_epi32(15);
@@ -388,9 +388,13 @@ static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int
 
 static void kdot(const float *qx, int R, int D, const uint8_t *b, const uint8_t *b2, int64_t ds,
                  int sh, int mask, float *acc) {
-    int r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 4);
+    int r0 = 0;                            /* blocks of 8 rows: a channel row decoded once */
+    for (; r0 + 8 <= R; r0 += 8) kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 8);
     switch (R - r0) {
+    case 7: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 7); break;
+    case 6: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 6); break;
+    case 5: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 5); break;
+    case 4: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 4); break;
     case 3: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 3); break;
     case 2: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 2); break;
     case 1: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 1); break;
@@ -615,12 +619,17 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
  * TaDA), D a multiple of 64: every token's 64-channel blocks decoded into 4 registers,
  * dequantized (c s + z, TaDA mu - (c s + z), GEAR + A_t B^T) and accumulated into acc
  * (R, D), four rows at a time held in registers. Returns 0 when there is no fast path. */
+/* One 64-channel block cb of V for NR rows over tokens [t0, t1): KW = 4 registers (the
+ * whole block, NR <= 4) or KW = 2 (half HF of it: the low / high nibbles, NR <= 8, so 8
+ * GQA rows decode each code once). Register k holds channels cb*64 + 32*half + 16*(k%2). */
 static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int h, int64_t t0, int64_t t1,
-        int cb, const float *p, int64_t N, int D, float *acc, const float *bfull, const int NR) {
+        int cb, const float *p, int64_t N, int D, float *acc, const int NR, const int KW, const int HF) {
     const int64_t *s = c->cs;
-    __m512 a[4][4];
+    int ch[4];
+    for (int k = 0; k < KW; k++) ch[k] = cb * 64 + 32 * (KW == 4 ? k / 2 : HF) + 16 * (k % 2);
+    __m512 a[8][4];
     for (int i = 0; i < NR; i++)
-        for (int k = 0; k < 4; k++) a[i][k] = _mm512_loadu_ps(acc + i * D + cb * 64 + 16 * k);
+        for (int k = 0; k < KW; k++) a[i][k] = _mm512_loadu_ps(acc + i * D + ch[k]);
     __m512i mv = _mm512_set1_epi32(c->bits == 2 ? 3 : 15), m15 = _mm512_set1_epi32(15);
     __m512 sixteen = _mm512_set1_ps(16.f);
     for (int64_t t = t0; t < t1; t++) {
@@ -628,21 +637,19 @@ static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int 
         int sh = 0;
         if (c->bits == 2) { row = (t / 64) * 32 + t % 32; sh = 2 * (int)((t % 64) / 32); }
         const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
-        __m128i lo = _mm_cvtsi32_si128(sh), hi = _mm_cvtsi32_si128(sh + 4);
-        __m512 v[4] = { dec16(b, lo, mv), dec16(b + 16, lo, mv), dec16(b, hi, mv), dec16(b + 16, hi, mv) };
-        if (c->bits == 8) {
-            const uint8_t *l = b + s[1];
-            __m128i z0 = _mm_cvtsi32_si128(0), z4 = _mm_cvtsi32_si128(4);
-            v[0] = _mm512_fmadd_ps(v[0], sixteen, dec16(l, z0, m15));
-            v[1] = _mm512_fmadd_ps(v[1], sixteen, dec16(l + 16, z0, m15));
-            v[2] = _mm512_fmadd_ps(v[2], sixteen, dec16(l, z4, m15));
-            v[3] = _mm512_fmadd_ps(v[3], sixteen, dec16(l + 16, z4, m15));
+        __m512 v[4];
+        for (int k = 0; k < KW; k++) {
+            int hk = KW == 4 ? k / 2 : HF;
+            v[k] = dec16(b + 16 * (k % 2), _mm_cvtsi32_si128(sh + 4 * hk), mv);
+            if (c->bits == 8)              /* second nibble plane: 16 * hi + lo */
+                v[k] = _mm512_fmadd_ps(v[k], sixteen,
+                                       dec16(b + s[1] + 16 * (k % 2), _mm_cvtsi32_si128(4 * hk), m15));
         }
         if (c->kind == C_KIVI) {
             const f16 *sp = c->scale + h * c->ss[0] + t * c->ss[1];
             const f16 *zp = c->zero + h * c->ss[0] + t * c->ss[1];
-            for (int k = 0; k < 4; k++) {
-                int gi = (cb * 64 + 16 * k) / c->g;
+            for (int k = 0; k < KW; k++) {
+                int gi = ch[k] / c->g;
                 v[k] = _mm512_fmadd_ps(v[k], _mm512_set1_ps((float)sp[gi * c->ss[2]]),
                                        _mm512_set1_ps((float)zp[gi * c->ss[2]]));
             }
@@ -650,29 +657,52 @@ static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int 
             float sv = (float)c->scale[h * c->ss[0] + t * c->ss[1]];
             if (c->kind == C_INT8) {
                 __m512 ss = _mm512_set1_ps(sv), zz = _mm512_set1_ps(-128.f * sv);
-                for (int k = 0; k < 4; k++) v[k] = _mm512_fmadd_ps(v[k], ss, zz);
+                for (int k = 0; k < KW; k++) v[k] = _mm512_fmadd_ps(v[k], ss, zz);
             } else {
                 float zv = (float)c->zero[h * c->ss[0] + t * c->ss[1]];
                 __m512 ss = _mm512_set1_ps(sv), zz = _mm512_set1_ps(zv), m[4];
-                if (!c->mu_int8) {         /* this block's 64 fp16 means, converted in registers */
-                    const f16 *mp = (const f16 *)c->mu + t * c->mus + cb * 64;
-                    for (int k = 0; k < 4; k++)
-                        m[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * k)));
+                if (!c->mu_int8) {         /* the block's fp16 means, converted in registers */
+                    const f16 *mp = (const f16 *)c->mu + t * c->mus;
+                    for (int k = 0; k < KW; k++)
+                        m[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + ch[k])));
                 } else {
                     float mu[MAXD];
                     mu_row(c, t, D, mu);
-                    for (int k = 0; k < 4; k++) m[k] = _mm512_loadu_ps(mu + cb * 64 + 16 * k);
+                    for (int k = 0; k < KW; k++) m[k] = _mm512_loadu_ps(mu + ch[k]);
                 }
-                for (int k = 0; k < 4; k++) v[k] = _mm512_sub_ps(m[k], _mm512_fmadd_ps(v[k], ss, zz));
+                for (int k = 0; k < KW; k++) v[k] = _mm512_sub_ps(m[k], _mm512_fmadd_ps(v[k], ss, zz));
             }
         }
         for (int i = 0; i < NR; i++) {
             __m512 pb = _mm512_set1_ps(p[i * N + t]);
-            for (int k = 0; k < 4; k++) a[i][k] = _mm512_fmadd_ps(pb, v[k], a[i][k]);
+            for (int k = 0; k < KW; k++) a[i][k] = _mm512_fmadd_ps(pb, v[k], a[i][k]);
         }
     }
     for (int i = 0; i < NR; i++)
-        for (int k = 0; k < 4; k++) _mm512_storeu_ps(acc + i * D + cb * 64 + 16 * k, a[i][k]);
+        for (int k = 0; k < KW; k++) _mm512_storeu_ps(acc + i * D + ch[k], a[i][k]);
+}
+
+/* rows [r0, R) of block cb: whole-block passes for up to 4 rows, half-block passes of 8 */
+static void vmix_block(const Codec *c, int h, int64_t t0, int64_t t1, int cb, const float *p,
+                       int64_t N, int R, int D, float *acc) {
+#define VM(nr, kw, hf) vmix_rows(c, h, t0, t1, cb, p + r0 * N, N, D, acc + r0 * D, nr, kw, hf)
+    int r0 = 0;
+    for (; R - r0 > 4; r0 += 8) {
+        switch (R - r0 >= 8 ? 8 : R - r0) {
+        case 8: VM(8, 2, 0); VM(8, 2, 1); break;
+        case 7: VM(7, 2, 0); VM(7, 2, 1); break;
+        case 6: VM(6, 2, 0); VM(6, 2, 1); break;
+        default: VM(5, 2, 0); VM(5, 2, 1); break;
+        }
+    }
+    switch (R - r0) {
+    case 4: VM(4, 4, 0); break;
+    case 3: VM(3, 4, 0); break;
+    case 2: VM(2, 4, 0); break;
+    case 1: VM(1, 4, 0); break;
+    default: break;
+    }
+#undef VM
 }
 
 static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
@@ -689,16 +719,7 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
             f16_to_f32(B, D * c->rank, tmp);
             transpose_rank(tmp, D, c->rank, bfull);
         }
-        for (int cb = 0; cb < D / 64; cb++) {
-            int r0 = 0;
-            for (; r0 + 4 <= R; r0 += 4) vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 4);
-            switch (R - r0) {
-            case 3: vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 3); break;
-            case 2: vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 2); break;
-            case 1: vmix_rows(c, h, a0, a1, cb, p + r0 * N, N, D, acc + r0 * D, bfull, 1); break;
-            default: break;
-            }
-        }
+        for (int cb = 0; cb < D / 64; cb++) vmix_block(c, h, a0, a1, cb, p, N, R, D, acc);
         if (c->rank) {                     /* GEAR: sum_t p_t A_t B^T = (sum_t p_t A_t) B^T */
             int n = (int)(a1 - a0), rk = c->rank;
             float af[8 * 256], at[8 * 256];    /* A rows of the run (n <= G <= 256), A^T */

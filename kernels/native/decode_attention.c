@@ -386,6 +386,38 @@ static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int
     }
 }
 
+/* KIVI K over TT consecutive tiles per visit of a channel row (its codes for 32*TT tokens
+ * are 16*TT*bits/4 contiguous bytes): the D channel rows sit ds bytes apart, often one
+ * page each, so visiting each row once per TT tiles cuts TLB and cache-line misses TT-fold.
+ * qx: (TT, NR, D) per-tile scaled queries; off/sh: byte offset and shift of each tile;
+ * acc: (TT, NR, 32). */
+static inline __attribute__((always_inline)) void kdot_multi(const float *qx, int D, const uint8_t *b,
+        int64_t ds, const int *off, const int *sh, int mask, float *acc, const int NR, const int TT) {
+    __m512 a[6][8];
+    for (int i = 0; i < NR; i++)
+        for (int k = 0; k < 2 * TT; k++) a[i][k] = _mm512_setzero_ps();
+    __m512i mv = _mm512_set1_epi32(mask);
+    __m128i shv[4];
+    for (int tt = 0; tt < TT; tt++) shv[tt] = _mm_cvtsi32_si128(sh[tt]);
+    for (int d = 0; d < D; d++) {
+        const uint8_t *row = b + d * ds;
+        _mm_prefetch((const char *)(row + PREFETCH), _MM_HINT_T0);
+        for (int tt = 0; tt < TT; tt++) {
+            __m512 c0 = dec16(row + off[tt], shv[tt], mv), c1 = dec16(row + off[tt] + 16, shv[tt], mv);
+            for (int i = 0; i < NR; i++) {
+                __m512 qb = _mm512_set1_ps(qx[(tt * NR + i) * D + d]);
+                a[i][2 * tt] = _mm512_fmadd_ps(qb, c0, a[i][2 * tt]);
+                a[i][2 * tt + 1] = _mm512_fmadd_ps(qb, c1, a[i][2 * tt + 1]);
+            }
+        }
+    }
+    for (int tt = 0; tt < TT; tt++)
+        for (int i = 0; i < NR; i++) {
+            _mm512_storeu_ps(acc + (tt * NR + i) * TILE, a[i][2 * tt]);
+            _mm512_storeu_ps(acc + (tt * NR + i) * TILE + 16, a[i][2 * tt + 1]);
+        }
+}
+
 static void kdot(const float *qx, int R, int D, const uint8_t *b, const uint8_t *b2, int64_t ds,
                  int sh, int mask, float *acc) {
     int r0 = 0;                            /* blocks of 8 rows: a channel row decoded once */
@@ -514,6 +546,52 @@ static void transpose_rank(const float *restrict src, int n, int r, float *restr
 
 /* logits of a packed K tile (int8 / KIVI / GEAR / TaDA) straight from the codes into
  * sc[r * N + j]; returns 0 when the layout has no fast path */
+/* KIVI: logits of up to `avail` consecutive tiles from t0 in one pass over the channel
+ * rows (see kdot_multi); returns the number of tiles done */
+static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
+                           int D, float *sc, int64_t N) {
+    int TT = R <= 3 ? 4 : R <= 6 ? 2 : 1;
+    if (TT > avail) TT = avail >= 2 && R <= 6 ? 2 : 1;
+    if (TT == 1) return 0;
+    int E = 8 / c->bits, U = 32 * E;
+    const uint8_t *b = c->codes + h * c->cs[0] + (t0 / U) * 32;
+    int off[4], sh[4];
+    float qx[4 * 6 * MAXD], acc[4 * 6 * TILE], bias[4 * 6];
+    for (int tt = 0; tt < TT; tt++) {
+        int64_t t = t0 + 32 * tt;
+        off[tt] = (int)((t / U) * 32 - (t0 / U) * 32);
+        sh[tt] = c->bits * (int)((t % U) / 32);
+        const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
+        const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
+        float sv[MAXD], zv[MAXD];
+        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+        for (int r = 0; r < R; r++) {
+            float bz = 0.f;
+            for (int d = 0; d < D; d++) {
+                qx[(tt * R + r) * D + d] = q[r * D + d] * sv[d];
+                bz += q[r * D + d] * zv[d];
+            }
+            bias[tt * R + r] = bz;
+        }
+    }
+    int mask = (1 << c->bits) - 1;
+#define KM(nr, tt) kdot_multi(qx, D, b, c->cs[1], off, sh, mask, acc, nr, tt)
+    if (TT == 4) {
+        switch (R) { case 3: KM(3, 4); break; case 2: KM(2, 4); break; default: KM(1, 4); }
+    } else {
+        switch (R) {
+        case 6: KM(6, 2); break; case 5: KM(5, 2); break; case 4: KM(4, 2); break;
+        case 3: KM(3, 2); break; case 2: KM(2, 2); break; default: KM(1, 2);
+        }
+    }
+#undef KM
+    for (int tt = 0; tt < TT; tt++)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < TILE; j++)
+                sc[r * N + tt * TILE + j] = acc[(tt * R + r) * TILE + j] + bias[tt * R + r];
+    return TT;
+}
+
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) {
     if (c->kind < C_INT8 || R > 64) return 0;
@@ -749,6 +827,8 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
 #define HAVE_FAST 0
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) { return 0; }
+static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
+                           int D, float *sc, int64_t N) { return 0; }
 static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
                       int R, int D, float *acc) { return 0; }
 #endif
@@ -932,10 +1012,17 @@ int kvrun_decode_attention(const Args *a) {
                 for (int h = 0; h < Hkv; h++) {
                     const float *q = a->q + (int64_t)h * R * D;
                     float *sc = a->sc + (int64_t)h * R * N;
-                    for (int64_t ti = c0; ti < c1; ti++) {
-                        if (k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) continue;
-                        k_tile(a->kc, h, ti * TILE, D, kt);
-                        tile_scores(q, R, D, kt, sc + ti * TILE, N);
+                    for (int64_t ti = c0; ti < c1; ) {
+                        int done = HAVE_FAST && a->kc->kind == C_KIVI && !a->kc->rank
+                            ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
+                        if (!done) {
+                            if (!k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) {
+                                k_tile(a->kc, h, ti * TILE, D, kt);
+                                tile_scores(q, R, D, kt, sc + ti * TILE, N);
+                            }
+                            done = 1;
+                        }
+                        ti += done;
                     }
                 }
             }

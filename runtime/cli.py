@@ -9,6 +9,7 @@ import sys
 
 import click
 
+from ..kernels.dispatch import BackendError
 from .errors import KvrunError, read_text_file
 
 
@@ -20,7 +21,7 @@ class KvrunGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except KvrunError as e:
+        except (KvrunError, BackendError) as e:      # BackendError: a bad KVRUN_BACKEND
             if ctx.params.get("debug"):
                 raise
             eprint(f"error: {e}")

@@ -111,3 +111,15 @@ def test_console_script_exit_code_and_no_traceback():
     p = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", "generate", "-m", "/nope", "-p", "x"],
                        capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr
+
+
+def test_bad_backend_is_a_one_line_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, KVRUN_BACKEND="bogus")
+    r = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", "bench", "--layer", "4,2,32",
+                        "--ctx", "64", "--kv", "kivi-4", "-r", "1"], capture_output=True, text=True, env=env)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("error: KVRUN_BACKEND='bogus'")
+    assert "Traceback" not in r.stderr

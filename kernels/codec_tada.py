@@ -44,9 +44,15 @@ class TadaCodec(Codec):
                    Slot("mu_scale", "means", (S,), torch.float16, 0, 1)]
         return sl
 
-    def pack(self, st, x, s0):
+    def pack(self, st, x, s0, mu=None):
+        """mu: optional (n, D) means to use instead of mean_h x (NaN rows: compute). Re-packing
+        a reconstruction with its own stored means (token eviction's compaction) is then
+        exact up to fp32 rounding: d = μ̂ − x̂ is the old deviation grid, whose min-max
+        parameters and codes come back unchanged. Recomputing μ from x̂ instead shifts the
+        deviations by mean_h(deq d) and re-grids them: ~0.07 mean drift per re-pack, which
+        compounds over compactions."""
         Hkv, n, D = x.shape
-        mu = x.mean(0)                                                   # (n, D)
+        mu = x.mean(0) if mu is None else torch.where(torch.isnan(mu), x.mean(0), mu)  # (n, D)
         if self.mu == "fp16":
             st["mu"][s0:s0 + n] = mu
             mu_hat = st["mu"][s0:s0 + n].float()
@@ -77,9 +83,13 @@ class TadaCodec(Codec):
         ms = st["mu_scale"][s0:s1].float()
         return v, ms * alpha, ms * (beta - 128.0)
 
-    def dequant(self, st, s0, s1):
+    def means(self, st, s0, s1):
+        """The stored means μ̂ of tokens [s0, s1) as (n, D) float32."""
         mv, ma, mb = self._mu(st, s0, s1)
-        mu = mv.clone() if ma is None else mv * ma[:, None] + mb[:, None]
+        return mv.clone() if ma is None else mv * ma[:, None] + mb[:, None]
+
+    def dequant(self, st, s0, s1):
+        mu = self.means(st, s0, s1)
         c = self._nib_codes(st, s0, s1, self.bits, mu.shape[-1])        # (Hkv, n, D)
         s = st["scale"][:, s0:s1, None].float()
         return mu[None] - (c * s + st["zero"][:, s0:s1, None].float())

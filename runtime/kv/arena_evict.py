@@ -13,8 +13,9 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   the token's original position, so a kept token keeps its RoPE phase. `pos_tail`
   (Hkv, S) records each slot's absolute position; the next token's position is the
   absolute sequence length (`arena.seq_len`), not the number of cached tokens.
-  (TaDA's per-token mean is shared across heads per slot: it is recomputed on re-pack from
-  whatever tokens share the slot, so the reconstruction stays exact to the codec.)
+  (TaDA's per-token mean is shared across heads per slot: a slot whose heads all keep the
+  same token re-packs with that token's stored mean, which makes the re-pack exact; a slot
+  holding different tokens per head gets the mean of those tokens, a re-quantization.)
 - When a flush would overflow the tail, the policy keeps K = S of the n_tail + f
   candidates per head (K = S - slack with `evict_slack`, so compactions are rarer), in
   slots [0, K). A tail block whose G tokens every head keeps is *clean* and is not touched
@@ -169,14 +170,19 @@ class ArenaEviction:
         return torch.cat([self.pos_tail[l][:, :nt], win.expand(a.Hkv, w)], 1).sort(-1).values
 
     # -- internals -----------------------------------------------------------------------------
-    def _pack(self, l: int, k: torch.Tensor, v: torch.Tensor, s0: int) -> None:
-        """Pack k, v (Hkv, n, D) into tail slots [s0, s0+n), n a multiple of G."""
+    def _pack(self, l: int, k: torch.Tensor, v: torch.Tensor, s0: int, means=None) -> None:
+        """Pack k, v (Hkv, n, D) into tail slots [s0, s0+n), n a multiple of G. means: for
+        codecs with per-token means (TaDA), (K means, V means), each (n, D) or None."""
         a = self.a
         kc, vc = a.k_codecs[l], a.v_codecs[l]
+        mk, mv = means if means is not None else (None, None)
         for c0 in range(0, k.shape[1], a.kv.block):
             c1 = min(k.shape[1], c0 + a.kv.block)
-            kc.pack(a.k_store[l], k[:, c0:c1].float(), s0 + c0)
-            vc.pack(a.v_store[l], v[:, c0:c1].float(), s0 + c0)
+            for c, st, x, m in ((kc, a.k_store[l], k, mk), (vc, a.v_store[l], v, mv)):
+                if m is None:
+                    c.pack(st, x[:, c0:c1].float(), s0 + c0)
+                else:
+                    c.pack(st, x[:, c0:c1].float(), s0 + c0, mu=m[c0:c1])
 
     def _compact(self, l, xk, xv, xa, xpos) -> None:
         """The tail is full: keep K = S - slack of the n_tail + f candidates per head (the
@@ -216,12 +222,27 @@ class ArenaEviction:
         self.n_repacked += int((rows < dirty_tail.numel()).sum())      # double-quantized
         idx = rows[..., None].expand(-1, -1, a.D)
         newk, newv = kd.gather(1, idx), vd.gather(1, idx)                            # (Hkv, nd, D)
+        # per-token means (TaDA): a slot whose heads all hold the same old token keeps that
+        # token's stored mean, so its re-pack is exact instead of a re-quantization
+        same = (rows == rows[:1]).all(0)                                            # (nd,)
+        means = []
+        for c, st in ((kc, a.k_store[l]), (vc, a.v_store[l])):
+            if not hasattr(c, "means"):
+                means.append(None)
+                continue
+            old = torch.cat([c.means(st, r0, r1) for r0, r1 in runs]
+                            + [torch.full((f, a.D), float("nan"))], 0)             # (rows, D)
+            m = old[rows[0]]
+            m[~same] = float("nan")
+            means.append(m)
         new_pos = pos.gather(1, src)
         new_acc = score.gather(1, src.repeat_interleave(self.H // Hkv, 0))           # (H, nd)
         # -- re-pack into the dirty slots --------------------------------------------------------
         o = 0
         for r0, r1 in _runs(dirty, G):
-            self._pack(l, newk[:, o:o + r1 - r0], newv[:, o:o + r1 - r0], r0)
+            sl = slice(o, o + r1 - r0)
+            self._pack(l, newk[:, sl], newv[:, sl], r0,
+                       [m[sl] if m is not None else None for m in means])
             o += r1 - r0
         self.pos_tail[l][:, dirty] = new_pos
         self.acc_tail[l][:, dirty] = new_acc

@@ -90,6 +90,11 @@ class Codec:
         Returns the reconstruction (Hkv, n, D) float32 (what dequant would give)."""
         raise NotImplementedError
 
+    def store(self, st: dict, x: torch.Tensor, s0: int) -> None:
+        """pack() without computing the reconstruction (the arena's flushes): the same
+        storage, bit for bit. Codecs whose reconstruction costs a pass override it."""
+        self.pack(st, x, s0)
+
     def dequant(self, st: dict, s0: int, s1: int) -> torch.Tensor:
         raise NotImplementedError
 

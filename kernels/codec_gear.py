@@ -69,7 +69,10 @@ class GearCodec(KiviCodec):
         return sl
 
     # -- pack ---------------------------------------------------------------------------
-    def pack(self, st, x, s0):
+    def store(self, st, x, s0):
+        self.pack(st, x, s0, want_rec=False)
+
+    def pack(self, st, x, s0, want_rec=True):
         Hkv, n, D = x.shape
         G = self.G
         nb, b0 = n // G, s0 // G
@@ -100,7 +103,7 @@ class GearCodec(KiviCodec):
         A, B = power_lowrank(res, self._start(D, res.device))
         st["lr_a"][:, s0:s0 + n] = A.reshape(Hkv, n, self.rank)
         st["lr_b"][:, b0:b0 + nb] = B.view(Hkv, nb, D, self.rank)
-        return self.dequant(st, s0, s0 + n)
+        return self.dequant(st, s0, s0 + n) if want_rec else None
 
     def _start(self, D, device):
         if D not in self._B0:

@@ -104,7 +104,7 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
         if tri.kivi_pack_supports(codec):
             tri.kivi_pack(codec, st, x, s0)
             return
-    codec.pack(st, x, s0)
+    codec.store(st, x, s0)
 
 
 def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R) -> int:

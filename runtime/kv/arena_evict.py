@@ -180,7 +180,7 @@ class ArenaEviction:
             c1 = min(k.shape[1], c0 + a.kv.block)
             for c, st, x, m in ((kc, a.k_store[l], k, mk), (vc, a.v_store[l], v, mv)):
                 if m is None:
-                    c.pack(st, x[:, c0:c1].float(), s0 + c0)
+                    c.store(st, x[:, c0:c1].float(), s0 + c0)
                 else:
                     c.pack(st, x[:, c0:c1].float(), s0 + c0, mu=m[c0:c1])
 

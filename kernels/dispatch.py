@@ -99,7 +99,12 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
     """codec.pack(st, x, s0) on the chosen backend: x (Hkv, n, D) into tail tokens
     [s0, s0+n). Writes the storage only (bit-identical on both backends); use codec.dequant
     for the reconstruction."""
-    if backend_for(x) == "triton":     # (native: packing stays in torch, it is off the hot path)
+    be = backend_for(x)
+    if be == "native":
+        from .native import pack as native_pack
+        if native_pack.supports(codec) and native_pack.kivi_store(codec, st, x, s0):
+            return
+    if be == "triton":
         tri = _triton()
         if tri.kivi_pack_supports(codec):
             tri.kivi_pack(codec, st, x, s0)

@@ -153,3 +153,23 @@ def portable(monkeypatch):
 def test_portable_path_matches_dequantized_reference(portable, method):
     for geom in (GEOMS[0], GEOMS[1], GEOMS[2]):
         _check(method, method, geom)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("G,g,D", [(32, 32, 64), (64, 64, 128), (128, 32, 32)])
+def test_kivi_pack_bit_identical(bits, G, g, D):
+    """The C flush writes exactly what KiviCodec.pack writes (codes, fp16 scales and zeros),
+    including a second flush into a half-filled byte block, constant rows (the 1e-6 scale
+    floor) and large values (scale nudged up one fp16 ulp)."""
+    from kvrun.kernels.codec_kivi import KiviCodec
+    from kvrun.kernels.native.pack import kivi_store
+    torch.manual_seed(bits * 1000 + G + D)
+    for role in ("k", "v"):
+        c = KiviCodec(role, G, bits, g)                 # (8 bits: profiles' kivi layers)
+        a, b = c.alloc(3, D, 8 * G), c.alloc(3, D, 8 * G)
+        for s0, scale in ((0, 1.0), (G, 300.0), (2 * G, 0.0), (5 * G, 1e-3)):
+            x = torch.randn(3, G, D) * scale + (7.0 if scale == 0 else 0.0)
+            c.pack(a, x, s0)
+            assert kivi_store(c, b, x, s0)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (role, s0, k)

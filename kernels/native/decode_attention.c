@@ -1121,3 +1121,118 @@ int kvrun_decode_attention(const Args *a) {
     }
     return 0;
 }
+
+/* -- KIVI pack (flushes): bit-identical to KiviCodec.pack / quant.asym_params ----------------
+ * Every float op is a separate IEEE op as in torch (no contraction: zero + scale*qmax is
+ * a rounded product then a rounded sum), fp16 conversions round to nearest even, codes
+ * round half to even (rintf). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off", "no-associative-math")
+
+static inline void asym_params(float lo, float hi, int qmax, f16 *scale, f16 *zero) {
+    f16 z = (f16)lo;
+    float zf = (float)z;
+    float sv = (hi - zf) / (float)qmax;
+    if (!(sv >= 1e-6f)) sv = 1e-6f;
+    f16 s = (f16)sv;
+    volatile float prod = (float)s * (float)qmax;   /* rounded product, then the sum */
+    if (zf + prod < hi) {                            /* nudge up one fp16 ulp */
+        union { f16 h; uint16_t u; } b = { s };
+        if ((float)s < 65504.f) b.u += 1;
+        s = b.h;
+    }
+    *scale = s; *zero = z;
+}
+
+static inline uint8_t quant1(float x, float zf, float sf, int qmax) {
+    float c = rintf((x - zf) / sf);
+    c = c < 0.f ? 0.f : (c > (float)qmax ? (float)qmax : c);
+    return (uint8_t)c;
+}
+
+/* K: x (Hkv, n, D) fp32 contiguous for tokens [s0, s0+n), per (head, group of G tokens,
+ * channel) params into scale/zero (Hkv, S/G, D) (strides ss), codes into the chanpack
+ * layout (Hkv, D, M) (strides cs0, cs1). */
+int kvrun_kivi_pack_k(const float *x, int Hkv, int n, int D, int64_t s0, int G, int bits,
+                      uint8_t *codes, int64_t cs0, int64_t cs1, f16 *scale, f16 *zero,
+                      int64_t ss0, int64_t ss1) {
+    if (n % G || s0 % 32 || G % 32) return 1;
+    int qmax = (1 << bits) - 1, U = 32 * (8 / bits);
+    for (int h = 0; h < Hkv; h++)
+        for (int g0 = 0; g0 < n; g0 += G) {
+            int64_t grp = (s0 + g0) / G;
+            for (int d = 0; d < D; d++) {
+                const float *xs = x + ((int64_t)h * n + g0) * D + d;
+                float lo = xs[0], hi = xs[0];
+                for (int t = 1; t < G; t++) {
+                    float v = xs[(int64_t)t * D];
+                    lo = v < lo ? v : lo;
+                    hi = v > hi ? v : hi;
+                }
+                f16 s, z;
+                asym_params(lo, hi, qmax, &s, &z);
+                scale[h * ss0 + grp * ss1 + d] = s;
+                zero[h * ss0 + grp * ss1 + d] = z;
+                float zf = (float)z, sf = (float)s;
+                uint8_t *row = codes + h * cs0 + d * cs1;
+                for (int t = 0; t < G; t++) {
+                    int64_t tok = s0 + g0 + t;
+                    int sh = bits * (int)((tok % U) / 32);
+                    uint8_t *p = row + (tok / U) * 32 + tok % 32;
+                    uint8_t c = quant1(xs[(int64_t)t * D], zf, sf, qmax);
+                    *p = (uint8_t)((*p & ~(qmax << sh)) | (c << sh));
+                }
+            }
+        }
+    return 0;
+}
+
+/* V: per (head, token, group of g channels) params into scale/zero (Hkv, S, D/g), codes
+ * into the channel-major nibble layout (Hkv, P, Dp/64, rows, 32) (strides cs[4]). */
+int kvrun_kivi_pack_v(const float *x, int Hkv, int n, int D, int64_t s0, int g, int bits,
+                      uint8_t *codes, const int64_t *cs, f16 *scale, f16 *zero,
+                      int64_t ss0, int64_t ss1) {
+    if (D % g || (bits == 2 && (s0 % 32 || n % 32))) return 1;
+    int qmax = (1 << bits) - 1, ncb = (D + 63) / 64;
+    uint8_t c[MAXD + 64];
+    for (int h = 0; h < Hkv; h++)
+        for (int t = 0; t < n; t++) {
+            const float *xr = x + ((int64_t)h * n + t) * D;
+            int64_t tok = s0 + t;
+            memset(c, 0, sizeof c);
+            for (int g0 = 0, gi = 0; g0 < D; g0 += g, gi++) {
+                float lo = xr[g0], hi = xr[g0];
+                for (int d = g0 + 1; d < g0 + g; d++) {
+                    lo = xr[d] < lo ? xr[d] : lo;
+                    hi = xr[d] > hi ? xr[d] : hi;
+                }
+                f16 s, z;
+                asym_params(lo, hi, qmax, &s, &z);
+                scale[h * ss0 + tok * ss1 + gi] = s;
+                zero[h * ss0 + tok * ss1 + gi] = z;
+                for (int d = g0; d < g0 + g; d++) c[d] = quant1(xr[d], (float)z, (float)s, qmax);
+            }
+            for (int cb = 0; cb < ncb; cb++) {
+                const uint8_t *cc = c + cb * 64;
+                if (bits == 2) {
+                    int64_t row = (tok / 64) * 32 + tok % 32;
+                    int sh = 2 * (int)((tok % 64) / 32);
+                    uint8_t *b = codes + h * cs[0] + cb * cs[2] + row * cs[3];
+                    uint8_t keep = (uint8_t)~(0x33 << sh);
+                    for (int j = 0; j < 32; j++)
+                        b[j] = (uint8_t)((b[j] & keep) | ((cc[j] | (cc[j + 32] << 4)) << sh));
+                } else if (bits == 4) {
+                    uint8_t *b = codes + h * cs[0] + cb * cs[2] + tok * cs[3];
+                    for (int j = 0; j < 32; j++) b[j] = (uint8_t)(cc[j] | (cc[j + 32] << 4));
+                } else {                                     /* 8 bits: planes hi, lo */
+                    uint8_t *b = codes + h * cs[0] + cb * cs[2] + tok * cs[3];
+                    for (int j = 0; j < 32; j++) {
+                        b[j] = (uint8_t)((cc[j] >> 4) | ((cc[j + 32] >> 4) << 4));
+                        b[cs[1] + j] = (uint8_t)((cc[j] & 15) | ((cc[j + 32] & 15) << 4));
+                    }
+                }
+            }
+        }
+    return 0;
+}
+#pragma GCC pop_options

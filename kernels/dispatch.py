@@ -102,7 +102,7 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
     be = backend_for(x)
     if be == "native":
         from .native import pack as native_pack
-        if native_pack.supports(codec) and native_pack.kivi_store(codec, st, x, s0):
+        if native_pack.supports(codec) and native_pack.store(codec, st, x, s0):
             return
     if be == "triton":
         tri = _triton()

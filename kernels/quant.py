@@ -47,8 +47,9 @@ def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 def sym_int8_params(x: torch.Tensor, dim) -> torch.Tensor:
-    """fp16 symmetric scale amax/127 over `dim`, keepdim."""
-    return (x.abs().amax(dim=dim, keepdim=True) / 127.0).clamp_min(1e-8).to(torch.float16)
+    """fp16 symmetric scale amax/127 over `dim`, keepdim, at least 2^-24 (the smallest
+    positive fp16: a floor that rounds to 0 in fp16 made all-zero rows NaN codes)."""
+    return (x.abs().amax(dim=dim, keepdim=True) / 127.0).clamp_min(2.0 ** -24).to(torch.float16)
 
 
 def quantize_sym_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,15 @@ def test_known_sizes():
     assert sum(make_codec("kivi-2", "v", 32, v_group=32).bytes_per_token(1, 64).values()) == 24
     # tada-4, 3 heads, fp16 mean: 3 * (32 + 4) + 128 B of mean
     assert sum(make_codec("tada-4", "k", 32).bytes_per_token(3, 64).values()) == 3 * 36 + 128
+
+
+@pytest.mark.parametrize("method,kw", [("int8", {}), ("tada-4", {"tada_mu": "int8"})])
+def test_all_zero_rows_stay_zero(method, kw):
+    """A symmetric int8 scale floor of 1e-8 rounded to 0 in fp16: an all-zero row (or
+    mean) got scale 0 and NaN codes. The floor is now the smallest fp16, 2^-24."""
+    from kvrun.kernels import make_codec
+    for role in ("k", "v"):
+        c = make_codec(method, role, 32, **kw)
+        st = c.alloc(2, 64, 64)
+        c.pack(st, torch.zeros(2, 32, 64), 0)
+        assert torch.equal(c.dequant(st, 0, 32), torch.zeros(2, 32, 64))

@@ -162,7 +162,7 @@ def test_kivi_pack_bit_identical(bits, G, g, D):
     including a second flush into a half-filled byte block, constant rows (the 1e-6 scale
     floor) and large values (scale nudged up one fp16 ulp)."""
     from kvrun.kernels.codec_kivi import KiviCodec
-    from kvrun.kernels.native.pack import kivi_store
+    from kvrun.kernels.native.pack import store
     torch.manual_seed(bits * 1000 + G + D)
     for role in ("k", "v"):
         c = KiviCodec(role, G, bits, g)                 # (8 bits: profiles' kivi layers)
@@ -170,6 +170,22 @@ def test_kivi_pack_bit_identical(bits, G, g, D):
         for s0, scale in ((0, 1.0), (G, 300.0), (2 * G, 0.0), (5 * G, 1e-3)):
             x = torch.randn(3, G, D) * scale + (7.0 if scale == 0 else 0.0)
             c.pack(a, x, s0)
-            assert kivi_store(c, b, x, s0)
+            assert store(c, b, x, s0)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (role, s0, k)
+
+
+@pytest.mark.parametrize("D", [32, 64, 128, 96])
+def test_int8_pack_bit_identical(D):
+    from kvrun.kernels import make_codec
+    from kvrun.kernels.native.pack import store
+    torch.manual_seed(D)
+    for role in ("k", "v"):
+        c = make_codec("int8", role, 32)
+        a, b = c.alloc(3, D, 256), c.alloc(3, D, 256)
+        for s0, scale in ((0, 1.0), (32, 300.0), (64, 0.0), (160, 1e-3)):
+            x = torch.randn(3, 32, D) * scale
+            c.pack(a, x, s0)
+            assert store(c, b, x, s0)
             for k in a:
                 assert torch.equal(a[k], b[k]), (role, s0, k)

@@ -1235,4 +1235,57 @@ int kvrun_kivi_pack_v(const float *x, int Hkv, int n, int D, int64_t s0, int g, 
         }
     return 0;
 }
+/* int8: per (head, token) symmetric scale fp16(max(amax / 127, 2^-24)), codes
+ * clamp(rint(x / s), -127, 127) + 128, as quant.sym_int8_params / quantize_sym_int8.
+ * K codes go to the token-major nibble layout (Hkv, 2, S/64, D, 32) (two planes: c >> 4,
+ * c & 15; token i of a 64-token block in byte i % 32 at shift 4 * (i / 32)), V codes to the
+ * channel-major one (Hkv, 2, Dp/64, rows, 32). scale: (Hkv, S). */
+int kvrun_int8_pack(const float *x, int Hkv, int n, int D, int64_t s0, int role_v,
+                    uint8_t *codes, const int64_t *cs, f16 *scale, int64_t ss0, int64_t ss1) {
+    int ncb = (D + 63) / 64;
+    uint8_t c[MAXD + 64];
+    for (int h = 0; h < Hkv; h++)
+        for (int t = 0; t < n; t++) {
+            const float *xr = x + ((int64_t)h * n + t) * D;
+            int64_t tok = s0 + t;
+            float amax = 0.f;
+            for (int d = 0; d < D; d++) {
+                float a = fabsf(xr[d]);
+                amax = a > amax ? a : amax;
+            }
+            float sv = amax / 127.0f;
+            if (!(sv >= 0x1p-24f)) sv = 0x1p-24f;
+            f16 s = (f16)sv;
+            scale[h * ss0 + tok * ss1] = s;
+            float sf = (float)s;
+            memset(c, 128, sizeof c);
+            for (int d = 0; d < D; d++) {
+                float q = rintf(xr[d] / sf);
+                q = q < -127.f ? -127.f : (q > 127.f ? 127.f : q);
+                c[d] = (uint8_t)((int)q + 128);
+            }
+            if (!role_v) {
+                int sh = 4 * (int)((tok % 64) / 32);
+                uint8_t keep = (uint8_t)~(15 << sh);
+                uint8_t *b = codes + h * cs[0] + (tok / 64) * cs[2] + tok % 32;
+                for (int d = 0; d < D; d++) {
+                    uint8_t *p0 = b + d * cs[3], *p1 = p0 + cs[1];
+                    *p0 = (uint8_t)((*p0 & keep) | ((c[d] >> 4) << sh));
+                    *p1 = (uint8_t)((*p1 & keep) | ((c[d] & 15) << sh));
+                }
+            } else {
+                for (int cb = 0; cb < ncb; cb++) {
+                    const uint8_t *cc = c + cb * 64;
+                    uint8_t *b = codes + h * cs[0] + cb * cs[2] + tok * cs[3];
+                    for (int j = 0; j < 32; j++) {
+                        int lo = cb * 64 + j < D, hi = cb * 64 + 32 + j < D;   /* padding: 0 */
+                        uint8_t a = lo ? cc[j] : 0, z = hi ? cc[j + 32] : 0;
+                        b[j] = (uint8_t)((a >> 4) | ((z >> 4) << 4));
+                        b[cs[1] + j] = (uint8_t)((a & 15) | ((z & 15) << 4));
+                    }
+                }
+            }
+        }
+    return 0;
+}
 #pragma GCC pop_options

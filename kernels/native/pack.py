@@ -1,13 +1,15 @@
-"""KIVI flushes on the native CPU kernel (decode_attention.c, `kvrun_kivi_pack_k/v`):
-the same storage as KiviCodec.pack, bit for bit (tests/test_native_kernels.py), in one C
-call per K or V instead of ~25 eager torch ops (a 32-token flush of SmolLM2 K went from
-~0.6-0.9 ms to a few µs; every layer flushes once per G decode steps)."""
+"""KIVI and int8 flushes on the native CPU kernel (decode_attention.c,
+`kvrun_kivi_pack_k/v`, `kvrun_int8_pack`): the same storage as the codecs' torch pack, bit
+for bit (tests/test_native_kernels.py), in one C call per K or V instead of ~25 eager torch
+ops (a 32-token KIVI-4 flush of SmolLM2 K: ~1 ms → ~0.08 ms; every layer flushes once per
+G decode steps)."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
+from ..codec_base import Int8Codec
 from ..codec_kivi import KiviCodec
 from . import load
 
@@ -15,18 +17,25 @@ _i64 = ctypes.c_int64
 
 
 def supports(codec) -> bool:
-    """Plain KIVI (GEAR subclasses it but adds terms the C pack does not write)."""
-    return type(codec) is KiviCodec and load() is not None
+    """Plain KIVI and int8 (GEAR subclasses KIVI but adds terms the C pack does not write)."""
+    return type(codec) in (KiviCodec, Int8Codec) and load() is not None
 
 
-def kivi_store(codec: KiviCodec, st: dict, x: torch.Tensor, s0: int) -> bool:
+def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
     """codec.store(st, x, s0) in C; False when not covered (the caller packs with torch)."""
     lib = load()
     Hkv, n, D = x.shape
     if lib is None or x.device.type != "cpu" or D > 256:
         return False
     x = x.float().contiguous()
-    codes, scale, zero = st["codes"], st["scale"], st["zero"]
+    codes, scale = st["codes"], st["scale"]
+    if type(codec) is Int8Codec:
+        cs = (_i64 * 4)(*codes.stride()[:4])
+        return lib.kvrun_int8_pack(
+            ctypes.c_void_p(x.data_ptr()), Hkv, n, D, _i64(s0), int(codec.role == "v"),
+            ctypes.c_void_p(codes.data_ptr()), cs, ctypes.c_void_p(scale.data_ptr()),
+            _i64(scale.stride(0)), _i64(scale.stride(1))) == 0
+    zero = st["zero"]
     if codec.role == "k":
         rc = lib.kvrun_kivi_pack_k(
             ctypes.c_void_p(x.data_ptr()), Hkv, n, D, _i64(s0), codec.G, codec.bits,

@@ -91,8 +91,8 @@ def _sym8(x, scale):
 
 @triton.jit
 def _sym8_scale(amax):
-    """quant.sym_int8_params from |x|max: fp16 (amax / 127).clamp_min(1e-8)."""
-    return tl.maximum(tl.math.div_rn(amax, 127.0), 1e-8).to(tl.float16)
+    """quant.sym_int8_params from |x|max: fp16 (amax / 127).clamp_min(2^-24)."""
+    return tl.maximum(tl.math.div_rn(amax, 127.0), 5.9604644775390625e-08).to(tl.float16)
 
 
 @triton.jit

@@ -189,3 +189,21 @@ def test_int8_pack_bit_identical(D):
             assert store(c, b, x, s0)
             for k in a:
                 assert torch.equal(a[k], b[k]), (role, s0, k)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("mu", ["fp16", "int8"])
+@pytest.mark.parametrize("G,D,Hkv", [(32, 64, 3), (64, 128, 2), (32, 32, 8)])
+def test_tada_pack_bit_identical(bits, mu, G, D, Hkv):
+    from kvrun.kernels import make_codec
+    from kvrun.kernels.native.pack import store
+    torch.manual_seed(bits + G + D + Hkv)
+    for role in ("k", "v"):
+        c = make_codec(f"tada-{bits}", role, G, tada_mu=mu)
+        a, b = c.alloc(Hkv, D, 8 * G), c.alloc(Hkv, D, 8 * G)
+        for s0, scale in ((0, 1.0), (G, 300.0), (2 * G, 0.0), (5 * G, 1e-3)):
+            x = torch.randn(Hkv, G, D) * scale
+            c.pack(a, x, s0)
+            assert store(c, b, x, s0)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (role, s0, k)

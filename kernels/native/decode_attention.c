@@ -166,35 +166,59 @@ static inline void codes32(const uint8_t *restrict b, int shift, int mask, float
     for (int j = 0; j < TILE; j++) o[j] = (float)((b[j] >> shift) & mask);
 }
 
+/* Where the 32 codes of tail tile t0 (t0 % 32 == 0) of head h live in a packed K layout:
+ * channel d's bytes at *b + d * *ds, code = (byte >> *sh) & *mask; *b2 (8-bit tok layout)
+ * the second nibble plane, or NULL. */
+static inline int tok_unit(int bits) { return bits == 2 ? 128 : 64; }
+
+static inline int tok_shift(int64_t t, int bits) {     /* token t's bits in its tok byte */
+    int64_t i = t % tok_unit(bits);
+    return 4 * (int)((i % 64) / 32) + 2 * (int)(i / 64);
+}
+
+static inline int64_t chan_row(int64_t t, int bits, int *sh) {   /* token t's chan row */
+    if (bits != 2) { *sh = 0; return t; }
+    *sh = 2 * (int)((t % 64) / 32);
+    return (t / 64) * 32 + t % 32;
+}
+
+static void k_layout(const Codec *c, int h, int64_t t0, const uint8_t **b, const uint8_t **b2,
+                     int64_t *ds, int *sh, int *mask) {
+    const int64_t *s = c->cs;
+    *b2 = NULL;
+    if (c->kind == C_KIVI) {
+        int U = 32 * (8 / c->bits);
+        *b = c->codes + h * s[0] + (t0 / U) * 32;
+        *ds = s[1];
+        *sh = c->bits * (int)((t0 % U) / 32);
+        *mask = (1 << c->bits) - 1;
+        return;
+    }
+    *b = c->codes + h * s[0] + (t0 / tok_unit(c->bits)) * s[2];
+    *ds = s[3];
+    *sh = tok_shift(t0, c->bits);
+    *mask = c->bits == 2 ? 3 : 15;
+    if (c->bits == 8) *b2 = *b + s[1];
+}
+
 /* K tile (D, 32) of raw codes for tokens [t0, t0+32) of head h, t0 % 32 == 0.
  * tok layout (int8 / TaDA; nibble.py): (Hkv, P, S/U, D, 32), U = 64 (128 for 2 bits),
  *   token i of a superblock: byte i % 32, shift 4*((i%64)/32) + 2*(i/64); 8 bits = 2 planes.
  * chanpack (KIVI; chanpack.py): (Hkv, D, S/E), block of U = 32E tokens = 32 bytes per
  *   channel, run e of the block at bits [bits*e, bits*(e+1)). */
 static void k_codes(const Codec *c, int h, int64_t t0, int D, float *restrict kt) {
-    const int64_t *s = c->cs;
-    if (c->kind == C_KIVI) {
-        int E = 8 / c->bits, U = 32 * E, mask = (1 << c->bits) - 1;
-        const uint8_t *b = c->codes + h * s[0] + (t0 / U) * 32;
-        int sh = c->bits * (int)((t0 % U) / 32);
-        for (int d = 0; d < D; d++) codes32(b + d * s[1], sh, mask, kt + d * TILE);
-        return;
-    }
-    int U = c->bits == 2 ? 128 : 64;
-    int64_t i0 = t0 % U;
-    int sh = 4 * (int)((i0 % 64) / 32) + 2 * (int)(i0 / 64);
-    const uint8_t *b = c->codes + h * s[0] + (t0 / U) * s[2];
-    if (c->bits == 8) {
-        float lo[TILE];
-        for (int d = 0; d < D; d++) {
-            codes32(b + d * s[3], sh, 15, kt + d * TILE);
-            codes32(b + s[1] + d * s[3], sh, 15, lo);
+    const uint8_t *b, *b2;
+    int64_t ds;
+    int sh, mask;
+    k_layout(c, h, t0, &b, &b2, &ds, &sh, &mask);
+    for (int d = 0; d < D; d++) {
+        codes32(b + d * ds, sh, mask, kt + d * TILE);
+        if (b2) {                          /* 8 bits: 16 * hi + lo */
+            float lo[TILE];
+            codes32(b2 + d * ds, sh, 15, lo);
             for (int j = 0; j < TILE; j++) kt[d * TILE + j] = 16.f * kt[d * TILE + j] + lo[j];
         }
-        return;
     }
-    int mask = c->bits == 2 ? 3 : 15;
-    for (int d = 0; d < D; d++) codes32(b + d * s[3], sh, mask, kt + d * TILE);
 }
 
 /* V row (D,) of raw codes for token t of head h. chan layout (nibble.py):
@@ -202,13 +226,8 @@ static void k_codes(const Codec *c, int h, int64_t t0, int D, float *restrict kt
  * 2 bits: rows per 64 tokens = 32, token i of the block in row i % 32, shift 2*(i/32). */
 static void v_codes(const Codec *c, int h, int64_t t, int D, float *restrict o) {
     const int64_t *s = c->cs;
-    int64_t row = t;
-    int sh = 0, mask = 15;
-    if (c->bits == 2) {
-        row = (t / 64) * 32 + t % 32;
-        sh = 2 * (int)((t % 64) / 32);
-        mask = 3;
-    }
+    int sh, mask = c->bits == 2 ? 3 : 15;
+    int64_t row = chan_row(t, c->bits, &sh);
     int ncb = (D + 63) / 64;
     for (int cb = 0; cb < ncb; cb++) {
         const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
@@ -251,6 +270,32 @@ static void mu_row(const Codec *c, int64_t t, int D, float *restrict o) {
 
 /* -- micro-kernels ---------------------------------------------------------------------------- */
 
+/* F(r0, NR) over rows [0, R) in blocks of 4 (8) rows, NR a compile-time constant so each
+ * call specializes its register block to the rows left */
+#define ROW_TAIL(r0, REM, F)                                                         \
+    switch (REM) {                                                                   \
+    case 3: F(r0, 3); break;                                                         \
+    case 2: F(r0, 2); break;                                                         \
+    case 1: F(r0, 1); break;                                                         \
+    default: break;                                                                  \
+    }
+#define ROW_BLOCKS4(R, F) do {                                                       \
+        int r0_ = 0;                                                                 \
+        for (; r0_ + 4 <= (R); r0_ += 4) F(r0_, 4);                                  \
+        ROW_TAIL(r0_, (R) - r0_, F)                                                  \
+    } while (0)
+#define ROW_BLOCKS8(R, F) do {                                                       \
+        int r0_ = 0;                                                                 \
+        for (; r0_ + 8 <= (R); r0_ += 8) F(r0_, 8);                                  \
+        switch ((R) - r0_) {                                                         \
+        case 7: F(r0_, 7); break;                                                    \
+        case 6: F(r0_, 6); break;                                                    \
+        case 5: F(r0_, 5); break;                                                    \
+        case 4: F(r0_, 4); break;                                                    \
+        default: ROW_TAIL(r0_, (R) - r0_, F)                                         \
+        }                                                                            \
+    } while (0)
+
 /* sc[r * N + j] = sum_d q[r * D + d] * kt[d * 32 + j] for r < R, j < 32 (a tile's logits) */
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void scores_rows(const float *q, int D, const float *kt,
@@ -275,17 +320,13 @@ static inline __attribute__((always_inline)) void scores_rows(const float *q, in
 #endif
 
 static void tile_scores(const float *q, int R, int D, const float *kt, float *sc, int64_t N) {
-    int r0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; r0 + 4 <= R; r0 += 4) scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 4);
-    switch (R - r0) {
-    case 3: scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 3); return;
-    case 2: scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 2); return;
-    case 1: scores_rows(q + r0 * D, D, kt, sc + r0 * N, N, 1); return;
-    default: return;
-    }
+#define SR(r0, nr) scores_rows(q + (r0) * D, D, kt, sc + (r0) * N, N, nr)
+    ROW_BLOCKS4(R, SR);
+#undef SR
+    return;
 #endif
-    for (; r0 < R; r0++) {
+    for (int r0 = 0; r0 < R; r0++) {
         float acc[TILE] = {0};
         for (int d = 0; d < D; d++) {
             float qd = q[r0 * D + d];
@@ -326,17 +367,13 @@ static inline __attribute__((always_inline)) void mix_rows(const float *p, int64
 #endif
 
 static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float *vt, float *acc) {
-    int r0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; r0 + 4 <= R; r0 += 4) mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 4);
-    switch (R - r0) {
-    case 3: mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 3); return;
-    case 2: mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 2); return;
-    case 1: mix_rows(p + r0 * N, N, n, D, vt, acc + r0 * D, 1); return;
-    default: return;
-    }
+#define MR(r0, nr) mix_rows(p + (r0) * N, N, n, D, vt, acc + (r0) * D, nr)
+    ROW_BLOCKS4(R, MR);
+#undef MR
+    return;
 #endif
-    for (; r0 < R; r0++)
+    for (int r0 = 0; r0 < R; r0++)
         for (int j = 0; j < n; j++) {
             float pr = p[r0 * N + j];
             for (int d = 0; d < D; d++) acc[r0 * D + d] += pr * vt[j * D + d];
@@ -420,18 +457,9 @@ static inline __attribute__((always_inline)) void kdot_multi(const float *qx, in
 
 static void kdot(const float *qx, int R, int D, const uint8_t *b, const uint8_t *b2, int64_t ds,
                  int sh, int mask, float *acc) {
-    int r0 = 0;                            /* blocks of 8 rows: a channel row decoded once */
-    for (; r0 + 8 <= R; r0 += 8) kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 8);
-    switch (R - r0) {
-    case 7: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 7); break;
-    case 6: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 6); break;
-    case 5: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 5); break;
-    case 4: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 4); break;
-    case 3: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 3); break;
-    case 2: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 2); break;
-    case 1: kdot_rows(qx + r0 * D, D, b, b2, ds, sh, mask, acc + r0 * TILE, 1); break;
-    default: break;
-    }
+#define KR(r0, nr) kdot_rows(qx + (r0) * D, D, b, b2, ds, sh, mask, acc + (r0) * TILE, nr)
+    ROW_BLOCKS8(R, KR);                  /* blocks of 8 rows: a channel row decoded once */
+#undef KR
 }
 
 static inline float hsum_dot(const float *a, const float *b, int D) {
@@ -481,24 +509,6 @@ static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, 
         }
         return;
     }
-    if (!c->mu_int8 && D % 16 == 0) {      /* fp16 means converted inside the FMAs */
-        for (int j0 = 0; j0 < TILE; j0 += 16) {
-            const f16 *m = (const f16 *)c->mu + (t0 + j0) * c->mus;
-            for (int r = 0; r < R; r++) {
-                const float *qr = q + r * D;
-                __m512 v[16];
-                for (int j = 0; j < 16; j++) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int d = 0; d < D; d += 16)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d),
-                                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + j * c->mus + d))), a);
-                    v[j] = a;
-                }
-                _mm512_storeu_ps(out + r * TILE + j0, hsum16x16(v));
-            }
-        }
-        return;
-    }
     float mu[16 * MAXD];
     for (int j0 = 0; j0 < TILE; j0 += 16) {
         for (int j = 0; j < 16; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
@@ -544,8 +554,21 @@ static void transpose_rank(const float *restrict src, int n, int r, float *restr
         for (int k = 0; k < r; k++) dst[k * n + i] = src[i * r + k];
 }
 
-/* logits of a packed K tile (int8 / KIVI / GEAR / TaDA) straight from the codes into
- * sc[r * N + j]; returns 0 when the layout has no fast path */
+/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
+ * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
+static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
+                        float *qx, float *bias) {
+    const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
+    const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
+    float sv[MAXD], zv[MAXD];
+    for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+    for (int r = 0; r < R; r++) {
+        float bz = 0.f;
+        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
+        bias[r] = bz;
+    }
+}
+
 /* KIVI: logits of up to `avail` consecutive tiles from t0 in one pass over the channel
  * rows (see kdot_multi); returns the number of tiles done */
 static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
@@ -561,18 +584,7 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
         int64_t t = t0 + 32 * tt;
         off[tt] = (int)((t / U) * 32 - (t0 / U) * 32);
         sh[tt] = c->bits * (int)((t % U) / 32);
-        const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
-        const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
-        float sv[MAXD], zv[MAXD];
-        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
-        for (int r = 0; r < R; r++) {
-            float bz = 0.f;
-            for (int d = 0; d < D; d++) {
-                qx[(tt * R + r) * D + d] = q[r * D + d] * sv[d];
-                bz += q[r * D + d] * zv[d];
-            }
-            bias[tt * R + r] = bz;
-        }
+        kivi_fold_q(c, h, t, q, R, D, qx + tt * R * D, bias + tt * R);
     }
     int mask = (1 << c->bits) - 1;
 #define KM(nr, tt) kdot_multi(qx, D, b, c->cs[1], off, sh, mask, acc, nr, tt)
@@ -592,40 +604,19 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
     return TT;
 }
 
+/* logits of a packed K tile (int8 / KIVI / GEAR / TaDA) straight from the codes into
+ * sc[r * N + j]; returns 0 when the layout has no fast path */
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) {
     if (c->kind < C_INT8 || R > 64) return 0;
-    const int64_t *s = c->cs;
-    const uint8_t *b, *b2 = NULL;
+    const uint8_t *b, *b2;
     int64_t ds;
     int sh, mask;
-    if (c->kind == C_KIVI) {
-        int E = 8 / c->bits, U = 32 * E;
-        b = c->codes + h * s[0] + (t0 / U) * 32;
-        ds = s[1];
-        sh = c->bits * (int)((t0 % U) / 32);
-        mask = (1 << c->bits) - 1;
-    } else {
-        int U = c->bits == 2 ? 128 : 64;
-        int64_t i0 = t0 % U;
-        b = c->codes + h * s[0] + (t0 / U) * s[2];
-        ds = s[3];
-        sh = 4 * (int)((i0 % 64) / 32) + 2 * (int)(i0 / 64);
-        mask = c->bits == 2 ? 3 : 15;
-        if (c->bits == 8) b2 = b + s[1];
-    }
+    k_layout(c, h, t0, &b, &b2, &ds, &sh, &mask);
     float qx[64 * MAXD], acc[64 * TILE], bias[64];
     const float *qd = q;
-    if (c->kind == C_KIVI) {               /* q . (s c + z) = (q s) . c + q . z */
-        const f16 *sp = c->scale + h * c->ss[0] + (t0 / c->G) * c->ss[1];
-        const f16 *zp = c->zero + h * c->ss[0] + (t0 / c->G) * c->ss[1];
-        float sv[MAXD], zv[MAXD];
-        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
-        for (int r = 0; r < R; r++) {
-            float bz = 0.f;
-            for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
-            bias[r] = bz;
-        }
+    if (c->kind == C_KIVI) {
+        kivi_fold_q(c, h, t0, q, R, D, qx, bias);
         qd = qx;
     } else {
         for (int r = 0; r < R; r++) {
@@ -693,10 +684,6 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
     return 1;
 }
 
-/* p.V over tail tokens [t0, t1) of a packed V in the chan layout (int8 / KIVI / GEAR /
- * TaDA), D a multiple of 64: every token's 64-channel blocks decoded into 4 registers,
- * dequantized (c s + z, TaDA mu - (c s + z), GEAR + A_t B^T) and accumulated into acc
- * (R, D), four rows at a time held in registers. Returns 0 when there is no fast path. */
 /* One 64-channel block cb of V for NR rows over tokens [t0, t1): KW = 4 registers (the
  * whole block, NR <= 4) or KW = 2 (half HF of it: the low / high nibbles, NR <= 8, so 8
  * GQA rows decode each code once). Register k holds channels cb*64 + 32*half + 16*(k%2). */
@@ -711,9 +698,8 @@ static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int 
     __m512i mv = _mm512_set1_epi32(c->bits == 2 ? 3 : 15), m15 = _mm512_set1_epi32(15);
     __m512 sixteen = _mm512_set1_ps(16.f);
     for (int64_t t = t0; t < t1; t++) {
-        int64_t row = t;
-        int sh = 0;
-        if (c->bits == 2) { row = (t / 64) * 32 + t % 32; sh = 2 * (int)((t % 64) / 32); }
+        int sh;
+        int64_t row = chan_row(t, c->bits, &sh);
         const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
         __m512 v[4];
         for (int k = 0; k < KW; k++) {
@@ -783,6 +769,10 @@ static void vmix_block(const Codec *c, int h, int64_t t0, int64_t t1, int cb, co
 #undef VM
 }
 
+/* p.V over tail tokens [t0, t1) of a packed V in the chan layout (int8 / KIVI / GEAR /
+ * TaDA), D a multiple of 64: every token's 64-channel blocks decoded in registers,
+ * dequantized (c s + z, TaDA mu - (c s + z)) and accumulated into acc (R, D) by vmix_block;
+ * GEAR adds (p A) B^T per block and its outliers. Returns 0 when there is no fast path. */
 static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
                       int R, int D, float *acc) {
     if (c->kind < C_INT8 || D % 64 != 0 || (c->kind == C_KIVI && c->g % 16 != 0)) return 0;
@@ -1158,8 +1148,8 @@ static void write_chan(uint8_t *codes, const int64_t *cs, int h, int64_t tok, co
     for (int cb = 0; cb < ncb; cb++) {
         const uint8_t *cc = c + cb * 64;
         if (bits == 2) {
-            int64_t row = (tok / 64) * 32 + tok % 32;
-            int sh = 2 * (int)((tok % 64) / 32);
+            int sh;
+            int64_t row = chan_row(tok, bits, &sh);
             uint8_t *b = codes + h * cs[0] + cb * cs[2] + row * cs[3];
             uint8_t keep = (uint8_t)~(0x33 << sh);
             for (int j = 0; j < 32; j++)
@@ -1182,12 +1172,10 @@ static void write_chan(uint8_t *codes, const int64_t *cs, int h, int64_t tok, co
  * 2*(i/64); 8 bits = two planes (c >> 4, c & 15). Read-modify-write of the token's bits. */
 static void write_tok(uint8_t *codes, const int64_t *cs, int h, int64_t tok, const uint8_t *c,
                       int bits, int D) {
-    int U = bits == 2 ? 128 : 64;
-    int64_t i = tok % U;
-    int sh = 4 * (int)((i % 64) / 32) + 2 * (int)(i / 64);
+    int sh = tok_shift(tok, bits);
     int m = bits == 2 ? 3 : 15;
     uint8_t keep = (uint8_t)~(m << sh);
-    uint8_t *b = codes + h * cs[0] + (tok / U) * cs[2] + tok % 32;
+    uint8_t *b = codes + h * cs[0] + (tok / tok_unit(bits)) * cs[2] + tok % 32;
     for (int d = 0; d < D; d++) {
         uint8_t *p0 = b + d * cs[3];
         if (bits == 8) {

@@ -103,7 +103,7 @@ def describe(codec, st: dict) -> CodecDesc | None:
     return c
 
 
-_EMPTY = None             # descriptor of an empty tail (set below)
+_EMPTY = CodecDesc()      # descriptor of an empty tail
 _DESC: dict = {}          # (id(codec), id(first storage tensor)) -> (weakref to it, descriptor)
 
 
@@ -121,8 +121,16 @@ def _cached(codec, st: dict) -> CodecDesc | None:
     return d
 
 
-def supports(k_tail, v_tail, n_tail: int, D: int) -> bool:
-    return load() is not None and D <= MAX_D and n_tail % TILE == 0
+def _descriptors(q, k_tail, v_tail, n_tail: int):
+    """(K, V) descriptors when the kernel covers the request, else None: batch 1 on CPU, head
+    dim <= 256, a tail of whole 32-token tiles, codecs it reads."""
+    D = q.shape[3]
+    if q.shape[0] != 1 or q.device.type != "cpu" or load() is None or D > MAX_D or n_tail % TILE:
+        return None
+    if not n_tail:
+        return _EMPTY, _EMPTY
+    kd, vd = _cached(*k_tail), _cached(*v_tail)
+    return None if kd is None or vd is None else (kd, vd)
 
 
 def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
@@ -130,14 +138,11 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
                      mass: torch.Tensor | None = None, mass_from: int = 0):
     """kernels.decode_attention (see there) on the native kernel; None when it does not
     cover the request (the caller then runs the torch implementation)."""
-    B, H, T, D = q.shape
-    Hkv = k_new.shape[1]
-    if B != 1 or q.device.type != "cpu" or not supports(k_tail, v_tail, n_tail, D):
+    _, H, T, D = q.shape
+    desc = _descriptors(q, k_tail, v_tail, n_tail)
+    if desc is None:
         return None
-    kd = _cached(*k_tail) if n_tail else _EMPTY
-    vd = _cached(*v_tail) if n_tail else _EMPTY
-    if kd is None or vd is None:
-        return None
+    kd, vd = desc
     N = n_tail + k_win.shape[2] + T
     if mass is not None:
         assert mass.shape == (H, N) and mass.dtype == torch.float32 and mass.is_contiguous(), \
@@ -153,8 +158,6 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
         out[:, :, t0:t1] = o
     return out
 
-
-_EMPTY = CodecDesc()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -182,16 +185,13 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     output is un-rotated by rot_v. Same result as rotating, rounding and appending first
     and calling decode_attention on the rotated q. None when not covered (the caller then
     runs those steps itself)."""
-    B, H, T, D = q.shape
-    if B != 1 or q.device.type != "cpu" or not supports(k_tail, v_tail, n_tail, D):
-        return None
+    _, H, T, D = q.shape
     N = n_tail + k_win.shape[2] + T
-    if T > min(DEFAULT_Q_CHUNK, SCORE_LIMIT // (H * N)):
+    desc = _descriptors(q, k_tail, v_tail, n_tail)
+    if (desc is None or T > min(DEFAULT_Q_CHUNK, SCORE_LIMIT // (H * N))
+            or k_dst.stride(2) != 1 or v_dst.stride(2) != 1):
         return None
-    kd = _cached(*k_tail) if n_tail else _EMPTY
-    vd = _cached(*v_tail) if n_tail else _EMPTY
-    if kd is None or vd is None or k_dst.stride(2) != 1 or v_dst.stride(2) != 1:
-        return None
+    kd, vd = desc
     for r in (rot_k, rot_v):
         assert r is None or (r.dtype == torch.float32 and r.is_contiguous()), "rotation: (D, D) float32"
     return _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, 0, mass, mass_from,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrun.kernels import make_codec
+from kvrun.kernels import dense_attention, make_codec
 
 
 def attention_case(k_method, v_method, Hkv, Gq, D, n_tail, W, T, dtype=torch.float32, G=32,
@@ -27,3 +27,14 @@ def attention_case(k_method, v_method, Hkv, Gq, D, n_tail, W, T, dtype=torch.flo
     kn, vn = (torch.randn(1, Hkv, T, D).to(dtype) for _ in range(2))
     q = torch.randn(1, Hkv * Gq, T, D).to(dtype)
     return q, (kc, ks), (vc, vs), kw, vw, kn, vn
+
+
+def dequantized_reference(q, kt, vt, n_tail, kw, vw, kn, vn):
+    """Dense causal attention in fp32 over the explicitly dequantized tail + window + new
+    tokens: the oracle every decode_attention backend is checked against."""
+    (kc, ks), (vc, vs) = kt, vt
+    kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0].float()
+    vd = vc.dequant(vs, 0, n_tail)[None] if n_tail else vn[:, :, :0].float()
+    K = torch.cat([kd, kw.float(), kn.float()], 2)
+    V = torch.cat([vd, vw.float(), vn.float()], 2)
+    return dense_attention(q.float(), K, V, K.shape[2] - q.shape[2])

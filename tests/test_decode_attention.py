@@ -6,11 +6,10 @@ masking bugs to 2e-5); the packed codecs multiply in bf16 (nibble.py), so their 
 a relative 2^-9 rounding and the outputs are compared at bf16-attention tolerance — their
 element-wise exactness against the dequantization is tested in test_codecs.py."""
 import pytest
-import torch
 from torch.testing import assert_close
 
-from attention_cases import attention_case
-from kvrun.kernels import decode_attention, dense_attention
+from attention_cases import attention_case, dequantized_reference
+from kvrun.kernels import decode_attention
 
 D, G = 64, 32
 
@@ -26,15 +25,6 @@ def _tol(method):
     return dict(atol=2e-5, rtol=1e-4) if method in ("fp16", "bf16") else dict(atol=5e-2, rtol=0)
 
 
-def _reference(q, kt, vt, n_tail, kw, vw, kn, vn):
-    (kc, ks), (vc, vs) = kt, vt
-    kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0]
-    vd = vc.dequant(vs, 0, n_tail)[None] if n_tail else vn[:, :, :0]
-    K = torch.cat([kd, kw.float(), kn], 2)
-    V = torch.cat([vd, vw.float(), vn], 2)
-    return dense_attention(q, K, V, K.shape[2] - q.shape[2])
-
-
 METHOD_GQA = ([(m, 3) for m in ("fp16", "int8", "kivi-2", "kivi-4", "tada-2", "tada-4", "tada-8",
                                  "gear-l", "gear-2")]
               + [(m, g) for m in ("kivi-2", "tada-4", "gear") for g in (1, 8)])
@@ -45,7 +35,7 @@ METHOD_GQA = ([(m, 3) for m in ("fp16", "int8", "kivi-2", "kivi-4", "tada-2", "t
 def test_matches_dequantized_reference(method, Gq, case):
     n_tail, W, T = case
     args = _setup(method, method, 2, n_tail, W, T, Gq)
-    ref = _reference(*args[:3], n_tail, *args[3:])
+    ref = dequantized_reference(*args[:3], n_tail, *args[3:])
     q, kt, vt, kw, vw, kn, vn = args
     out = decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn, block=64, q_chunk=32)
     assert out.shape == q.shape
@@ -56,7 +46,7 @@ def test_matches_dequantized_reference(method, Gq, case):
                                 ("tada-2", "tada-8")])
 def test_mixed_k_v_codecs_and_int8_mean(kv):
     args = _setup(*kv, 3, 224, 40, 3, 3, tada_mu="int8")
-    ref = _reference(*args[:3], 224, *args[3:])
+    ref = dequantized_reference(*args[:3], 224, *args[3:])
     q, kt, vt, kw, vw, kn, vn = args
     assert_close(decode_attention(q, kt, vt, 224, kw, vw, kn, vn, block=96), ref, **_tol(kv[0]))
 

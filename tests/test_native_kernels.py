@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from attention_cases import attention_case
-from kvrun.kernels import dense_attention, native
+from attention_cases import attention_case, dequantized_reference
+from kvrun.kernels import native
 from kvrun.kernels.decode_attention import decode_attention as torch_attention
 from kvrun.kernels.native.decode_attention import decode_attention as native_attention
 
@@ -22,22 +22,13 @@ GEOMS = [(2, 3, 64, 160, 35, 1), (1, 8, 64, 96, 33, 7), (3, 1, 128, 64, 0, 1),
          (2, 3, 32, 64, 3, 2), (2, 3, 64, 0, 30, 1), (1, 3, 64, 480, 32, 70)]
 
 
-def _reference(q, kt, vt, n_tail, kw, vw, kn, vn):
-    (kc, ks), (vc, vs) = kt, vt
-    kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0].float()
-    vd = vc.dequant(vs, 0, n_tail)[None] if n_tail else vn[:, :, :0].float()
-    K = torch.cat([kd, kw.float(), kn.float()], 2)
-    V = torch.cat([vd, vw.float(), vn.float()], 2)
-    return dense_attention(q.float(), K, V, K.shape[2] - q.shape[2])
-
-
 def _check(k_method, v_method, geom, dtype=torch.float32, **kw):
     Hkv, Gq, D, n_tail, W, T = geom
     args = attention_case(k_method, v_method, Hkv, Gq, D, n_tail, W, T, dtype=dtype, **kw)
     q, kt, vt, kwin, vwin, kn, vn = args
     out = native_attention(q, kt, vt, n_tail, kwin, vwin, kn, vn)
     assert out is not None and out.shape == q.shape and out.dtype == q.dtype
-    ref = _reference(q, kt, vt, n_tail, kwin, vwin, kn, vn)
+    ref = dequantized_reference(q, kt, vt, n_tail, kwin, vwin, kn, vn)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     assert_close(out.float(), ref, **tol)
 

@@ -23,8 +23,8 @@ from torch.testing import assert_close
 
 pytest.importorskip("triton")
 
-from attention_cases import attention_case                               # noqa: E402
-from kvrun.kernels import dense_attention, make_codec                    # noqa: E402
+from attention_cases import attention_case, dequantized_reference        # noqa: E402
+from kvrun.kernels import make_codec                                     # noqa: E402
 from kvrun.kernels import triton as tri                                  # noqa: E402
 from kvrun.kernels.codec_base import FpCodec                             # noqa: E402
 from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
@@ -78,13 +78,9 @@ def _setup(k_method, v_method, Gq, D, n_tail, W, T, dtype, Hkv=2, **kw):
     return q, kt, vt, n_tail, kw_, vw, kn, vn
 
 
-def _dequantized_reference(q, kt, vt, n_tail, kw, vw, kn, vn):
-    (kc, ks), (vc, vs) = kt, vt
-    kd = kc.dequant(ks, 0, n_tail)[None] if n_tail else kn[:, :, :0].float()
-    vd = vc.dequant(vs, 0, n_tail)[None] if n_tail else vn[:, :, :0].float()
-    K = torch.cat([kd, kw.float(), kn.float()], 2)
-    V = torch.cat([vd, vw.float(), vn.float()], 2)
-    return dense_attention(q.float(), K, V, K.shape[2] - q.shape[2]).to(q.dtype)
+def _dequantized_reference(*args):
+    q = args[0]
+    return dequantized_reference(*args).to(q.dtype)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))

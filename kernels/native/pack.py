@@ -13,6 +13,7 @@ from ..codec_base import Int8Codec
 from ..codec_kivi import KiviCodec
 from ..codec_tada import TadaCodec
 from . import load
+from .decode_attention import MAX_D
 
 _i64 = ctypes.c_int64
 
@@ -23,42 +24,35 @@ def supports(codec) -> bool:
     return type(codec) in (KiviCodec, Int8Codec, TadaCodec) and load() is not None
 
 
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
 def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
     """codec.store(st, x, s0) in C; False when not covered (the caller packs with torch)."""
     lib = load()
     Hkv, n, D = x.shape
-    if lib is None or x.device.type != "cpu" or D > 256:
+    if lib is None or x.device.type != "cpu" or D > MAX_D:
         return False
     x = x.float().contiguous()
-    codes, scale = st["codes"], st["scale"]
+    codes, scale, zero = st["codes"], st["scale"], st.get("zero")
+    cs = (_i64 * 4)(*codes.stride()[:4])                    # tok / chan layouts: 5-d
+    ss0, ss1 = _i64(scale.stride(0)), _i64(scale.stride(1))
+    v = int(codec.role == "v")
     if type(codec) is Int8Codec:
-        cs = (_i64 * 4)(*codes.stride()[:4])
-        return lib.kvrun_int8_pack(
-            ctypes.c_void_p(x.data_ptr()), Hkv, n, D, _i64(s0), int(codec.role == "v"),
-            ctypes.c_void_p(codes.data_ptr()), cs, ctypes.c_void_p(scale.data_ptr()),
-            _i64(scale.stride(0)), _i64(scale.stride(1))) == 0
-    zero = st["zero"]
-    if type(codec) is TadaCodec:
-        cs = (_i64 * 4)(*codes.stride()[:4])
-        mu = st["mu"]
-        ms = st["mu_scale"].data_ptr() if codec.mu == "int8" else None
-        return lib.kvrun_tada_pack(
-            ctypes.c_void_p(x.data_ptr()), Hkv, n, D, _i64(s0), codec.G, codec.bits,
-            int(codec.role == "v"), ctypes.c_void_p(codes.data_ptr()), cs,
-            ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(zero.data_ptr()),
-            _i64(scale.stride(0)), _i64(scale.stride(1)), ctypes.c_void_p(mu.data_ptr()),
-            _i64(mu.stride(0)), ctypes.c_void_p(ms), int(codec.mu == "int8")) == 0
-    if codec.role == "k":
-        rc = lib.kvrun_kivi_pack_k(
-            ctypes.c_void_p(x.data_ptr()), Hkv, n, D, _i64(s0), codec.G, codec.bits,
-            ctypes.c_void_p(codes.data_ptr()), _i64(codes.stride(0)), _i64(codes.stride(1)),
-            ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(zero.data_ptr()),
-            _i64(scale.stride(0)), _i64(scale.stride(1)))
-    else:
-        cs = (_i64 * 4)(*codes.stride()[:4])
-        rc = lib.kvrun_kivi_pack_v(
-            ctypes.c_void_p(x.data_ptr()), Hkv, n, D, _i64(s0), codec.g, codec.bits,
-            ctypes.c_void_p(codes.data_ptr()), cs,
-            ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(zero.data_ptr()),
-            _i64(scale.stride(0)), _i64(scale.stride(1)))
+        rc = lib.kvrun_int8_pack(_ptr(x), Hkv, n, D, _i64(s0), v, _ptr(codes), cs, _ptr(scale),
+                                 ss0, ss1)
+    elif type(codec) is TadaCodec:
+        mu8 = codec.mu == "int8"
+        rc = lib.kvrun_tada_pack(_ptr(x), Hkv, n, D, _i64(s0), codec.G, codec.bits, v,
+                                 _ptr(codes), cs, _ptr(scale), _ptr(zero), ss0, ss1,
+                                 _ptr(st["mu"]), _i64(st["mu"].stride(0)),
+                                 _ptr(st["mu_scale"] if mu8 else None), int(mu8))
+    elif v:
+        rc = lib.kvrun_kivi_pack_v(_ptr(x), Hkv, n, D, _i64(s0), codec.g, codec.bits,
+                                   _ptr(codes), cs, _ptr(scale), _ptr(zero), ss0, ss1)
+    else:                                                   # chanpack (Hkv, D, M): 3-d
+        rc = lib.kvrun_kivi_pack_k(_ptr(x), Hkv, n, D, _i64(s0), codec.G, codec.bits,
+                                   _ptr(codes), _i64(codes.stride(0)), _i64(codes.stride(1)),
+                                   _ptr(scale), _ptr(zero), ss0, ss1)
     return rc == 0

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .evict import pyramid_budgets, resets_scores, select
+from .evict import group_scores, pyramid_budgets, resets_scores, select
 
 
 def tail_sizes(kv, n_layers: int, max_ctx: int) -> list[int]:
@@ -83,6 +83,12 @@ class ArenaEviction:
         self.pending = [None] * a.L           # (H, T) mass of the tokens being appended
         self.n_compactions = 0
         self.n_repacked = 0                   # kept tail tokens re-packed (per head, summed)
+        self.token_groups = [token_groups(c) for c in a.k_codecs]
+        # a sink block of per-channel keys is kept whole, so it is never re-quantized
+        self.sinks = [-(-kv.sinks // a.G) * a.G if tg and kv.sinks else kv.sinks
+                      for tg in self.token_groups]
+        self.per_head = [per_head_storage(kc, a.Hkv, a.D, S) and per_head_storage(vc, a.Hkv, a.D, S)
+                         for kc, vc, S in zip(a.k_codecs, a.v_codecs, a.S_l)]
 
     def n_recent(self, l: int) -> int:
         """H2O's even split: half the budget goes to recent tokens; the window counts."""
@@ -170,15 +176,18 @@ class ArenaEviction:
         return torch.cat([self.pos_tail[l][:, :nt], win.expand(a.Hkv, w)], 1).sort(-1).values
 
     # -- internals -----------------------------------------------------------------------------
-    def _pack(self, l: int, k: torch.Tensor, v: torch.Tensor, s0: int, means=None) -> None:
+    def _pack(self, l: int, k: torch.Tensor, v: torch.Tensor, s0: int, means=None,
+              stores=None) -> None:
         """Pack k, v (Hkv, n, D) into tail slots [s0, s0+n), n a multiple of G. means: for
-        codecs with per-token means (TaDA), (K means, V means), each (n, D) or None."""
+        codecs with per-token means (TaDA), (K means, V means), each (n, D) or None.
+        stores: (K, V) storage dicts to write instead of the layer's (one head's views)."""
         a = self.a
         kc, vc = a.k_codecs[l], a.v_codecs[l]
         mk, mv = means if means is not None else (None, None)
+        kst, vst = stores if stores is not None else (a.k_store[l], a.v_store[l])
         for c0 in range(0, k.shape[1], a.kv.block):
             c1 = min(k.shape[1], c0 + a.kv.block)
-            for c, st, x, m in ((kc, a.k_store[l], k, mk), (vc, a.v_store[l], v, mv)):
+            for c, st, x, m in ((kc, kst, k, mk), (vc, vst, v, mv)):
                 if m is None:
                     c.store(st, x[:, c0:c1].float(), s0 + c0)
                 else:
@@ -187,67 +196,196 @@ class ArenaEviction:
     def _compact(self, l, xk, xv, xa, xpos) -> None:
         """The tail is full: keep K = S - slack of the n_tail + f candidates per head (the
         tail, then the f flushing tokens xk, xv (Hkv, f, D) with scores xa (H, f), positions
-        xpos (f,)). The kept tokens end up in slots [0, K)."""
+        xpos (f,)). The kept tokens end up in slots [0, K).
+
+        A block is clean for head h when h keeps all its G tokens; with per-head storage
+        (every codec but TaDA, whose mean is shared by the heads of a slot) each head keeps
+        its own clean blocks as packed, otherwise a block is clean only when every head
+        keeps it. The other kept tokens fill the dirty slots in decreasing priority
+        (`_priority`), so tokens that will live long share blocks, which then stay clean."""
         a = self.a
-        S, nt, f, G, Hkv = a.S_l[l], a.n_tail[l], xk.shape[1], a.G, a.Hkv
-        K = S - min(self.kv.evict_slack // G * G, S - G)
+        S, nt, f, G, Hkv, D = a.S_l[l], a.n_tail[l], xk.shape[1], a.G, a.Hkv, a.D
+        groups = self.token_groups[l]
+        K = S if groups else S - min(self.kv.evict_slack // G * G, S - G)
         n = nt + f
         pos = torch.cat([self.pos_tail[l][:, :nt], xpos[None].expand(Hkv, f)], 1)   # (Hkv, n)
         score = torch.cat([self.acc_tail[l][:, :nt], xa], 1)                        # (H, n)
-        keep = select(self.policy, score, pos, K, sinks=self.kv.sinks, n_recent=self.n_recent(l),
+        keep = select(self.policy, score, pos, K, sinks=self.sinks[l], n_recent=self.n_recent(l),
                       crush_fraction=self.kv.crush_fraction, crush_anchor=self.kv.crush_anchor)
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
-        # -- clean blocks (in [0, K), every head keeps all G tokens) stay as packed -----------
-        slot_kept = torch.zeros(Hkv, S, dtype=torch.bool)
-        slot_kept[:, :nt] = kept[:, :nt]
-        clean = slot_kept.view(Hkv, S // G, G).all(-1).all(0).repeat_interleave(G)  # (S,)
-        clean[K:] = False
-        dirty = torch.nonzero(~clean[:K])[:, 0]          # target slots (nd,)
-        nd = dirty.numel()
-        in_clean = torch.zeros(n, dtype=torch.bool)
-        in_clean[:nt] = clean[:nt]
-        fill = kept & ~in_clean[None]                                                # (Hkv, n)
-        src = torch.nonzero(fill)[:, 1].view(Hkv, nd)    # per head, candidate order
-        # -- sources: dequantize the other tail blocks before any of them is overwritten -----
-        dirty_tail = torch.nonzero(~clean[:nt])[:, 0]
-        runs = _runs(dirty_tail, G)
+        per_head = self.per_head[l]
+        if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block
+            kept = one_dirty_block(kept, self._value(score, pos), nt, G, per_head)
+        # -- clean blocks (in [0, K), all G tokens kept) stay as packed --------------------------
+        clean = torch.zeros(Hkv, S // G, dtype=torch.bool)
+        clean[:, :nt // G] = kept[:, :nt].view(Hkv, nt // G, G).all(-1)
+        clean[:, K // G:] = False
+        if not per_head:
+            clean[:] = clean.all(0)
+        clean_slot = clean.repeat_interleave(G, 1)                                   # (Hkv, S)
+        fill = kept.clone()
+        fill[:, :nt] &= ~clean_slot[:, :nt]                                          # (Hkv, n)
+        src = fill_order(fill, self._priority(l, score, pos), aligned=not per_head)   # [(nd_h,)]
+        dirty = [torch.nonzero(~clean_slot[h, :K])[:, 0] for h in range(Hkv)]     # [(nd_h,)]
+        assert [d.numel() for d in dirty] == [s.numel() for s in src]
+        # -- sources: dequantize the tail blocks they lie in before any is overwritten -------
+        blocks = torch.zeros(S // G, dtype=torch.bool)
+        for s in src:
+            blocks[s[s < nt] // G] = True
+        old_slots = torch.nonzero(blocks.repeat_interleave(G))[:, 0]
+        runs = _runs(old_slots, G)
         kc, vc = a.k_codecs[l], a.v_codecs[l]
         kd = torch.cat([kc.dequant(a.k_store[l], r0, r1) for r0, r1 in runs] + [xk.float()], 1)
         vd = torch.cat([vc.dequant(a.v_store[l], r0, r1) for r0, r1 in runs] + [xv.float()], 1)
+        n_old = old_slots.numel()
         row = torch.full((n,), -1, dtype=torch.long)     # candidate → row of kd / vd
-        row[dirty_tail] = torch.arange(dirty_tail.numel())
-        row[nt:] = dirty_tail.numel() + torch.arange(f)
-        rows = row[src]                                                              # (Hkv, nd)
-        assert bool((rows >= 0).all())
-        self.n_repacked += int((rows < dirty_tail.numel()).sum())      # double-quantized
-        idx = rows[..., None].expand(-1, -1, a.D)
-        newk, newv = kd.gather(1, idx), vd.gather(1, idx)                            # (Hkv, nd, D)
-        # per-token means (TaDA): a slot whose heads all hold the same old token keeps that
-        # token's stored mean, so its re-pack is exact instead of a re-quantization
-        same = (rows == rows[:1]).all(0)                                            # (nd,)
-        means = []
-        for c, st in ((kc, a.k_store[l]), (vc, a.v_store[l])):
-            if not hasattr(c, "means"):
-                means.append(None)
-                continue
-            old = torch.cat([c.means(st, r0, r1) for r0, r1 in runs]
-                            + [torch.full((f, a.D), float("nan"))], 0)             # (rows, D)
-            m = old[rows[0]]
-            m[~same] = float("nan")
-            means.append(m)
-        new_pos = pos.gather(1, src)
-        new_acc = score.gather(1, src.repeat_interleave(self.H // Hkv, 0))           # (H, nd)
+        row[old_slots] = torch.arange(n_old)
+        row[nt:] = n_old + torch.arange(f)
+        rows = [row[s] for s in src]
+        assert all(bool((r >= 0).all()) for r in rows)
+        self.n_repacked += sum(int((r < n_old).sum()) for r in rows)   # quantized once more
         # -- re-pack into the dirty slots --------------------------------------------------------
-        o = 0
-        for r0, r1 in _runs(dirty, G):
-            sl = slice(o, o + r1 - r0)
-            self._pack(l, newk[:, sl], newv[:, sl], r0,
-                       [m[sl] if m is not None else None for m in means])
-            o += r1 - r0
-        self.pos_tail[l][:, dirty] = new_pos
-        self.acc_tail[l][:, dirty] = new_acc
+        if per_head:
+            for h in range(Hkv):
+                self._pack_runs(l, dirty[h], kd[h:h + 1, rows[h]], vd[h:h + 1, rows[h]], head=h)
+        else:
+            r = torch.stack(rows)                                                    # (Hkv, nd)
+            idx = r[..., None].expand(-1, -1, D)
+            self._pack_runs(l, dirty[0], kd.gather(1, idx), vd.gather(1, idx),
+                            means=self._slot_means(l, runs, r, n_old, f))
+        g = self.H // Hkv
+        for h in range(Hkv):
+            self.pos_tail[l][h, dirty[h]] = pos[h, src[h]]
+            self.acc_tail[l][h * g:(h + 1) * g][:, dirty[h]] = score[h * g:(h + 1) * g][:, src[h]]
         if self.resets:
             self.acc_tail[l].zero_()
         a.n_tail[l] = K
         self.n_drop[l] += n - K
         self.n_compactions += 1
+
+    def _value(self, score, pos):
+        """(Hkv, n): one_dirty_block's order within the policy's kept / evicted tokens: the
+        newest first (streaming), else the most attended."""
+        if self.policy == "streaming":
+            return pos.double()
+        return group_scores(score, self.a.Hkv).double()
+
+    def _priority(self, l: int, score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(Hkv, n): the order in which kept tokens fill the dirty slots (higher first).
+        Keys quantized per channel over G-token blocks (KIVI, GEAR) go in position order: a
+        block of neighbouring tokens has tight per-channel ranges (RoPE turns each channel
+        pair by an angle that grows with the position, so tokens far apart spread them).
+        Otherwise by expected lifetime: streaming evicts by age, so the sinks, then the
+        newest; the scored policies keep high scores."""
+        if self.token_groups[l]:
+            return -pos.double()
+        if self.policy == "streaming":
+            return pos.double().masked_fill(pos < self.kv.sinks, float("inf"))
+        return group_scores(score, self.a.Hkv).double()
+
+    def _slot_means(self, l, runs, rows, n_old, f):
+        """Per-token means for a shared-slot re-pack (TaDA), one list entry per K and V codec
+        (None: the codec has none): slot j takes the stored mean of the token most heads
+        hold there if that token was packed before (exact for those heads), else NaN (the
+        pack computes the mean of the slot's rows)."""
+        a = self.a
+        Hkv, nd = rows.shape
+        same = (rows[None] == rows[:, None]).sum(0)                       # (Hkv, nd) votes
+        major = rows.gather(0, same.argmax(0)[None])[0]                   # (nd,) first max
+        out = []
+        for c, st in ((a.k_codecs[l], a.k_store[l]), (a.v_codecs[l], a.v_store[l])):
+            if not hasattr(c, "means"):
+                out.append(None)
+                continue
+            stored = torch.cat([c.means(st, r0, r1) for r0, r1 in runs]
+                               + [torch.full((f, a.D), float("nan"))], 0)     # (rows, D)
+            out.append(stored[major])
+        return out
+
+    def _pack_runs(self, l, slots, k, v, head=None, means=(None, None)) -> None:
+        """Pack k, v (h, nd, D) into the tail slots `slots` (nd,), sorted whole blocks; head:
+        write only that KV head's storage (per-head codecs), else all heads."""
+        a = self.a
+        kst, vst = a.k_store[l], a.v_store[l]
+        if head is not None:
+            kst = {name: t[head:head + 1] for name, t in kst.items()}
+            vst = {name: t[head:head + 1] for name, t in vst.items()}
+        o = 0
+        for r0, r1 in _runs(slots, a.G):
+            sl = slice(o, o + r1 - r0)
+            self._pack(l, k[:, sl], v[:, sl], r0, [m[sl] if m is not None else None for m in means],
+                       stores=(kst, vst))
+            o += r1 - r0
+
+
+def one_dirty_block(kept: torch.Tensor, value: torch.Tensor, nt: int, G: int,
+                    per_head: bool) -> torch.Tensor:
+    """Restrict a compaction to one dirty tail block per head (for keys quantized per
+    channel over G-token blocks). kept (Hkv, n): the policy's choice over nt tail tokens +
+    the flushing ones; value (Hkv, n): ranks tokens within the policy's kept / evicted
+    sets. Returns the kept mask actually applied: the tail block holding the most tokens
+    the policy evicts (ties: the least value) and the flushing tokens form a pool; the
+    pool's best tokens (policy-kept first, then by value) fill that block's slots and the
+    free ones, every other tail token stays. The policy's other victims wait for their
+    block's turn. per_head False: the same block for every head."""
+    Hkv, n = kept.shape
+    nb = nt // G
+    out = torch.zeros_like(kept)
+    out[:, :nt] = True
+    if nb:
+        evicted = (~kept[:, :nt]).view(Hkv, nb, G).sum(-1)                   # (Hkv, nb)
+        worth = value[:, :nt].reshape(Hkv, nb, G).sum(-1)
+        if not per_head:
+            evicted = evicted.sum(0, keepdim=True).expand(Hkv, nb)
+            worth = worth.sum(0, keepdim=True).expand(Hkv, nb)
+        blk = _lex_first((evicted, True), (worth, False))                    # (Hkv,)
+        for h in range(Hkv):
+            if evicted[h, blk[h]] > 0:
+                out[h, blk[h] * G:blk[h] * G + G] = False
+    n_keep = int(kept[0].sum())
+    for h in range(Hkv):
+        pool = torch.nonzero(~out[h])[:, 0]
+        rank = _lex_order((kept[h, pool], True), (value[h, pool], True))
+        out[h, pool[rank[:n_keep - int(out[h].sum())]]] = True
+    return out
+
+
+def _lex_order(*keys) -> torch.Tensor:
+    """Indices sorting the last axis by keys (tensor, descending) in priority order; ties
+    keep index order."""
+    order = torch.arange(keys[0][0].shape[-1]).expand_as(keys[0][0])
+    for x, desc in reversed(keys):
+        order = order.gather(-1, x.gather(-1, order).sort(dim=-1, descending=desc, stable=True).indices)
+    return order
+
+
+def _lex_first(*keys) -> torch.Tensor:
+    return _lex_order(*keys)[..., 0]
+
+
+def token_groups(codec) -> bool:
+    """The codec quantizes over groups of tokens (KIVI / GEAR keys: per channel over a block
+    of G), so re-packing a block re-quantizes every token in it."""
+    return any(s.component == "scales_zeros" and s.unit > 1 for s in codec.slots(1, 64, 128))
+
+
+def per_head_storage(codec, Hkv: int, D: int, S: int) -> bool:
+    """Every storage tensor of the codec has the KV heads on axis 0 (a head's tokens can be
+    re-packed without touching the other heads); TaDA's per-slot mean does not."""
+    return all(s.axis != 0 and s.shape[0] == Hkv for s in codec.slots(Hkv, D, S))
+
+
+def fill_order(fill: torch.Tensor, prio: torch.Tensor, aligned: bool) -> list[torch.Tensor]:
+    """Per head, the candidates with `fill` set by decreasing priority (ties: lower index
+    first). aligned (heads share slots, all heads fill the same count): the tokens every
+    head fills come first, in the same order for every head, so they share slots."""
+    Hkv, n = fill.shape
+    key = prio.masked_fill(~fill, float("-inf"))
+    if aligned:
+        common = fill.all(0)
+        key = torch.where(common[None], prio.sum(0, keepdim=True).expand(Hkv, n), key)
+    order = key.sort(dim=-1, descending=True, stable=True).indices
+    if aligned:
+        first = common[None].expand(Hkv, n).gather(1, order)
+        order = order.gather(1, (~first).to(torch.uint8).sort(dim=-1, stable=True).indices)
+    return [order[h, :int(fill[h].sum())] for h in range(Hkv)]

@@ -99,7 +99,8 @@ def eviction_options(f):
                      help="kvcrush: Hamming anchor (default random).")(f)
     f = click.option("--evict-slack", default=None, type=int,
                      help="Tail tokens freed beyond need at each compaction (default 0): fewer "
-                          "compactions, so fewer re-quantizations for KIVI/GEAR keys.")(f)
+                          "compactions (not with KIVI/GEAR keys, which re-pack one block "
+                          "per compaction).")(f)
     return f
 
 

@@ -1,7 +1,17 @@
 """rope_compress_k and vproj_compress (DESIGN §7 ops 1-2), torch implementation: the write
-half of a decode step. New K rows get RoPE, new V rows come out of the V projection; both
-are rounded to the window dtype and appended to the layer's residual window, and the tokens
+half of a decode step. New K rows get RoPE, new V rows come out of the V projection (or
+arrive as rows when the model's v_proj is weight-quantized and ran its own op); both are
+rounded to the window dtype and appended to the layer's residual window, and the tokens
 that leave the window in this call are packed into the codec's tail storage.
+
+Who calls them: the arena's write-then-attend step (runtime/kv/arena.py `write_attend`)
+on the torch and Triton backends — through kernels/dispatch.py, which runs these torch
+functions on the torch backend and the Triton kernels on the triton one — for the codecs
+`supports` accepts (the Triton kernels' set, so both backends take the same path); then
+dispatch.decode_attention reads tail + window. GEAR, fp16/bf16/fp32 tails, rotated or
+evicting layers and prefill chunks keep the attend-then-append path, and so does the
+native CPU backend, whose fused C call (rotate + round + window append + attention) is its
+equivalent of this op.
 
 The window is the arena's (runtime/kv/arena.py): (Hkv, R + G, D), oldest token first,
 compacted after a flush. Appending T tokens to a window holding w: while w + T < R + G
@@ -17,6 +27,22 @@ runtime/rope.apply_rope (x·cos + rotate_half(x)·sin, cos/sin cast to x's dtype
 from __future__ import annotations
 
 import torch
+
+from .codec_base import Int8Codec
+from .codec_gear import GearCodec
+from .codec_kivi import KiviCodec
+from .codec_tada import TadaCodec
+
+
+def supports(codec) -> bool:
+    """The codecs the fused write ops cover on every backend (the Triton kernels' set):
+    KIVI (not GEAR), TaDA and int8, 2/4/8 bits, with a power-of-two G >= 32."""
+    G = codec.G
+    if G < 32 or G & (G - 1):
+        return False
+    if isinstance(codec, KiviCodec):
+        return not isinstance(codec, GearCodec) and codec.bits in (2, 4, 8)
+    return isinstance(codec, TadaCodec) and codec.bits in (2, 4, 8) or type(codec) is Int8Codec
 
 
 def flush_count(w: int, T: int, R: int, G: int) -> int:
@@ -36,7 +62,7 @@ def append_window(rows: torch.Tensor, win: torch.Tensor, w: int, codec, st: dict
         win[:, w:w + T] = rows
         return 0
     seq = torch.cat([win[:, :w], rows], 1)                              # (Hkv, w+T, D)
-    codec.pack(st, seq[:, :f].float(), n_tail)
+    codec.store(st, seq[:, :f].float(), n_tail)          # storage only, as KVArena._append
     win[:, :w + T - f] = seq[:, f:]
     return f
 
@@ -61,9 +87,10 @@ def vproj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, Hkv:
     return v.view(x.shape[0], Hkv, -1).transpose(0, 1)
 
 
-def vproj_compress(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def vproj_compress(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int) -> int:
     """The V projection of hidden states x (T, hidden), then append_window. Returns the
-    number of tokens packed."""
-    return append_window(vproj(x, weight, bias, win.shape[0]).to(win.dtype), win, w, codec, st,
-                         n_tail, R)
+    number of tokens packed. weight None: x already holds the V rows (Hkv, T, D) (a
+    weight-quantized v_proj computed them) and they are appended as given."""
+    rows = x if weight is None else vproj(x, weight, bias, win.shape[0])
+    return append_window(rows.to(win.dtype), win, w, codec, st, n_tail, R)

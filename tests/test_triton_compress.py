@@ -149,6 +149,24 @@ def test_vproj_compress_half_inputs_and_int8_means():
     _check(c, st, win, f, f_ref, w, T)
 
 
+@pytest.mark.parametrize("method,Hkv,w,T,n_tail,xdt", [("kivi-4", 3, 63, 1, 32, F32),
+                                                     ("tada-4", 8, 50, 30, 0, F16),
+                                                     ("int8", 1, 10, 3, 64, BF16),
+                                                     ("kivi-2", 3, 20, 100, 64, F32)])
+def test_vproj_compress_rows_as_given_is_bit_identical(method, Hkv, w, T, n_tail, xdt):
+    """weight None: V rows a weight-quantized v_proj computed (strided like the model's
+    (B, T, Hkv, D) → (Hkv, T, D) view) are appended and packed exactly like torch."""
+    D, G, R = 64, 32, 32
+    c, st, win = _state(method, "v", Hkv, D, G, R, w, n_tail)
+    v = (torch.randn(1, T, Hkv, D) * 2).to(xdt).transpose(1, 2)[0]    # (Hkv, T, D), strided
+    f_ref = ref.vproj_compress(v, None, None, win[0], w, c, st[0], n_tail, R)
+    f = tfc.vproj_compress(v, None, None, win[1], w, c, st[1], n_tail, R)
+    _check(c, st, win, f, f_ref, w, T)
+    n = w + T - f
+    kept = min(n, T)                                                  # new rows still windowed
+    assert torch.equal(win[1][:, n - kept:n], v[:, T - kept:].to(F16))    # as given
+
+
 def test_vproj_compress_general_inputs_agree_up_to_rounding():
     """Random fp32 inputs: the window rows agree to fp16 rounding of slightly different
     sums, and the reconstruction of the packed block to within one quantization step."""
@@ -177,6 +195,9 @@ def test_unsupported_and_bad_arguments_are_refused():
         tfc.rope_compress_k(x, cos[:, :32], sin, win[1], 0, k, k.alloc(2, 64, 64), 0, 32)
     with pytest.raises(ValueError, match="R\\+G"):
         tfc.rope_compress_k(x, cos, sin, win[1], 0, k, k.alloc(2, 64, 64), 0, 48)
+    v = make_codec("kivi-4", "v", 32)
+    with pytest.raises(ValueError, match="V rows"):
+        tfc.vproj_compress(torch.randn(3, 1, 64), None, None, win[1], 0, v, v.alloc(2, 64, 64), 0, 32)
 
 
 def test_dispatch_routes_fused_ops(monkeypatch):

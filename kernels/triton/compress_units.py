@@ -33,7 +33,8 @@ def _rows(h, i, i_ok, d, WIN, sw_h, sw_t, w, X, sx_h, sx_t, A, B, s_a, KH, D,
     """Rows (N, len(d)) fp32 of tokens i (N,) of [window, new] for KV head h at channels
     d, in the window dtype (0 where i_ok or d < D is false). Token i < w: the window;
     else new token j = i − w: SRC 0 RoPE of X (Hkv, T, D) with A = cos, B = sin (T, D);
-    SRC 1 X (T, KH) @ A[h·D + d]ᵀ (+ B[h·D + d]), A = Wv (Hkv·D, KH)."""
+    SRC 1 X (T, KH) @ A[h·D + d]ᵀ (+ B[h·D + d]), A = Wv (Hkv·D, KH); SRC 2 the rows of
+    X (Hkv, T, D) as given (V from a weight-quantized projection the model ran)."""
     d_ok = d < D
     old = i < w
     y_old = tl.load(WIN + h * sw_h + i[:, None] * sw_t + d[None, :],
@@ -53,6 +54,9 @@ def _rows(h, i, i_ok, d, WIN, sw_h, sw_t, w, X, sx_h, sx_t, A, B, s_a, KH, D,
         c = _rnd(c, XDT)
         s = _rnd(s, XDT)
         y = _rnd(_rnd(xa.to(tl.float32) * c, XDT) + _rnd(xb * s, XDT), XDT)
+    elif SRC == 2:
+        y = tl.load(X + h * sx_h + j[:, None] * sx_t + d[None, :], mask=m_new,
+                    other=0.0).to(tl.float32)                    # exact: already in XDT
     else:
         # -- V projection: fp32 accumulation over the hidden dim --------------------------
         acc = tl.zeros(y_old.shape, tl.float32)

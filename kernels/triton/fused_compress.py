@@ -1,8 +1,10 @@
 """rope_compress_k and vproj_compress, Triton (DESIGN §7 ops 1-2): one launch per layer per
-call computes the new K rows with RoPE (or the new V rows with the V projection), appends
-them to the residual window, and packs the tokens that leave the window into the codec's
-tail storage straight from registers — bit-identical to `codec.pack` of the same rows
-(the torch oracle: kernels/fused_compress.py; window semantics of KVArena._append).
+call computes the new K rows with RoPE (or the new V rows with the V projection, or takes
+V rows as given when the model's v_proj is weight-quantized), appends them to the residual
+window, and packs the tokens that leave the window into the codec's tail storage straight
+from registers — bit-identical to `codec.pack` of the same rows (the torch oracle:
+kernels/fused_compress.py; window semantics of KVArena._append). The arena's decode step
+calls them through kernels/dispatch.py (runtime/kv/arena.py `write_attend`).
 
 Codecs: KIVI (2/4/8-bit; K per channel over G-token groups in chanpack.py's byte planes,
 V per token over g-channel groups in nibble.py's channel-major layout), TaDA (2/4/8-bit
@@ -44,11 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec_base import Int8Codec
-from ..codec_gear import GearCodec
 from ..codec_kivi import KiviCodec
 from ..codec_tada import TadaCodec
-from ..fused_compress import flush_count
+from ..fused_compress import flush_count, supports  # supports: the codecs both backends fuse
 from .compress_units import _rows, _tada_mu, _unit_chan, _unit_chanpack, _unit_tok
 
 INT8, KIVI, TADA = 1, 2, 3
@@ -122,16 +122,6 @@ def _fused_kernel(WIN, sw_h, sw_t,                       # (Hkv, R+G, D) window,
 # -- launchers -----------------------------------------------------------------------------
 
 _XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def supports(codec) -> bool:
-    """KIVI (not GEAR), TaDA and int8 codecs with a power-of-two G >= 32."""
-    G = codec.G
-    if G < 32 or G & (G - 1):
-        return False
-    if isinstance(codec, KiviCodec):
-        return not isinstance(codec, GearCodec) and codec.bits in (2, 4, 8)
-    return isinstance(codec, TadaCodec) and codec.bits in (2, 4, 8) or type(codec) is Int8Codec
 
 
 def _unit(codec) -> int:
@@ -210,12 +200,21 @@ def rope_compress_k(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: 
                    win, w, codec, st, n_tail, R)
 
 
-def vproj_compress(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def vproj_compress(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int) -> int:
     """kernels.fused_compress.vproj_compress in one launch: x (T, hidden) hidden states,
-    weight (Hkv·D, hidden) (nn.Linear layout), bias (Hkv·D,) or None; returns tokens packed."""
-    T, KH = x.shape
+    weight (Hkv·D, hidden) (nn.Linear layout), bias (Hkv·D,) or None; returns tokens packed.
+    weight None: x is the V rows (Hkv, T, D) as given (SRC 2: a weight-quantized v_proj
+    computed them), appended and packed like K rows without RoPE."""
     Hkv, _, D = win.shape
+    if weight is None:
+        if x.dim() != 3 or x.shape[0] != Hkv or x.shape[2] != D or x.stride(-1) != 1:
+            raise ValueError(f"V rows {tuple(x.shape)} must be ({Hkv}, T, {D}) with unit channel stride")
+        if bias is not None:
+            raise ValueError("vproj_compress: a bias needs the weight (rows are taken as given)")
+        return _launch(2, x.dtype, x.shape[1], x, x.stride(0), x.stride(1), x, x, 0, 0, False,
+                       win, w, codec, st, n_tail, R)
+    T, KH = x.shape
     if weight.shape != (Hkv * D, KH) or weight.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} != ({Hkv * D}, {KH}) with unit stride, "
                          f"or x {tuple(x.shape)} not unit-stride")

@@ -14,7 +14,18 @@ Triton kernel does not know. The attention mass token eviction asks for (`mass=`
 `pack` (a flush of window tokens into the tail) has a Triton kernel for KIVI only
 (`kivi_pack`, bit-identical storage); every other codec packs with torch on both backends.
 `rope_compress_k` / `vproj_compress` (the fused write ops, DESIGN §7 ops 1-2) run their
-Triton kernel for KIVI, TaDA and int8 codecs and torch for the rest (and on native/torch).
+Triton kernel for KIVI, TaDA and int8 codecs and torch for the rest (and on native/torch);
+`vproj_compress` with weight None takes V rows as given (a weight-quantized v_proj).
+
+What the model's decode step calls, per backend (runtime/kv/arena.py):
+- triton and torch: `rope_compress_k` + `vproj_compress` (K's RoPE and the V projection
+  fused into the window append and the flush), then `decode_attention` over tail + window
+  (the arena's write-then-attend `write_attend`) — for layers whose K and V codecs
+  `fused_compress.supports` (KIVI, TaDA, int8) and steps of T <= min(R, 64) tokens, not
+  rotated, not evicting. GEAR, fp16/bf16/fp32 tails, rotation, eviction and prefill
+  chunks: `decode_attention`, then `pack` per flushed block (attend-then-append).
+- native: `attend_append` (one C call: rotate + round + window append + attention) on
+  steps without a flush; otherwise `decode_attention`, then `pack`.
 """
 from __future__ import annotations
 
@@ -124,7 +135,8 @@ def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R) -> int:
 
 
 def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R) -> int:
-    """kernels.fused_compress.vproj_compress on the chosen backend (as rope_compress_k)."""
+    """kernels.fused_compress.vproj_compress on the chosen backend (as rope_compress_k);
+    weight None: x is the V rows (Hkv, T, D), appended as given."""
     if backend_for(x) == "triton":
         from .triton import fused_compress as tfc
         if tfc.supports(codec):

@@ -44,9 +44,16 @@ class Linear(nn.Module):
         else:
             self.gemv_weight = self.weight.detach().to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_for(self, rows: int) -> torch.Tensor:
+        """The weight `rows` input rows are multiplied by: the GEMV copy for few rows (a
+        fused op that runs this projection itself, e.g. the cache's vproj_compress, reads
+        the same bytes)."""
         w = self.gemv_weight
-        if w is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return w if w is not None and rows <= GEMV_MAX_ROWS else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight_for(x.numel() // x.shape[-1])
+        if w is not self.weight:
             y = F.linear(x.to(w.dtype), w).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

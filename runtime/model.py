@@ -3,7 +3,10 @@
 Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
 writes K/V only through the cache object (`cache.attend`), which is either the dense
-cache or the compressed arena; the model does not know which.
+cache or the compressed arena; the model does not know which. A cache that offers the
+write-then-attend step (`takes_new_kv` / `write_attend`, runtime/kv/cache.py: the arena on
+the torch and Triton backends) gets K before RoPE and V's projection operands instead, so
+its fused ops apply RoPE and run the V GEMM while compressing.
 
 Linear layers come from `make_linear`: dense `Linear`, or the weight-only quantized
 `Int8Linear` / `Int4Linear` when the config's `weights` says so (qlinear.py). Quantized
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kv.cache import NewKV
 from .layers import MLP, Linear, RMSNorm
 from .qlinear import QUANT_MODULES, Int8Embedding, Int8Linear, make_linear
 from .rope import Rope, apply_rope
@@ -39,10 +43,27 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = cache.attend(self.layer_idx, q, k, v)                                   # (B, H, T, D)
+        q = apply_rope(q, cos, sin)
+        takes_new_kv = getattr(cache, "takes_new_kv", None)
+        if takes_new_kv is not None and takes_new_kv(self.layer_idx, T):
+            # write-then-attend: K's RoPE and the V projection run inside the cache's fused
+            # compressing writes (kernels/fused_compress.py)
+            o = cache.write_attend(self.layer_idx, q, self._new_kv(x, k, cos, sin))
+        else:
+            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            o = cache.attend(self.layer_idx, q, apply_rope(k, cos, sin), v)          # (B, H, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _new_kv(self, x, k, cos, sin) -> NewKV:
+        """This step's K/V for the fused writes (batch 1): K before RoPE; V as the operands
+        of x @ Wvᵀ when v_proj is dense (the op runs the GEMM: none here), else the rows a
+        weight-quantized v_proj computes with its own op."""
+        B, T, _ = x.shape
+        if isinstance(self.v_proj, Linear):
+            w = self.v_proj.weight_for(T)                  # the GEMV copy, like forward()
+            return NewKV(k, cos, sin, v_x=x[0].to(w.dtype), v_weight=w, v_bias=self.v_proj.bias)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
+        return NewKV(k, cos, sin, v=v)
 
 
 class DecoderLayer(nn.Module):

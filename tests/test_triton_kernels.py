@@ -256,10 +256,12 @@ def test_dispatch_serves_attention_mass_on_triton(monkeypatch):
 
 def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypatch):
     """Greedy decode of a tiny model (D 64, GQA 2:1, two layers, K tada-4 / V kivi-2, window
-    32) with the arena's attention (and its KIVI V flushes) on the Triton kernels vs the
-    torch path: same tokens.
+    32) on the Triton kernels vs the torch path: same tokens. The prefill attends, then
+    flushes with kivi_pack (V); every decode step is the arena's write-then-attend:
+    rope_compress_k and vproj_compress (the dense v_proj's GEMM in the kernel), then
+    decode_attention.
     The 78-token prompt puts 32 tokens in the compressed tail after prefill, and the decode
-    flushes 32 more."""
+    flushes 32 more through the fused kernels."""
     import kvrun
     from kvrun.runtime.kv.config import parse_kv
     from tiny import make_tiny_model_dir
@@ -282,6 +284,16 @@ def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypat
         return real_pack(codec, st, x, s0)
 
     monkeypatch.setattr(tri, "kivi_pack", counting_pack)
+    from kvrun.kernels.triton import fused_compress as tfc
+    fused = []                                                    # (op, tokens flushed)
+    for name in ("rope_compress_k", "vproj_compress"):
+        real_op = getattr(tfc, name)
+
+        def counting_op(*a, _name=name, _real=real_op):
+            f = _real(*a)
+            fused.append((_name, f))
+            return f
+        monkeypatch.setattr(tfc, name, counting_op)
     prompt = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs."
     tokens = {}
     for backend in ("torch", "triton"):
@@ -296,6 +308,9 @@ def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypat
     assert tokens["triton"] == tokens["torch"]
     assert calls and max(calls) == 64                             # the tail was read by Triton
     assert packs and set(packs) == {"v"}                          # kivi-2 V flushed by kivi_pack
+    for name in ("rope_compress_k", "vproj_compress"):            # 23 decode steps x 2 layers
+        flushed = [f for op, f in fused if op == name]
+        assert len(flushed) == 23 * 2 and sorted(set(flushed)) == [0, 32], name
 
 
 # -- bytes moved (the roofline of tools/roofline.py) -------------------------------------------

@@ -54,16 +54,23 @@ def make_tiny_model_dir(path: Path, architecture: str = "llama", seed: int = 0, 
 @contextmanager
 def interrupted_forward(m, at_call: int = 2):
     """Within the block, the model's attention call number `at_call` raises KeyboardInterrupt
-    (Ctrl-C between two layers of a forward); the cache's own attend is restored after."""
-    attend, calls = m.cache.attend, {"n": 0}
+    (Ctrl-C between two layers of a forward); the cache's own methods are restored after.
+    Calls are counted over `attend` and `write_attend` (the arena's write-then-attend step,
+    which the model uses instead on the torch and Triton backends)."""
+    calls = {"n": 0}
+    names = [n for n in ("attend", "write_attend") if hasattr(m.cache, n)]
 
-    def flaky(layer, q, k, v):
-        calls["n"] += 1
-        if calls["n"] == at_call:
-            raise KeyboardInterrupt
-        return attend(layer, q, k, v)
-    m.cache.attend = flaky
+    def flaky(real):
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                raise KeyboardInterrupt
+            return real(*args)
+        return call
+    for name in names:
+        setattr(m.cache, name, flaky(getattr(m.cache, name)))
     try:
         yield
     finally:
-        m.cache.attend = attend
+        for name in names:
+            delattr(m.cache, name)              # the class's methods again

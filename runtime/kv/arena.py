@@ -14,6 +14,24 @@ whole blocks of G so that the window holds R .. R+G-1 tokens (all of them while 
 R + G). A prefill chunk longer than the window therefore goes straight into the tail.
 New K/V are rounded to the window dtype before attending, exactly like DenseKVCache(fp16).
 
+The decode step, per backend (kernels/dispatch.py picks it):
+- torch and triton: `write_attend`, write-then-attend, the order a GPU decode step runs.
+  The model hands over K before RoPE with cos/sin and V as the projection's operands (or
+  as rows when v_proj is weight-quantized); `dispatch.rope_compress_k` and
+  `dispatch.vproj_compress` append them to the window and pack the tokens that leave it
+  (one fused launch each on Triton), then `dispatch.decode_attention` reads tail + window,
+  the T new tokens being the window's last T slots (passed as its k_new/v_new views: the
+  causal mask between new queries needs them apart). Taken when `takes_new_kv`: T <= R
+  and <= 64 (so the new tokens never leave the window in their own step), no rotation, no
+  eviction, and K and V codecs the fused ops cover (`fused_compress.supports`: KIVI, TaDA,
+  int8); GEAR, fp16/bf16/fp32 tails, rotated or evicting layers and prefill chunks keep
+  `attend`. Semantics: at a flush step the G flushed tokens are attended in compressed
+  form (written before attending), where `attend` still attends them in full precision;
+  without a flush both orders give the same output bit for bit.
+- native (CPU default): `attend`, whose steps without a flush are one fused C call
+  (`dispatch.attend_append`: rotate + round + window append + attention), the native
+  equivalent; flush steps attend, then `_append` packs with `dispatch.pack`.
+
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
 the first n_keep tokens — rounded up to a whole tail block, so the sink block is untouched
 (bit-exact) — drop half of the rest, and re-rotate every later key by -n_discard so the
@@ -38,13 +56,19 @@ import torch
 
 from ...kernels.codec_base import COMPONENTS
 from ...kernels.codecs import make_codec
-from ...kernels.dispatch import attend_append, decode_attention, pack  # per backend
+from ...kernels.dispatch import (attend_append, backend_for, decode_attention, pack,  # per backend
+                                 rope_compress_k, vproj_compress)
+from ...kernels.fused_compress import supports as fused_supports
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies
 from .arena_evict import ArenaEviction, tail_sizes
-from .cache import KV_DTYPES, DenseKVCache
+from .cache import KV_DTYPES, DenseKVCache, NewKV
 from .config import KVConfig, parse_kv
+
+# write_attend's largest step: decode and short chunks, the query counts DESIGN §7 sizes
+# decode_attention for (1..64); prefill chunks keep attend
+WRITE_ATTEND_MAX_T = 64
 
 
 def tail_capacity(max_ctx: int, R: int, G: int) -> int:
@@ -102,6 +126,10 @@ class KVArena:
         self.seq_len = 0
         self.n_shifts = 0
         self.ev = (ArenaEviction(self, n_heads or n_kv_heads) if kv.evict != "none" else None)
+        # layers whose decode steps write_attend can take (see the module docstring)
+        self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)
+                        and fused_supports(vc) for rk, rv, kc, vc in
+                        zip(self.rot_k, self.rot_v, self.k_codecs, self.v_codecs)]
 
     # -- the cache interface -----------------------------------------------------------------
     def positions(self, T: int) -> torch.Tensor:
@@ -143,6 +171,34 @@ class KVArena:
             self.ev.after_attend(layer, mass, k.shape[2])
         self._append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
+
+    def takes_new_kv(self, layer: int, T: int) -> bool:
+        """Whether write_attend runs this step: a covered layer, 1 <= T <= min(R, 64), and
+        the torch or Triton backend (native keeps its fused attend_append)."""
+        return (self.fusable[layer] and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
+                and backend_for(self.win_k) != "native")
+
+    def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
+        """Write-then-attend (only when takes_new_kv): q (1, H, T, D) after RoPE; new K
+        before RoPE and V as projection operands or rows. Returns (1, H, T, D)."""
+        assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
+        nt, w, T = self.n_tail[layer], self.n_win[layer], q.shape[2]
+        assert nt + w + T <= self.max_ctx, "positions() must run before write_attend()"
+        kt = (self.k_codecs[layer], self.k_store[layer])
+        vt = (self.v_codecs[layer], self.v_store[layer])
+        wk, wv = self.win_k[layer], self.win_v[layer]                    # (Hkv, R+G, D)
+        # -- write: RoPE / V projection, window append, flush of the oldest f tokens -------
+        f = rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R)
+        if new.v is not None:
+            fv = vproj_compress(new.v[0], None, None, wv, w, *vt, nt, self.R)
+        else:
+            fv = vproj_compress(new.v_x, new.v_weight, new.v_bias, wv, w, *vt, nt, self.R)
+        assert f == fv and nt + f <= self.S_l[layer], (f, fv, nt, self.S_l[layer])
+        n = w + T - f                 # window tokens; the T new ones are the last (T <= R)
+        self.n_tail[layer], self.n_win[layer] = nt + f, n
+        # -- attend: tail + window, the new tokens apart for the causal mask ---------------
+        return decode_attention(q, kt, vt, nt + f, wk[None, :, :n - T], wv[None, :, :n - T],
+                                wk[None, :, n - T:n], wv[None, :, n - T:n], block=self.kv.block)
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append already-computed K/V for every layer without attending: k, v: (L, Hkv, n, D),

@@ -9,8 +9,17 @@ so the model code never changes:
     commit(T)                       after all layers ran: the T tokens are now cached
     truncate(n) -> kept / reset()   drop tokens after the first n (a cache may keep fewer)
     nbytes() -> dict                exact bytes by component
+
+A cache may also offer the write-then-attend step of DESIGN §7 (the compressed arena on the
+torch and Triton backends); the model asks with getattr, so this dense cache needs neither:
+
+    takes_new_kv(layer, T) -> bool  this step can be written from the fused ops' inputs
+    write_attend(layer, q, new: NewKV) -> o   write K/V (RoPE / V projection fused into the
+                                    compressing write), then attend q over the cache
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +27,24 @@ from ...kernels import dense_attention
 from ..errors import KvrunError
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class NewKV:
+    """One step's K/V in the form the fused write ops take (kernels/fused_compress.py): K
+    before RoPE with the cos/sin of its positions, and V either as the projection's operands
+    (v_x, v_weight, v_bias: the op runs the GEMM in its epilogue) or as rows `v` (a
+    weight-quantized v_proj ran its own op)."""
+    k: torch.Tensor                          # (1, Hkv, T, D) before RoPE
+    cos: torch.Tensor                        # (T, D)
+    sin: torch.Tensor                        # (T, D)
+    v: torch.Tensor | None = None            # (1, Hkv, T, D) V rows, or
+    v_x: torch.Tensor | None = None          # (T, hidden) the V projection's input,
+    v_weight: torch.Tensor | None = None     # (Hkv·D, hidden)
+    v_bias: torch.Tensor | None = None       # (Hkv·D,) or None
+
+    def __post_init__(self):
+        assert (self.v is None) != (self.v_weight is None), "V as rows or as x @ Wvᵀ, not both"
 
 
 class DenseKVCache:

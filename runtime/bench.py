@@ -227,19 +227,24 @@ def parse_geometry(spec: str) -> tuple[str, tuple[int, int, int]]:
 
 def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192, 32768),
                 seed: int = 0, progress=None, dtype=torch.float32) -> list[BenchRecord]:
-    """Decode one attention layer from 0 to ctx tokens per method (random q/k/v)."""
-    from .config import ModelConfig
+    """Decode one attention layer from 0 to ctx tokens per method (random q/k/v), through
+    the step the model takes: write_attend where the cache offers it, else attend."""
     from .api import make_cache
+    from .config import ModelConfig
+    from .kv.cache import NewKV
+    from .rope import Rope
     name, (H, Hkv, D) = parse_geometry(geometry)
     if ctx < 1:
         raise KvrunError(f"--ctx must be >= 1 (got {ctx})")
     cfg = ModelConfig(architecture="llama", vocab_size=1, hidden_size=H * D, intermediate_size=1,
                       num_layers=1, num_heads=H, num_kv_heads=Hkv, head_dim=D, max_position=ctx)
+    rope = Rope(D, cfg.rope_theta, cfg.rope_scaling, ctx)
     g = torch.Generator().manual_seed(seed)
     records = []
     window = 64                                   # steps averaged around each checkpoint
     for m in methods:
         cache = make_cache(cfg, ctx, m)
+        fused = getattr(cache, "takes_new_kv", lambda layer, T: False)
         step = []
         t_all = time.perf_counter()
         for i in range(ctx):
@@ -247,8 +252,12 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
             k = torch.randn(1, Hkv, 1, D, generator=g, dtype=dtype)
             v = torch.randn(1, Hkv, 1, D, generator=g, dtype=dtype)
             t0 = time.perf_counter()
-            cache.positions(1)
-            cache.attend(0, q, k, v)
+            pos = cache.positions(1)
+            if fused(0, 1):                   # the model's write-then-attend step (k before RoPE)
+                cos, sin = rope.tables(pos, dtype)
+                cache.write_attend(0, q, NewKV(k, cos, sin, v=v))
+            else:
+                cache.attend(0, q, k, v)
             cache.commit(1)
             step.append(time.perf_counter() - t0)
             if progress and (i + 1) % 4096 == 0:

@@ -84,3 +84,20 @@ def test_bench_bad_arguments(tiny_dir, args, fragment):
     r = run(["bench", "-m", str(tiny_dir), "-p", "0", "-n", "1"] + args)
     assert r.exit_code != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in r.stderr
+
+
+def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
+    """On the torch backend the arena offers write-then-attend; the layer bench measures
+    that step (what the model runs), not attend."""
+    from kvrun.runtime.kv.arena import KVArena
+    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    calls = {"write_attend": 0, "attend": 0}
+    for name in calls:
+        real = getattr(KVArena, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(KVArena, name, counted)
+    B.bench_layer("4,2,32", ["kivi-2"], 80, checkpoints=(64,))
+    assert calls == {"write_attend": 80, "attend": 0}

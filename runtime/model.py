@@ -50,20 +50,21 @@ class Attention(nn.Module):
             # compressing writes (kernels/fused_compress.py)
             o = cache.write_attend(self.layer_idx, q, self._new_kv(x, k, cos, sin))
         else:
-            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-            o = cache.attend(self.layer_idx, q, apply_rope(k, cos, sin), v)          # (B, H, T, D)
+            o = cache.attend(self.layer_idx, q, apply_rope(k, cos, sin), self._v(x))  # (B, H, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def _new_kv(self, x, k, cos, sin) -> NewKV:
         """This step's K/V for the fused writes (batch 1): K before RoPE; V as the operands
         of x @ Wvᵀ when v_proj is dense (the op runs the GEMM: none here), else the rows a
         weight-quantized v_proj computes with its own op."""
-        B, T, _ = x.shape
         if isinstance(self.v_proj, Linear):
-            w = self.v_proj.weight_for(T)                  # the GEMV copy, like forward()
+            w = self.v_proj.weight_for(x.shape[1])         # the GEMV copy, like forward()
             return NewKV(k, cos, sin, v_x=x[0].to(w.dtype), v_weight=w, v_bias=self.v_proj.bias)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        return NewKV(k, cos, sin, v=v)
+        return NewKV(k, cos, sin, v=self._v(x))
+
+    def _v(self, x):
+        B, T, _ = x.shape
+        return self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
 
 
 class DecoderLayer(nn.Module):

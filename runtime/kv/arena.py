@@ -189,10 +189,8 @@ class KVArena:
         wk, wv = self.win_k[layer], self.win_v[layer]                    # (Hkv, R+G, D)
         # -- write: RoPE / V projection, window append, flush of the oldest f tokens -------
         f = rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R)
-        if new.v is not None:
-            fv = vproj_compress(new.v[0], None, None, wv, w, *vt, nt, self.R)
-        else:
-            fv = vproj_compress(new.v_x, new.v_weight, new.v_bias, wv, w, *vt, nt, self.R)
+        v_src = (new.v[0], None, None) if new.v is not None else (new.v_x, new.v_weight, new.v_bias)
+        fv = vproj_compress(*v_src, wv, w, *vt, nt, self.R)
         assert f == fv and nt + f <= self.S_l[layer], (f, fv, nt, self.S_l[layer])
         n = w + T - f                 # window tokens; the T new ones are the last (T <= R)
         self.n_tail[layer], self.n_win[layer] = nt + f, n

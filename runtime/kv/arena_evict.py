@@ -97,7 +97,7 @@ class ArenaEviction:
         self.pending = [None] * a.L           # (H, T) mass of the tokens being appended
         self.n_compactions = 0
         self.n_repacked = 0                   # kept tail tokens re-packed (per head, summed)
-        self.token_groups = [token_groups(c) for c in a.k_codecs]
+        self.token_groups = [token_groups(c, a.Hkv, a.D, S) for c, S in zip(a.k_codecs, a.S_l)]
         # a sink block of per-channel keys is kept whole, so it is never re-quantized
         self.sinks = [-(-kv.sinks // a.G) * a.G if tg and kv.sinks else kv.sinks
                       for tg in self.token_groups]
@@ -293,9 +293,8 @@ class ArenaEviction:
         newest; the scored policies keep high scores."""
         if self.token_groups[l]:
             return -pos.double()
-        if self.policy == "streaming":
-            return pos.double().masked_fill(pos < self.sinks[l], float("inf"))
-        return group_scores(score, self.a.Hkv).double()
+        v = self._value(score, pos)
+        return v.masked_fill(pos < self.sinks[l], float("inf")) if self.policy == "streaming" else v
 
     def _slot_means(self, l, runs, rows, n_old, f):
         """Per-token means for a shared-slot re-pack (TaDA), one list entry per K and V codec
@@ -377,10 +376,11 @@ def _lex_first(*keys) -> torch.Tensor:
     return _lex_order(*keys)[..., 0]
 
 
-def token_groups(codec) -> bool:
+def token_groups(codec, Hkv: int, D: int, S: int) -> bool:
     """The codec quantizes over groups of tokens (KIVI / GEAR keys: per channel over a block
-    of G), so re-packing a block re-quantizes every token in it."""
-    return any(s.component == "scales_zeros" and s.unit > 1 for s in codec.slots(1, 64, 128))
+    of G), so re-packing a block re-quantizes every token in it. The arena's geometry:
+    `slots` records the head dim on the (shared) codec."""
+    return any(s.component == "scales_zeros" and s.unit > 1 for s in codec.slots(Hkv, D, S))
 
 
 def per_head_storage(codec, Hkv: int, D: int, S: int) -> bool:
@@ -395,11 +395,7 @@ def fill_order(fill: torch.Tensor, prio: torch.Tensor, aligned: bool) -> list[to
     head fills come first, in the same order for every head, so they share slots."""
     Hkv, n = fill.shape
     key = prio.masked_fill(~fill, float("-inf"))
-    if aligned:
-        common = fill.all(0)
-        key = torch.where(common[None], prio.sum(0, keepdim=True).expand(Hkv, n), key)
-    order = key.sort(dim=-1, descending=True, stable=True).indices
-    if aligned:
-        first = common[None].expand(Hkv, n).gather(1, order)
-        order = order.gather(1, (~first).to(torch.uint8).sort(dim=-1, stable=True).indices)
+    common = fill.all(0, keepdim=True).expand(Hkv, n) & aligned
+    key = torch.where(common, prio.sum(0, keepdim=True).expand(Hkv, n), key)
+    order = _lex_order((common, True), (key, True))
     return [order[h, :int(fill[h].sum())] for h in range(Hkv)]

@@ -10,7 +10,8 @@ $KVRUN_HOME/native (default ~/.cache/kvrun/native), written to a temporary name 
 renamed, so concurrent first uses never load a half-written file. It links torch's own
 libgomp (the same soname is already loaded by torch), so its OpenMP threads are torch's.
 When gcc is missing or the build fails, `load()` returns None and callers use the torch
-implementation; `error()` says why.
+implementation; `error()` says why. `KVRUN_NATIVE=0` disables the native kernels;
+`KVRUN_NATIVE=portable` loads the build without AVX-512 (-DKVRUN_NO_AVX512).
 """
 from __future__ import annotations
 
@@ -71,12 +72,16 @@ def load():
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("KVRUN_NATIVE", "1") == "0":
+    mode = os.environ.get("KVRUN_NATIVE", "1")
+    if mode == "0":
         _err = "disabled by KVRUN_NATIVE=0"
         return None
+    # KVRUN_NATIVE=portable builds the variant machines without AVX-512 get, so the whole
+    # suite can run on it from an AVX-512 machine (tolerances must hold on both)
+    extra = ("-DKVRUN_NO_AVX512",) if mode == "portable" else ()
     try:
         import torch                                    # noqa: F401  (loads torch's libgomp first)
-        _lib = ctypes.CDLL(str(_build()))
+        _lib = ctypes.CDLL(str(_build(extra)))
         _lib.kvrun_decode_attention.restype = ctypes.c_int
     except (OSError, subprocess.SubprocessError, FileNotFoundError) as e:
         _err = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -24,6 +24,13 @@ byte accounting stays exact.
 Precision: x is rounded to bf16 and the op returns bf16 (fp32 accumulation inside), i.e.
 relative 2^-9 on a score or a mixed value — the precision of bf16 attention, ~30x below
 4-bit quantization error.
+
+The layout above is what ATen's AVX-512 build of the op reads. Its AVX2 build (CPUs
+without AVX-512, or ATEN_CPU_CAPABILITY=avx2) packs 32-row blocks as row d | row d+16 << 4,
+and its scalar build packs row pairs, so the same bytes would mean other codes there. The
+storage layout is fixed (the native C kernel and Triton read it too): `op_reads_layout()`
+probes the op once on a known matrix, and where it reads another layout `tok_dot` /
+`chan_mix` multiply explicit codes in fp32 instead (slower; exact).
 """
 from __future__ import annotations
 
@@ -31,6 +38,26 @@ import torch
 
 _op = torch.ops.aten._weight_int4pack_mm_for_cpu
 _UNIT: dict = {}
+
+
+_READS_LAYOUT: bool | None = None
+
+
+def op_reads_layout() -> bool:
+    """Whether this process's int4 op reads the layout above (probed once: 64 known codes
+    per row of W against an identity x; the AVX-512 dispatch of ATen does)."""
+    global _READS_LAYOUT
+    if _READS_LAYOUT is None:
+        K = 32
+        codes = (torch.arange(64 * K).view(64, K) * 7 + 3) % 16                 # (N=64, K)
+        packed = (codes[:32].T | (codes[32:].T << 4)).to(torch.uint8).contiguous()  # (K, 32)
+        unit = torch.stack([torch.ones(1, 64), torch.full((1, 64), 8 - 7.5)], -1).to(torch.bfloat16)
+        try:
+            out = _op(torch.eye(K, dtype=torch.bfloat16), packed.view(64, K // 2), 32, unit)
+            _READS_LAYOUT = bool(torch.equal(out.float().T, codes.float() - 7.5))
+        except RuntimeError:                                                    # no such kernel
+            _READS_LAYOUT = False
+    return _READS_LAYOUT
 
 
 def center(bits: int) -> float:
@@ -125,6 +152,8 @@ def tok_dot(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int,
     """x (Hkv, M, D) float32 → (Hkv, M, n) float32 = x · c_t for tokens [s0, s1), c the
     unsigned integer codes."""
     Hkv, M, D = x.shape
+    if not op_reads_layout():
+        return torch.bmm(x.float(), tok_codes(buf, s0, s1, bits).transpose(1, 2))
     U = tok_unit(bits)
     a, e = s0 // U * U, -(-s1 // U) * U
     N = e - a
@@ -214,6 +243,12 @@ def chan_mix(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int, D:
     per-token offsets and saves a pass over x)."""
     Hkv, M, n = x.shape
     nc = buf.shape[2]
+    if not op_reads_layout():
+        xf = x.float()
+        out = torch.bmm(xf, chan_codes(buf, s0, s1, bits, D))                 # (Hkv, M, D)
+        if centered:
+            out.sub_(xf.sum(-1, keepdim=True), alpha=center(bits) * (17 if bits == 8 else 1))
+        return out
     if bits == 2:
         a, e = s0 // 64 * 64, -(-s1 // 64) * 64
         xp = torch.zeros(Hkv, M, e - a, dtype=torch.bfloat16, device=x.device)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from kvrun.kernels import nibble
 from kvrun.kernels.codecs import METHODS, make_codec
 from kvrun.kernels.quant import (asym_params, dequantize_asym, pack_codes, quantize_asym,
                                  unpack_codes)
@@ -97,11 +98,14 @@ def _bf16_tol(a, b):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("role", ["k", "v"])
 @pytest.mark.parametrize("span", [(32, 128), (64, 96), (96, 128)])
-def test_read_path_equals_dequantized(method, role, span):
+@pytest.mark.parametrize("explicit", [False, True])
+def test_read_path_equals_dequantized(method, role, span, explicit, monkeypatch):
     """Scores / mix from the packed codes equal the product with the explicit dequantization,
     element by element (a token or channel out of place is an O(1) error), for spans that
     start and end inside the nibble layouts' 64/128-token blocks."""
     s0, s1 = span
+    if explicit:             # the path CPUs whose int4 op reads another nibble layout take
+        monkeypatch.setattr(nibble, "_READS_LAYOUT", False)
     c, st, x, rec = _packed(method, role)
     xh = c.dequant(st, s0, s1)
     assert_close(rec[:, s0 - 32:s1 - 32], xh, atol=1e-3, rtol=1e-3)   # pack returns what is stored
@@ -143,3 +147,10 @@ def test_all_zero_rows_stay_zero(method, kw):
         st = c.alloc(2, 64, 64)
         c.pack(st, torch.zeros(2, 32, 64), 0)
         assert torch.equal(c.dequant(st, 0, 32), torch.zeros(2, 32, 64))
+
+
+def test_int4_op_layout_probe_agrees_with_the_dispatch():
+    """The probe says the op reads kvrun's nibble layout exactly when ATen dispatches its
+    AVX-512 kernel (the layout was written for it); elsewhere the explicit path runs."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    assert nibble.op_reads_layout() == (cap in ("AVX512", "AMX")), cap

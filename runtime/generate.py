@@ -2,8 +2,23 @@
 (text pieces as small dataclasses). The CLI and the library both sit on `stream`.
 
 An `Engine` owns one sequence: the model, its tokenizer and one KV cache, plus the ids
-whose K/V the cache holds. A new prompt that starts with those ids prefills only the
-rest (multi-turn chat, repeated prompts).
+whose K/V the cache holds.
+
+Prefix reuse is exact: a new prompt keeps the cached tokens only as far as the cache holds
+them in the form a fresh prefill of that prompt would (`cache.resume_point`): a compressed
+cache cannot bring a token back to full precision once it has left the window, so a prompt
+that a fresh prefill would keep in the window re-prefills from an earlier point (often 0).
+Prefill chunks are aligned to multiples of the chunk size, so a resumed prefill cuts the
+prompt where a fresh one does, and `canon` counts the leading tokens whose K/V were
+computed as a fresh prefill computes them (prompt tokens, and generated tokens whose step
+saw the same compressed tail). With `append=True` (a chat session's next turn) the
+prompt continues the cache as it stands: the turn is prefilled over the compressed past,
+which is how the conversation was built, so replaying the same turns after `reset()`
+gives the same replies.
+
+Context shift: with a cache that can shift (`--ctx-policy shift`), a step that would
+overflow the context first shifts it (keep the first n_keep tokens, drop half of the rest)
+and drops the same ids from `cached`, so generation and chat go on for ever.
 """
 from __future__ import annotations
 
@@ -51,6 +66,9 @@ class Engine:
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.prefill_chunk = prefill_chunk
         self.cached: list[int] = []         # ids whose K/V are in the cache, in order
+        self.canon = 0                      # leading cached ids with a fresh prefill's K/V
+        self.n_shifts = 0                   # context shifts so far
+        self.n_dropped = 0                  # ids they dropped
 
     @property
     def max_ctx(self) -> int:
@@ -59,59 +77,105 @@ class Engine:
     def reset(self) -> None:
         self.cache.reset()
         self.cached = []
+        self.canon = 0
 
-    def reuse_prefix(self, ids: list[int]) -> int:
-        """Keep the longest cached prefix of `ids` (at least one id left to feed)."""
+    @property
+    def can_shift(self) -> bool:
+        return getattr(self.cache, "can_shift", False)
+
+    def reuse_prefix(self, ids: list[int], append: bool = False) -> int:
+        """Keep the longest cached prefix of `ids` that gives what a fresh prefill gives
+        (at least one id left to feed); with `append`, the longest common prefix as the
+        cache holds it. Returns how many ids are kept."""
         n = 0
         limit = min(len(self.cached), len(ids) - 1)
         while n < limit and self.cached[n] == ids[n]:
             n += 1
+        if not append:
+            n = self.cache.resume_point(min(n, self.canon), self.prefill_chunk)
         if n < len(self.cached):
             n = self.cache.truncate(n)      # a cache may keep fewer (block boundaries)
             self.cached = self.cached[:n]
+            self.canon = min(self.canon, n)
         return n
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Append `ids` to the cache in chunks; returns the last position's logits (V,)."""
+        """Append `ids` to the cache in chunks aligned to multiples of the chunk size;
+        returns the last position's logits (V,)."""
         if not ids:
             raise KvrunError("empty prompt")
-        if len(self.cached) + len(ids) > self.max_ctx:
-            raise KvrunError(f"prompt too long: {len(self.cached) + len(ids)} tokens > context "
-                             f"size {self.max_ctx} (raise -c/--ctx-size)")
-        logits = None
-        for s in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[s:s + self.prefill_chunk]
-            logits = self._forward(chunk)
+        room = self.max_ctx - (self.cache.shift_keep() if self.can_shift else len(self.cached))
+        if len(ids) > room:
+            held = "" if self.can_shift else f"{len(self.cached)} cached + "
+            keep = (f" (a context shift keeps {self.cache.shift_keep()} tokens)"
+                    if self.can_shift else "")
+            raise KvrunError(f"prompt too long: {held}{len(ids)} new tokens > context size "
+                             f"{self.max_ctx}{keep} (raise -c/--ctx-size)")
+        exact = self.canon == len(self.cached)          # resumed where a fresh prefill would be
+        shifts = self.n_shifts
+        logits, s, C = None, 0, self.prefill_chunk
+        while s < len(ids):
+            e = s + C - (len(self.cached) % C)          # the next multiple of C
+            logits = self._forward(ids[s:e])
+            s = e
+        if exact and shifts == self.n_shifts:
+            self.canon = len(self.cached)
         return logits[0, -1]
 
     def decode_step(self, token: int) -> torch.Tensor:
         """Feed one token; returns next-token logits (V,)."""
-        return self._forward([token])[0, -1]
+        j = len(self.cached)
+        before = self._tail()
+        logits = self._forward([token])[0, -1]
+        # the token's K/V are a fresh prefill's when its step saw the tail that prefill's
+        # chunk would have shown it (decode runs the same ops as a one-token chunk)
+        fresh_tail = getattr(self.cache, "canonical_tail", lambda s: 0)(j // self.prefill_chunk * self.prefill_chunk)
+        if self.canon == j and before == self._tail() == fresh_tail and len(self.cached) == j + 1:
+            self.canon = j + 1
+        return logits
+
+    def _tail(self) -> int:
+        return max(getattr(self.cache, "n_tail", [0]))
+
+    def _make_room(self, T: int) -> None:
+        """Shift the context (when the cache can) until T more tokens fit; the discarded
+        ids leave `cached` too."""
+        while len(self.cached) + T > self.max_ctx and self.can_shift:
+            a, nd = self.cache.shift_plan()
+            self.cache.shift()
+            del self.cached[a:a + nd]
+            self.canon = min(self.canon, a)
+            self.n_shifts += 1
+            self.n_dropped += nd
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """One forward that appends `ids` to the cache. A Ctrl-C in the middle (some layers
         written, others not) is repaired before it propagates: the cache is truncated back
         to the ids it fully holds (a compressed cache may keep fewer; they are dropped)."""
+        self._make_room(len(ids))
         try:
             logits = self.model(torch.tensor([ids]), self.cache, last_only=True)
         except KeyboardInterrupt:
             kept = self.cache.truncate(min(len(self.cached), self.cache.seq_len))
             del self.cached[kept:]
+            self.canon = min(self.canon, kept)
             raise
         self.cached.extend(ids)
         return logits
 
     def tokens(self, prompt: list[int], max_tokens: int, params: SamplingParams,
-               stop_ids: set[int], timings: Timings) -> Iterator[tuple[int, str | None]]:
+               stop_ids: set[int], timings: Timings, append: bool = False
+               ) -> Iterator[tuple[int, str | None]]:
         """Yield (token, finish_reason): finish_reason is set on the last item only.
 
         A stop token is yielded (with reason "stop") but never fed to the model.
+        `append`: the prompt continues the cache as it stands (see reuse_prefix).
         """
         if max_tokens < 0:
             raise KvrunError(f"-n must be >= 0 (got {max_tokens})")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         t0 = time.perf_counter()
-        start = self.reuse_prefix(prompt)
+        start = self.reuse_prefix(prompt, append)
         logits = self.prefill(prompt[start:])
         timings.prompt_tokens, timings.prompt_s = len(prompt) - start, time.perf_counter() - t0
         history = list(prompt)
@@ -126,7 +190,7 @@ class Engine:
             if i == max_tokens - 1:
                 yield tok, "length"
                 return
-            if len(self.cached) >= self.max_ctx:
+            if len(self.cached) >= self.max_ctx and not self.can_shift:
                 yield tok, "context"
                 return
             yield tok, None
@@ -134,12 +198,12 @@ class Engine:
             timings.gen_s = time.perf_counter() - t0
 
     def stream(self, prompt: list[int], max_tokens: int, params: SamplingParams,
-               stop_ids: set[int]) -> Iterator[StreamEvent]:
+               stop_ids: set[int], append: bool = False) -> Iterator[StreamEvent]:
         """Text pieces as they complete; the last event carries the finish reason."""
         timings = Timings()
         dec = self.tokenizer.stream(skip_special=True)
         reason = "length"
-        for tok, reason_now in self.tokens(prompt, max_tokens, params, stop_ids, timings):
+        for tok, reason_now in self.tokens(prompt, max_tokens, params, stop_ids, timings, append):
             text = "" if tok in stop_ids else dec.push(tok)
             if reason_now is not None:
                 reason = reason_now

@@ -173,9 +173,15 @@ class KVArena:
         return o if rv is None else unrotate(o, rv)
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
-        """Whether write_attend runs this step: a covered layer, 1 <= T <= min(R, 64), and
-        the torch or Triton backend (native keeps its fused attend_append)."""
+        """Whether write_attend runs this step: a covered layer, 1 <= T <= min(R, 64), the
+        torch or Triton backend (native keeps its fused attend_append), and either a single
+        token or no flush. A multi-token chunk that flushes keeps attend-then-append, so
+        every prefill chunk sees the past as the cache held it at the chunk's start on
+        every backend: a prefix resumed at an aligned chunk (`resume_point`) then gives
+        the same attention as a fresh prefill."""
+        w = self.n_win[layer]
         return (self.fusable[layer] and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
+                and (T == 1 or w + T < self.R + self.G)
                 and backend_for(self.win_k) != "native")
 
     def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
@@ -236,6 +242,42 @@ class KVArena:
                 self.n_tail[l], self.n_win[l] = kept, 0
         self.seq_len = kept
         return kept
+
+    # -- prefix reuse ------------------------------------------------------------------------------
+    def canonical_tail(self, s: int) -> int:
+        """Tokens a fresh prefill of s tokens leaves in the tail: flushes keep the window at
+        R .. R+G-1 tokens, whatever the chunking (every chunk attends, then appends)."""
+        return max(0, s - self.R) // self.G * self.G
+
+    def resume_point(self, n: int, chunk: int) -> int:
+        """The most tokens m <= n to keep so that prefilling the rest in chunks aligned to
+        multiples of `chunk` gives what a fresh prefill of the whole prompt gives: the
+        chunk holding position m must see the tail a fresh prefill shows it (the
+        canonical tail at the chunk's start), and tokens [tail, m) in the full-precision
+        window. Tokens already compressed cannot come back to full precision, so a longer
+        match is cut back, often to 0 (a full prefill). Evicting arenas return 0: their
+        policy's scores depend on the whole history."""
+        if self.ev is not None:
+            return 0
+        nt = max(self.n_tail)
+        if nt != min(self.n_tail):
+            return 0                                      # an interrupted forward
+        m = min(n, self.seq_len)
+        while m >= nt and m > 0:
+            start = m // chunk * chunk                    # the aligned chunk holding m
+            if self.canonical_tail(start) == nt:
+                return m
+            m = start - 1 if self.canonical_tail(start) > nt else -1
+        return 0
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether a full context shifts (llama.cpp's context shift) instead of erroring."""
+        return self.kv.ctx_policy == "shift"
+
+    def shift_keep(self) -> int:
+        """The fewest tokens a shift keeps (the sinks, rounded up to a tail block)."""
+        return -(-self.kv.n_keep // self.G) * self.G
 
     def reset(self) -> None:
         self.n_tail = [0] * self.L

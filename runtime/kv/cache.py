@@ -8,6 +8,9 @@ so the model code never changes:
                                     everything cached in this layer (causal)
     commit(T)                       after all layers ran: the T tokens are now cached
     truncate(n) -> kept / reset()   drop tokens after the first n (a cache may keep fewer)
+    resume_point(n, chunk) -> m     how many of the first n tokens a new prompt may reuse
+                                    and still get what a fresh prefill gives (runtime/generate.py)
+    can_shift                       whether a full context shifts (the arena's shift()) or errors
     nbytes() -> dict                exact bytes by component
 
 A cache may also offer the write-then-attend step of DESIGN §7 (the compressed arena on the
@@ -91,6 +94,13 @@ class DenseKVCache:
 
     def reset(self) -> None:
         self.seq_len = 0
+
+    def resume_point(self, n: int, chunk: int) -> int:
+        """How many of the first n cached tokens a new prompt may keep: all of them (every
+        token is held in full precision, as a fresh prefill would hold it)."""
+        return min(n, self.seq_len)
+
+    can_shift = False                   # a full dense cache is an error (shift runs in the arena)
 
     def nbytes(self) -> dict[str, int]:
         return {"window": self.k.nbytes + self.v.nbytes}

@@ -20,6 +20,7 @@ from .kv.arena import build_cache, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
 from .sampling import SamplingParams
+from .stops import with_stops
 
 DEFAULT_CTX = 4096
 
@@ -64,21 +65,28 @@ class Model:
         return self.engine.max_ctx
 
     # -- generation --
-    def stream(self, prompt: str | list[int], max_tokens: int = 128, **sampling) -> Iterator[StreamEvent]:
-        """Stream a continuation of a raw prompt (text or token ids)."""
+    def stream(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None,
+               **sampling) -> Iterator[StreamEvent]:
+        """Stream a continuation of a raw prompt (text or token ids). `stop`: a string or a
+        list of strings that end the generation (finish_reason "stop"); the stop string
+        itself is not part of the text (runtime/stops.py)."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.engine.stream(ids, max_tokens, SamplingParams(**sampling), self.stop_ids)
+        return with_stops(self.engine.stream(ids, max_tokens, SamplingParams(**sampling),
+                                             self.stop_ids), stop)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 128, **sampling) -> str:
-        return "".join(ev.text for ev in self.stream(prompt, max_tokens, **sampling))
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None, **sampling) -> str:
+        return "".join(ev.text for ev in self.stream(prompt, max_tokens, stop=stop, **sampling))
 
-    def chat_stream(self, messages: list[dict], max_tokens: int = 256, **sampling) -> Iterator[StreamEvent]:
-        """Reply to a conversation; earlier turns still in the cache are not recomputed."""
+    def chat_stream(self, messages: list[dict], max_tokens: int = 256, *, stop=None,
+                    **sampling) -> Iterator[StreamEvent]:
+        """Reply to a conversation; earlier turns still in the cache are not recomputed.
+        `stop` as in `stream`."""
         ids = self.tokenize(self.template.render(messages), bos=False)
-        return self.engine.stream(ids, max_tokens, SamplingParams(**sampling), self.stop_ids)
+        return with_stops(self.engine.stream(ids, max_tokens, SamplingParams(**sampling),
+                                             self.stop_ids), stop)
 
-    def chat(self, messages: list[dict], max_tokens: int = 256, **sampling) -> str:
-        return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, **sampling))
+    def chat(self, messages: list[dict], max_tokens: int = 256, *, stop=None, **sampling) -> str:
+        return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, stop=stop, **sampling))
 
     # -- scoring --
     def logits(self, ids: list[int]) -> torch.Tensor:

@@ -5,7 +5,9 @@ as sampled) and only ever appends to them: turn N+1 is `ids + close(reply) + new
 message + generation prompt`, so the engine finds all earlier turns in the cache and
 prefills only the new tokens. Re-rendering and re-tokenizing the whole conversation would
 not round-trip exactly (a reply's tokens need not be the canonical tokenization of its
-text) and would force a recompute from the first mismatch.
+text) and would force a recompute from the first mismatch. The one exception is a reply cut
+by a stop string: the conversation keeps the text before it, so the next turn re-feeds the
+few tokens around the cut.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Iterator
 
 from .generate import StreamEvent
 from .sampling import SamplingParams
+from .stops import StopStrings
 
 
 class ChatSession:
@@ -36,16 +39,33 @@ class ChatSession:
             return self.m.tokenize(self.m.template.render(msgs), bos=False)
         return self.ids + self.m.tokenize(self.m.template.continue_after_reply([user]), bos=False)
 
-    def reply(self, text: str, max_tokens: int, **sampling) -> Iterator[StreamEvent]:
+    def reply(self, text: str, max_tokens: int, stop=None, **sampling) -> Iterator[StreamEvent]:
+        """Stream the reply to `text`. `stop`: stop strings (runtime/stops.py); when one
+        ends the reply, the conversation keeps the reply as printed, without it."""
         ids = self._turn_ids(text)
         params = SamplingParams(**sampling)
+        stops = StopStrings(stop)
         reply: list[int] = []
-        for ev in self.m.engine.stream(ids, max_tokens, params, self.m.stop_ids):
+        for ev in stops.apply(self.m.engine.stream(ids, max_tokens, params, self.m.stop_ids)):
             if ev.token_id is not None and ev.token_id not in self.m.stop_ids:
                 reply.append(ev.token_id)
             if ev.finish_reason is not None:
-                self.ids = ids + reply
+                self.ids = ids + (reply if stops.matched is None else self._kept(reply, stops.text))
             yield ev
+
+    def _kept(self, reply: list[int], text: str) -> list[int]:
+        """Token ids for the reply cut before a stop string, whose printed text is `text`:
+        the longest run of sampled tokens whose text lies within it, then the rest of
+        `text` tokenized. The next turn then sees what the user saw (as llama.cpp's and
+        mlx-lm's servers do with the trimmed reply); its prefix reuse drops the cached
+        tokens past the cut."""
+        def decoded(n: int) -> str:
+            return self.m.tokenizer.decode(reply[:n], skip_special=True)
+        n = len(reply)
+        while n and not text.startswith(decoded(n)):   # the cut is near the end: few steps
+            n -= 1
+        rest = text[len(decoded(n)):]
+        return reply[:n] + (self.m.tokenize(rest, bos=False) if rest else [])
 
     def interrupted(self) -> None:
         """Ctrl-C mid-reply: keep what the model has already seen of the reply."""

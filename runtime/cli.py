@@ -179,10 +179,25 @@ def print_records(records, as_json: bool, render) -> None:
     print(json.dumps([r.to_dict() for r in records], indent=2) if as_json else render(records))
 
 
-def print_stats(t) -> None:
+def print_stats(t, m) -> None:
+    """The stats line after `generate`: speeds, the KV method with its allocated bytes and
+    their ratio to fp16 (the numbers of chat's /kv), and peak memory."""
+    from .kv_report import kv_summary
     eprint(f"\n[prompt: {t.prompt_tokens} tok, {t.prompt_tok_s:.1f} tok/s | "
            f"generated: {t.gen_tokens} tok, {t.gen_tok_s:.1f} tok/s | "
-           f"peak RSS {peak_rss_mb():.0f} MB]")
+           f"{kv_summary(m).short()} | peak RSS {peak_rss_mb():.0f} MB]")
+
+
+def stop_option(f):
+    return click.option("--stop", "stop", multiple=True, metavar="STR",
+                        help="Stop when the text contains STR (repeatable); STR is not printed. "
+                             r"Escapes \n \t \\ are processed.")(f)
+
+
+def stop_strings(stop) -> list[str]:
+    """--stop values, escapes processed and validated (before the model loads)."""
+    from .stops import check_stops, unescape
+    return check_stops([unescape(s) for s in stop])
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -194,16 +209,18 @@ def print_stats(t) -> None:
 @click.option("--chat", "as_chat", is_flag=True, help="Wrap the prompt in the chat template.")
 @model_options
 @sampling_options
-def generate(prompt, n, as_chat, **kw):
+@stop_option
+def generate(prompt, n, as_chat, stop, **kw):
     """Generate a continuation of PROMPT (streamed to stdout)."""
     if n < 0:
         raise KvrunError(f"-n must be >= 0 (got {n})")
     sampling = sampling_kwargs(kw)
+    stop = stop_strings(stop)
     if prompt == "-":
         prompt = sys.stdin.read()
     m = load_model(kw)
-    events = (m.chat_stream([{"role": "user", "content": prompt}], n, **sampling) if as_chat
-              else m.stream(prompt, n, **sampling))
+    events = (m.chat_stream([{"role": "user", "content": prompt}], n, stop=stop, **sampling)
+              if as_chat else m.stream(prompt, n, stop=stop, **sampling))
     last = None
     for ev in events:
         sys.stdout.write(ev.text)
@@ -212,7 +229,7 @@ def generate(prompt, n, as_chat, **kw):
     sys.stdout.write("\n")
     if last.finish_reason == "context":
         eprint("[stopped: context full]")
-    print_stats(last.timings)
+    print_stats(last.timings, m)
 
 
 @main.command()
@@ -221,63 +238,19 @@ def generate(prompt, n, as_chat, **kw):
               help="Max tokens per reply.")
 @model_options
 @sampling_options
-def chat(system, n, **kw):
-    """Interactive chat: /reset, /kv, /exit; Ctrl-C stops a reply, Ctrl-D exits."""
-    from .chat_session import ChatSession
+@stop_option
+def chat(system, n, stop, **kw):
+    """Interactive chat (line editing and history on a terminal).
+
+    Commands: /help, /kv (KV method, tokens held, bytes, ratio to fp16), /reset (/clear),
+    /exit (/quit); //text sends a message starting with /; a line ending in \\ continues.
+    Ctrl-C stops a reply, Ctrl-D exits. History: $KVRUN_HOME/chat_history
+    (KVRUN_CHAT_HISTORY= keeps it in memory only)."""
+    from .chat_repl import run_chat
     sampling = sampling_kwargs(kw)
+    stop = stop_strings(stop)
     m = load_model(kw)
-    session = ChatSession(m, system)
-    eprint(f"kvrun chat — {m.cfg.source.get('name', m.path.name)}, context {m.ctx} tokens. "
-           "Commands: /reset /kv /exit")
-    interactive = sys.stdin.isatty()
-    while True:
-        try:
-            if interactive:
-                line = input("> ")
-            else:
-                line = sys.stdin.readline()
-                if not line:
-                    raise EOFError
-                line = line.rstrip("\n")
-        except EOFError:
-            eprint("")
-            return
-        except KeyboardInterrupt:
-            eprint("")
-            continue
-        cmd = line.strip()
-        if not cmd:
-            continue
-        if cmd in ("/exit", "/quit"):
-            return
-        if cmd == "/reset":
-            session.reset()
-            eprint("[conversation reset]")
-            continue
-        if cmd == "/kv":
-            eprint(session.kv_report())
-            continue
-        last = None
-        try:
-            for ev in session.reply(line, n, **sampling):
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
-                last = ev
-        except KeyboardInterrupt:
-            session.interrupted()
-            eprint("\n[interrupted]")
-            continue
-        except KvrunError as e:
-            eprint(f"\nerror: {e}")
-            continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        if last is not None:
-            if last.finish_reason == "context":
-                eprint("[context full: /reset to start over]")
-            t = last.timings
-            eprint(f"[{t.prompt_tokens} new prompt tok, {t.prompt_tok_s:.0f} tok/s | "
-                   f"{t.gen_tokens} tok, {t.gen_tok_s:.1f} tok/s | cache {session.cached} tok]")
+    run_chat(m, system, n, sampling, stop, eprint)
 
 
 @main.command()

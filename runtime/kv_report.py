@@ -1,5 +1,12 @@
-"""Human-readable KV-cache accounting (`/kv` in chat, `kvrun info`)."""
+"""Human-readable KV-cache accounting: `/kv` and the banner in chat, the stats line of
+`kvrun generate`. One summary (`kv_summary`) feeds all of them, so they always agree."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DENSE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def fp16_bytes_per_token(cfg) -> int:
@@ -7,14 +14,58 @@ def fp16_bytes_per_token(cfg) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
 
 
-def format_kv(model) -> str:
+def kv_label(cache) -> str:
+    """The cache's method as --kv names it: the arena's KVConfig label (tada-4, kivi-4/kivi-2,
+    auto, profile:NAME, ...), or the dense cache's dtype (fp16, bf16, fp32)."""
+    kv = getattr(cache, "kv", None)
+    return kv.label() if kv is not None else DENSE_NAMES[cache.k.dtype]
+
+
+@dataclass
+class KVSummary:
+    label: str                      # the method (kv_label)
+    tokens: int                     # tokens the conversation holds in the cache
+    max_ctx: int                    # -c: tokens the cache was allocated for
+    parts: dict[str, int]           # allocated bytes by component, empty ones left out
+    fp16_bytes: int                 # an fp16 cache of max_ctx tokens
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def ratio(self) -> float:
+        """Allocated bytes / an fp16 cache for the same context."""
+        return self.total / self.fp16_bytes
+
+    def short(self) -> str:
+        """One phrase for a stats line: `KV tada-4 1.23 MiB (0.281x fp16)`."""
+        return f"KV {self.label} {fmt_bytes(self.total)} ({self.ratio:.3f}x fp16)"
+
+
+def kv_summary(model) -> KVSummary:
     cache = model.cache
-    parts = cache.nbytes()
-    total = sum(parts.values())
-    ref = fp16_bytes_per_token(model.cfg) * cache.max_ctx
-    lines = [f"KV cache: {len(model.engine.cached)} / {cache.max_ctx} tokens, "
-             f"{total / 2**20:.2f} MiB allocated ({total / ref:.3f}x fp16 at {cache.max_ctx} tokens)"]
-    lines += [f"  {k:<16} {v / 2**20:10.2f} MiB" for k, v in parts.items()]
+    parts = {k: v for k, v in cache.nbytes().items() if v > 0}
+    return KVSummary(kv_label(cache), len(model.engine.cached), cache.max_ctx, parts,
+                     fp16_bytes_per_token(model.cfg) * cache.max_ctx)
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in binary units, three significant digits or so (tiny test models included)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_kv(model) -> str:
+    """`/kv`: method, tokens held, allocated bytes and their ratio to fp16, then the bytes by
+    component (components a method does not use are left out)."""
+    s = kv_summary(model)
+    lines = [f"KV cache: {s.label}, {s.tokens} / {s.max_ctx} tokens held, {fmt_bytes(s.total)} "
+             f"allocated ({s.ratio:.3f}x fp16 at {s.max_ctx} tokens)"]
+    lines += [f"  {k:<16} {fmt_bytes(v):>12}" for k, v in s.parts.items()]
+    cache = model.cache
     ev = getattr(cache, "ev", None)
     if ev is not None:                  # token eviction: what the bounded arena holds
         kept = [nt + w for nt, w in zip(cache.n_tail, cache.n_win)]

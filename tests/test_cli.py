@@ -123,3 +123,103 @@ def test_bad_backend_is_a_one_line_error(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("error: KVRUN_BACKEND='bogus'")
     assert "Traceback" not in r.stderr
+
+
+# -- stop strings, chat commands, KV reporting (issue 15 item 5) ---------------------------
+
+def stdout(r) -> str:
+    """The exact stdout (click's Result.stdout turns \\r\\n into \\n)."""
+    return r.stdout_bytes.decode("utf-8", "replace")
+
+
+def printable_stop(text):
+    """(stop, kept): the first two printable ASCII characters in a row of `text` that do not
+    occur earlier; with the tiny byte-level tokenizer they are two tokens."""
+    for k in range(len(text) - 1):
+        s = text[k:k + 2]
+        if s.isascii() and s.isprintable() and s not in text[:k + 1]:
+            return s, text[:k]
+    pytest.skip("no two printable ASCII characters in a row")
+
+
+def test_generate_stop_string(tiny_dir):
+    base = ["generate", "-m", str(tiny_dir), "-p", "hello", "-n", "32", "--temp", "0"]
+    full = run(base)
+    assert full.exit_code == 0, full.stderr
+    stop, kept = printable_stop(stdout(full)[:-1])
+    r = run(base + ["--stop", "\x00never", "--stop", stop])
+    assert r.exit_code == 0, r.stderr
+    assert stdout(r) == kept + "\n"                     # text before the stop, not the stop
+    assert f"generated: {len(kept) + len(stop)} tok" in r.stderr   # one byte per token
+    assert_user_error(run(base + ["--stop", ""]), "empty stop string")
+
+
+def test_chat_stop_string(tiny_dir):
+    base = ["chat", "-m", str(tiny_dir), "-n", "24", "--temp", "0"]
+    full = run(base, input="hi\n")
+    stop, kept = printable_stop(stdout(full)[:-1])
+    r = run(base + ["--stop", stop], input="hi\n")
+    assert r.exit_code == 0, r.stderr
+    assert stdout(r) == kept + "\n"
+
+
+def test_chat_help_unknown_command_banner_kv(tiny_dir):
+    r = run(["chat", "-m", str(tiny_dir), "-n", "4", "--temp", "0", "--kv", "int8", "-c", "256"],
+            input="/help\n/nope\n/ also unknown\n//slash \\\ncontinued\n/kv\n/clear\n/quit\nnot sent\n")
+    assert r.exit_code == 0, r.stderr
+    err = r.stderr.splitlines()
+    banner = err[0]
+    assert tiny_dir.name in banner and "KV int8" in banner and "context 256 tokens" in banner
+    assert any(line.strip().startswith("/kv ") for line in err)             # /help lists it
+    assert any(line.strip().startswith("/reset, /clear ") for line in err)
+    assert "error: unknown command '/nope' (/help lists them" in r.stderr
+    assert "error: unknown command '/'" in r.stderr
+    # only "//slash" + its continuation line went to the model, as one message
+    assert r.stderr.count("new prompt tok") == 1 and r.stdout.count("\n") == 1
+    cached = int(r.stderr.split("| cache ")[1].split(" tok]")[0])
+    kv = [line for line in err if line.startswith("KV cache:")]
+    assert kv and kv[0].startswith(f"KV cache: int8, {cached} / 256 tokens held")
+    assert "x fp16 at 256 tokens" in kv[0]
+    report = r.stderr[r.stderr.index(kv[0]):].splitlines()[1:4]
+    assert [line.split()[0] for line in report] == ["codes", "scales_zeros", "window"]
+    assert "lowrank" not in r.stderr and "outliers" not in r.stderr   # 0 bytes: omitted
+    assert "[conversation reset]" in r.stderr
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_generate_stats_line_names_kv_bytes_ratio(tiny_dir, kv):
+    from kvrun.runtime.kv.arena import kv_bytes_at
+    from kvrun.runtime.kv_report import fmt_bytes, fp16_bytes_per_token
+    from kvrun.runtime.loader import load_config
+    r = run(["generate", "-m", str(tiny_dir), "-p", "hello", "-n", "4", "--temp", "0",
+             "--kv", kv, "-c", "512"])
+    assert r.exit_code == 0, r.stderr
+    cfg = load_config(tiny_dir)
+    total = sum(kv_bytes_at(cfg, kv, 512).values())     # the codec formulas, not the arena
+    ratio = total / (fp16_bytes_per_token(cfg) * 512)
+    stats = r.stderr.strip().splitlines()[-1]
+    assert f"| KV {kv} {fmt_bytes(total)} ({ratio:.3f}x fp16) |" in stats, stats
+    assert (ratio == 1.0) == (kv == "fp16")
+
+
+def test_chat_history_file(monkeypatch, tmp_path):
+    """The history a terminal session leaves is read back by the next one."""
+    readline = pytest.importorskip("readline")
+    from kvrun.runtime.chat_repl import LineReader, history_path
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
+    monkeypatch.delenv("KVRUN_CHAT_HISTORY", raising=False)
+    assert history_path() == tmp_path / "chat_history"
+    monkeypatch.setenv("KVRUN_CHAT_HISTORY", "")
+    assert history_path() is None                       # in memory only
+    monkeypatch.setenv("KVRUN_CHAT_HISTORY", str(tmp_path / "sub" / "h"))
+    try:
+        readline.clear_history()
+        r = LineReader(interactive=True)
+        readline.add_history("what is a KV cache?")
+        r.close()
+        readline.clear_history()
+        LineReader(interactive=True)
+        assert readline.get_history_item(readline.get_current_history_length()) == \
+            "what is a KV cache?"
+    finally:
+        readline.clear_history()

@@ -55,12 +55,19 @@ def model_options(f):
     return f
 
 
+def shipped_profile_names() -> str:
+    from .kv.profile import shipped_profiles
+    return ", ".join(p.stem for p in shipped_profiles()) or "none installed"
+
+
 def kv_options(f):
     """--kv and its refinements; they build one KVConfig (see runtime/kv/config.py)."""
     f = click.option("--kv", default="fp16", show_default=True,
                      help="KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, "
                           "tada-2/4/8, gear-l, gear; or K/V like kivi-4/kivi-2; suffixes "
-                          "@N (groups of N) and +rot (Hadamard rotation).")(f)
+                          "@N (groups of N) and +rot (Hadamard rotation); auto (the shipped "
+                          "per-layer profile for the default model); profile:NAME (a shipped "
+                          f"profile: {shipped_profile_names()}) or profile:FILE.")(f)
     f = click.option("--kv-k", default=None, help="Method for K only.")(f)
     f = click.option("--kv-v", default=None, help="Method for V only.")(f)
     f = click.option("--kv-residual", default=None, type=int, help="Full-precision window R (default 128).")(f)
@@ -68,7 +75,8 @@ def kv_options(f):
     f = click.option("--kv-vgroup", default=None, type=int,
                      help="Channels per V scale group g for per-token V (default 32).")(f)
     f = click.option("--kv-rank", default=None, type=int, help="GEAR low-rank rank r (default 4).")(f)
-    f = click.option("--kv-profile", default=None, type=click.Path(), help="Per-layer profile JSON.")(f)
+    f = click.option("--kv-profile", default=None, type=click.Path(),
+                     help="Per-layer profile: a JSON file (kvrun search -o) or a shipped name.")(f)
     f = click.option("--ctx-policy", default=None, type=click.Choice(["error", "shift"]),
                      help="When the context is full: error (default) or llama.cpp-style shift.")(f)
     f = click.option("--keep", default=None, type=int, help="Tokens kept at the start on a shift.")(f)

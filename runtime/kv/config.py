@@ -5,6 +5,7 @@
     parse_kv("fp16", k="kivi-4", v="kivi-2") --kv-k / --kv-v override the --kv method
     parse_kv("tada-4", profile="p.json")     per-layer methods from a profile (§6)
     parse_kv("profile:p.json")               the same as a spec (for method lists: kvrun ppl)
+    parse_kv("profile:smollm2-135m-0.25")    a shipped profile by name (runtime/profiles/)
     parse_kv("auto")                         the profile shipped for the embedded model
 
 Defaults follow the papers: residual window R = 128 and group G = 32 (KIVI, TaDA's
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...kernels.codecs import METHODS, method_family
 from ..errors import KvrunError
@@ -185,8 +187,11 @@ class KVConfig:
                 and self.rotate == "none" and self.layer_rotate is None and self.evict == "none")
 
     def label(self) -> str:
-        if self.layers is not None:
-            return "profile" + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
+        if self.layers is not None:               # named as given: auto, profile:NAME
+            info = self.profile_info or {}
+            base = ("auto" if info.get("auto") else
+                    f"profile:{Path(info['path']).stem}" if info.get("path") else "profile")
+            return base + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
         if (self.group, self.v_group) != (32, 32):
             base += f"@{self.group}" if self.group == self.v_group else f"@{self.group}/{self.v_group}"
@@ -206,8 +211,8 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
     tokens, V scales per 64 channels), so methods with different groups can be compared
     side by side in one `kvrun ppl` / `kvrun bench` run.
 
-    The specs "auto" (the shipped profile for the embedded model) and "profile:PATH" name a
-    profile; its "kv" settings (window, groups …) apply unless given in `fields`."""
+    The specs "auto" (the shipped profile for the embedded model) and "profile:NAME" (a
+    shipped profile's name or a file path) name a profile; its "kv" settings (window, groups …) apply unless given in `fields`."""
     spec = (spec or "fp16").strip()
     base, plus, rot = spec.partition("+")
     if plus:
@@ -234,7 +239,7 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
         else:
             profile = spec[len("profile:"):].strip()
             if not profile:
-                raise KvrunError("--kv profile:PATH needs a path")
+                raise KvrunError("--kv profile:NAME needs a shipped profile name or a file path")
         spec = "fp16"
     if "/" in spec:
         sk, _, sv = spec.partition("/")

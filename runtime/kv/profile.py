@@ -127,16 +127,32 @@ def parse_profile(d, where: str = "profile") -> Profile:
     return Profile(out, model, kv, meta, rotate=rots)
 
 
+def resolve_profile(spec) -> Path:
+    """A profile file path, or the name of a shipped profile (`smollm2-135m-0.25`, with or
+    without `.json`), so `--kv profile:NAME` works from any directory. An existing file
+    wins over a shipped name; anything else is a one-line error listing the shipped names."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    name = str(spec).strip()
+    for p in shipped_profiles():
+        if name in (p.name, p.stem):
+            return p
+    names = ", ".join(p.stem for p in shipped_profiles()) or "none in this installation"
+    raise KvrunError(f"KV profile {str(spec)!r}: no such file, and no shipped profile of that "
+                     f"name (shipped: {names})")
+
+
 def read_profile(path) -> Profile:
-    path = Path(path)
+    path = resolve_profile(path)
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise KvrunError(f"{path}: no such KV profile") from None
     except IsADirectoryError:
         raise KvrunError(f"{path}: is a directory, not a KV profile") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvrunError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:                            # unreadable, or removed meanwhile
+        raise KvrunError(f"{path}: cannot read the KV profile ({e.strerror})") from None
     p = parse_profile(d, str(path))
     p.path = str(path)
     return p

@@ -122,7 +122,9 @@ def check_destination(dest: str | Path, overwrite: bool) -> Path:
     if dest.exists() and not dest.is_dir():
         raise KvrunError(f"{dest} exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        raise KvrunError(f"{dest} already exists and is not empty (use overwrite to replace it)")
+        # the CLI's flag and the library's argument: whoever reads this used one of them
+        raise KvrunError(f"{dest} already exists and is not empty (use --force to replace it; "
+                         f"overwrite=True from Python)")
     return dest
 
 

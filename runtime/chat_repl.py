@@ -161,18 +161,18 @@ def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], epr
 def reply(session: ChatSession, message: str, n: int, sampling: dict, stop: list[str],
           eprint) -> None:
     """Stream one reply to stdout, then its statistics to stderr."""
-    last = None
+    last, wrote = None, False
     try:
         for ev in session.reply(message, n, stop=stop, **sampling):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
-            last = ev
+            last, wrote = ev, wrote or bool(ev.text)
     except KeyboardInterrupt:
         session.interrupted()
         eprint("\n[interrupted]")
         return
-    except KvrunError as e:
-        eprint(f"\nerror: {e}")
+    except KvrunError as e:                 # e.g. a message longer than the context
+        eprint(("\n" if wrote else "") + f"error: {e}")
         return
     sys.stdout.write("\n")
     sys.stdout.flush()

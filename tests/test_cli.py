@@ -223,3 +223,13 @@ def test_chat_history_file(monkeypatch, tmp_path):
             "what is a KV cache?"
     finally:
         readline.clear_history()
+
+
+def test_chat_message_longer_than_context_is_one_error_line(tiny_dir):
+    r = run(["chat", "-m", str(tiny_dir), "-n", "4", "--temp", "0", "-c", "64"],
+            input="x" * 200 + "\n/kv\n")
+    assert r.exit_code == 0, r.stderr
+    err = r.stderr.splitlines()
+    i = next(i for i, line in enumerate(err) if line.startswith("error: "))
+    assert "prompt too long" in err[i] and err[i - 1].strip()   # no blank line before it
+    assert any(line.startswith("KV cache: fp16, 0 / 64") for line in err[i:])   # chat goes on

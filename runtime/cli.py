@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import click
 
 from ..kernels.dispatch import BackendError
-from .errors import KvrunError, read_text_file
+from .errors import KvrunError, PartialResults, read_text_file
 
 
 def eprint(*a, **kw):
@@ -173,8 +174,30 @@ def load_model(kw):
                                 {"residual": kv.residual, "group": kv.group}))
         eprint(f"[kv] {why}")
         kw["model"] = path
-    return load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kv,
-                prefill_chunk=kw["chunk"], threads=kw["threads"], progress=eprint)
+    m = load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kv,
+             prefill_chunk=kw["chunk"], threads=kw["threads"], progress=eprint)
+    warn_ctx(m.cfg, kw["ctx"], "-c")
+    return m
+
+
+def warn_ctx(cfg, n: int, what: str, consequence: str | None = None) -> None:
+    """One `warning:` line when `n` tokens exceed the model's trained context (RoPE
+    positions it never saw: quality degrades, as llama.cpp warns for n_ctx > n_ctx_train)."""
+    if n > cfg.max_position:
+        eprint(f"warning: {what} {n} exceeds the model's trained context ({cfg.max_position} "
+               f"tokens): {consequence or f'text past {cfg.max_position} tokens may degrade'}")
+
+
+@contextmanager
+def partial_on_interrupt(as_json: bool, render):
+    """Ctrl-C during a long evaluation: print the records finished so far (PartialResults),
+    say how much they cover, and exit 130 as any interrupt does."""
+    try:
+        yield
+    except PartialResults as e:
+        eprint(f"\ninterrupted: results over the first {e.done} of {e.total} {e.unit}")
+        print_records(e.records, as_json, render)
+        sys.exit(130)
 
 
 def peak_rss_mb() -> float:
@@ -340,7 +363,9 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
         from .kv.config import parse_kv
         parse_kv("fp16", **evict)               # bad eviction flags fail before loading
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
-    records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint, evict=evict)
+    warn_ctx(m.cfg, ctx, "-c")
+    with partial_on_interrupt(as_json, format_table):
+        records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint, evict=evict)
     print_records(records, as_json, format_table)
 
 
@@ -382,8 +407,11 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
         spec = parse_kv(m, **evict)
         specs[spec.label()] = spec
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
-    records = run_needle(m, text, ctx, ds, specs, trials, seed=seed, progress=eprint)
-    print_records(records, as_json, format_table)
+    warn_ctx(m.cfg, ctx, "-c")
+    table = lambda rs: format_table(rs, ds, list(specs))    # noqa: E731 (the whole grid)
+    with partial_on_interrupt(as_json, table):
+        records = run_needle(m, text, ctx, ds, specs, trials, seed=seed, progress=eprint)
+    print_records(records, as_json, table)
 
 
 @main.command()

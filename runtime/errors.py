@@ -10,6 +10,16 @@ class KvrunError(Exception):
     """A user-facing error with a one-line message."""
 
 
+class PartialResults(KeyboardInterrupt):
+    """Ctrl-C during a long evaluation (`kvrun ppl`, `kvrun needle`): still an interrupt,
+    but it carries the records of the work finished so far (`done` of `total` units), so
+    the CLI can print them instead of losing hours of measurements."""
+
+    def __init__(self, records: list, done: int, total: int, unit: str = "windows"):
+        super().__init__(f"interrupted after {done}/{total} {unit}")
+        self.records, self.done, self.total, self.unit = records, done, total, unit
+
+
 def read_text_file(path) -> str:
     """A UTF-8 text file's contents, or a KvrunError saying why it can't be read."""
     from pathlib import Path

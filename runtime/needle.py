@@ -15,7 +15,8 @@ import re
 import time
 from dataclasses import asdict, dataclass
 
-from .errors import KvrunError
+from .errors import KvrunError, PartialResults
+from .progress import format_duration
 
 CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito", "Dakar", "Tbilisi", "Perth",
           "Montreal", "Valencia", "Gdansk", "Kyoto", "Accra", "Tartu", "Cusco")
@@ -73,7 +74,8 @@ def build_prompt(tokenize, filler_ids: list[int], ctx: int, depth: float, needle
 
 def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, trials: int = 3,
                max_tokens: int = 10, seed: int = 0, progress=None) -> list[NeedleRecord]:
-    """Accuracy per (spec label, depth). `specs`: label → KV spec (str or KVConfig)."""
+    """Accuracy per (spec label, depth). `specs`: label → KV spec (str or KVConfig).
+    Ctrl-C after at least one (label, depth) cell raises PartialResults with the cells done."""
     from .api import make_cache
     from .generate import Engine
     from .sampling import SamplingParams
@@ -87,30 +89,45 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
     offsets = [rng.randrange(0, max(1, len(filler_ids) - ctx)) for _ in range(trials)]
     greedy = SamplingParams(temp=0.0)
     out = []
-    for label, spec in specs.items():
-        eng = Engine(model.transformer, model.tokenizer, make_cache(model.cfg, ctx + max_tokens, spec),
-                     model.engine.prefill_chunk)
-        for depth in depths:
-            t0, ok = time.perf_counter(), 0
-            for nd, off in zip(needles, offsets):
-                ids, _ = build_prompt(tokenize, filler_ids, ctx - len(prefix), depth, nd, off)
-                eng.reset()
-                answer = "".join(e.text for e in eng.stream(prefix + ids, max_tokens, greedy,
-                                                            model.stop_ids))
-                ok += nd.found(answer)
-            out.append(NeedleRecord(label, depth, ok / trials, trials, time.perf_counter() - t0))
-            if progress:
-                progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials}")
+    cells, t_start = len(specs) * len(depths), time.perf_counter()
+    try:
+        for label, spec in specs.items():
+            eng = Engine(model.transformer, model.tokenizer, make_cache(model.cfg, ctx + max_tokens, spec),
+                         model.engine.prefill_chunk)
+            for depth in depths:
+                t0, ok = time.perf_counter(), 0
+                for nd, off in zip(needles, offsets):
+                    ids, _ = build_prompt(tokenize, filler_ids, ctx - len(prefix), depth, nd, off)
+                    eng.reset()
+                    answer = "".join(e.text for e in eng.stream(prefix + ids, max_tokens, greedy,
+                                                                model.stop_ids))
+                    ok += nd.found(answer)
+                out.append(NeedleRecord(label, depth, ok / trials, trials, time.perf_counter() - t0))
+                if progress:
+                    elapsed = time.perf_counter() - t_start
+                    eta = elapsed / len(out) * (cells - len(out))
+                    progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials} "
+                             f"| {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
+    except KeyboardInterrupt:
+        if not out:
+            raise
+        raise PartialResults(list(out), len(out), cells, "cells (method × depth)") from None
     return out
 
 
-def format_table(records: list[NeedleRecord]) -> str:
-    depths = sorted({r.depth for r in records})
-    labels = list(dict.fromkeys(r.method for r in records))
+def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
+                 labels: list[str] | None = None) -> str:
+    """Accuracy by method (rows) and depth (columns); `depths`/`labels` give the full grid
+    of an interrupted run, whose missing cells show as "-"."""
+    depths = sorted(set(depths or []) | {r.depth for r in records})
+    labels = list(dict.fromkeys(list(labels or []) + [r.method for r in records]))
     acc = {(r.method, r.depth): r.accuracy for r in records}
     head = f"{'method':<22}" + "".join(f" {d:>6.2f}" for d in depths) + "   mean"
     rows = [head, "-" * len(head)]
-    for m in labels:
-        a = [acc[m, d] for d in depths]
-        rows.append(f"{m:<22}" + "".join(f" {x:6.2f}" for x in a) + f" {sum(a) / len(a):6.2f}")
+    for m in labels:                      # a cell missing (interrupted run) shows as "-"
+        a = [acc.get((m, d)) for d in depths]
+        got = [x for x in a if x is not None]
+        mean = f" {sum(got) / len(got):6.2f}" if got else f" {'-':>6}"
+        rows.append(f"{m:<22}" + "".join(f" {'-':>6}" if x is None else f" {x:6.2f}" for x in a)
+                    + mean)
     return "\n".join(rows)

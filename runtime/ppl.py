@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import KvrunError
+from .errors import KvrunError, PartialResults
+from .progress import format_duration
 
 BASELINE = "fp16"
 
@@ -69,8 +70,10 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
                chunk: int = 32, progress=None, evict: dict | None = None) -> list[PplRecord]:
     """Evaluate `methods` (KV specs) side by side; the fp16 baseline is always first.
     `evict` (KVConfig eviction fields, e.g. {"evict": "snapkv", "budget": 512}) applies to
-    every listed method, fp16 included; the baseline stays the full fp16 cache."""
-    from .api import kv_bytes_per_token, make_cache
+    every listed method, fp16 included; the baseline stays the full fp16 cache.
+    `progress(line)` gets a line per window with the elapsed time and an ETA. Ctrl-C after
+    at least one window raises PartialResults carrying the records of the windows done."""
+    from .api import make_cache
     if ctx < 8 or ctx % 2:
         raise KvrunError(f"-c must be an even number >= 8 (got {ctx})")
     if chunk < 1:
@@ -80,7 +83,7 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
         specs = {BASELINE: BASELINE}
         for m in methods:
             spec = parse_kv(m, **evict)
-            specs[spec.label() if spec.layers is None else f"{m}+{spec.evict}@{spec.budget}"] = spec
+            specs[spec.label()] = spec
     else:
         specs = {m: m for m in [BASELINE] + [m for m in methods if m != BASELINE]}
     methods = list(specs)
@@ -88,39 +91,66 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
     ids = model.tokenize(text)
     wins = windows_of(ids, ctx, n_windows)
     stats = {m: dict(nll=0.0, kld=0.0, top1=0, n=0, t=0.0) for m in methods}
+    if progress:
+        progress(f"[ppl] {len(wins)} windows of {ctx} tokens ({len(ids)} in the text), "
+                 f"{len(methods)} caches each")
     t_start = time.perf_counter()
-    for w_i, win in enumerate(wins):
-        targets = torch.tensor(win[len(win) // 2 + 1:])
-        base = None
-        for m in methods:
-            t0 = time.perf_counter()
-            lp = score_window(model.transformer, caches[m], win, chunk, model.engine.prefill_chunk)
-            st = stats[m]
-            st["t"] += time.perf_counter() - t0
-            st["nll"] -= float(lp.gather(1, targets[:, None]).sum())
-            st["n"] += len(targets)
-            if base is None:
-                base = lp
-            else:
-                st["kld"] += float((base.exp() * (base - lp)).sum())
-                st["top1"] += int((base.argmax(-1) == lp.argmax(-1)).sum())
-        if progress:
-            b = stats[BASELINE]
-            progress(f"[ppl] window {w_i + 1}/{len(wins)}: fp16 ppl {math.exp(b['nll'] / b['n']):.3f} "
-                     f"({time.perf_counter() - t_start:.0f} s)")
+    done = 0
+    try:
+        for w_i, win in enumerate(wins):
+            # a window counts only once every method has scored it: Ctrl-C in the middle
+            # of one leaves `stats` over whole windows, the same windows for every method
+            add = _score_methods(model, caches, win, chunk)
+            for m in methods:
+                for key, x in add[m].items():
+                    stats[m][key] += x
+            done = w_i + 1
+            if progress:
+                b = stats[BASELINE]
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / done * (len(wins) - done)
+                progress(f"[ppl] window {done}/{len(wins)}: fp16 ppl {math.exp(b['nll'] / b['n']):.3f} "
+                         f"| {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
+    except KeyboardInterrupt:
+        if done == 0:
+            raise
+        raise PartialResults(_records(model, specs, stats, ctx), done, len(wins)) from None
+    return _records(model, specs, stats, ctx)
+
+
+def _score_methods(model, caches: dict, win: list[int], chunk: int) -> dict:
+    """Per-method sums (nll, kld, top1, n, t) over one window; the baseline comes first."""
+    targets = torch.tensor(win[len(win) // 2 + 1:])
+    base, out = None, {}
+    for m, cache in caches.items():
+        t0 = time.perf_counter()
+        lp = score_window(model.transformer, cache, win, chunk, model.engine.prefill_chunk)
+        st = dict(nll=-float(lp.gather(1, targets[:, None]).sum()), n=len(targets),
+                  kld=0.0, top1=0, t=time.perf_counter() - t0)
+        if base is None:
+            base = lp
+        else:
+            st["kld"] = float((base.exp() * (base - lp)).sum())
+            st["top1"] = int((base.argmax(-1) == lp.argmax(-1)).sum())
+        out[m] = st
+    return out
+
+
+def _records(model, specs: dict, stats: dict, ctx: int) -> list[PplRecord]:
+    from .api import kv_bytes_per_token
     base_ppl = math.exp(stats[BASELINE]["nll"] / stats[BASELINE]["n"])
     fp16_bpt = kv_bytes_per_token(model.cfg, BASELINE, ctx)    # dense: the same at any length
     out = []
-    for m in methods:
+    for m, spec in specs.items():
         st = stats[m]
         ppl = math.exp(st["nll"] / st["n"])
-        bpt = kv_bytes_per_token(model.cfg, specs[m], ctx)
+        bpt = kv_bytes_per_token(model.cfg, spec, ctx)
         out.append(PplRecord(
             method=m, ppl=ppl, dppl=100.0 * (ppl / base_ppl - 1.0),
             kld=st["kld"] / st["n"] if m != BASELINE else 0.0,
             top1=st["top1"] / st["n"] if m != BASELINE else 1.0,
             bytes_per_token=bpt, ratio=bpt / fp16_bpt,
-            ratio_32k=kv_bytes_per_token(model.cfg, specs[m], 32768) / fp16_bpt,
+            ratio_32k=kv_bytes_per_token(model.cfg, spec, 32768) / fp16_bpt,
             n_scored=st["n"], seconds=st["t"]))
     return out
 

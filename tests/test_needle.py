@@ -60,3 +60,28 @@ def test_cli_needle_runs_every_configuration(tmp_path):
     assert all(x["accuracy"] in (0.0, 1.0) and x["trials"] == 1 for x in recs)
     r = CliRunner().invoke(main, ["needle", str(f), "-m", str(d), "--depths", "0.5,2"])
     assert r.exit_code != 0 and "--depths" in r.output
+
+
+def test_needle_ctrl_c_prints_the_cells_done(tmp_path, monkeypatch):
+    """Ctrl-C after the first (method, depth) cell: the table shows that cell, '-' for the
+    others, the progress line had an ETA, and the exit code is 130."""
+    from kvrun.runtime import needle as N
+    d = make_tiny_model_dir(tmp_path / "tiny")
+    f = tmp_path / "fill.txt"
+    f.write_text("Some filler sentence about nothing in particular. " * 40)
+    real, calls = N.build_prompt, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:                   # the second cell's first trial
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(N, "build_prompt", flaky)
+    r = CliRunner().invoke(main, ["needle", str(f), "-m", str(d), "-c", "300", "--depths", "0,1",
+                                  "--trials", "1", "--kv", "int8"])
+    assert r.exit_code == 130 and "Traceback" not in r.stderr
+    assert "interrupted: results over the first 1 of 4 cells" in r.stderr
+    assert "ETA" in r.stderr
+    rows = [x.split() for x in r.stdout.strip().splitlines()]
+    assert rows[0] == ["method", "0.00", "1.00", "mean"]
+    assert rows[2][0] == "fp16" and rows[2][2] == "-" and rows[3] == ["int8", "-", "-", "-"]

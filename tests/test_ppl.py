@@ -49,3 +49,102 @@ def test_ppl_missing_and_binary_file(tiny_dir, tmp_path):
     b.write_bytes(b"\xff\xfe\x00\x80" * 10)
     r = CliRunner().invoke(main, ["ppl", str(b), "-m", str(tiny_dir)])
     assert r.exit_code == 1 and "not UTF-8" in r.stderr
+
+
+def test_progress_lines_carry_elapsed_and_eta(tiny_dir):
+    import kvrun
+    from kvrun.runtime.ppl import perplexity
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
+    lines = []
+    perplexity(m, TEXT, 512, ["kivi-2"], n_windows=2, progress=lines.append)
+    windows = [x for x in lines if x.startswith("[ppl] window")]
+    assert [x.split(":")[0] for x in windows] == ["[ppl] window 1/2", "[ppl] window 2/2"]
+    assert all(" elapsed, ETA " in x for x in windows)
+    assert windows[-1].endswith("ETA 0 s")                      # nothing left after the last
+
+
+def test_ctrl_c_returns_the_windows_done(tiny_dir):
+    """Ctrl-C after window 2 of 3 (the progress callback raises, as a signal would between
+    windows): PartialResults carries records over exactly those 2 windows, equal to a run
+    asked for 2 windows."""
+    import kvrun
+    from kvrun.runtime.errors import PartialResults
+    from kvrun.runtime.ppl import perplexity
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
+
+    def progress(line):
+        if line.startswith("[ppl] window 2/"):
+            raise KeyboardInterrupt
+    with pytest.raises(PartialResults) as e:
+        perplexity(m, TEXT * 2, 512, ["kivi-2"], n_windows=3, progress=progress)
+    assert (e.value.done, e.value.total) == (2, 3)
+    two = perplexity(m, TEXT * 2, 512, ["kivi-2"], n_windows=2)
+    got = e.value.records
+    assert [r.method for r in got] == ["fp16", "kivi-2"]
+    for a, b in zip(got, two):
+        assert a.n_scored == b.n_scored == 2 * 255
+        assert (a.ppl, a.kld, a.top1) == pytest.approx((b.ppl, b.kld, b.top1), rel=1e-6)
+
+
+def test_ctrl_c_mid_window_keeps_only_whole_windows(tiny_dir, monkeypatch):
+    """An interrupt inside window 2, after the baseline scored it but before kivi-2 did,
+    must not leave the baseline with one window more than kivi-2."""
+    import kvrun
+    from kvrun.runtime import ppl as P
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
+    real, calls = P.score_window, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:                   # window 2, second method
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(P, "score_window", flaky)
+    with pytest.raises(P.PartialResults) as e:
+        P.perplexity(m, TEXT * 2, 512, ["kivi-2"], n_windows=3)
+    assert e.value.done == 1 and [r.n_scored for r in e.value.records] == [255, 255]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_cli_ctrl_c_prints_partial_table_and_exits_130(tiny_dir, tmp_path, monkeypatch, as_json):
+    from kvrun.runtime import ppl as P
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT * 2)
+    real, calls = P._score_methods, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(P, "_score_methods", flaky)
+    r = CliRunner().invoke(main, ["ppl", str(f), "-m", str(tiny_dir), "-c", "512", "--windows", "3",
+                                  "--kv", "kivi-2", "--dtype", "fp32"] + (["--json"] if as_json else []))
+    assert r.exit_code == 130 and "Traceback" not in r.stderr
+    assert "interrupted: results over the first 2 of 3 windows" in r.stderr
+    if as_json:
+        assert [x["n_scored"] for x in json.loads(r.stdout)] == [510, 510]
+    else:
+        rows = r.stdout.strip().splitlines()
+        assert rows[0].split()[:2] == ["method", "ppl"] and [x.split()[0] for x in rows[2:]] == [
+            "fp16", "kivi-2"]
+
+
+def test_cli_ctrl_c_in_the_first_window_is_a_plain_interrupt(tiny_dir, tmp_path, monkeypatch):
+    from kvrun.runtime import ppl as P
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT)
+    monkeypatch.setattr(P, "_score_methods", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    r = CliRunner().invoke(main, ["ppl", str(f), "-m", str(tiny_dir), "-c", "512", "--dtype", "fp32"])
+    assert r.exit_code == 130 and r.stdout == "" and "interrupted" in r.stderr
+
+
+def test_ppl_warns_beyond_trained_context(tiny_dir, tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT * 2)
+    r = CliRunner().invoke(main, ["ppl", str(f), "-m", str(tiny_dir), "-c", "1024", "--windows", "1",
+                                  "--dtype", "fp32"])
+    assert r.exit_code == 0, r.stderr
+    assert [x for x in r.stderr.splitlines() if x.startswith("warning:")] == [
+        "warning: -c 1024 exceeds the model's trained context (512 tokens): "
+        "text past 512 tokens may degrade"]

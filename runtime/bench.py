@@ -17,6 +17,7 @@ real cache and read path, as in TaDA's Table 3: mean time per token and at check
 from __future__ import annotations
 
 import math
+import platform
 import resource
 import statistics
 import time
@@ -54,6 +55,12 @@ class BenchRecord:
     fill: str = "model"             # how the depth was reached: model | synthetic | decode
     checkpoints_ms: dict = field(default_factory=dict)   # layer mode: ms/token near 1k, 8k, 32k
     cuda_max_allocated: int | None = None
+    ms_per_token_sd: float = 0.0    # sd of ms/token over repetitions (the plot's error bars)
+    # where it ran (llama-bench's model_filename, n_threads, backends, cpu_info)
+    model: str = ""
+    threads: int = 0
+    backend: str = ""               # attention backend: native | triton | torch
+    cpu: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,11 +89,34 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _stats(times: list[float], n: int) -> tuple[float, float, float]:
-    """(mean tok/s, sd tok/s, mean ms/token) of repetitions that each processed n tokens."""
+def cpu_name() -> str:
+    """The CPU's marketing name (/proc/cpuinfo "model name"), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:                       # not Linux
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def run_info(model: str) -> dict:
+    """The BenchRecord fields that say where a run happened."""
+    from ..kernels.dispatch import backend_for
+    return dict(model=model, threads=torch.get_num_threads(),
+                backend=backend_for(torch.zeros(1)), cpu=cpu_name())
+
+
+def _stats(times: list[float], n: int) -> tuple[float, float, float, float]:
+    """(mean tok/s, sd tok/s, mean ms/token, sd ms/token) of repetitions that each
+    processed n tokens."""
     rates = [n / t for t in times]
-    sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
-    return statistics.fmean(rates), sd, 1e3 * statistics.fmean(times) / n
+    ms = [1e3 * t / n for t in times]
+    two = len(times) > 1
+    return (statistics.fmean(rates), statistics.stdev(rates) if two else 0.0,
+            statistics.fmean(ms), statistics.stdev(ms) if two else 0.0)
 
 
 # -- model mode ----------------------------------------------------------------------------------
@@ -134,24 +164,29 @@ def bench_model(model, methods: list, pp: list[int], tg: int, depths: list[int],
         raise KvrunError(f"-r must be >= 1 (got {reps})")
     if fill not in ("model", "synthetic"):
         raise KvrunError(f"--fill must be model or synthetic (got {fill!r})")
+    if tg < 0:
+        raise KvrunError(f"-n must be >= 0 (got {tg})")
+    if not any(pp) and not tg:
+        raise KvrunError("nothing to measure: -p and -n are both 0")
     g = torch.Generator().manual_seed(seed)
     vocab = cfg.vocab_size
     max_pp = max(pp) if pp else 0
-    need = max([max_pp] + [d + tg for d in depths])
+    need = max([max_pp] + [d + tg for d in depths if tg])
     specs = methods
     methods = list(range(len(specs)))                 # KVConfigs are not hashable: use indices
     caches = {m: make_cache(cfg, max(need, 1), specs[m]) for m in methods}
     labels = {m: _label(specs[m]) for m in methods}
     ref_bytes = fp16_bytes_per_token(cfg) * max(need, 1)
     records: list[BenchRecord] = []
+    where = run_info(model.path.name)
 
     def record(m, test, n, depth, times, step_ms, fill_kind):
-        mean, sd, ms = _stats(times, n)
+        mean, sd, ms, ms_sd = _stats(times, n)
         parts = caches[m].nbytes()
         rec = BenchRecord(labels[m], test, n, depth, mean, sd, ms,
                           statistics.median(step_ms) if step_ms else ms,
                           sum(parts.values()), parts, sum(parts.values()) / ref_bytes,
-                          peak_rss_bytes(), len(times), fill_kind)
+                          peak_rss_bytes(), len(times), fill_kind, ms_per_token_sd=ms_sd, **where)
         records.append(rec)
         if progress:
             progress(f"[bench] {rec.method:<14} {test} {n} @ {depth}: {mean:8.2f} ± {sd:.2f} tok/s")
@@ -172,8 +207,8 @@ def bench_model(model, methods: list, pp: list[int], tg: int, depths: list[int],
         for m in methods:
             record(m, "pp", n, 0, times[m], [], "none")
 
-    # -- tg: decode `tg` tokens with `depth` tokens already cached --
-    for depth in depths:
+    # -- tg: decode `tg` tokens with `depth` tokens already cached (-n 0: no tg tests) --
+    for depth in depths if tg else []:
         if depth:
             if progress:
                 progress(f"[bench] filling depth {depth} ({fill})")
@@ -270,7 +305,7 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
         records.append(BenchRecord(_label(m), "layer", ctx, 0, 1e3 / mean_ms, 0.0, mean_ms,
                                    1e3 * statistics.median(step), total, parts,
                                    total / (fp16_bytes_per_token(cfg) * ctx), peak_rss_bytes(), 1,
-                                   "decode", cps))
+                                   "decode", cps, **run_info(f"layer {name}")))
         if progress:
             progress(f"[bench] {_label(m)} layer {name}: {mean_ms:.3f} ms/token mean "
                      f"({wall:.1f} s), {cps}")
@@ -298,34 +333,69 @@ def format_table(records: list[BenchRecord], title: str = "") -> str:
 
 
 CSV_FIELDS = ["method", "test", "n", "depth", "tok_s", "tok_s_sd", "ms_per_token",
-              "ms_per_token_median", "kv_bytes", "kv_ratio", "peak_rss_bytes", "reps", "fill"]
+              "ms_per_token_sd", "ms_per_token_median", "kv_bytes", "kv_ratio", "peak_rss_bytes",
+              "reps", "fill", "model", "threads", "backend", "cpu"]
 
 
 def to_csv(records: list[BenchRecord]) -> str:
-    lines = [",".join(CSV_FIELDS)]
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")         # quotes a CPU name with a comma in it
+    w.writerow(CSV_FIELDS)
     for r in records:
         d = r.to_dict()
-        lines.append(",".join(f"{d[f]:.6g}" if isinstance(d[f], float) else str(d[f]) for f in CSV_FIELDS))
-    return "\n".join(lines)
+        w.writerow([f"{d[f]:.6g}" if isinstance(d[f], float) else d[f] for f in CSV_FIELDS])
+    return buf.getvalue().rstrip("\n")
+
+
+def plot_title(records: list[BenchRecord]) -> str:
+    """Model, CPU, threads and backend of the run (the first record's: one run, one place)."""
+    r = records[0]
+    fill = {r.fill for r in records} - {"none"}
+    return (f"{r.model} | {r.cpu} | {r.threads} thread{'s' if r.threads != 1 else ''} | {r.backend}"
+            + (" | synthetic K/V" if fill == {"synthetic"} else ""))
 
 
 def plot(records: list[BenchRecord], path: str) -> None:
+    """ms per generated token for each method: against depth (lines, ± sd over repetitions),
+    or one bar per method when there is a single depth. The y axis starts at 0 so bar
+    heights and gaps compare as ratios."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'") from None
-    tg = [r for r in records if r.test == "tg"]
+    tg = [r for r in records if r.test in ("tg", "layer")]
     if not tg:
-        raise KvrunError("-o plots tg results: give at least one depth (-d)")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for m in dict.fromkeys(r.method for r in tg):
-        rs = sorted((r for r in tg if r.method == m), key=lambda r: r.depth)
-        ax.plot([r.depth for r in rs], [r.ms_per_token for r in rs], marker="o", label=m)
-    ax.set_xlabel("depth (tokens in cache)")
-    ax.set_ylabel("ms / generated token")
-    ax.legend()
-    ax.grid(alpha=0.3)
+        raise KvrunError("-o plots tg results: give -n >= 1 and at least one depth (-d)")
+    methods = list(dict.fromkeys(r.method for r in tg))
+    depths = sorted({r.depth for r in tg})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if len(depths) == 1:
+        xs = range(len(methods))
+        rs = [next(r for r in tg if r.method == m) for m in methods]
+        bars = ax.bar(xs, [r.ms_per_token for r in rs], yerr=[r.ms_per_token_sd for r in rs],
+                      capsize=4, color=[f"C{i}" for i in xs])
+        # values inside the bars: above them they would collide with the error bars
+        ax.bar_label(bars, fmt="%.1f", label_type="center", color="white", fontsize=9)
+        ax.set_xticks(list(xs), methods, rotation=30 if len(methods) > 5 else 0, ha="center")
+        what = (f"decode 0 → {tg[0].n} tokens" if tg[0].test == "layer"
+                else f"tg{tg[0].n} at depth {depths[0]}")
+        ax.set_xlabel(f"KV cache ({what})")
+    else:
+        for m in methods:
+            rs = sorted((r for r in tg if r.method == m), key=lambda r: r.depth)
+            ax.errorbar([r.depth for r in rs], [r.ms_per_token for r in rs],
+                        yerr=[r.ms_per_token_sd for r in rs], marker="o", capsize=3, label=m)
+        ax.set_xlabel(f"depth (tokens in cache), tg{tg[0].n}")
+        ax.set_xlim(left=0)
+        ax.legend()
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("ms / generated token (mean ± sd)")
+    ax.set_title(plot_title(tg), fontsize=10)
+    ax.grid(alpha=0.3, axis="y" if len(depths) == 1 else "both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)

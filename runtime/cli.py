@@ -448,8 +448,8 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         raise KvrunError("--kv: empty method list")
     evict = eviction_fields(ev)                 # applies to every method
     specs = [parse_kv(m, **evict) for m in methods]
-    if tg < 1:
-        raise KvrunError(f"-n must be >= 1 (got {tg})")
+    if tg < 0:
+        raise KvrunError(f"-n must be >= 0 (got {tg})")
     if reps < 1:
         raise KvrunError(f"-r must be >= 1 (got {reps})")
     if plot_path is not None:
@@ -471,19 +471,22 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         from .api import load
         d = B.parse_list(depths, "-d") if depths is not None else ([B.parse_count(ctx)] if ctx else [0])
         pps = [x for x in B.parse_list(pp, "-p") if x > 0]
-        m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
-        need = max([d_ + tg for d_ in d] + pps)
+        if not pps and not tg:
+            raise KvrunError("nothing to measure: -p and -n are both 0")
+        if not tg and plot_path:
+            raise KvrunError("-o plots tg results: -n 0 runs none")
+        if not tg and any(d):                   # llama-bench: -n 0 means no tg tests
+            eprint("note: -n 0 runs no tg tests; -d only applies to them and is ignored")
+        need = max([d_ + tg for d_ in d if tg] + pps)
         if need > 1 << 20:
             raise KvrunError(f"depth {need} tokens is beyond what this benchmark allocates (1M)")
+        m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
+        warn_ctx(m.cfg, need, "a bench context of", "latency and memory figures are still valid")
         records = B.bench_model(m, specs, pps, tg, d, reps, fill=fill, seed=seed, progress=eprint)
-        from ..kernels.dispatch import backend_for
-        title = (f"{m.cfg.source.get('path', m.path.name)} | dtype {dtype} | threads "
-                 f"{__import__('torch').get_num_threads()} | attention "
-                 f"{backend_for(__import__('torch').zeros(1))} | fill {fill}"
+        where = B.run_info(m.path.name)
+        title = (f"{m.cfg.source.get('path', m.path.name)} | {where['cpu']} | dtype {dtype} | "
+                 f"threads {where['threads']} | attention {where['backend']} | fill {fill}"
                  + (" (SYNTHETIC K/V: latency and memory only)" if fill == "synthetic" else ""))
-        if need > m.cfg.max_position:
-            eprint(f"note: depth {need} is beyond the model's trained context "
-                   f"({m.cfg.max_position}); latency and memory figures are still valid")
     print_records(records, as_json, lambda rs: B.to_csv(rs) if as_csv else B.format_table(rs, title))
     if plot_path:
         B.plot(records, plot_path)

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import kvrun
@@ -12,7 +13,8 @@ from tiny import make_tiny_model_dir
 
 JSON_KEYS = {"method", "test", "n", "depth", "tok_s", "tok_s_sd", "ms_per_token",
              "ms_per_token_median", "kv_bytes", "kv_bytes_by_component", "kv_ratio",
-             "peak_rss_bytes", "reps", "fill", "checkpoints_ms", "cuda_max_allocated"}
+             "peak_rss_bytes", "reps", "fill", "checkpoints_ms", "cuda_max_allocated",
+             "ms_per_token_sd", "model", "threads", "backend", "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,10 @@ def test_tiny_bench_json_has_every_column(tiny_dir):
         assert set(x) == JSON_KEYS
         assert x["tok_s"] > 0 and x["ms_per_token"] > 0 and x["reps"] == 2
         assert x["kv_bytes"] == sum(x["kv_bytes_by_component"].values()) > 0
+        # where it ran, as llama-bench records it
+        assert x["model"] == tiny_dir.name and x["threads"] == torch.get_num_threads() >= 1
+        assert x["backend"] in ("native", "torch", "triton") and x["cpu"] == B.cpu_name() != ""
+        assert x["ms_per_token_sd"] >= 0
     fp16, kivi = recs[2], recs[3]
     assert fp16["kv_ratio"] == pytest.approx(1.0) and kivi["kv_ratio"] < 1.0
 
@@ -101,3 +107,91 @@ def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
         monkeypatch.setattr(KVArena, name, counted)
     B.bench_layer("4,2,32", ["kivi-2"], 80, checkpoints=(64,))
     assert calls == {"write_attend": 80, "attend": 0}
+
+
+def test_cpu_name_reads_proc_cpuinfo_model_name(monkeypatch, tmp_path):
+    import builtins
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+                    "model name\t: AMD EPYC 9R14 96-Core Processor\nflags\t: avx512f\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(
+        info if f == "/proc/cpuinfo" else f, *a, **k))
+    assert B.cpu_name() == "AMD EPYC 9R14 96-Core Processor"
+    info.write_text("processor\t: 0\n")               # no model name: platform's answer
+    monkeypatch.setattr(B.platform, "processor", lambda: "arm")
+    assert B.cpu_name() == "arm"
+
+
+def test_n0_skips_tg_like_llama_bench(tiny_dir):
+    r = run(["bench", "-m", str(tiny_dir), "--kv", "fp16,int8", "-p", "16", "-n", "0", "-r", "1",
+             "--json", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.stderr
+    assert [(x["method"], x["test"]) for x in json.loads(r.stdout)] == [("fp16", "pp"), ("int8", "pp")]
+    r = run(["bench", "-m", str(tiny_dir), "-p", "0", "-n", "0"])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == (
+        "error: nothing to measure: -p and -n are both 0")
+
+
+def test_auto_and_named_profiles_are_labelled_by_name(tiny_dir, tmp_path):
+    """`--kv auto` is `auto` in the table and JSON, a profile its name, not `profile`."""
+    from kvrun.runtime.kv import parse_kv, save_profile
+    p = tmp_path / "mine.json"
+    save_profile(p, [("kivi-4", "kivi-2"), ("int8", "int8")])
+    r = run(["bench", "-m", str(tiny_dir), "--kv", f"fp16,profile:{p}", "-p", "16", "-n", "0",
+             "-r", "1", "--json", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.stderr
+    assert [x["method"] for x in json.loads(r.stdout)] == ["fp16", "profile:mine"]
+    assert parse_kv("auto").label() == "auto"
+    assert parse_kv("profile:smollm2-135m-0.25").label() == "profile:smollm2-135m-0.25"
+    assert parse_kv("auto", evict="h2o", budget=1024).label() == "auto+h2o@1024"
+
+
+def test_depth_beyond_trained_context_is_a_warning(tiny_dir):
+    # the tiny model is trained for 512 positions
+    r = run(["bench", "-m", str(tiny_dir), "--kv", "fp16", "-p", "0", "-n", "2", "-d", "600",
+             "-r", "1", "--dtype", "fp32", "--fill", "synthetic"])
+    assert r.exit_code == 0, r.stderr
+    warn = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+    assert warn == ["warning: a bench context of 602 exceeds the model's trained context "
+                    "(512 tokens): latency and memory figures are still valid"]
+
+
+def _records(depths, methods=("fp16", "kivi-4"), sd=1.5):
+    return [B.BenchRecord(m, "tg", 8, d, 100.0, 1.0, 10.0 + i + d / 1000, 10.0, 1, {}, 1.0, 1, 3,
+                          ms_per_token_sd=sd, model="tiny-q4", threads=2, backend="native",
+                          cpu="AMD EPYC 9R14")
+            for d in depths for i, m in enumerate(methods)]
+
+
+@pytest.mark.parametrize("depths,kind", [([512], "bars"), ([512, 4096], "lines")])
+def test_plot_title_error_bars_y_from_zero(tmp_path, monkeypatch, depths, kind):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.container import BarContainer, ErrorbarContainer
+    seen = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **k: seen.update(fig=fig))
+    B.plot(_records(depths), str(tmp_path / "p.png"))
+    ax = seen["fig"].axes[0]
+    title = ax.get_title()
+    assert "tiny-q4" in title and "AMD EPYC 9R14" in title and "2 threads" in title
+    assert ax.get_ylim()[0] == 0
+    containers = ax.containers
+    if kind == "bars":
+        bars = [c for c in containers if isinstance(c, BarContainer)]
+        assert len(bars) == 1 and len(bars[0]) == 2
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["fp16", "kivi-4"]
+        assert [b.get_height() for b in bars[0]] == pytest.approx([10.512, 11.512])
+        assert bars[0].errorbar is not None                 # ± sd over repetitions
+    else:
+        errs = [c for c in containers if isinstance(c, ErrorbarContainer)]
+        assert len(errs) == 2 and [t.get_text() for t in ax.get_legend().get_texts()] == ["fp16", "kivi-4"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.png"
+    B.plot(_records([512]), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

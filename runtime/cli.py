@@ -39,6 +39,36 @@ def main(debug):
     """kvrun — LLM decoding with a compressed KV-cache arena."""
 
 
+COMMON_OPTIONS = ("-m", "-p", "-n", "-c", "--temp", "-s", "-t", "--kv")
+
+
+class CommonFirstCommand(click.Command):
+    """`--help` lists the options everyone reaches for (llama.cpp's -m -p -n -c --temp -s
+    -t, and --kv) first, then the rest by long name (so --kv-*, --top-*, --crush-* sit
+    together; the option helpers declare theirs in reverse), --help last. Parsing is
+    untouched."""
+
+    def format_options(self, ctx, formatter):
+        rank = {o: i for i, o in enumerate(COMMON_OPTIONS)}
+        common, other = [], []
+        for p in self.get_params(ctx):
+            row = p.get_help_record(ctx)
+            if row is None:
+                continue
+            i = min((rank[o] for o in p.opts if o in rank), default=None)
+            if i is not None:
+                common.append((i, row))
+            else:                                # --help last, the rest by long name
+                last = "--help" in p.opts
+                other.append(((last, max(p.opts, key=len).lstrip("-")), row))
+        common.sort(key=lambda x: x[0])
+        other.sort(key=lambda x: x[0])
+        for title, rows in (("Common options", common), ("Other options", other)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl([row for _, row in rows])
+
+
 # -- shared options ---------------------------------------------------------------------
 
 def model_options(f):
@@ -233,7 +263,7 @@ def stop_strings(stop) -> list[str]:
 
 # -- commands ---------------------------------------------------------------------------
 
-@main.command()
+@main.command(cls=CommonFirstCommand)
 @click.option("-p", "--prompt", required=True, help="Prompt text, or - to read stdin.")
 @click.option("-n", "--n-predict", "n", default=128, show_default=True, type=int,
               help="Tokens to generate.")
@@ -263,7 +293,7 @@ def generate(prompt, n, as_chat, stop, **kw):
     print_stats(last.timings, m)
 
 
-@main.command()
+@main.command(cls=CommonFirstCommand)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("-n", "--n-predict", "n", default=512, show_default=True, type=int,
               help="Max tokens per reply.")
@@ -334,7 +364,7 @@ def convert(src, out, weights, group, dtype, force, verbose):
     eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {what})")
 
 
-@main.command()
+@main.command(cls=CommonFirstCommand)
 @click.argument("file", type=click.Path())
 @click.option("--kv", "kv_list", default="fp16", show_default=True,
               help="Comma list of KV methods; the fp16 baseline is always evaluated too.")
@@ -369,7 +399,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
     print_records(records, as_json, format_table)
 
 
-@main.command()
+@main.command(cls=CommonFirstCommand)
 @click.argument("file", type=click.Path())
 @click.option("--kv", "kv_list", default="fp16", show_default=True,
               help="Comma list of KV methods (each combined with --evict when given).")
@@ -414,7 +444,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
     print_records(records, as_json, table)
 
 
-@main.command()
+@main.command(cls=CommonFirstCommand)
 @click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
 @click.option("--kv", "kv_list", default="fp16,int8,kivi-2,kivi-4,tada-4,gear-l", show_default=True,
               help="Comma list of KV methods, measured side by side.")
@@ -494,10 +524,16 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
 
 
 @main.command()
-def pull():
-    """Fetch and convert the embedded default model (SmolLM2-135M-Instruct)."""
+@click.option("--weights", default="int4", show_default=True, type=click.Choice(["int4", "int8", "fp32"]),
+              help="Weight format to convert to (int4: the Q4_1 blocks repacked, the chat/generate "
+                   "default; int8; fp32: exact dequantized weights).")
+def pull(weights):
+    """Fetch and convert the embedded default model (SmolLM2-135M-Instruct); print its directory.
+
+    The directory printed on stdout is what `-m` takes, e.g.
+    `kvrun generate -m "$(kvrun pull --weights fp32)" -p ...`."""
     from .pull import ensure_default_model
-    path = ensure_default_model(progress=eprint)
+    path = ensure_default_model(progress=eprint, weights=weights)
     print(path)
 
 

@@ -158,6 +158,8 @@ def _ingest(cache, k, v, n: int) -> None:
 
 def bench_model(model, methods: list, pp: list[int], tg: int, depths: list[int], reps: int,
                 fill: str = "model", seed: int = 0, progress=None) -> list[BenchRecord]:
+    """pp tests for each length in `pp`, then tg tests of `tg` tokens at each depth
+    (`tg` = 0: none, as llama-bench's -n 0), every method side by side."""
     from .api import make_cache
     cfg, chunk = model.cfg, model.engine.prefill_chunk
     if reps < 1:

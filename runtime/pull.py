@@ -14,7 +14,8 @@ into `$KVRUN_HOME/gguf/` and converted once per weight format into `$KVRUN_HOME/
 - `smollm2-135m-instruct-f32` (`fp32`): every tensor dequantized exactly to fp32; the test
   fixture that must equal transformers' own GGUF loader.
 
-Each is converted on first request only. A lock file serialises concurrent first runs
+Each is converted on first request only (`kvrun pull --weights int8|fp32` makes one ahead
+and prints its directory for `-m`). A lock file serialises concurrent first runs
 (two `kvrun chat` started at once convert once).
 """
 from __future__ import annotations

@@ -5,9 +5,14 @@ as sampled) and only ever appends to them: turn N+1 is `ids + close(reply) + new
 message + generation prompt`, so the engine finds all earlier turns in the cache and
 prefills only the new tokens. Re-rendering and re-tokenizing the whole conversation would
 not round-trip exactly (a reply's tokens need not be the canonical tokenization of its
-text) and would force a recompute from the first mismatch. The one exception is a reply cut
-by a stop string: the conversation keeps the text before it, so the next turn re-feeds the
-few tokens around the cut.
+text) and would force a recompute from the first mismatch. The one exception is a reply
+cut by a stop string: the conversation keeps the text before it, so the next turn re-feeds
+the few tokens around the cut.
+
+A turn continues the cache as it stands (`append`): it is prefilled over the compressed
+past, the way the conversation was built, so the same turns after a reset give the same
+replies. When a context shift drops ids from the middle of the conversation, the
+session's ids follow the cache's.
 """
 from __future__ import annotations
 
@@ -46,12 +51,25 @@ class ChatSession:
         params = SamplingParams(**sampling)
         stops = StopStrings(stop)
         reply: list[int] = []
-        for ev in stops.apply(self.m.engine.stream(ids, max_tokens, params, self.m.stop_ids)):
+        dropped = self.m.engine.n_dropped
+        # append: the turn continues the cache as it stands (runtime/generate.py)
+        for ev in stops.apply(self.m.engine.stream(ids, max_tokens, params, self.m.stop_ids,
+                                                   append=True)):
             if ev.token_id is not None and ev.token_id not in self.m.stop_ids:
                 reply.append(ev.token_id)
             if ev.finish_reason is not None:
-                self.ids = ids + (reply if stops.matched is None else self._kept(reply, stops.text))
+                full = ids + (reply if stops.matched is None else self._kept(reply, stops.text))
+                self.ids = self._as_held(full, self.m.engine.n_dropped - dropped)
             yield ev
+
+    def _as_held(self, full: list[int], dropped: int) -> list[int]:
+        """The conversation as the model holds it: a context shift during the turn dropped
+        `dropped` ids after the kept start, so the next turn continues from the cache's ids
+        plus the ids not fed yet (the reply's last token)."""
+        if not dropped:
+            return full
+        cached = self.m.engine.cached
+        return list(cached) + full[len(cached) + dropped:]
 
     def _kept(self, reply: list[int], text: str) -> list[int]:
         """Token ids for the reply cut before a stop string, whose printed text is `text`:

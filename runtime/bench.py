@@ -318,7 +318,8 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
 # -- output --------------------------------------------------------------------------------------
 
 def format_table(records: list[BenchRecord], title: str = "") -> str:
-    head = (f"| {'kv':<16} | {'test':<14} | {'t/s':>18} | {'ms/tok':>8} | {'KV MiB':>9} | "
+    w = max([16] + [len(r.method) for r in records])        # profile:NAME labels are long
+    head = (f"| {'kv':<{w}} | {'test':<14} | {'t/s':>18} | {'ms/tok':>8} | {'KV MiB':>9} | "
             f"{'ratio':>6} | {'peak RSS MiB':>12} |")
     rows = [title] if title else []
     rows += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
@@ -327,7 +328,7 @@ def format_table(records: list[BenchRecord], title: str = "") -> str:
         if r.test == "layer":
             test = f"layer 0→{r.n}"
         rate = f"{r.tok_s:.2f} ± {r.tok_s_sd:.2f}"
-        rows.append(f"| {r.method:<16} | {test:<14} | {rate:>18} | {r.ms_per_token:8.2f} | "
+        rows.append(f"| {r.method:<{w}} | {test:<14} | {rate:>18} | {r.ms_per_token:8.2f} | "
                     f"{r.kv_bytes / 2**20:9.2f} | {r.kv_ratio:6.3f} | {r.peak_rss_bytes / 2**20:12.0f} |")
         if r.checkpoints_ms:
             rows.append("|   checkpoints  | " + ", ".join(f"{k}: {v:.3f} ms" for k, v in r.checkpoints_ms.items()))

@@ -122,12 +122,13 @@ def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
     depths = sorted(set(depths or []) | {r.depth for r in records})
     labels = list(dict.fromkeys(list(labels or []) + [r.method for r in records]))
     acc = {(r.method, r.depth): r.accuracy for r in records}
-    head = f"{'method':<22}" + "".join(f" {d:>6.2f}" for d in depths) + "   mean"
+    w = max([22] + [len(m) for m in labels])                 # profile:NAME labels are long
+    head = f"{'method':<{w}}" + "".join(f" {d:>6.2f}" for d in depths) + "   mean"
     rows = [head, "-" * len(head)]
     for m in labels:                      # a cell missing (interrupted run) shows as "-"
         a = [acc.get((m, d)) for d in depths]
         got = [x for x in a if x is not None]
         mean = f" {sum(got) / len(got):6.2f}" if got else f" {'-':>6}"
-        rows.append(f"{m:<22}" + "".join(f" {'-':>6}" if x is None else f" {x:6.2f}" for x in a)
+        rows.append(f"{m:<{w}}" + "".join(f" {'-':>6}" if x is None else f" {x:6.2f}" for x in a)
                     + mean)
     return "\n".join(rows)

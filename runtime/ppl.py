@@ -92,7 +92,8 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
     wins = windows_of(ids, ctx, n_windows)
     stats = {m: dict(nll=0.0, kld=0.0, top1=0, n=0, t=0.0) for m in methods}
     if progress:
-        progress(f"[ppl] {len(wins)} windows of {ctx} tokens ({len(ids)} in the text), "
+        progress(f"[ppl] {len(wins)} window{'s' if len(wins) > 1 else ''} of {ctx} tokens "
+                 f"({len(ids)} in the text), "
                  f"{len(methods)} caches each")
     t_start = time.perf_counter()
     done = 0
@@ -156,9 +157,10 @@ def _records(model, specs: dict, stats: dict, ctx: int) -> list[PplRecord]:
 
 
 def format_table(records: list[PplRecord]) -> str:
-    head = f"{'method':<18} {'ppl':>9} {'Δppl %':>8} {'KLD':>9} {'top-1':>7} {'B/tok':>9} {'ratio':>7} {'@32k':>7}"
+    w = max([18] + [len(r.method) for r in records])        # profile:NAME labels are long
+    head = f"{'method':<{w}} {'ppl':>9} {'Δppl %':>8} {'KLD':>9} {'top-1':>7} {'B/tok':>9} {'ratio':>7} {'@32k':>7}"
     rows = [head, "-" * len(head)]
     for r in records:
-        rows.append(f"{r.method:<18} {r.ppl:9.4f} {r.dppl:+8.2f} {r.kld:9.5f} {r.top1:7.4f} "
+        rows.append(f"{r.method:<{w}} {r.ppl:9.4f} {r.dppl:+8.2f} {r.kld:9.5f} {r.top1:7.4f} "
                     f"{r.bytes_per_token:9.0f} {r.ratio:7.3f} {r.ratio_32k:7.3f}")
     return "\n".join(rows)

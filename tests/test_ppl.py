@@ -148,3 +148,13 @@ def test_ppl_warns_beyond_trained_context(tiny_dir, tmp_path):
     assert [x for x in r.stderr.splitlines() if x.startswith("warning:")] == [
         "warning: -c 1024 exceeds the model's trained context (512 tokens): "
         "text past 512 tokens may degrade"]
+
+
+def test_table_columns_stay_aligned_with_long_labels():
+    from kvrun.runtime.ppl import PplRecord, format_table
+    recs = [PplRecord(m, 17.5, 0.1, 0.01, 0.95, 8000, 0.35, 0.3, 100, 1.0)
+            for m in ("fp16", "profile:smollm2-135m-0.25", "kivi-4/kivi-2@64+rot")]
+    rows = format_table(recs).splitlines()
+    ends = {len(x) for x in rows}
+    assert len(ends) == 1                                   # every row as wide as the header
+    assert {x.index("17.5000") + 7 for x in rows[2:]} == {rows[0].index("ppl") + 3}   # right-aligned

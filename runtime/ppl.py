@@ -93,8 +93,7 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
     stats = {m: dict(nll=0.0, kld=0.0, top1=0, n=0, t=0.0) for m in methods}
     if progress:
         progress(f"[ppl] {len(wins)} window{'s' if len(wins) > 1 else ''} of {ctx} tokens "
-                 f"({len(ids)} in the text), "
-                 f"{len(methods)} caches each")
+                 f"({len(ids)} in the text), {len(methods)} caches each")
     t_start = time.perf_counter()
     done = 0
     try:
@@ -102,9 +101,8 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
             # a window counts only once every method has scored it: Ctrl-C in the middle
             # of one leaves `stats` over whole windows, the same windows for every method
             add = _score_methods(model, caches, win, chunk)
-            for m in methods:
-                for key, x in add[m].items():
-                    stats[m][key] += x
+            # one assignment: an interrupt while summing leaves the old totals whole
+            stats = {m: {k: x + add[m][k] for k, x in stats[m].items()} for m in methods}
             done = w_i + 1
             if progress:
                 b = stats[BASELINE]

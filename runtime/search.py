@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .errors import KvrunError
+from .progress import format_duration
 from .kv.arena import build_cache, kv_bytes_at
 from .kv.cache import DenseKVCache
 from .kv.config import KVConfig, parse_kv
@@ -209,13 +210,16 @@ class Search:
         m0 = self.methods[0]
         n = 2 * self.L
         self.s = np.zeros(n)
+        t_phase = time.perf_counter()
         for i in range(n):
             layers = [("fp16", "fp16")] * self.L
             l, r = divmod(i, 2)
             layers[l] = (m0, "fp16") if r == 0 else ("fp16", m0)
             self.s[i] = self.obj.kld(self._kv(layers))
+            eta = (time.perf_counter() - t_phase) / (i + 1) * (n - i - 1)
             self.progress(f"[search] sensitivity {i + 1}/{n}: layer {l} {ROLES[r].upper()} {m0}: "
-                          f"KLD {self.s[i]:.5f} ({time.perf_counter() - self.t0:.0f} s)")
+                          f"KLD {self.s[i]:.5f} ({time.perf_counter() - self.t0:.0f} s, "
+                          f"ETA {format_duration(eta)})")
         self.uniform = {}
         for m in self.methods:
             if m in ("fp16", "bf16"):

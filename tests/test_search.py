@@ -179,3 +179,11 @@ def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
         assert got == prof.meta["bytes"] and got <= budget * fp16, path.name
         names.add(path.name)
     assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json"} <= names
+
+
+def test_sensitivity_progress_has_an_eta(tiny_model):
+    lines = []
+    search(tiny_model, CALIB, 0.62, **{**KW, "trials": 1}, progress=lines.append)
+    sens = [x for x in lines if x.startswith("[search] sensitivity ") and "/" in x.split()[2]]
+    assert len(sens) == 2 * tiny_model.cfg.num_layers
+    assert all(", ETA " in x for x in sens) and sens[-1].endswith("ETA 0 s)")

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.dispatch import backend_for
 from .config import ModelConfig
 from .kv.cache import NewKV
 from .layers import MLP, Linear, RMSNorm
@@ -119,6 +120,7 @@ class Transformer(nn.Module):
     def set_gemv_dtype(self, dtype: torch.dtype | None) -> None:
         """Prepare the decode path: a second copy of every dense linear weight in `dtype`
         for few-row inputs; quantized layers build their fused op's packed weights."""
+        self.__dict__.pop("_step", None)          # the native step points at the old buffers
         for m in self.modules():
             if isinstance(m, Linear):
                 m.set_gemv_dtype(dtype)
@@ -132,6 +134,9 @@ class Transformer(nn.Module):
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position only.
         """
         B, T = ids.shape
+        step = self._native_step(ids, cache)
+        if step is not None:                        # decode on the native layer kernels
+            return step(ids, cache)
         positions = cache.positions(T)                                  # (T,)
         cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
         h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
@@ -141,6 +146,17 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         return self.lm_head(self.model.norm(h)).float()
+
+    def _native_step(self, ids: torch.Tensor, cache):
+        """The native decode step (runtime/decode_step.py) when it covers this call: built
+        on first use, only where the attention backend is native (KVRUN_BACKEND=torch
+        keeps the eager forward, the oracle)."""
+        if ids.shape[1] != 1 or backend_for(ids) != "native":
+            return None
+        if not hasattr(self, "_step"):
+            from .decode_step import NativeDecodeStep, supported
+            self._step = NativeDecodeStep(self) if supported(self) else None
+        return self._step if self._step is not None and self._step.applies(ids, cache) else None
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Strict load; a tied lm_head is the only key allowed to be absent."""

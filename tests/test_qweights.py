@@ -22,7 +22,7 @@ from kvrun.runtime import qlinear
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.qlinear import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8,
                                    int4_group, pack_int4, unpack_int4)
-from tiny import byte_level_tokenizer
+from tiny import write_tiny_hf
 
 SHAPES = [(576, 1536), (192, 576), (1536, 576), (40, 96)]        # (out N, in K)
 BF16 = lambda t: t.to(torch.bfloat16).float()                     # noqa: E731
@@ -158,28 +158,7 @@ def test_smollm2_q4_1_tensors_repack_exactly(smollm2_reader):
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
     """An HF-layout llama folder (2 layers, ffn 96: int4 rows of 64 and 96 columns)."""
-    d = tmp_path_factory.mktemp("hfq")
-    tok = byte_level_tokenizer()
-    V, C, I = tok.get_vocab_size(), 64, 96
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.15           # noqa: E731
-    state = {"model.embed_tokens.weight": r(V, C) * 3, "model.norm.weight": 1 + r(C) * 0.5}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        state.update({p + "self_attn.q_proj.weight": r(C, C), p + "self_attn.k_proj.weight": r(32, C),
-                      p + "self_attn.v_proj.weight": r(32, C), p + "self_attn.o_proj.weight": r(C, C),
-                      p + "mlp.gate_proj.weight": r(I, C), p + "mlp.up_proj.weight": r(I, C),
-                      p + "mlp.down_proj.weight": r(C, I),
-                      p + "input_layernorm.weight": 1 + r(C) * 0.5,
-                      p + "post_attention_layernorm.weight": 1 + r(C) * 0.5})
-    save_file(state, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": C, "intermediate_size": I,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": V, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}))
-    tok.save(str(d / "tokenizer.json"))
-    return d
+    return write_tiny_hf(tmp_path_factory.mktemp("hfq"))
 
 
 FORMATS = [("fp32", "float", 32), ("bf16", "float", 32), ("fp16", "float", 32),

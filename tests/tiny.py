@@ -51,6 +51,36 @@ def make_tiny_model_dir(path: Path, architecture: str = "llama", seed: int = 0, 
     return path
 
 
+def write_tiny_hf(d: Path, C: int = 64, I: int = 96, n_layers: int = 2, bias: bool = False) -> Path:
+    """An HF-layout llama (qwen2 with `bias`) folder of random weights: 4 heads of 16, 2 KV
+    heads, ffn I; what `kvrun convert` quantizes in tests (int4 rows of C and I columns)."""
+    d.mkdir(parents=True, exist_ok=True)
+    tok = byte_level_tokenizer()
+    V = tok.get_vocab_size()
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.15           # noqa: E731
+    state = {"model.embed_tokens.weight": r(V, C) * 3, "model.norm.weight": 1 + r(C) * 0.5}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        state.update({p + "self_attn.q_proj.weight": r(C, C), p + "self_attn.k_proj.weight": r(C // 2, C),
+                      p + "self_attn.v_proj.weight": r(C // 2, C), p + "self_attn.o_proj.weight": r(C, C),
+                      p + "mlp.gate_proj.weight": r(I, C), p + "mlp.up_proj.weight": r(I, C),
+                      p + "mlp.down_proj.weight": r(C, I),
+                      p + "input_layernorm.weight": 1 + r(C) * 0.5,
+                      p + "post_attention_layernorm.weight": 1 + r(C) * 0.5})
+        if bias:
+            state.update({p + f"self_attn.{n}_proj.bias": r(C if n == "q" else C // 2)
+                          for n in "qkv"})
+    save_file(state, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"], "hidden_size": C,
+        "intermediate_size": I, "num_hidden_layers": n_layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": V, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}))
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
 @contextmanager
 def interrupted_forward(m, at_call: int = 2):
     """Within the block, the model's attention call number `at_call` raises KeyboardInterrupt

@@ -23,7 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-SRC = Path(__file__).with_name("decode_attention.c")
+# one shared object from every C source here: attention (decode_attention.c) and the
+# dense part of a decoder layer (decode_layer.c)
+SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "decode_layer.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 
@@ -45,7 +47,7 @@ def _build(extra: tuple = ()) -> Path:
     """Compile (once) and return the shared object's path. `extra` flags make a variant,
     e.g. ("-DKVRUN_NO_AVX512",): the portable tile path the tests also check."""
     cc = _compiler()
-    src = SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in SRCS)
     flags = FLAGS + list(extra)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(src + ver.encode() + " ".join(flags).encode()).hexdigest()[:16]
@@ -56,7 +58,7 @@ def _build(extra: tuple = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *flags, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, *map(str, SRCS), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         os.replace(tmp, out)

@@ -1,0 +1,123 @@
+"""The dense part of a decoder layer on the native CPU kernel (decode_layer.c): RMSNorm,
+the stacked q/k/v GEMV and RoPE before attention; o_proj, residual, RMSNorm, SwiGLU MLP
+and residual after it; the final norm and lm_head. Weights are int4 (kvrun's stored
+Q4_1-order nibbles) or int8 (per-row scale); activations fp32; B <= MAX_ROWS rows.
+
+`LayerPlan` holds one layer's C descriptor and keeps every tensor it points to alive; the
+caller owns the scratch buffers (one set shared by all layers). The torch reference is the
+model's own eager forward over the same weights dequantized (tests/test_decode_layer.py).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import load
+
+W_INT4, W_INT8 = 0, 1
+MAX_ROWS = 8                     # decode_layer.c MAXB
+
+_p = ctypes.c_void_p
+
+
+class WeightDesc(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
+                ("G", ctypes.c_int32), ("q", _p), ("s", _p), ("m", _p), ("scale", _p), ("bias", _p)]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("hidden", "H", "Hkv", "D", "inter", "nthreads")] + [
+        ("eps", ctypes.c_float), ("norm1", _p), ("norm2", _p)] + [
+        (n, WeightDesc) for n in ("qkv", "o", "gate", "up", "down")] + [
+        (n, _p) for n in ("x", "xn", "xsum", "qkv_out", "tmp", "h")]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def weight_desc(w: dict, keep: list) -> WeightDesc:
+    """A C descriptor for one weight in stored form: {"kind": "int4", "qweight", "scales",
+    "mins", "group", "bias"} or {"kind": "int8", "qweight", "scales", "bias"}; the tensors
+    are made contiguous and appended to `keep` (they must outlive the descriptor)."""
+    d = WeightDesc()
+    q = w["qweight"].contiguous()
+    d.N = q.shape[0]
+    bias = w.get("bias")
+    bias = None if bias is None else bias.detach().float().contiguous()
+    if w["kind"] == "int4":
+        s, m = w["scales"].to(torch.float16).contiguous(), w["mins"].to(torch.float16).contiguous()
+        d.kind, d.K, d.G = W_INT4, 2 * q.shape[1], w["group"]
+        assert d.G % 32 == 0 and d.K % d.G == 0, (d.K, d.G)
+        d.q, d.s, d.m = _ptr(q), _ptr(s), _ptr(m)
+        keep += [q, s, m]
+    else:
+        sc = w["scales"].float().contiguous()
+        d.kind, d.K, d.G = W_INT8, q.shape[1], 0
+        assert q.dtype == torch.int8 and sc.shape == (d.N,)
+        d.q, d.scale = _ptr(q), _ptr(sc)
+        keep += [q, sc]
+    d.bias = _ptr(bias)
+    if bias is not None:
+        keep.append(bias)
+    return d
+
+
+class Scratch:
+    """Buffers every layer shares: (MAX_ROWS, ...) float32."""
+
+    def __init__(self, hidden: int, H: int, Hkv: int, D: int, inter: int, vocab: int):
+        wide = max(hidden, inter)
+        assert hidden % 32 == 0 and inter % 32 == 0, (hidden, inter)
+        z = lambda n: torch.zeros(MAX_ROWS, n)                              # noqa: E731
+        self.x, self.xn, self.xsum = z(hidden), z(wide), z(wide // 32)
+        self.qkv, self.tmp, self.h = z((H + 2 * Hkv) * D), z(hidden), z(inter)
+        self.cos, self.sin = z(D), z(D)
+        self.logits = z(vocab)
+
+
+class LayerPlan:
+    def __init__(self, dims: dict, eps: float, norm1: torch.Tensor, norm2: torch.Tensor,
+                 weights: dict, scratch: Scratch):
+        """dims: hidden, H, Hkv, D, inter; weights: qkv, o, gate, up, down (weight_desc form)."""
+        self.keep: list = []
+        L = self.desc = LayerDesc()
+        for k, v in dims.items():
+            setattr(L, k, v)
+        L.eps = eps
+        n1, n2 = norm1.detach().float().contiguous(), norm2.detach().float().contiguous()
+        self.keep += [n1, n2, scratch]
+        L.norm1, L.norm2 = _ptr(n1), _ptr(n2)
+        for name in ("qkv", "o", "gate", "up", "down"):
+            setattr(L, name, weight_desc(weights[name], self.keep))
+        for name, t in (("x", scratch.x), ("xn", scratch.xn), ("xsum", scratch.xsum),
+                        ("qkv_out", scratch.qkv), ("tmp", scratch.tmp), ("h", scratch.h)):
+            setattr(L, name, _ptr(t))
+        self.scratch = scratch
+        self._lib = load()
+        assert self._lib is not None, "the native kernels did not build"
+
+    def pre(self, B: int, nthreads: int) -> None:
+        """scratch.x (B, hidden) -> scratch.qkv (B, (H + 2 Hkv) D), q and k roped with
+        scratch.cos / scratch.sin (B, D)."""
+        self.desc.nthreads = nthreads
+        rc = self._lib.kvrun_layer_pre(ctypes.byref(self.desc), B, _p(_ptr(self.scratch.cos)),
+                                       _p(_ptr(self.scratch.sin)))
+        assert rc == 0, rc
+
+    def post(self, B: int, attn: torch.Tensor, nthreads: int) -> None:
+        """attn (B, H D) float32 rows (row stride attn.stride(0)) -> scratch.x updated."""
+        assert attn.dtype == torch.float32 and attn.stride(1) == 1, (attn.dtype, attn.stride())
+        self.desc.nthreads = nthreads
+        rc = self._lib.kvrun_layer_post(ctypes.byref(self.desc), B, _p(_ptr(attn)),
+                                        ctypes.c_int64(attn.stride(0)))
+        assert rc == 0, rc
+
+    def logits(self, B: int, norm: torch.Tensor, head: WeightDesc, nthreads: int) -> torch.Tensor:
+        """(B, V) float32 = lm_head(RMSNorm(scratch.x)), a view of the scratch buffer."""
+        self.desc.nthreads = nthreads
+        rc = self._lib.kvrun_logits(ctypes.byref(self.desc), B, _p(_ptr(norm)), ctypes.byref(head),
+                                    _p(_ptr(self.scratch.logits)))
+        assert rc == 0, rc
+        return self.scratch.logits[:B, :head.N]

@@ -1,0 +1,117 @@
+"""The decode step on the native CPU kernels: per layer one C call before attention
+(RMSNorm, the stacked q/k/v GEMV, RoPE), the cache's own attention call (the arena's native
+attend_append, or the dense cache's SDPA), and one C call after it (o_proj, residual,
+RMSNorm, gate+up, SwiGLU, down, residual); then one call for the final norm and lm_head.
+
+Why: the eager step ran ~1,300 torch ops (casts to and from bf16 around every int4 op,
+copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the weights they
+read. Here the activations stay fp32 in preallocated buffers and the weights are read in
+their stored bytes (kernels/native/decode_layer.c). The eager forward stays the oracle
+(tests/test_decode_layer.py) and serves everything this step does not cover.
+
+Covered: the Llama/Qwen2 `Transformer` with int4 or int8 linear layers (the weights
+`kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
+CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
+cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused
+write-then-attend step keeps the eager forward). The rows are a batch axis: each row is
+its own sequence at its own position (B = 1 in today's engine).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import native
+from ..kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
+from .qlinear import Int4Linear, Int8Linear
+
+
+def _stored(lin) -> dict:
+    """A linear layer's weight in the form weight_desc takes."""
+    if isinstance(lin, Int4Linear):
+        return {"kind": "int4", "qweight": lin.qweight, "scales": lin.scales, "mins": lin.mins,
+                "group": lin.group, "bias": lin.bias}
+    return {"kind": "int8", "qweight": lin.qweight, "scales": lin.scales, "bias": lin.bias}
+
+
+def _stacked(lins) -> dict:
+    """q, k, v stacked along the output rows: one GEMV reads them in one pass."""
+    ws = [_stored(x) for x in lins]
+    out = {"kind": ws[0]["kind"], "group": ws[0].get("group")}
+    for key in ("qweight", "scales", "mins"):
+        if key in ws[0]:
+            out[key] = torch.cat([w[key] for w in ws])
+    biases = [w["bias"] for w in ws]
+    if any(b is not None for b in biases):
+        out["bias"] = torch.cat([b.detach().float() if b is not None else
+                                 torch.zeros(w["qweight"].shape[0]) for b, w in zip(biases, ws)])
+    return out
+
+
+def supported(model) -> bool:
+    """Whether this step can run `model` (see the module docstring)."""
+    if native.load() is None:
+        return False
+    cfg = model.cfg
+    lins = [m for layer in model.model.layers for m in
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    kinds = {type(m) for m in lins}
+    return (len(kinds) == 1 and kinds <= {Int4Linear, Int8Linear}
+            and isinstance(model.lm_head, Int8Linear)
+            and model.lm_head.qweight.device.type == "cpu"
+            and len({getattr(m, "group", 0) for m in lins[:3]}) == 1
+            and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
+            and cfg.head_dim % 2 == 0 and model.lm_head.bias is None)
+
+
+class NativeDecodeStep:
+    """Decode steps of `model` through the native layer kernels; build with `supported`."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.split = (H * D, (H + Hkv) * D)            # q | k | v columns of scratch.qkv
+        self.scratch = Scratch(cfg.hidden_size, H, Hkv, D, cfg.intermediate_size, cfg.vocab_size)
+        dims = dict(hidden=cfg.hidden_size, H=H, Hkv=Hkv, D=D, inter=cfg.intermediate_size)
+        self.plans = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj),
+                 "gate": _stored(mlp.gate_proj), "up": _stored(mlp.up_proj),
+                 "down": _stored(mlp.down_proj)}
+            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, layer.input_layernorm.weight,
+                                        layer.post_attention_layernorm.weight, w, self.scratch))
+        self.keep: list = []
+        self.head = weight_desc(_stored(model.lm_head), self.keep)
+        self.norm = model.model.norm.weight.detach().float().contiguous()
+
+    def applies(self, ids: torch.Tensor, cache) -> bool:
+        B, T = ids.shape
+        wants_new_kv = getattr(cache, "takes_new_kv", None)
+        return (T == 1 and B <= MAX_ROWS and ids.device.type == "cpu"
+                and (wants_new_kv is None or not any(wants_new_kv(i, T) for i in range(len(self.plans)))))
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """ids (B, 1) -> float32 logits (B, 1, V); appends the tokens to `cache`."""
+        B = ids.shape[0]
+        cfg, s = self.cfg, self.scratch
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nth = torch.get_num_threads()
+        positions = cache.positions(1)                                   # (1,)
+        cos, sin = self.model.rope.tables(positions, torch.float32)     # (1, D)
+        s.cos[:B] = cos
+        s.sin[:B] = sin
+        s.x[:B] = self.model.model.embed_tokens(ids)[:, 0].float()     # (B, hidden)
+        q_end, k_end = self.split
+        qkv = s.qkv[:B]
+        q = qkv[:, :q_end].view(B, 1, H, D).transpose(1, 2)              # (B, H, 1, D)
+        k = qkv[:, q_end:k_end].view(B, 1, Hkv, D).transpose(1, 2)       # (B, Hkv, 1, D)
+        v = qkv[:, k_end:].view(B, 1, Hkv, D).transpose(1, 2)
+        for i, plan in enumerate(self.plans):
+            plan.pre(B, nth)
+            o = cache.attend(i, q, k, v)                                 # (B, H, 1, D)
+            plan.post(B, o.reshape(B, H * D).contiguous(), nth)
+        cache.commit(1)
+        return self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)

@@ -1,0 +1,123 @@
+"""The native decode step (runtime/decode_step.py, kernels/native/decode_layer.c) against
+the eager forward over the same weights dequantized to fp32: int4 at every group, int8,
+q/k/v bias (Qwen2), the dense cache and the compressed arena, B rows at once, and the
+build without AVX-512."""
+import copy
+import ctypes
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import kvrun
+from kvrun.convert import convert_hf
+from kvrun.kernels import native
+from kvrun.runtime import qlinear
+from kvrun.runtime.kv import DenseKVCache
+from kvrun.runtime.kv.config import parse_kv
+from kvrun.runtime.model import Transformer
+from tiny import write_tiny_hf
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
+
+# fp32 throughout on both sides: only the order of the sums differs
+TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dl")
+    hf = write_tiny_hf(root / "hf", C=128, I=96)          # head dim 32: the packed codecs
+    hf_bias = write_tiny_hf(root / "hfb", C=128, I=96, bias=True)
+    out = {}
+    for name, src, weights, group in [("int4-32", hf, "int4", 32), ("int4-64", hf, "int4", 64),
+                                      ("int8", hf, "int8", 32), ("qwen2-int4", hf_bias, "int4", 32)]:
+        convert_hf(src, root / name, dtype="fp32", weights=weights, group=group)
+        out[name] = root / name
+    return out
+
+
+def _eager(monkeypatch):
+    """The oracle: the eager forward with every quantized layer dequantized to fp32 (the
+    attention backend stays the same on both sides)."""
+    monkeypatch.setattr(Transformer, "_native_step", lambda self, ids, cache: None)
+    for cls in (qlinear.Int4Linear, qlinear.Int8Linear):
+        monkeypatch.setattr(cls, "uses_fused_op", lambda self, rows: False)
+
+
+def _step(m, cache, tok, monkeypatch, native_step):
+    with monkeypatch.context() as mp:
+        if not native_step:
+            _eager(mp)
+        return m.transformer(tok, cache)[:, -1]                         # (B, V)
+
+
+def _compare(m, cache, prompt, steps, monkeypatch, rows=1, tol=TOL):
+    """Prefill eagerly, then `steps` greedy steps, each run twice from the same cache state
+    (a deep copy): natively, then eagerly. Comparing step by step keeps the two from
+    drifting apart: their K/V are stored in fp16, and a value that the two fp32 paths put
+    on either side of an fp16 rounding boundary would otherwise make every later step of
+    one path differ from the other's by far more than one step's summation-order error."""
+    with monkeypatch.context() as mp:
+        _eager(mp)
+        logits = m.transformer(torch.as_tensor(prompt).view(rows, -1), cache)[:, -1]
+    ran = []
+    from kvrun.kernels.native.decode_layer import LayerPlan
+    pre = LayerPlan.pre
+    monkeypatch.setattr(LayerPlan, "pre", lambda self, *a: (ran.append(1), pre(self, *a))[1])
+    for _ in range(steps):
+        tok = logits.argmax(-1)[:, None]                                # (B, 1)
+        twin = copy.deepcopy(cache)
+        got = _step(m, cache, tok, monkeypatch, True)
+        logits = _step(m, twin, tok, monkeypatch, False)
+        assert_close(got, logits, **tol)
+        cache = twin                                                    # go on from the oracle
+    assert len(ran) == steps * m.cfg.num_layers                         # the native step ran
+
+
+@pytest.mark.parametrize("name", ["int4-32", "int4-64", "int8", "qwen2-int4"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "kivi-4"])
+def test_native_step_equals_the_dequantized_eager_step(models, monkeypatch, name, kv):
+    """fp32 cache: the two steps differ by summation order only (TOL). fp16 caches round
+    K/V (and the dense cache's SDPA q and output) to fp16 in both steps, and an input that
+    the two paths put on either side of a rounding boundary changes by one fp16 ulp,
+    2^-11 relative, and KIVI's 4-bit codes of a flushed block can move by one level: such
+    flips moved these logits (|l| < 10) by up to 6e-3 (measured); a wrong weight row or
+    position moves them by O(1)."""
+    m = kvrun.load(models[name], ctx=256)
+    cache = kvrun.runtime.api.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))
+    tol = TOL if kv == "fp32" else dict(atol=2e-2, rtol=0)
+    _compare(m, cache, m.tokenize("the native step reads the stored bytes" * 2), 40, monkeypatch,
+             tol=tol)
+
+
+def test_rows_are_a_batch_axis(models, monkeypatch):
+    """B rows, each its own token over its own cache row, in one call."""
+    m = kvrun.load(models["int4-32"], ctx=64)
+    cfg = m.cfg
+    B = 3
+    prompts = torch.randint(3, 200, (B, 10), generator=torch.Generator().manual_seed(0))
+    c = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, batch=B)
+    _compare(m, c, prompts, 6, monkeypatch, rows=B)
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """The kernels built without AVX-512 (the plain C loops machines without it run)."""
+    import kvrun.kernels.native.decode_layer as dl
+    lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
+    monkeypatch.setattr(dl, "load", lambda: lib)
+
+
+@pytest.mark.parametrize("name", ["int4-64", "int8"])
+def test_portable_build_equals_the_eager_step(models, monkeypatch, portable, name):
+    m = kvrun.load(models[name], ctx=128, kv="fp32")
+    _compare(m, m.engine.cache, m.tokenize("portable loops"), 8, monkeypatch)
+
+
+def test_backend_torch_keeps_the_eager_step(models, monkeypatch):
+    m = kvrun.load(models["int4-32"], ctx=64)
+    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    m.engine.prefill([5, 6, 7])
+    m.engine.decode_step(8)
+    assert getattr(m.transformer, "_step", None) is None

@@ -25,7 +25,10 @@ What the model's decode step calls, per backend (runtime/kv/arena.py):
   rotated, not evicting. GEAR, fp16/bf16/fp32 tails, rotation, eviction and prefill
   chunks: `decode_attention`, then `pack` per flushed block (attend-then-append).
 - native: `attend_append` (one C call: rotate + round + window append + attention) on
-  steps without a flush; otherwise `decode_attention`, then `pack`.
+  steps without a flush; otherwise `decode_attention`, then `pack`. The dense cache's
+  one-token steps read their K/V through `decode_attention` too (an uncompressed tail).
+  Around attention, int4/int8 models run the rest of the layer natively as well
+  (runtime/decode_step.py: `kvrun_layer_pre` / `kvrun_layer_post` in native/decode_layer.c).
 """
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ statistics to stderr, so stdout pipes cleanly. User errors print `error: …` an
 from __future__ import annotations
 
 import json
-import os
 import sys
 from contextlib import contextmanager
 

@@ -17,7 +17,6 @@ reason: the output projection is the most quantization-sensitive matrix).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.dispatch import backend_for

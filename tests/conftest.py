@@ -12,6 +12,21 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny random model (tests/tiny.py: trained context 512); modules that need another
+    geometry define their own."""
+    from tiny import make_tiny_model_dir
+    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
+
+
+@pytest.fixture()
+def tiny(tiny_dir):
+    """The tiny model loaded with an fp32 dense cache of 256 tokens."""
+    import kvrun
+    return kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv="fp32")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted default model dir (SmolLM2-135M-Instruct, fp32: the chat default is

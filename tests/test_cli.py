@@ -10,11 +10,6 @@ from kvrun.runtime.cli import main
 from tiny import make_tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
-
-
 def run(args, input=None):
     return CliRunner().invoke(main, args, input=input)
 

@@ -7,14 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvrun.runtime.cli import main
-from tiny import make_tiny_model_dir
 
 COMMON = ["-m", "-p", "-n", "-c", "--temp", "-s", "-t", "--kv"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")     # trained for 512
 
 
 def run(args, input=None):

@@ -8,16 +8,6 @@ from kvrun.runtime.sampling import SamplingParams, apply_repetition_penalty, sam
 from tiny import interrupted_forward, make_tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
-
-
-@pytest.fixture()
-def tiny(tiny_dir):
-    return kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv="fp32")
-
-
 def test_greedy_is_argmax_of_full_forward(tiny):
     prompt = tiny.tokenize("abc def")
     out = [ev.token_id for ev in tiny.stream(prompt, 12, temp=0) if ev.token_id is not None]

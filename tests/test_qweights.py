@@ -6,13 +6,12 @@ own quantize/dequantize (the GGUF repacking), and the fp32 conversion of the sam
 """
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import kvrun
 from kvrun.convert import convert_gguf, convert_hf

@@ -7,17 +7,6 @@ import kvrun
 from kvrun.runtime.chat_session import ChatSession
 from kvrun.runtime.generate import StreamEvent, Timings
 from kvrun.runtime.stops import StopStrings, check_stops, unescape
-from tiny import make_tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("m") / "tiny")
-
-
-@pytest.fixture()
-def tiny(tiny_dir):
-    return kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv="fp32")
 
 
 class Source:

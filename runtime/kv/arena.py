@@ -3,7 +3,8 @@
 truncate / reset / nbytes).
 
 Per layer (codecs may differ per layer and between K and V):
-- window: the newest tokens, fp16 (bf16 if every method is bf16), R + G slots. It is kept
+- window: the newest tokens, fp16 (bf16 if every method is bf16), R + G slots (fewer when
+  -c is shorter). It is kept
   oldest-first and compacted after each flush (a copy of < R tokens every G steps) instead
   of wrapping around, so the read path always sees one contiguous slice.
 - tail: the codec's packed storage for floor((max_ctx - R) / G) * G tokens — the most that
@@ -75,6 +76,12 @@ def tail_capacity(max_ctx: int, R: int, G: int) -> int:
     return max(0, max_ctx - R) // G * G
 
 
+def window_slots(kv: KVConfig, max_ctx: int) -> int:
+    """Window slots per layer: R + G, or max_ctx when the context is shorter (it then never
+    reaches a flush, which happens at R + G tokens)."""
+    return min(kv.residual + kv.group, max_ctx)
+
+
 def window_dtype(kv: KVConfig) -> torch.dtype:
     """fp16, or bf16 / fp32 when every layer uses that uncompressed method."""
     ms = kv.methods()
@@ -111,7 +118,8 @@ class KVArena:
         self.k_store = [c.alloc(n_kv_heads, head_dim, S, device) for c, S in zip(self.k_codecs, self.S_l)]
         self.v_store = [c.alloc(n_kv_heads, head_dim, S, device) for c, S in zip(self.v_codecs, self.S_l)]
         self.wdtype = window_dtype(kv)
-        wshape = (n_layers, n_kv_heads, self.R + self.G, head_dim)        # (L, Hkv, R+G, D)
+        # R + G slots; a context shorter than that never flushes and needs only max_ctx
+        wshape = (n_layers, n_kv_heads, window_slots(kv, max_ctx), head_dim)  # (L, Hkv, R+G, D)
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
         # Hadamard rotation (issue: rotated codecs): K and/or V are stored as x @ R; the read
@@ -411,7 +419,7 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
         for c in (get(km, "k"), get(vm, "v")):
             for s in c.slots(Hkv, D, S):
                 out[s.component] += s.nbytes
-    out["window"] += 2 * L * Hkv * (kv.residual + kv.group) * D * window_dtype(kv).itemsize
+    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize
     return out
 
 

@@ -124,3 +124,19 @@ def test_a_context_shorter_than_the_window_allocates_only_the_context(tiny32, tm
     assert m.cache.nbytes() == kv_bytes_at(cfg, kv, 64) and sum(m.cache.nbytes().values()) == dense
     events = list(m.engine.stream(_ids(10), 200, GREEDY, set()))
     assert events[-1].finish_reason == "length" and m.engine.n_shifts > 0
+
+
+def test_keep_must_leave_something_to_shift(tiny32, tmp_path):
+    with pytest.raises(KvrunError, match=r"--keep 128 leaves nothing to shift in a context of "
+                                         r"128 tokens: it must be smaller than -c/--ctx-size"):
+        kvrun.load(tiny32, dtype="fp32", ctx=CTX, kv=_kv("kivi-4", tmp_path, n_keep=CTX))
+
+
+def test_sinks_that_would_fill_a_block_of_the_context_still_shift(tiny32, tmp_path):
+    """-c 64 with --keep 60: rounded up to a 32-token block the sinks would be the whole
+    context, but they never reach the tail (R = 64), so a shift keeps 60 and drops 2."""
+    m = kvrun.load(tiny32, dtype="fp32", ctx=64, kv=_kv("fp16", tmp_path, residual=64, n_keep=60))
+    assert m.cache.shift_keep() == 60
+    events = list(m.engine.stream(_ids(4), 80, GREEDY, set()))
+    assert events[-1].finish_reason == "length" and m.engine.n_shifts > 0
+    assert m.engine.cached[:4] == _ids(4)                 # the sinks survive every shift

@@ -106,6 +106,9 @@ class KVArena:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
                  kv: KVConfig, inv_freq: torch.Tensor, device="cpu", n_heads: int | None = None):
         kv.check_model(head_dim, n_layers)
+        if kv.ctx_policy == "shift" and kv.n_keep >= max_ctx:
+            raise KvrunError(f"--keep {kv.n_keep} leaves nothing to shift in a context of "
+                             f"{max_ctx} tokens: it must be smaller than -c/--ctx-size")
         self.L, self.Hkv, self.D, self.max_ctx, self.kv = n_layers, n_kv_heads, head_dim, max_ctx, kv
         self.R, self.G = kv.residual, kv.group
         self.S_l = tail_sizes(kv, n_layers, max_ctx)      # per-layer tail (eviction: budget)
@@ -284,8 +287,11 @@ class KVArena:
         return self.kv.ctx_policy == "shift"
 
     def shift_keep(self) -> int:
-        """The fewest tokens a shift keeps (the sinks, rounded up to a tail block)."""
-        return -(-self.kv.n_keep // self.G) * self.G
+        """The most tokens a shift keeps at the start: the sinks, rounded up to a tail block
+        once they are in the tail (shift_plan); a block that would fill the context means
+        they never reach the tail, and they stay as given."""
+        a = -(-self.kv.n_keep // self.G) * self.G
+        return a if a < self.max_ctx else self.kv.n_keep
 
     def reset(self) -> None:
         self.n_tail = [0] * self.L

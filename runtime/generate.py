@@ -129,12 +129,13 @@ class Engine:
         logits = self._forward([token])[0, -1]
         # the token's K/V are a fresh prefill's when its step saw the tail that prefill's
         # chunk would have shown it (decode runs the same ops as a one-token chunk)
-        fresh_tail = getattr(self.cache, "canonical_tail", lambda s: 0)(j // self.prefill_chunk * self.prefill_chunk)
+        fresh_tail = self.cache.canonical_tail(j // self.prefill_chunk * self.prefill_chunk)
         if self.canon == j and before == self._tail() == fresh_tail and len(self.cached) == j + 1:
             self.canon = j + 1
         return logits
 
     def _tail(self) -> int:
+        """Tokens the cache holds compressed (the arena's tail; none in the dense cache)."""
         return max(getattr(self.cache, "n_tail", [0]))
 
     def _make_room(self, T: int) -> None:

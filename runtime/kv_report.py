@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from .kv.cache import KV_DTYPES
 
-DENSE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DENSE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
 
 
 def fp16_bytes_per_token(cfg) -> int:

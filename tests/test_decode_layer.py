@@ -130,11 +130,11 @@ def test_dense_cache_decode_reads_through_the_native_kernel(monkeypatch, dtype, 
     32-token tiles + a window, through the native kernel; equal to attention over the same
     stored values in fp32 (the kernel accumulates in fp32; SDPA's fp16 path would round q
     and the output to fp16)."""
-    import kvrun.kernels.native.decode_attention as nd
+    import kvrun.runtime.kv.cache as kc
     from kvrun.kernels import dense_attention
     calls = []
-    real = nd.decode_attention
-    monkeypatch.setattr(nd, "decode_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = kc.native_attention
+    monkeypatch.setattr(kc, "native_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     L, Hkv, H, D = 2, 2, 6, 32
     g = torch.Generator().manual_seed(S)
     c = DenseKVCache(L, Hkv, D, 128, dtype)

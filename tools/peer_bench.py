@@ -90,7 +90,7 @@ def run_peer(a) -> list[dict] | str:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_kvrun(m, specs, labels, a) -> list[dict]:
+def run_kvrun(m, specs, a) -> list[dict]:
     """One repetition of every kvrun method (kvrun's own bench: warm-up excluded)."""
     from kvrun.runtime.bench import bench_model
     recs = bench_model(m, specs, [a.p] if a.p else [], a.n, a.depths, 1, seed=a.seed)
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         else:
             records += got
         print(f"[peer_bench] repetition {rep + 1}/{a.r}: kvrun", file=sys.stderr, flush=True)
-        ours = run_kvrun(m, specs, a.kv_labels, a)
+        ours = run_kvrun(m, specs, a)
         records += ours
         kv_bytes.update({("kvrun", r["kv"]): r["kv_bytes"] for r in ours})
     if why:

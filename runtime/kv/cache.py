@@ -10,6 +10,7 @@ so the model code never changes:
     truncate(n) -> kept / reset()   drop tokens after the first n (a cache may keep fewer)
     resume_point(n, chunk) -> m     how many of the first n tokens a new prompt may reuse
                                     and still get what a fresh prefill gives (runtime/generate.py)
+    canonical_tail(s) -> n          tokens a fresh prefill of s tokens holds compressed
     can_shift                       whether a full context shifts (the arena's shift()) or errors
     nbytes() -> dict                exact bytes by component
 
@@ -28,9 +29,9 @@ import torch
 
 from ...kernels import dense_attention
 from ...kernels.codec_base import FpCodec
-from ...kernels.dispatch import backend_for, decode_attention
-
-NATIVE_TILE = 32                    # the native kernel reads tails in whole 32-token tiles
+from ...kernels.dispatch import backend_for
+from ...kernels.native.decode_attention import TILE
+from ...kernels.native.decode_attention import decode_attention as native_attention
 from ..errors import KvrunError
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -65,7 +66,7 @@ class DenseKVCache:
         self.max_ctx = max_ctx
         self.seq_len = 0
         # the native decode step's view of the cache: an uncompressed tail per layer
-        self._tail = (FpCodec("k", NATIVE_TILE, dtype), FpCodec("v", NATIVE_TILE, dtype))
+        self._tail = (FpCodec("k", TILE, dtype), FpCodec("v", TILE, dtype))
         self._tail_st = [({"x": self.k[l, 0]}, {"x": self.v[l, 0]}) for l in range(n_layers)]
 
     def positions(self, T: int) -> torch.Tensor:
@@ -85,12 +86,12 @@ class DenseKVCache:
         self.k[layer, :, :, S:S + T] = k
         self.v[layer, :, :, S:S + T] = v
         if T == 1 and q.shape[0] == 1 and backend_for(q) == "native":
-            nt = S // NATIVE_TILE * NATIVE_TILE
+            nt = S // TILE * TILE
             kl, vl = self.k[layer], self.v[layer]                          # (1, Hkv, S, D)
-            o = decode_attention(q, (self._tail[0], self._tail_st[layer][0]),
+            o = native_attention(q, (self._tail[0], self._tail_st[layer][0]),
                                  (self._tail[1], self._tail_st[layer][1]), nt,
                                  kl[:, :, nt:S], vl[:, :, nt:S], kl[:, :, S:S + 1], vl[:, :, S:S + 1])
-            if o is not None:
+            if o is not None:                   # None: a request the kernel does not cover
                 return o
         return dense_attention(q, self.k[layer, :, :, :S + T], self.v[layer, :, :, :S + T], S)
 
@@ -119,6 +120,10 @@ class DenseKVCache:
         """How many of the first n cached tokens a new prompt may keep: all of them (every
         token is held in full precision, as a fresh prefill would hold it)."""
         return min(n, self.seq_len)
+
+    def canonical_tail(self, s: int) -> int:
+        """Tokens a fresh prefill of s tokens holds compressed: none."""
+        return 0
 
     can_shift = False                   # a full dense cache is an error (shift runs in the arena)
 

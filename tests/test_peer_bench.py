@@ -41,3 +41,12 @@ def test_unknown_peer_kv_type_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         peer_bench.main(["--peer-kv", "q3_z", "-r", "1"])
     assert e.value.code == 2 and "unknown llama.cpp KV type 'q3_z'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [(["-d", "x"], "-d: expected a comma list of depths"),
+                                      (["-r", "0"], "-r and -t >= 1")])
+def test_bad_flags_are_one_usage_line(capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        peer_bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "Traceback" not in err

@@ -140,8 +140,13 @@ def main(argv=None) -> int:
     ap.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.peer_kv = [x for x in a.peer_kv.split(",") if x]
-    a.depths = [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x)
-                for x in a.d.split(",") if x]
+    try:
+        a.depths = [int(x[:-1]) * 1024 if x.lower().endswith("k") else int(x)
+                    for x in a.d.split(",") if x]
+    except ValueError:
+        ap.error(f"-d: expected a comma list of depths such as 0,512,4k, got {a.d!r}")
+    if min(a.depths + [a.p, a.n]) < 0 or a.r < 1 or a.threads < 1:
+        ap.error("-d, -p and -n must be >= 0; -r and -t >= 1")
     bad = [k for k in a.peer_kv if k not in PEER_TYPES]
     if bad:
         ap.error(f"--peer-kv: unknown llama.cpp KV type {bad[0]!r}")

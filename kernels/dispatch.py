@@ -7,28 +7,27 @@ set it before anything imports kvrun.kernels.triton); without it, forcing triton
 an error rather than a silent fallback. The Triton module is imported lazily, so the torch
 path never needs triton installed.
 
-Per call, the torch path still runs when the Triton kernel does not cover the request: a
-codec it does not read (`kvrun.kernels.triton.supports`), or an extra tensor argument the
-Triton kernel does not know. The attention mass token eviction asks for (`mass=`,
-`mass_from=`) is served by the Triton kernel too (a third launch over its logits).
-`pack` (a flush of window tokens into the tail) has a Triton kernel for KIVI only
-(`kivi_pack`, bit-identical storage); every other codec packs with torch on both backends.
-`rope_compress_k` / `vproj_compress` (the fused write ops, DESIGN §7 ops 1-2) run their
-Triton kernel for KIVI, TaDA and int8 codecs and torch for the rest (and on native/torch);
-`vproj_compress` with weight None takes V rows as given (a weight-quantized v_proj).
+Which kernel serves which codec — the one place this is written down (the arena's
+decode-step contract, the same order on every backend, is in runtime/kv/arena.py):
 
-What the model's decode step calls, per backend (runtime/kv/arena.py):
-- triton and torch: `rope_compress_k` + `vproj_compress` (K's RoPE and the V projection
-  fused into the window append and the flush), then `decode_attention` over tail + window
-  (the arena's write-then-attend `write_attend`) — for layers whose K and V codecs
-  `fused_compress.supports` (KIVI, TaDA, int8) and steps of T <= min(R, 64) tokens, not
-  rotated, not evicting. GEAR, fp16/bf16/fp32 tails, rotation, eviction and prefill
-  chunks: `decode_attention`, then `pack` per flushed block (attend-then-append).
-- native: `attend_append` (one C call: rotate + round + window append + attention) on
-  steps without a flush; otherwise `decode_attention`, then `pack`. The dense cache's
-  one-token steps read their K/V through `decode_attention` too (an uncompressed tail).
-  Around attention, int4/int8 models run the rest of the layer natively as well
-  (runtime/decode_step.py: `kvrun_layer_pre` / `kvrun_layer_post` in native/decode_layer.c).
+| op | triton (CUDA) | native (CPU) | torch |
+|---|---|---|---|
+| `decode_attention` (tail + window + new) | `triton.supports`: KIVI / TaDA / GEAR of 2, 4, 8 bits, int8, fp (eviction's `mass=` too) | fp, int8, KIVI, TaDA, GEAR (`native.decode_attention.describe`), batch 1, D <= 256, whole 32-token tiles | every codec (the oracle) |
+| `attend_append` (window write fused into attention) | — (None: the caller writes first) | codecs `decode_attention` reads, rotation included | — |
+| `rope_compress_k` / `vproj_compress` (K RoPE / V projection fused into the window write) | KIVI, TaDA, int8 (`fused_compress.supports`) | torch | torch (the oracle) |
+| `pack` (a flush: window → tail) | KIVI 2/4-bit (`kivi_pack`), else `codec.store` | KIVI, TaDA, int8 (`native.pack`), else `codec.store` | `codec.store` |
+
+The arena's step routes: torch and Triton take `write_attend` (`rope_compress_k` +
+`vproj_compress` with flush=False, `decode_attention`, then `pack`) for layers whose K and
+V codecs `fused_compress.supports` and steps of T <= min(R, 64) tokens that fit the
+window, not rotated, not evicting; everything else (GEAR, fp16/bf16/fp32 tails, rotation,
+eviction, long prefill chunks) and the native backend take `attend` (`attend_append` or
+`decode_attention`, then `pack`). The dense cache's one-token steps read K/V through
+native `decode_attention` as an uncompressed tail. Around attention, int4/int8 models run
+the rest of the layer natively too (runtime/decode_step.py: `kvrun_layer_pre` /
+`kvrun_layer_post` in native/decode_layer.c). A request a kernel does not cover falls back
+to torch per call; `pack` storage is bit-identical on every backend, and the write ops'
+Triton kernels are bit-identical to their torch oracle.
 """
 from __future__ import annotations
 
@@ -126,23 +125,23 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
     codec.store(st, x, s0)
 
 
-def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R) -> int:
+def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush=True) -> int:
     """kernels.fused_compress.rope_compress_k on the chosen backend (the Triton kernel for
     KIVI / TaDA / int8 codecs, bit-identical storage; torch otherwise and on CPU)."""
     if backend_for(x) == "triton":
         from .triton import fused_compress as tfc
         if tfc.supports(codec):
-            return tfc.rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R)
+            return tfc.rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush)
     from .fused_compress import rope_compress_k as rope_compress_k_torch
-    return rope_compress_k_torch(x, cos, sin, win, w, codec, st, n_tail, R)
+    return rope_compress_k_torch(x, cos, sin, win, w, codec, st, n_tail, R, flush)
 
 
-def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R) -> int:
+def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush=True) -> int:
     """kernels.fused_compress.vproj_compress on the chosen backend (as rope_compress_k);
     weight None: x is the V rows (Hkv, T, D), appended as given."""
     if backend_for(x) == "triton":
         from .triton import fused_compress as tfc
         if tfc.supports(codec):
-            return tfc.vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R)
+            return tfc.vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush)
     from .fused_compress import vproj_compress as vproj_compress_torch
-    return vproj_compress_torch(x, weight, bias, win, w, codec, st, n_tail, R)
+    return vproj_compress_torch(x, weight, bias, win, w, codec, st, n_tail, R, flush)

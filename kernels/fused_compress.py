@@ -1,17 +1,17 @@
 """rope_compress_k and vproj_compress (DESIGN §7 ops 1-2), torch implementation: the write
 half of a decode step. New K rows get RoPE, new V rows come out of the V projection (or
 arrive as rows when the model's v_proj is weight-quantized and ran its own op); both are
-rounded to the window dtype and appended to the layer's residual window, and the tokens
-that leave the window in this call are packed into the codec's tail storage.
+rounded to the window dtype and appended to the layer's residual window, and (flush=True)
+the tokens that leave the window in this call are packed into the codec's tail storage.
 
-Who calls them: the arena's write-then-attend step (runtime/kv/arena.py `write_attend`)
-on the torch and Triton backends — through kernels/dispatch.py, which runs these torch
-functions on the torch backend and the Triton kernels on the triton one — for the codecs
-`supports` accepts (the Triton kernels' set, so both backends take the same path); then
-dispatch.decode_attention reads tail + window. GEAR, fp16/bf16/fp32 tails, rotated or
-evicting layers and prefill chunks keep the attend-then-append path, and so does the
-native CPU backend, whose fused C call (rotate + round + window append + attention) is its
-equivalent of this op.
+Who calls them: the arena's fused-write step (runtime/kv/arena.py `write_attend`) on the
+torch and Triton backends — through kernels/dispatch.py, which runs these torch functions
+on the torch backend and the Triton kernels on the triton one — for the codecs `supports`
+accepts (the Triton kernels' set, so both backends take the same path), with flush=False:
+the step's contract attends before it flushes, so the arena packs the leaving blocks
+after dispatch.decode_attention has read tail + window. Every other layer and step, and
+the native CPU backend (whose fused C call does rotate + round + window write +
+attention), take `attend`.
 
 The window is the arena's (runtime/kv/arena.py): (Hkv, R + G, D), oldest token first,
 compacted after a flush. Appending T tokens to a window holding w: while w + T < R + G
@@ -52,12 +52,15 @@ def flush_count(w: int, T: int, R: int, G: int) -> int:
 
 
 def append_window(rows: torch.Tensor, win: torch.Tensor, w: int, codec, st: dict,
-                  n_tail: int, R: int) -> int:
+                  n_tail: int, R: int, flush: bool = True) -> int:
     """Append rows (Hkv, T, D) (window dtype) to win (Hkv, R+G, D) holding w tokens; pack
     the leaving tokens into st at n_tail. Returns f, the number packed (the caller's window
-    then holds w + T − f tokens and its tail n_tail + f)."""
+    then holds w + T − f tokens and its tail n_tail + f). flush False: append only (the
+    rows must fit, w + T <= R + G; the arena's decode step flushes after attending)."""
     Hkv, T, D = rows.shape
-    f = flush_count(w, T, R, codec.G)
+    f = flush_count(w, T, R, codec.G) if flush else 0
+    if not flush and w + T > win.shape[1]:
+        raise ValueError(f"append without flush: {w} + {T} tokens > {win.shape[1]} window slots")
     if f == 0:
         win[:, w:w + T] = rows
         return 0
@@ -75,10 +78,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_compress_k(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int) -> int:
+                    win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int,
+                    flush: bool = True) -> int:
     """RoPE on new K rows x (Hkv, T, D) (before RoPE; any strides) with cos/sin (T, D) of
     their positions, then append_window. Returns the number of tokens packed."""
-    return append_window(rope(x, cos, sin).to(win.dtype), win, w, codec, st, n_tail, R)
+    return append_window(rope(x, cos, sin).to(win.dtype), win, w, codec, st, n_tail, R, flush)
 
 
 def vproj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, Hkv: int) -> torch.Tensor:
@@ -88,9 +92,10 @@ def vproj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, Hkv:
 
 
 def vproj_compress(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int) -> int:
+                   win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int,
+                   flush: bool = True) -> int:
     """The V projection of hidden states x (T, hidden), then append_window. Returns the
     number of tokens packed. weight None: x already holds the V rows (Hkv, T, D) (a
     weight-quantized v_proj computed them) and they are appended as given."""
     rows = x if weight is None else vproj(x, weight, bias, win.shape[0])
-    return append_window(rows.to(win.dtype), win, w, codec, st, n_tail, R)
+    return append_window(rows.to(win.dtype), win, w, codec, st, n_tail, R, flush)

@@ -290,7 +290,7 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
             v = torch.randn(1, Hkv, 1, D, generator=g, dtype=dtype)
             t0 = time.perf_counter()
             pos = cache.positions(1)
-            if fused(0, 1):                   # the model's write-then-attend step (k before RoPE)
+            if fused(0, 1):                   # the model's fused-write step (k before RoPE)
                 cos, sin = rope.tables(pos, dtype)
                 cache.write_attend(0, q, NewKV(k, cos, sin, v=v))
             else:

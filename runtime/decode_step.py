@@ -13,8 +13,8 @@ their stored bytes (kernels/native/decode_layer.c). The eager forward stays the 
 Covered: the Llama/Qwen2 `Transformer` with int4 or int8 linear layers (the weights
 `kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
 CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
-cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused
-write-then-attend step keeps the eager forward). The rows are a batch axis: each row is
+cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused-write
+step `write_attend` keeps the eager forward). The rows are a batch axis: each row is
 its own sequence at its own position (B = 1 in today's engine).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
 writes K/V only through the cache object (`cache.attend`), which is either the dense
 cache or the compressed arena; the model does not know which. A cache that offers the
-write-then-attend step (`takes_new_kv` / `write_attend`, runtime/kv/cache.py: the arena on
+fused-write step (`takes_new_kv` / `write_attend`, runtime/kv/cache.py: the arena on
 the torch and Triton backends) gets K before RoPE and V's projection operands instead, so
 its fused ops apply RoPE and run the V GEMM while compressing.
 
@@ -46,8 +46,8 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         takes_new_kv = getattr(cache, "takes_new_kv", None)
         if takes_new_kv is not None and takes_new_kv(self.layer_idx, T):
-            # write-then-attend: K's RoPE and the V projection run inside the cache's fused
-            # compressing writes (kernels/fused_compress.py)
+            # K's RoPE and the V projection run inside the cache's fused window writes
+            # (kernels/fused_compress.py); same step contract as attend
             o = cache.write_attend(self.layer_idx, q, self._new_kv(x, k, cos, sin))
         else:
             o = cache.attend(self.layer_idx, q, apply_rope(k, cos, sin), self._v(x))  # (B, H, T, D)

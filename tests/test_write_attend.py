@@ -1,15 +1,16 @@
-"""The arena's write-then-attend decode step (KVArena.write_attend, DESIGN §7): the fused
-write ops (dispatch.rope_compress_k / vproj_compress) append the new K/V and pack the
-tokens leaving the window, then dispatch.decode_attention reads tail + window.
+"""The arena's fused-write decode step (KVArena.write_attend, DESIGN §7): the fused write
+ops (dispatch.rope_compress_k / vproj_compress, flush=False) write the new K/V into the
+window, dispatch.decode_attention reads tail + window, then the leaving blocks are packed.
 
-Checked on the torch backend and on Triton under TRITON_INTERPRET=1:
-- without a flush it equals the attend-then-append step (`attend`) bit for bit, output
-  and cache state;
-- with a flush it leaves the same cache state, and its output is attention over that state
-  (the flushed tokens read back from their packed form), matching dense attention over the
-  explicitly dequantized tail (attention_cases.dequantized_reference);
-- a model's decode step calls the fused ops and decode_attention once per layer and no
-  other K/V write (`pack`, `_append`, `attend`); a dense v_proj is not run by the model;
+Checked on the torch backend and on Triton under TRITON_INTERPRET=1, against `attend`
+(the route every other step takes) — the one decode-step contract:
+- without a flush both give the same output and cache state bit for bit;
+- with a flush too: both attend over the pre-flush state (the G tokens about to leave in
+  full precision, matching dense attention over the explicitly dequantized older tail,
+  attention_cases.dequantized_reference) and then pack the same bytes;
+- a model's decode step calls the fused ops and decode_attention once per layer, `pack`
+  only at a flush, and no other K/V write (`_append`, `attend`); a dense v_proj is not run
+  by the model;
 - the real SmolLM2 (int4, the default model) decodes the same tokens on both backends.
 
 TRITON_INTERPRET must be set before kvrun.kernels.triton is imported (see
@@ -79,10 +80,7 @@ def _both_steps(a, b, layer, T, v_src):
     o_a = a.attend(layer, q, apply_rope(k, cos, sin), v)
     new = (NewKV(k, cos, sin, v=v) if v_src == "rows"
            else NewKV(k, cos, sin, v_x=x, v_weight=wv))
-    # the model takes write_attend for one token or a step without a flush; the op itself
-    # serves a multi-token flush too
-    flush = b.n_win[layer] + T >= R + G
-    assert b.takes_new_kv(layer, T) == (T == 1 or not flush)
+    assert b.takes_new_kv(layer, T)                       # T new tokens fit the window
     o_b = b.write_attend(layer, q, new)
     return q, o_a, o_b
 
@@ -118,20 +116,25 @@ def test_no_flush_step_equals_attend_then_append(monkeypatch, backend, method, T
 
 @pytest.mark.parametrize("backend,method", CASES)
 @pytest.mark.parametrize("T,v_src", [(1, "proj"), (3, "rows")])
-def test_flush_step_attends_the_packed_tokens(monkeypatch, backend, method, T, v_src):
-    """A flush step writes first: the G flushed tokens are read back from the tail."""
+def test_flush_step_attends_before_it_flushes(monkeypatch, backend, method, T, v_src):
+    """A flush step attends over the pre-flush state, then packs: the same output and
+    bytes as attend, and the output is attention with the leaving block in full precision."""
     monkeypatch.setenv("KVRUN_BACKEND", backend)
     a, b = _arenas(method, 32 + R + G - T)                                 # full after T more
+    w0 = b.n_win[0]
+    wk0, wv0 = b.win_k[0, :, :w0].clone(), b.win_v[0, :, :w0].clone()    # before the step
     q, o_a, o_b = _both_steps(a, b, 0, T, v_src)
     assert b.n_tail[0] == 64 and b.n_win[0] == R                           # one block flushed
     _same_layer_state(a, b, 0)                                             # same bytes written
+    assert torch.equal(o_a, o_b)
     n = b.n_win[0]
-    view = (b.win_k[0][None, :, :n - T], b.win_v[0][None, :, :n - T],
-            b.win_k[0][None, :, n - T:n], b.win_v[0][None, :, n - T:n])
     kt, vt = (b.k_codecs[0], b.k_store[0]), (b.v_codecs[0], b.v_store[0])
-    assert torch.equal(o_b, dispatch.decode_attention(q, kt, vt, 64, *view, block=b.kv.block))
-    assert_close(o_b, dequantized_reference(q, kt, vt, 64, *view), **REF_TOL[backend])
-    assert not torch.equal(o_a, o_b)         # attend-then-append saw them in full precision
+    ref = dequantized_reference(q, kt, vt, 32, wk0[None], wv0[None],      # the old tail only
+                                b.win_k[0][None, :, n - T:n], b.win_v[0][None, :, n - T:n])
+    assert_close(o_b, ref, **REF_TOL[backend])
+    after = dequantized_reference(q, kt, vt, 64, b.win_k[0][None, :, :n - T], b.win_v[0][None, :, :n - T],
+                                  b.win_k[0][None, :, n - T:n], b.win_v[0][None, :, n - T:n])
+    assert (o_b - after).abs().max() > 1e-3      # the block's packed form would differ
 
 
 def test_takes_new_kv_only_where_the_fused_ops_cover_the_step(monkeypatch):
@@ -140,8 +143,8 @@ def test_takes_new_kv_only_where_the_fused_ops_cover_the_step(monkeypatch):
     assert a.takes_new_kv(0, 1) and a.takes_new_kv(1, R)
     assert not a.takes_new_kv(0, R + 1)                          # new tokens would leave the window
     a.ingest(torch.zeros(L, Hkv, R + G - 2, D), torch.zeros(L, Hkv, R + G - 2, D))
-    assert a.takes_new_kv(0, 1) and not a.takes_new_kv(0, 2)    # a chunk that flushes attends
-    a.reset()                                                    # first (prefill semantics)
+    assert a.takes_new_kv(0, 2) and not a.takes_new_kv(0, 3)    # only what fits the window
+    a.reset()
     for spec, kw in [("gear", {}), ("fp16", {"ctx_policy": "shift"}), ("kivi-4", {"rotate": "k"}),
                      ("kivi-4", {"evict": "h2o", "budget": 192})]:
         c = build_cache(CFG, 256, parse_kv(spec, residual=R, group=G, **kw))
@@ -170,9 +173,9 @@ def _int8_v_proj(lin):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("v_proj", ["dense", "int8"])
 def test_model_decode_step_calls_only_the_fused_ops(tmp_path, monkeypatch, backend, v_proj):
-    """Per layer and decode step: rope_compress_k, vproj_compress and decode_attention once;
-    no pack, _append or attend (a flush step included); the model runs a dense v_proj only
-    through vproj_compress's operands."""
+    """Per layer and decode step: rope_compress_k, vproj_compress and decode_attention once,
+    pack (K and V) after the attention of a flush step; no _append or attend; the model runs
+    a dense v_proj only through vproj_compress's operands."""
     import kvrun
     from tiny import make_tiny_model_dir
     path = make_tiny_model_dir(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -202,7 +205,8 @@ def test_model_decode_step_calls_only_the_fused_ops(tmp_path, monkeypatch, backe
     for tok in (40, 41, 42):                                              # the second flushes
         m.engine.decode_step(tok)
     assert cache.n_tail == [64] * L and cache.n_win == [R + 1] * L
-    expect = {"rope_compress_k": 3 * L, "vproj_compress": 3 * L, "decode_attention": 3 * L}
+    expect = {"rope_compress_k": 3 * L, "vproj_compress": 3 * L, "decode_attention": 3 * L,
+              "pack": 2 * L}
     if v_proj == "int8":
         expect["v_proj"] = 3 * L
     assert {n: calls.count(n) for n in set(calls)} == expect

@@ -4,7 +4,11 @@ V rows as given when the model's v_proj is weight-quantized), appends them to th
 window, and packs the tokens that leave the window into the codec's tail storage straight
 from registers — bit-identical to `codec.pack` of the same rows (the torch oracle:
 kernels/fused_compress.py; window semantics of KVArena._append). The arena's decode step
-calls them through kernels/dispatch.py (runtime/kv/arena.py `write_attend`).
+calls them through kernels/dispatch.py (runtime/kv/arena.py `write_attend`) with
+flush=False: its contract attends before it flushes, so there the launch only writes the
+new rows and the flush follows the attention as a `pack` (`kivi_pack` for KIVI). The
+in-launch flush serves appends with no attention in between, and its bytes are pinned bit
+for bit against the oracle (tests/test_triton_compress.py).
 
 Codecs: KIVI (2/4/8-bit; K per channel over G-token groups in chanpack.py's byte planes,
 V per token over g-channel groups in nibble.py's channel-major layout), TaDA (2/4/8-bit
@@ -136,7 +140,7 @@ def _unit(codec) -> int:
 
 
 def _launch(SRC, rows_dtype, T, x, sx_h, sx_t, a, b, s_a, KH, has_bias,
-            win, w, codec, st, n_tail, R) -> int:
+            win, w, codec, st, n_tail, R, flush=True) -> int:
     if not supports(codec):
         raise ValueError(f"fused compress: {codec} is not a KIVI / TaDA / int8 codec with a "
                          "power-of-two G >= 32")
@@ -148,7 +152,9 @@ def _launch(SRC, rows_dtype, T, x, sx_h, sx_t, a, b, s_a, KH, has_bias,
         raise ValueError(f"n_tail {n_tail} is not a multiple of G={G}")
     if not 0 <= w < R + G:
         raise ValueError(f"window holds {w} tokens, more than R+G-1={R + G - 1}")
-    f = flush_count(w, T, R, G)
+    if not flush and w + T > R + G:
+        raise ValueError(f"append without flush: {w} + {T} tokens > R+G={R + G} window slots")
+    f = flush_count(w, T, R, G) if flush else 0
     kind = KIVI if isinstance(codec, KiviCodec) else TADA if isinstance(codec, TadaCodec) else INT8
     V = codec.role == "v"
     assert all(t.is_contiguous() for t in st.values()), f"{codec}: storage must be contiguous"
@@ -186,7 +192,7 @@ def _launch(SRC, rows_dtype, T, x, sx_h, sx_t, a, b, s_a, KH, has_bias,
 
 
 def rope_compress_k(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: torch.Tensor,
-                    w: int, codec, st: dict, n_tail: int, R: int) -> int:
+                    w: int, codec, st: dict, n_tail: int, R: int, flush: bool = True) -> int:
     """kernels.fused_compress.rope_compress_k in one launch: x (Hkv, T, D) new K rows before
     RoPE (fp32/fp16/bf16, unit channel stride), cos/sin (T, D); returns tokens packed."""
     Hkv, T, D = x.shape
@@ -197,11 +203,12 @@ def rope_compress_k(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: 
     if D % 2 or x.stride(-1) != 1 or cos.stride(-1) != 1:
         raise ValueError("rope_compress_k: even D and unit channel strides required")
     return _launch(0, x.dtype, T, x, x.stride(0), x.stride(1), cos, sin, cos.stride(0), 0, False,
-                   win, w, codec, st, n_tail, R)
+                   win, w, codec, st, n_tail, R, flush)
 
 
 def vproj_compress(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int) -> int:
+                   win: torch.Tensor, w: int, codec, st: dict, n_tail: int, R: int,
+                   flush: bool = True) -> int:
     """kernels.fused_compress.vproj_compress in one launch: x (T, hidden) hidden states,
     weight (Hkv·D, hidden) (nn.Linear layout), bias (Hkv·D,) or None; returns tokens packed.
     weight None: x is the V rows (Hkv, T, D) as given (SRC 2: a weight-quantized v_proj
@@ -213,7 +220,7 @@ def vproj_compress(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
         if bias is not None:
             raise ValueError("vproj_compress: a bias needs the weight (rows are taken as given)")
         return _launch(2, x.dtype, x.shape[1], x, x.stride(0), x.stride(1), x, x, 0, 0, False,
-                       win, w, codec, st, n_tail, R)
+                       win, w, codec, st, n_tail, R, flush)
     T, KH = x.shape
     if weight.shape != (Hkv * D, KH) or weight.stride(-1) != 1 or x.stride(-1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} != ({Hkv * D}, {KH}) with unit stride, "
@@ -221,7 +228,7 @@ def vproj_compress(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     if bias is not None and bias.shape != (Hkv * D,):
         raise ValueError(f"bias {tuple(bias.shape)} != ({Hkv * D},)")
     return _launch(1, x.dtype, T, x, 0, x.stride(0), weight, weight if bias is None else bias,
-                   weight.stride(0), KH, bias is not None, win, w, codec, st, n_tail, R)
+                   weight.stride(0), KH, bias is not None, win, w, codec, st, n_tail, R, flush)
 
 
 def bytes_per_step(codec, Hkv: int, D: int, R: int, T: int = 1, flush: bool = False,

@@ -9,29 +9,25 @@ Per layer (codecs may differ per layer and between K and V):
   of wrapping around, so the read path always sees one contiguous slice.
 - tail: the codec's packed storage for floor((max_ctx - R) / G) * G tokens — the most that
   can ever leave the window, since a flush always leaves >= R tokens in it.
-`attend` (1) attends the new queries over [tail, window, new tokens] with
-`kernels.decode_attention`, then (2) appends the new tokens and flushes the oldest ones in
-whole blocks of G so that the window holds R .. R+G-1 tokens (all of them while fewer than
-R + G). A prefill chunk longer than the window therefore goes straight into the tail.
-New K/V are rounded to the window dtype before attending, exactly like DenseKVCache(fp16).
-
-The decode step, per backend (kernels/dispatch.py picks it):
-- torch and triton: `write_attend`, write-then-attend, the order a GPU decode step runs.
-  The model hands over K before RoPE with cos/sin and V as the projection's operands (or
-  as rows when v_proj is weight-quantized); `dispatch.rope_compress_k` and
-  `dispatch.vproj_compress` append them to the window and pack the tokens that leave it
-  (one fused launch each on Triton), then `dispatch.decode_attention` reads tail + window,
-  the T new tokens being the window's last T slots (passed as its k_new/v_new views: the
-  causal mask between new queries needs them apart). Taken when `takes_new_kv`: T <= R
-  and <= 64 (so the new tokens never leave the window in their own step), no rotation, no
-  eviction, and K and V codecs the fused ops cover (`fused_compress.supports`: KIVI, TaDA,
-  int8); GEAR, fp16/bf16/fp32 tails, rotated or evicting layers and prefill chunks keep
-  `attend`. Semantics: at a flush step the G flushed tokens are attended in compressed
-  form (written before attending), where `attend` still attends them in full precision;
-  without a flush both orders give the same output bit for bit.
-- native (CPU default): `attend`, whose steps without a flush are one fused C call
-  (`dispatch.attend_append`: rotate + round + window append + attention), the native
-  equivalent; flush steps attend, then `_append` packs with `dispatch.pack`.
+The decode-step contract, the same on every backend and for every step (a decode token or a
+prefill chunk): the T new tokens are rounded to the window dtype, the new queries attend
+over [tail, window, new tokens] (the new ones in full precision, causally among
+themselves), and only then are the oldest tokens flushed in whole blocks of G, so that the
+window holds R .. R+G-1 tokens (all of them while fewer than R + G). A flushed token is
+therefore attended in full precision at the step that flushes it, and compressed from the
+next step on; a prefill chunk longer than the window goes straight into the tail after
+its own attention. Routes (which kernel serves which codec: kernels/dispatch.py, the one
+place that says so):
+- `attend`: new tokens that fit the window's free slots are written there and attended
+  in one fused call where the backend has one (native: rotate + round + window write +
+  attention); otherwise attention reads them as separate rows and `_append` writes them.
+  Then `_flush` packs the leaving blocks with `dispatch.pack`.
+- `write_attend` (torch / Triton, `takes_new_kv`): the model hands over K before RoPE with
+  cos/sin and V as the projection's operands (or rows when v_proj is weight-quantized);
+  `dispatch.rope_compress_k` / `vproj_compress` (flush=False) write them into the free
+  window slots, `dispatch.decode_attention` reads tail + window, then `_flush`.
+Both routes give the same cache bytes and, on one backend, the same output bit for bit
+(tests/test_write_attend.py; tests/test_decode_contract.py across backends).
 
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
 the first n_keep tokens — rounded up to a whole tail block, so the sink block is untouched
@@ -59,7 +55,7 @@ from ...kernels.codec_base import COMPONENTS
 from ...kernels.codecs import make_codec
 from ...kernels.dispatch import (attend_append, backend_for, decode_attention, pack,  # per backend
                                  rope_compress_k, vproj_compress)
-from ...kernels.fused_compress import supports as fused_supports
+from ...kernels.fused_compress import flush_count, supports as fused_supports
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from ..rope import apply_rope, inv_frequencies
@@ -153,13 +149,15 @@ class KVArena:
         return torch.arange(self.seq_len, self.seq_len + T)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (1, H, T, D); k, v: (1, Hkv, T, D), K already rotated. Returns (1, H, T, D)."""
+        """q: (1, H, T, D); k, v: (1, Hkv, T, D), K already rotated. Returns (1, H, T, D).
+        The decode-step contract (module docstring): attend over tail + window + the new
+        tokens in full precision, then flush."""
         assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
         nt, w = self.n_tail[layer], self.n_win[layer]
         assert nt + w + k.shape[2] <= self.max_ctx, "positions() must run before attend()"
         rk, rv = self.rot_k[layer], self.rot_v[layer]
         T = k.shape[2]
-        if self.ev is None and w + T < self.R + self.G:          # no flush: the fused op
+        if self.ev is None and w + T <= self.win_k.shape[2]:        # fits: the fused op
             o = attend_append(q, (self.k_codecs[layer], self.k_store[layer]),
                               (self.v_codecs[layer], self.v_store[layer]), nt,
                               self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
@@ -167,6 +165,7 @@ class KVArena:
                               rk, rv)
             if o is not None:
                 self.n_win[layer] = w + T
+                self._flush(layer)
                 return o
         if rk is not None:                          # q·k = (qR)·(kR)
             q, k = rotate(q, rk), rotate(k.float(), rk)
@@ -184,36 +183,34 @@ class KVArena:
         return o if rv is None else unrotate(o, rv)
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
-        """Whether write_attend runs this step: a covered layer, 1 <= T <= min(R, 64), the
-        torch or Triton backend (native keeps its fused attend_append), and either a single
-        token or no flush. A multi-token chunk that flushes keeps attend-then-append, so
-        every prefill chunk sees the past as the cache held it at the chunk's start on
-        every backend: a prefix resumed at an aligned chunk (`resume_point`) then gives
-        the same attention as a fresh prefill."""
-        w = self.n_win[layer]
+        """Whether write_attend runs this step: a layer the fused write ops cover, 1 <= T <=
+        min(R, 64) new tokens that fit the window's free slots, on the torch or Triton
+        backend (native fuses the window write into its attention call instead). Either
+        way the step follows the one contract, so this only picks the faster route."""
         return (self.fusable[layer] and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
-                and (T == 1 or w + T < self.R + self.G)
+                and self.n_win[layer] + T <= self.win_k.shape[2]
                 and backend_for(self.win_k) != "native")
 
     def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
-        """Write-then-attend (only when takes_new_kv): q (1, H, T, D) after RoPE; new K
-        before RoPE and V as projection operands or rows. Returns (1, H, T, D)."""
+        """The decode step from the fused ops' inputs (only when takes_new_kv): q (1, H, T,
+        D) after RoPE; new K before RoPE and V as projection operands or rows. Writes the
+        new tokens into the window's free slots (K's RoPE and the V projection fused into
+        the write), attends over tail + window, then flushes. Returns (1, H, T, D)."""
         assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
         nt, w, T = self.n_tail[layer], self.n_win[layer], q.shape[2]
         assert nt + w + T <= self.max_ctx, "positions() must run before write_attend()"
         kt = (self.k_codecs[layer], self.k_store[layer])
         vt = (self.v_codecs[layer], self.v_store[layer])
         wk, wv = self.win_k[layer], self.win_v[layer]                    # (Hkv, R+G, D)
-        # -- write: RoPE / V projection, window append, flush of the oldest f tokens -------
-        f = rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R)
+        rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R, flush=False)
         v_src = (new.v[0], None, None) if new.v is not None else (new.v_x, new.v_weight, new.v_bias)
-        fv = vproj_compress(*v_src, wv, w, *vt, nt, self.R)
-        assert f == fv and nt + f <= self.S_l[layer], (f, fv, nt, self.S_l[layer])
-        n = w + T - f                 # window tokens; the T new ones are the last (T <= R)
-        self.n_tail[layer], self.n_win[layer] = nt + f, n
-        # -- attend: tail + window, the new tokens apart for the causal mask ---------------
-        return decode_attention(q, kt, vt, nt + f, wk[None, :, :n - T], wv[None, :, :n - T],
-                                wk[None, :, n - T:n], wv[None, :, n - T:n], block=self.kv.block)
+        vproj_compress(*v_src, wv, w, *vt, nt, self.R, flush=False)
+        n = self.n_win[layer] = w + T
+        # the new tokens are the window's last T, apart for the causal mask between them
+        o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
+                             wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block)
+        self._flush(layer)
+        return o
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append already-computed K/V for every layer without attending: k, v: (L, Hkv, n, D),
@@ -320,25 +317,36 @@ class KVArena:
         if self.ev:
             return self.ev.append(l, k, v)
         w, T = self.n_win[l], k.shape[1]
-        total = w + T
-        if total < self.R + self.G:
-            self.win_k[l, :, w:total] = k
-            self.win_v[l, :, w:total] = v
-            self.n_win[l] = total
-            return
-        f = (total - self.R) // self.G * self.G                         # tokens to flush
+        if w + T <= self.win_k.shape[2]:
+            self.win_k[l, :, w:w + T] = k
+            self.win_v[l, :, w:w + T] = v
+            self.n_win[l] = w + T
+            return self._flush(l)
         seq_k = torch.cat([self.win_k[l, :, :w], k], 1)                 # (Hkv, w+T, D), transient
         seq_v = torch.cat([self.win_v[l, :, :w], v], 1)
-        nt = self.n_tail[l]
-        assert nt + f <= self.S_l[l], (nt, f, self.S_l[l])
+        self._pack(l, seq_k, seq_v, flush_count(w, T, self.R, self.G))
+
+    def _flush(self, l: int) -> None:
+        """Pack the oldest whole G-blocks of layer l's window until it holds R .. R+G-1."""
+        f = flush_count(self.n_win[l], 0, self.R, self.G)
+        if f:
+            w = self.n_win[l]
+            self._pack(l, self.win_k[l, :, :w], self.win_v[l, :, :w], f)
+
+    def _pack(self, l: int, seq_k: torch.Tensor, seq_v: torch.Tensor, f: int) -> None:
+        """seq_k, seq_v (Hkv, n, D): layer l's window tokens followed by new ones. The first
+        f go to the tail (kernels.dispatch.pack, whole blocks), the rest to the window."""
+        nt, n = self.n_tail[l], seq_k.shape[1]
+        assert nt + f <= self.S_l[l] and n - f <= self.win_k.shape[2], (nt, f, n, self.S_l[l])
         kc, vc = self.k_codecs[l], self.v_codecs[l]
         for c0 in range(0, f, self.kv.block):
             c1 = min(f, c0 + self.kv.block)
             pack(kc, self.k_store[l], seq_k[:, c0:c1].float(), nt + c0)   # kernels.dispatch
             pack(vc, self.v_store[l], seq_v[:, c0:c1].float(), nt + c0)
-        self.win_k[l, :, :total - f] = seq_k[:, f:]
-        self.win_v[l, :, :total - f] = seq_v[:, f:]
-        self.n_tail[l], self.n_win[l] = nt + f, total - f
+        # the kept tokens move to the front (a copy: seq may be the window itself)
+        self.win_k[l, :, :n - f] = seq_k[:, f:].clone()
+        self.win_v[l, :, :n - f] = seq_v[:, f:].clone()
+        self.n_tail[l], self.n_win[l] = nt + f, n - f
 
     # -- context shift -----------------------------------------------------------------------------
     def shift_plan(self) -> tuple[int, int]:

@@ -14,12 +14,12 @@ so the model code never changes:
     can_shift                       whether a full context shifts (the arena's shift()) or errors
     nbytes() -> dict                exact bytes by component
 
-A cache may also offer the write-then-attend step of DESIGN §7 (the compressed arena on the
+A cache may also offer the fused-write step of DESIGN §7 (the compressed arena on the
 torch and Triton backends); the model asks with getattr, so this dense cache needs neither:
 
     takes_new_kv(layer, T) -> bool  this step can be written from the fused ops' inputs
     write_attend(layer, q, new: NewKV) -> o   write K/V (RoPE / V projection fused into the
-                                    compressing write), then attend q over the cache
+                                    window write), attend q over the cache, then flush
 """
 from __future__ import annotations
 

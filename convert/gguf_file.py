@@ -12,7 +12,11 @@ differ from an HF checkpoint and are undone here:
    architecture's attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
    adjacent pairs; kvrun's RoPE is HF's rotate-half, so the rows are put back (`unpermute`).
    Qwen2 files are written without this permutation.
-3. Names: `blk.N.attn_q` → `model.layers.N.self_attn.q_proj` etc. (`_NAMES`).
+3. Names: `blk.N.attn_q` → `model.layers.N.self_attn.q_proj` etc. (`_NAMES`; Gemma 3's
+   norms map differently, `_NAMES_GEMMA3`).
+4. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
+   weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows are
+   not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half).
 
 The GGUF's reader already gives 2-D tensors as (rows, cols) = (out, in), the torch order,
 although GGUF lists dims innermost first. The tokenizer comes from gguf_tokenizer.py.
@@ -38,8 +42,9 @@ from .templates import chat_stop_tokens, detect_chat_template
 from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
                      validate_tensors, write_model_dir)
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2"}   # GGUF general.architecture → kvrun's
-_SUPPORTED_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}   # GGUF → kvrun architecture
+_SUPPORTED_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                    "Q6_K")
 
 _NAMES = {                                     # per-block GGUF suffix → HF module path
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -47,18 +52,25 @@ _NAMES = {                                     # per-block GGUF suffix → HF mo
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 has four norms per block and QK-norm; its `ffn_norm` is the MLP's input norm, which
+# HF calls pre_feedforward_layernorm (Llama's post_attention_layernorm is that norm).
+_NAMES_GEMMA3 = {**_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm",
+                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name → HF name; None for names kvrun has no module for."""
     if name in _TOP:
         return _TOP[name]
+    names = _NAMES_GEMMA3 if arch == "gemma3" else _NAMES
     m = _BLOCK.match(name)
-    if m and m.group(2) in _NAMES:
-        return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -191,8 +203,13 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
     vocab = int(tensors["token_embd.weight"].shape[-1])      # GGUF dims are (cols, rows)
     rope_freqs = tensors.get("rope_freqs.weight")
     template, default_system = detect_chat_template(meta.get("tokenizer.chat_template"))
+    extra = {}
+    if arch == "gemma3":
+        # Some GGUF converters drop the chat template; every Gemma 3 uses the same one.
+        template = "gemma" if template == "none" else template
+        extra = _gemma3_fields(meta, head_dim)
     bos, eos, add_bos = _special_ids(meta, template)
-    return ModelConfig(
+    return ModelConfig(**extra,
         architecture=_ARCHS[arch], vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim,
@@ -204,6 +221,25 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=bos, eos_token_ids=eos, add_bos=add_bos,
         chat_template=template, default_system=default_system, torch_dtype=dtype)
+
+
+def _gemma3_fields(meta: dict, head_dim: int) -> dict:
+    """Gemma 3 settings the GGUF leaves implicit, as llama.cpp (llama-model.cpp, GEMMA3) and
+    HF's Gemma3TextConfig defaults fill them in: 5 of every 6 layers slide over
+    `attention.sliding_window` tokens with RoPE base 10000 (the GGUF's freq_base is the global
+    layers'); queries scaled by head_dim**-0.5 (query_pre_attn_scalar = head_dim, what every
+    size but 27B uses: llama.cpp derives 27B's from its layer count, which kvrun refuses
+    rather than guess); logits soft-capped only if the file says so (Gemma 2 did, 3 does not)."""
+    if int(meta.get("gemma3.block_count", 0)) == 62:
+        raise KvrunError("Gemma 3 27B scales queries by hidden/heads, not head_dim; "
+                         "not supported yet")
+    window = meta.get("gemma3.attention.sliding_window")
+    if window is None:
+        raise KvrunError("GGUF metadata lacks gemma3.attention.sliding_window")
+    cap = meta.get("gemma3.final_logit_softcapping")
+    return dict(sliding_window=int(window), rope_local_theta=10000.0,
+                query_pre_attn_scalar=float(head_dim),
+                final_logit_softcapping=_f32(cap) if cap else None)
 
 
 def _f32(v) -> float:
@@ -251,7 +287,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
                  progress: Progress | None = None, overwrite: bool = False,
                  weights: str = "float", group: int = 32,
                  log: Callable[[str], None] | None = None) -> ModelConfig:
-    """Convert a GGUF file (llama / qwen2 architecture) into a kvrun model dir at `out_dir`.
+    """Convert a GGUF file (llama / qwen2 / gemma3 architecture) into a kvrun model dir at `out_dir`.
 
     `dtype` is the float tensors' dtype; `weights` float | int8 | int4 (with `group`
     columns per int4 scale) how linear weights are stored. Returns the written config.
@@ -271,18 +307,19 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
                          f"embedding only {cfg.vocab_size} rows")
 
     todo = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    arch = cfg.architecture
     for t in todo:
-        if hf_name(t.name) is None:
+        if hf_name(t.name, arch) is None:
             raise KvrunError(f"GGUF tensor {t.name} has no kvrun equivalent; "
                              "unsupported model variant")
     # Check names and shapes on meta tensors first: no dequantizing a file that cannot load.
-    validate_tensors(cfg, {hf_name(t.name): torch.empty(_torch_shape(t), device="meta")
+    validate_tensors(cfg, {hf_name(t.name, arch): torch.empty(_torch_shape(t), device="meta")
                            for t in todo})
     cfg.weights, cfg.weight_group = weights, (group if weights == "int4" else 0)
     expected_tensors(cfg)                  # int4 needs rows that split into groups: fail now
     tensors: dict[str, torch.Tensor] = {}
     for i, t in enumerate(todo):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         n_perm = None
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_perm = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
@@ -291,6 +328,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
             tensors.update({k: unpermute(v, n_perm) if n_perm else v for k, v in parts.items()})
         else:
             w = torch.from_numpy(_dequantize(t))
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1       # llama.cpp stores Gemma's (1 + w); kvrun keeps HF's w
             tensors[name] = (unpermute(w, n_perm) if n_perm else w).to(target)
         if progress:
             progress(i + 1, len(todo), name)

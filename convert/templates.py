@@ -1,7 +1,7 @@
 """Recognise a chat template family from the Jinja text a checkpoint ships.
 
 kvrun does not run Jinja: the runtime formats conversations itself for a few named
-families (`ModelConfig.chat_template`: chatml, llama3, mistral, none). Conversion only has
+families (`ModelConfig.chat_template`: chatml, llama3, mistral, gemma, none). Conversion only has
 to tell which family a template belongs to, from the marker tokens it writes, and pick up
 the system prompt a template injects when the conversation has none (SmolLM2: "You are a
 helpful AI assistant named SmolLM, trained by Hugging Face"; Qwen2: "You are a helpful
@@ -35,6 +35,8 @@ def detect_chat_template(template: str | list | None) -> tuple[str, str | None]:
         return "llama3", None
     if "[INST]" in template:
         return "mistral", None
+    if "<start_of_turn>" in template:
+        return "gemma", None
     return "none", None
 
 
@@ -46,7 +48,8 @@ def _unescape(s: str) -> str:
 # Tokens that end an assistant turn, per family; the converters add their ids to
 # eos_token_ids because a checkpoint's declared eos is often the end-of-document token.
 _STOP_TOKENS = {"chatml": ("<|im_end|>", "<|endoftext|>"),
-                "llama3": ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")}
+                "llama3": ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"),
+                "gemma": ("<end_of_turn>", "<eos>")}
 
 
 def chat_stop_tokens(family: str) -> tuple[str, ...]:

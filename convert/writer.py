@@ -90,6 +90,11 @@ def _float_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (C,),
             p + "post_attention_layernorm.weight": (C,),
         })
+        if cfg.architecture == "gemma3":     # sandwich norms and QK-norm (runtime/gemma3.py)
+            shapes.update({p + "pre_feedforward_layernorm.weight": (C,),
+                           p + "post_feedforward_layernorm.weight": (C,),
+                           p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q_dim,),
                            p + "self_attn.k_proj.bias": (kv_dim,),

@@ -11,23 +11,33 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_mask(T: int, S: int, q_start: int, device=None) -> torch.Tensor:
-    """(T, S) bool, True where query t (absolute position q_start + t) may see key s."""
+def causal_mask(T: int, S: int, q_start: int, device=None, window: int = 0) -> torch.Tensor:
+    """(T, S) bool, True where query t (absolute position q_start + t) may see key s; with
+    `window` > 0 only the last `window` keys up to and including its own position."""
     qpos = torch.arange(q_start, q_start + T, device=device)[:, None]
-    return torch.arange(S, device=device)[None, :] <= qpos
+    kpos = torch.arange(S, device=device)[None, :]
+    mask = kpos <= qpos
+    return mask & (kpos > qpos - window) if window else mask
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                    window: int = 0) -> torch.Tensor:
     """Causal attention of T new queries over S cached keys.
 
     q: (B, H, T, D); k, v: (B, Hkv, S, D) with S = q_start + T; query t sits at absolute
-    position q_start + t. Returns (B, H, T, D) in q's dtype; K/V are cast to q's dtype.
+    position q_start + t. `window` > 0: sliding-window attention, each query sees only the
+    last `window` keys (its own included; HF's and llama.cpp's convention). Returns
+    (B, H, T, D) in q's dtype; K/V are cast to q's dtype.
     """
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     assert H % Hkv == 0 and S == q_start + T, (q.shape, k.shape, q_start)
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * T, D)                                   # rows ordered (g, t)
+    if window and S > window:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        mask = causal_mask(T, S, q_start, q.device, window).repeat(G, 1)   # (G*T, S)
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, H, T, D)
     if T == 1 and k.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype:
         return F.scaled_dot_product_attention(qg.to(k.dtype), k, v).to(q.dtype).reshape(B, H, T, D)
     k, v = k.to(q.dtype), v.to(q.dtype)

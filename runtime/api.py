@@ -15,7 +15,7 @@ from .chat_template import template_for
 from .config import ModelConfig
 from .errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent
-from .kv import DenseKVCache
+from .kv import KV_DTYPES, DenseKVCache
 from .kv.arena import build_cache, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
@@ -30,7 +30,22 @@ def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
     compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig)."""
     kv = kv if isinstance(kv, KVConfig) else parse_kv(kv)
     kv.check_profile(cfg)                   # a profile searched for another model is refused
+    if any(cfg.layer_windows):              # sliding-window layers (Gemma 3)
+        check_windowed(cfg, kv)
+        kv.check_model(cfg.head_dim, cfg.num_layers)
+        return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
+                            KV_DTYPES[kv.k_method], windows=cfg.layer_windows)
     return build_cache(cfg, ctx, kv)
+
+
+def check_windowed(cfg: ModelConfig, kv: KVConfig) -> None:
+    """Models with sliding-window layers run on the dense cache only, for now: the compressed
+    arena does not yet keep a window per layer kind (DESIGN §9), and attending a local layer
+    over its whole past would be silently wrong."""
+    if any(cfg.layer_windows) and not kv.is_dense:
+        raise KvrunError(f"--kv {kv.label()}: compressed KV caches do not support the "
+                         f"sliding-window layers of {cfg.architecture} models yet "
+                         f"(use --kv fp16, bf16 or fp32)")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv: "str | KVConfig", n_tokens: int) -> float:
@@ -95,7 +110,7 @@ class Model:
         if not ids:
             raise KvrunError("logits() needs at least one token")
         cache = DenseKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
-                             len(ids), torch.float32)
+                             len(ids), torch.float32, windows=self.cfg.layer_windows)
         chunk = self.engine.prefill_chunk
         out = [self.transformer(torch.tensor([ids[s:s + chunk]]), cache)[0]
                for s in range(0, len(ids), chunk)]
@@ -111,16 +126,15 @@ class Model:
 def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT_CTX,
          kv: "str | KVConfig" = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
          progress=None) -> Model:
-    """Load a kvrun model directory (None → the embedded default model, pulled on first use).
+    """Load a kvrun model directory, or a model `kvrun pull --list` names (pulled and
+    converted on first use; None → the embedded default model).
 
     dtype: auto | fp32 | fp16 | bf16 (auto = fp32 prefill + fp16 decode weights on CPU).
     ctx: KV cache size in tokens, allocated once. kv: "fp16" | "fp32" | a --kv spec
     ("tada-4", "kivi-4/kivi-2" ...) or a KVConfig.
     """
-    if path is None:
-        from .pull import ensure_default_model
-        path = ensure_default_model(progress=progress)
-    path = check_model_dir(path)
+    from .pull import resolve_model
+    path = check_model_dir(resolve_model(path, progress=progress))
     cfg = load_config(path)
     if ctx < 1:
         raise KvrunError(f"context size must be >= 1 (got {ctx})")

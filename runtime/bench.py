@@ -125,7 +125,8 @@ def _capture_kv(model, ids: list[int], chunk: int):
     """Prefill `ids` into an fp16 cache; returns its K, V: (L, Hkv, n, D) each."""
     from .kv import DenseKVCache
     cfg = model.cfg
-    cache = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float16)
+    cache = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float16,
+                         windows=cfg.layer_windows)
     t = torch.tensor([ids])
     for s in range(0, len(ids), chunk):
         model.transformer(t[:, s:s + chunk], cache, last_only=True)

@@ -1,4 +1,6 @@
-"""Chat templates rendered in Python (no Jinja at run time): ChatML, Llama-3, Mistral-instruct.
+"""Chat templates rendered in Python (no Jinja at run time): ChatML, Llama-3, Mistral-instruct,
+Gemma (`<start_of_turn>user\n…<end_of_turn>\n`, the assistant role named "model", a system
+prompt folded into the first user turn; content trimmed, as Gemma 3's Jinja template does).
 
 The template name comes from the source model's metadata at conversion time. Besides the
 full rendering, a template knows how to *continue* a conversation whose earlier turns are
@@ -33,17 +35,21 @@ class ChatTemplate:
             if role == "assistant":
                 return f" {content.strip()}</s>"
             return ""                               # system is folded into the first user turn
+        if self.name == "gemma":
+            if role == "system":
+                return ""                           # folded into the first user turn (render)
+            return f"<start_of_turn>{'model' if role == 'assistant' else role}\n{content.strip()}<end_of_turn>\n"
         return f"{role.capitalize()}: {content}\n"
 
     def generation_prompt(self) -> str:
         return {"chatml": "<|im_start|>assistant\n",
                 "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-                "mistral": ""}.get(self.name, "Assistant:")
+                "mistral": "", "gemma": "<start_of_turn>model\n"}.get(self.name, "Assistant:")
 
     def close_reply(self) -> str:
         """Text that ends an assistant reply whose stop token was sampled but not fed."""
         return {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>",
-                "mistral": "</s>"}.get(self.name, "\n")
+                "mistral": "</s>", "gemma": "<end_of_turn>\n"}.get(self.name, "\n")
 
     # -- conversations --
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -58,6 +64,12 @@ class ChatTemplate:
             if messages and messages[0]["role"] == "user":
                 messages = [{"role": "user", "content": system + "\n\n" + messages[0]["content"]}] \
                     + messages[1:]
+        if self.name == "gemma" and messages and messages[0]["role"] == "system":
+            system, messages = messages[0]["content"], messages[1:]
+            if messages and messages[0]["role"] == "user":     # "<system>\n\n<user trimmed>"
+                out.append(f"<start_of_turn>user\n{system}\n\n{messages[0]['content'].strip()}"
+                           "<end_of_turn>\n")
+                messages = messages[1:]
         for i, m in enumerate(messages):
             out.append(self.message(m["role"], m["content"], i == 0))
         if add_generation_prompt:
@@ -79,8 +91,10 @@ def _checked(messages: list[dict]) -> list[dict]:
 
 
 def template_for(name: str, default_system: str | None = None, bos: str = "") -> ChatTemplate:
-    if name not in ("chatml", "llama3", "mistral", "none"):
+    if name not in ("chatml", "llama3", "mistral", "gemma", "none"):
         raise KvrunError(f"unknown chat template {name!r}")
+    if name == "gemma":
+        return ChatTemplate(name, bos or "<bos>", default_system)
     if name == "llama3":
         bos = bos or "<|begin_of_text|>"
     if name == "mistral":

@@ -72,7 +72,8 @@ class CommonFirstCommand(click.Command):
 
 def model_options(f):
     f = click.option("-m", "--model", "model", default=None,
-                     help="kvrun model directory (default: the embedded SmolLM2-135M-Instruct).")(f)
+                     help="kvrun model directory, or a name from `kvrun pull --list` "
+                          "(default: the embedded SmolLM2-135M-Instruct).")(f)
     f = click.option("-c", "--ctx-size", "ctx", default=4096, show_default=True, type=int,
                      help="KV cache size in tokens (allocated once).")(f)
     f = click.option("--dtype", default="auto", show_default=True,
@@ -195,9 +196,9 @@ def load_model(kw):
     kv = kv_config(kw)
     if budget is not None:
         from .loader import check_model_dir, load_config
-        from .pull import ensure_default_model
+        from .pull import resolve_model
         from .budget import fit_budget
-        path = check_model_dir(kw["model"] or ensure_default_model(progress=eprint))
+        path = check_model_dir(resolve_model(kw["model"], progress=eprint))
         kv, why = fit_budget(load_config(path), kw["ctx"], budget,
                              **({} if isinstance(kv, str) else
                                 {"residual": kv.residual, "group": kv.group}))
@@ -319,10 +320,8 @@ def chat(system, n, stop, **kw):
 def info(model, as_json):
     """Show a model directory's architecture, sizes, dtype, source and template."""
     from .info import model_info
-    if model is None:
-        from .pull import ensure_default_model
-        model = ensure_default_model(progress=eprint)
-    d = model_info(model)
+    from .pull import resolve_model
+    d = model_info(resolve_model(model, progress=eprint))
     if as_json:
         print(json.dumps(d, indent=2))
     else:
@@ -371,7 +370,7 @@ def convert(src, out, weights, group, dtype, force, verbose):
 @click.option("--chunk", default=32, show_default=True, type=int,
               help="Scored half fed in chunks of this many tokens (1 = strict decode order).")
 @click.option("--json", "as_json", is_flag=True, help="Print records as JSON on stdout.")
-@click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
+@click.option("-m", "--model", "model", default=None, help="Model directory or pullable name (default: embedded).")
 @click.option("-c", "--ctx-size", "ctx", default=2048, show_default=True, type=int,
               help="Window size in tokens (first half context, second half scored).")
 @click.option("--dtype", default="auto", show_default=True,
@@ -410,7 +409,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the full fp16 cache without eviction.")
 @click.option("--json", "as_json", is_flag=True, help="Records as JSON on stdout.")
-@click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
+@click.option("-m", "--model", "model", default=None, help="Model directory or pullable name (default: embedded).")
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
@@ -444,7 +443,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
 
 
 @main.command(cls=CommonFirstCommand)
-@click.option("-m", "--model", "model", default=None, help="Model directory (default: embedded).")
+@click.option("-m", "--model", "model", default=None, help="Model directory or pullable name (default: embedded).")
 @click.option("--kv", "kv_list", default="fp16,int8,kivi-2,kivi-4,tada-4,gear-l", show_default=True,
               help="Comma list of KV methods, measured side by side.")
 @click.option("-p", "--n-prompt", "pp", default="512", show_default=True,
@@ -523,16 +522,30 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
 
 
 @main.command()
-@click.option("--weights", default="int4", show_default=True, type=click.Choice(["int4", "int8", "fp32"]),
-              help="Weight format to convert to (int4: the Q4_1 blocks repacked, the chat/generate "
-                   "default; int8; fp32: exact dequantized weights).")
-def pull(weights):
-    """Fetch and convert the embedded default model (SmolLM2-135M-Instruct); print its directory.
+@click.argument("name", required=False)
+@click.option("--weights", default=None, type=click.Choice(["int4", "int8", "fp32"]),
+              help="Weight format to convert to (default: the model's; SmolLM2: int4, its Q4_1 "
+                   "blocks repacked; Gemma 3: int8; fp32: exact dequantized weights).")
+@click.option("--list", "as_list", is_flag=True, help="List the models that can be pulled.")
+def pull(name, weights, as_list):
+    """Fetch and convert a model (default: SmolLM2-135M-Instruct); print its directory.
 
-    The directory printed on stdout is what `-m` takes, e.g.
+    NAME is one of `kvrun pull --list`; `-m NAME` pulls on first use as well. The directory
+    printed on stdout is what `-m` takes, e.g.
     `kvrun generate -m "$(kvrun pull --weights fp32)" -p ...`."""
-    from .pull import ensure_default_model
-    path = ensure_default_model(progress=eprint, weights=weights)
+    from . import pull as P
+    if as_list:
+        for entry in P.REGISTRY.values():
+            have = [w for w in entry.model_names if (P.model_dir(entry.name, None, w) / "config.json").is_file()]
+            mark = " (default)" if entry.name == P.DEFAULT_MODEL else ""
+            print(f"{entry.name:<14} {entry.description}{mark}")
+            print(f"{'':<14} weights {', '.join(entry.model_names)} (default {entry.default_weights}); "
+                  f"converted: {', '.join(have) or 'none'}")
+        return
+    if name is None or name == P.DEFAULT_MODEL:
+        path = P.ensure_default_model(progress=eprint, weights=weights or P.DEFAULT_WEIGHTS)
+    else:
+        path = P.ensure_model(name, progress=eprint, weights=weights)
     print(path)
 
 

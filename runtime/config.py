@@ -3,6 +3,12 @@
 `ModelConfig` is what `kvrun convert` writes and what the model is built from. Derived
 fields are computed in `__post_init__`; `from_dict` keeps known keys only, so a config
 written by a newer kvrun still loads.
+
+Layer kinds (Gemma 3): `layer_types[i]` is "full_attention" or "sliding_attention" (HF's
+names). A sliding layer attends to its last `sliding_window` tokens (the current one
+included) with RoPE base `rope_local_theta` and no rope scaling; a full layer to every
+cached token with `rope_theta` / `rope_scaling`. Llama-family configs have only full layers.
+`layer_windows` gives what a KV cache needs: per layer the window, 0 for full attention.
 """
 from __future__ import annotations
 
@@ -13,8 +19,12 @@ from pathlib import Path
 
 from .errors import KvrunError
 
-ARCHITECTURES = ("llama", "qwen2")
-CHAT_TEMPLATES = ("chatml", "llama3", "mistral", "none")
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+CHAT_TEMPLATES = ("chatml", "llama3", "mistral", "gemma", "none")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Gemma 3: every 6th layer is global (HF Gemma3TextConfig.sliding_window_pattern, llama.cpp
+# set_swa_pattern(6)); the GGUF does not store the pattern.
+GEMMA3_GLOBAL_EVERY = 6
 
 
 @dataclass
@@ -33,6 +43,11 @@ class ModelConfig:
     rope_scaling: dict | None = None        # {"type": "linear"|"llama3", "factor": ..., ...}
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # Qwen2: q/k/v projections carry a bias
+    layer_types: list[str] = field(default_factory=list)   # per layer; [] → all full_attention
+    sliding_window: int = 0                 # tokens a sliding layer sees (0: no sliding layers)
+    rope_local_theta: float = 0.0           # RoPE base of sliding layers (0 → rope_theta)
+    query_pre_attn_scalar: float = 0.0      # scores scaled by this**-0.5 (0 → head_dim)
+    final_logit_softcapping: float | None = None   # logits = cap·tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     add_bos: bool = False                   # prepend BOS when tokenizing a raw prompt
@@ -56,6 +71,21 @@ class ModelConfig:
                              f"num_kv_heads {self.num_kv_heads}")
         if self.architecture == "qwen2":
             self.attention_bias = True
+        if not self.layer_types:
+            self.layer_types = (
+                ["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                 for i in range(self.num_layers)] if self.architecture == "gemma3"
+                else ["full_attention"] * self.num_layers)
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise KvrunError(f"layer_types must list {self.num_layers} entries of "
+                             f"{', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise KvrunError("sliding_attention layers need sliding_window >= 1")
+        if self.rope_local_theta == 0.0:
+            self.rope_local_theta = self.rope_theta
+        if self.query_pre_attn_scalar == 0.0:
+            self.query_pre_attn_scalar = float(self.head_dim)
         self.eos_token_ids = [int(t) for t in self.eos_token_ids]
         if self.weights not in ("float", "int8", "int4"):
             raise KvrunError(f"unknown weight format {self.weights!r} (float, int8, int4)")
@@ -65,6 +95,12 @@ class ModelConfig:
     @property
     def gqa_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def layer_windows(self) -> list[int]:
+        """Per layer the attention window in tokens: sliding_window for sliding layers, 0
+        (everything cached) for full ones. Caches size and mask their layers by this."""
+        return [self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types]
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -92,10 +128,15 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls, architecture: str = "llama", **kw) -> "ModelConfig":
-        """A small random-weight configuration for tests (GQA 4:2, two layers)."""
+        """A small random-weight configuration for tests (GQA 4:2, two layers; gemma3: six
+        layers, the last global, GQA 4:1)."""
         base = dict(architecture=architecture, vocab_size=256, hidden_size=64,
                     intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                     max_position=512, rope_theta=10000.0, bos_token_id=1,
                     eos_token_ids=[2], torch_dtype="fp32")
+        if architecture == "gemma3":        # one KV head of D 32, a window of 16, global layer 6
+            base.update(num_layers=6, num_kv_heads=1, head_dim=32, sliding_window=16,
+                        rope_theta=1e6, rope_local_theta=10000.0, tie_word_embeddings=True,
+                        rms_norm_eps=1e-6, chat_template="gemma")
         base.update(kw)
         return cls(**base)

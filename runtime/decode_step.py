@@ -50,6 +50,8 @@ def _stacked(lins) -> dict:
 
 def supported(model) -> bool:
     """Whether this step can run `model` (see the module docstring)."""
+    if model.cfg.architecture not in ("llama", "qwen2"):   # Gemma 3's layer is not in the C step
+        return False
     if native.load() is None:
         return False
     cfg = model.cfg

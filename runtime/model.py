@@ -68,6 +68,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    sliding = False                     # full attention (Gemma 3 has sliding layers: gemma3.py)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
@@ -81,13 +83,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _blocks(cfg: ModelConfig):
+    """(decoder layer class, norm class) of an architecture."""
+    if cfg.architecture == "gemma3":
+        from .gemma3 import Gemma3DecoderLayer, OffsetRMSNorm
+        return Gemma3DecoderLayer, OffsetRMSNorm
+    return DecoderLayer, RMSNorm
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        layer_cls, norm_cls = _blocks(cfg)
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if cfg.weights == "float"
                              else Int8Embedding(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
@@ -101,6 +112,11 @@ class Transformer(nn.Module):
         self.tie_weights()
         with torch.device("cpu"):       # tables stay real even when built on the meta device
             self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+            # sliding-window layers (Gemma 3): their own base, no scaling (HF: rope_local_base_freq)
+            self.rope_local = (Rope(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position)
+                               if "sliding_attention" in cfg.layer_types else None)
+        # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as HF does
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.architecture == "gemma3" else None
 
     def tie_weights(self) -> None:
         """Make a tied lm_head share the embedding's tensors (again after `to_empty`)."""
@@ -138,13 +154,18 @@ class Transformer(nn.Module):
             return step(ids, cache)
         positions = cache.positions(T)                                  # (T,)
         cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
+        local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
         h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=self.dtype)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache)
+            h = layer(h, *(local if layer.sliding else (cos, sin)), cache)
         cache.commit(T)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(self.model.norm(h)).float()
+        logits = self.lm_head(self.model.norm(h)).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _native_step(self, ids: torch.Tensor, cache):
         """The native decode step (runtime/decode_step.py) when it covers this call: built

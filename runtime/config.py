@@ -124,7 +124,10 @@ class ModelConfig:
             raise KvrunError(f"{path}: bad config ({e})") from None
 
     def to_dict(self) -> dict:
-        return {"format": "kvrun", "format_version": 1, **dataclasses.asdict(self)}
+        d = dataclasses.asdict(self)
+        if "sliding_attention" not in self.layer_types:
+            del d["layer_types"]     # all full: derived again from num_layers, as before
+        return {"format": "kvrun", "format_version": 1, **d}
 
     @classmethod
     def tiny(cls, architecture: str = "llama", **kw) -> "ModelConfig":

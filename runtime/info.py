@@ -34,7 +34,10 @@ def model_info(path) -> dict:
         "architecture": cfg.architecture,
         "parameters": f"{n_params / 1e6:.1f}M",
         "weights": f"{fmt}, {n_bytes / 2**20:.1f} MiB, {8 * n_bytes / max(n_params, 1):.2f} bits/param",
-        "layers": cfg.num_layers,
+        "layers": cfg.num_layers if not any(cfg.layer_windows) else
+        (f"{cfg.num_layers} ({sum(1 for w in cfg.layer_windows if w)} sliding over "
+         f"{cfg.sliding_window} tokens, rope theta {cfg.rope_local_theta:g}; "
+         f"{cfg.layer_windows.count(0)} global)"),
         "hidden / ffn": f"{cfg.hidden_size} / {cfg.intermediate_size}",
         "heads (q / kv)": f"{cfg.num_heads} / {cfg.num_kv_heads}, head dim {cfg.head_dim}",
         "context": cfg.max_position,

@@ -429,6 +429,7 @@ def test_bad_dtype(tiny_llama, tmp_path):
     ("{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}", "chatml", None),
     ("{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}", "llama3", None),
     ("{{ '[INST] ' + m['content'] + ' [/INST]' }}", "mistral", None),
+    ("{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}", "gemma", None),
     ("{{ m['content'] }}", "none", None),
     (None, "none", None),
 ])

@@ -15,7 +15,7 @@ from .chat_template import template_for
 from .config import ModelConfig
 from .errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent
-from .kv import KV_DTYPES, DenseKVCache
+from .kv import DenseKVCache
 from .kv.arena import build_cache, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
@@ -27,25 +27,11 @@ DEFAULT_CTX = 4096
 
 def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
     """A KV cache for `ctx` tokens: the dense cache for plain fp16/bf16/fp32, otherwise the
-    compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig)."""
+    compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig); sliding-window
+    layers (Gemma 3) keep a ring of their window beside either (runtime/kv/ring.py)."""
     kv = kv if isinstance(kv, KVConfig) else parse_kv(kv)
     kv.check_profile(cfg)                   # a profile searched for another model is refused
-    if any(cfg.layer_windows):              # sliding-window layers (Gemma 3)
-        check_windowed(cfg, kv)
-        kv.check_model(cfg.head_dim, cfg.num_layers)
-        return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
-                            KV_DTYPES[kv.k_method], windows=cfg.layer_windows)
     return build_cache(cfg, ctx, kv)
-
-
-def check_windowed(cfg: ModelConfig, kv: KVConfig) -> None:
-    """Models with sliding-window layers run on the dense cache only, for now: the compressed
-    arena does not yet keep a window per layer kind (DESIGN §9), and attending a local layer
-    over its whole past would be silently wrong."""
-    if any(cfg.layer_windows) and not kv.is_dense:
-        raise KvrunError(f"--kv {kv.label()}: compressed KV caches do not support the "
-                         f"sliding-window layers of {cfg.architecture} models yet "
-                         f"(use --kv fp16, bf16 or fp32)")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv: "str | KVConfig", n_tokens: int) -> float:

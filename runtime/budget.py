@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from .errors import KvrunError
-from .kv.arena import kv_bytes_at
+from .kv.arena import check_kv, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
 
 # uniform configurations tried after the profiles, rotated (same bytes, lower KLD: README)
@@ -45,7 +45,7 @@ def fit_budget(cfg, ctx: int, budget_mb: float, profiles=(), **fields) -> tuple[
     for spec in UNIFORM_FALLBACKS:
         try:
             kv = parse_kv(spec, **fields)
-            kv.check_model(cfg.head_dim, cfg.num_layers)
+            check_kv(cfg, kv)
         except KvrunError:
             continue                      # e.g. a 64-channel V group on a 32-dim head
         cands.append((spec, kv, math.inf))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kv import arena_layers, kv_bytes_at
 from .kv.cache import KV_DTYPES
 
 DENSE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
@@ -14,11 +15,17 @@ def fp16_bytes_per_token(cfg) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
 
 
+def fp16_bytes(cfg, n_tokens: int) -> int:
+    """Bytes of the fp16 cache of n_tokens: the baseline every "x fp16" ratio divides by
+    (a model with sliding-window layers holds only their window: kv_bytes_at)."""
+    return sum(kv_bytes_at(cfg, "fp16", n_tokens).values())
+
+
 def kv_label(cache) -> str:
     """The cache's method as --kv names it: the arena's KVConfig label (tada-4, kivi-4/kivi-2,
     auto, profile:NAME, ...), or the dense cache's dtype (fp16, bf16, fp32)."""
     kv = getattr(cache, "kv", None)
-    return kv.label() if kv is not None else DENSE_NAMES[cache.k.dtype]
+    return kv.label() if kv is not None else DENSE_NAMES[getattr(cache, "inner", cache).k.dtype]
 
 
 @dataclass
@@ -47,7 +54,7 @@ def kv_summary(model) -> KVSummary:
     cache = model.cache
     parts = {k: v for k, v in cache.nbytes().items() if v > 0}
     return KVSummary(kv_label(cache), len(model.engine.cached), cache.max_ctx, parts,
-                     fp16_bytes_per_token(model.cfg) * cache.max_ctx)
+                     fp16_bytes(model.cfg, cache.max_ctx))
 
 
 def fmt_bytes(n: float) -> str:
@@ -66,6 +73,13 @@ def format_kv(model) -> str:
              f"allocated ({s.ratio:.3f}x fp16 at {s.max_ctx} tokens)"]
     lines += [f"  {k:<16} {fmt_bytes(v):>12}" for k, v in s.parts.items()]
     cache = model.cache
+    ring = getattr(cache, "ring", None)
+    if ring is not None:                # sliding-window layers: a full-precision ring each
+        n = ring.k.shape[0]
+        lines.append(f"  sliding-window layers: {n} of {n + arena_layers(model.cfg)}, a ring of "
+                     f"{ring.W} tokens each ({fmt_bytes(ring.nbytes())}, in window); the method "
+                     f"applies to the {arena_layers(model.cfg)} full-attention layers")
+        cache = cache.inner
     ev = getattr(cache, "ev", None)
     if ev is not None:                  # token eviction: what the bounded arena holds
         kept = [nt + w for nt, w in zip(cache.n_tail, cache.n_win)]

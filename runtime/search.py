@@ -33,7 +33,7 @@ import torch
 
 from .errors import KvrunError
 from .progress import format_duration
-from .kv.arena import build_cache, kv_bytes_at
+from .kv.arena import build_cache, check_kv, kv_bytes_at
 from .kv.cache import DenseKVCache
 from .kv.config import KVConfig, parse_kv
 
@@ -382,7 +382,7 @@ def search(model, text: str, budget: float, ctx: int = 2048, trials: int = 16, s
     base = base or KVConfig()
     methods = candidate_methods(family, list(bits))
     for m in methods:                      # geometry checks (V groups etc.) before any work
-        base.replace(k_method=m, v_method=m).check_model(model.cfg.head_dim, model.cfg.num_layers)
+        check_kv(model.cfg, base.replace(k_method=m, v_method=m))
     s = Search(None, model.cfg, methods, budget, ctx, trials, seed, base, progress)
     if reuse is not None:
         _check_reuse(reuse, model, text, methods, windows, prefix, n_score, base)

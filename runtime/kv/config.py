@@ -165,10 +165,17 @@ class KVConfig:
                              f"the model has {n_layers} layers")
         return list(self.layer_rotate)
 
-    def check_model(self, head_dim: int, n_layers: int) -> None:
-        """Checks that need the model's geometry."""
+    def check_model(self, head_dim: int, n_layers: int, n_kv_heads: int = 0) -> None:
+        """Checks that need the model's geometry (n_layers: the layers the arena holds)."""
         self.layer_methods(n_layers)
         D = head_dim
+        tada = sorted(m for m in self.methods() if method_family(m)[0] == "tada")
+        if n_kv_heads == 1 and tada:
+            # TaDA stores the mean over KV heads plus each head's deviation from it; with
+            # one KV head the mean is the key itself and the deviations are all zero, so it
+            # would cost more than fp16 and compress nothing
+            raise KvrunError(f"{tada[0]} needs more than one KV head (its mean over KV heads "
+                             f"is the key itself with one); use kivi-4, int8 or gear")
         if any(r != "none" for r in self.layer_rotations(n_layers)) and D % 2:
             raise KvrunError(f"Hadamard rotation needs an even head dim, got {D}")
         fams = {method_family(m)[0] for m in self.methods()}

@@ -1,0 +1,164 @@
+"""The cache of a model with sliding-window layers (runtime/kv/ring.py): sliding layers in a
+ring of min(window, ctx) slots, full-attention layers in the dense cache or the arena.
+
+- A sliding layer's output, chunk by chunk and token by token (through ring wrap-arounds),
+  equals dense attention over the whole history with the sliding-window mask.
+- Full layers behave exactly as the same cache built for the full layers alone.
+- Bytes: the ring never grows with -c; kv_bytes_at equals what build_cache allocates; the
+  fp16 formula 2·Hkv·D·2·(n_full·ctx + n_sliding·window) holds.
+- Truncation keeps what the ring can still serve; context shift and TaDA on one KV head
+  are refused with one line.
+- A tiny random Gemma 3 on the layered cache: fp16 gives the logits of the masked
+  full-length dense cache (chunks and decode steps past the window); compressed methods
+  run on it and stay close.
+"""
+import pytest
+import torch
+from torch.testing import assert_close
+
+from kvrun.kernels import dense_attention
+from kvrun.runtime.config import ModelConfig
+from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.kv import build_cache, kv_bytes_at, parse_kv
+from kvrun.runtime.kv.ring import LayeredKVCache, SlidingWindowKV
+
+W = 16
+
+
+def _cfg(**kw):
+    # six layers, the last one global; 1 KV head of D 32; window 16
+    return ModelConfig.tiny("gemma3", **kw)
+
+
+def _history(n, Hkv=1, H=4, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, n, D, generator=g)
+    k = torch.randn(1, Hkv, n, D, generator=g).half().float()      # exact in the fp16 ring
+    v = torch.randn(1, Hkv, n, D, generator=g).half().float()
+    return q, k, v
+
+
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 1, 30, 1, 1, 7, 2], [40], [17, 1, 22]])
+def test_sliding_layer_equals_masked_dense_attention(chunks):
+    n = sum(chunks)
+    q, k, v = _history(n)
+    ring = SlidingWindowKV(1, 1, 32, W, max_ctx=64)
+    ref = dense_attention(q, k, v, 0, window=W)                          # (1, H, n, D)
+    s = 0
+    for T in chunks:
+        o = ring.attend(0, q[:, :, s:s + T], k[:, :, s:s + T], v[:, :, s:s + T])
+        ring.commit(T)
+        assert_close(o, ref[:, :, s:s + T], atol=2e-3, rtol=2e-3)       # fp16 SDPA on one token
+        s += T
+    assert ring.k.shape[2] == W                                          # never more than W slots
+
+
+def test_sliding_layer_check_can_fail():
+    """Without the window (all history visible) the outputs differ: the check above bites."""
+    q, k, v = _history(40)
+    assert (dense_attention(q, k, v, 0, window=W) - dense_attention(q, k, v, 0)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("kv", ["fp16", "kivi-4"])
+def test_full_layers_behave_as_their_own_cache(kv):
+    cfg = _cfg()
+    c = build_cache(cfg, 128, parse_kv(kv, residual=32, group=32))
+    assert isinstance(c, LayeredKVCache)
+    alone = build_cache(ModelConfig.tiny("llama", num_layers=1, num_heads=4, num_kv_heads=1,
+                                         head_dim=32, hidden_size=64), 128,
+                        parse_kv(kv, residual=32, group=32))
+    q, k, v = _history(100)
+    s = 0
+    for T in [33, 1, 1, 31, 1, 33]:                      # crosses flushes of the arena
+        pos = c.positions(T)
+        assert torch.equal(pos, alone.positions(T))
+        for layer in range(cfg.num_layers):
+            o = c.attend(layer, q[:, :, s:s + T], k[:, :, s:s + T], v[:, :, s:s + T])
+            if layer == 5:                                               # the global layer
+                assert torch.equal(o, alone.attend(0, q[:, :, s:s + T], k[:, :, s:s + T],
+                                                   v[:, :, s:s + T]))
+        c.commit(T)
+        alone.commit(T)
+        s += T
+    assert c.seq_len == s == 100
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8", "kivi-4", "kivi-2"])
+@pytest.mark.parametrize("ctx", [8, 100, 4096])
+def test_bytes_the_ring_never_grows_and_accounting_is_exact(kv, ctx):
+    cfg = _cfg()
+    c = build_cache(cfg, ctx, kv)
+    assert kv_bytes_at(cfg, kv, ctx) == c.nbytes()
+    assert c.ring.nbytes() == 2 * 5 * 1 * min(W, ctx) * 32 * 2           # 5 sliding layers, fp16
+    if kv == "fp16":                    # the formula the README states
+        assert sum(c.nbytes().values()) == 2 * 1 * 32 * 2 * (1 * ctx + 5 * min(W, ctx))
+
+
+def test_truncate_keeps_only_what_the_ring_can_serve():
+    cfg = _cfg()
+    c = build_cache(cfg, 128, "fp16")
+    q, k, v = _history(40)
+
+    def feed(s, T):
+        c.positions(T)
+        for layer in range(cfg.num_layers):
+            c.attend(layer, q[:, :, s:s + T], k[:, :, s:s + T], v[:, :, s:s + T])
+        c.commit(T)
+    feed(0, 10)
+    assert c.truncate(4) == 4 and c.seq_len == 4                         # nothing wrapped yet
+    feed(4, 36)                                                          # 40 > W: wrapped
+    assert c.resume_point(40, 8) == 40 and c.resume_point(39, 8) == 39   # n >= seq_len - 1
+    assert c.resume_point(30, 8) == 0
+    assert c.truncate(30) == 0 and c.seq_len == 0 and c.ring.seq_len == 0
+
+
+def test_interrupted_chunk_is_not_kept():
+    """A chunk that wrote some ring layers and was interrupted before commit: the ring lost
+    keys of the committed state, so truncate(seq_len) keeps nothing."""
+    cfg = _cfg()
+    c = build_cache(cfg, 128, "fp16")
+    q, k, v = _history(60)
+    c.positions(30)
+    for layer in range(cfg.num_layers):
+        c.attend(layer, q[:, :, :30], k[:, :, :30], v[:, :, :30])
+    c.commit(30)
+    c.positions(20)
+    c.attend(0, q[:, :, 30:50], k[:, :, 30:50], v[:, :, 30:50])          # then Ctrl-C
+    assert c.truncate(30) == 0
+
+
+def test_refusals_are_one_line():
+    cfg = _cfg()
+    with pytest.raises(KvrunError, match="sliding-window"):
+        build_cache(cfg, 128, parse_kv("kivi-4", ctx_policy="shift"))
+    with pytest.raises(KvrunError, match="more than one KV head"):
+        build_cache(cfg, 128, "tada-4")
+    build_cache(ModelConfig.tiny("llama"), 128, "tada-4")                # 2 KV heads: fine
+
+
+def _tiny_gemma():
+    from kvrun.runtime.model import Transformer
+    torch.manual_seed(0)
+    cfg = _cfg()
+    m = Transformer(cfg).float().eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return cfg, m
+
+
+@pytest.mark.parametrize("kv,tol", [("fp16", 1e-3), ("int8", 0.05), ("kivi-4", 0.5)])
+def test_tiny_gemma_on_the_layered_cache(kv, tol):
+    from kvrun.runtime.api import make_cache
+    from kvrun.runtime.kv import DenseKVCache
+    cfg, m = _tiny_gemma()
+    ids = torch.randint(0, cfg.vocab_size, (1, 120))
+    ref_cache = DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 128, torch.float16,
+                             windows=cfg.layer_windows)
+    c = make_cache(cfg, 128, parse_kv(kv, residual=32, group=32))
+    assert isinstance(c, LayeredKVCache) and c.ring.W == W
+    with torch.inference_mode():
+        for s, e in [(0, 7), (7, 70)] + [(i, i + 1) for i in range(70, 120)]:
+            ref = m(ids[:, s:e], ref_cache)[0]
+            got = m(ids[:, s:e], c)[0]
+            assert_close(got, ref, atol=tol, rtol=0, msg=f"{kv} tokens {s}:{e}")
+    assert c.seq_len == 120 and c.ring.seq_len == 120

@@ -74,11 +74,11 @@ def format_kv(model) -> str:
     lines += [f"  {k:<16} {fmt_bytes(v):>12}" for k, v in s.parts.items()]
     cache = model.cache
     ring = getattr(cache, "ring", None)
-    if ring is not None:                # sliding-window layers: a full-precision ring each
-        n = ring.k.shape[0]
-        lines.append(f"  sliding-window layers: {n} of {n + arena_layers(model.cfg)}, a ring of "
-                     f"{ring.W} tokens each ({fmt_bytes(ring.nbytes())}, in window); the method "
-                     f"applies to the {arena_layers(model.cfg)} full-attention layers")
+    if ring is not None:                # sliding-window layers: a ring of their window each
+        n, full = ring.n_layers, arena_layers(model.cfg)
+        width = "fp16" if ring.bits == 16 else f"{ring.bits}-bit per token"
+        lines.append(f"  ring: {n} sliding-window layers of {n + full}, {ring.W} tokens each, "
+                     f"{width}; the method applies to the {full} full-attention layers")
         cache = cache.inner
     ev = getattr(cache, "ev", None)
     if ev is not None:                  # token eviction: what the bounded arena holds

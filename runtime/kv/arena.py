@@ -62,7 +62,7 @@ from ..rope import apply_rope, inv_frequencies
 from .arena_evict import ArenaEviction, tail_sizes
 from .cache import KV_DTYPES, DenseKVCache, NewKV
 from .config import KVConfig, parse_kv
-from .ring import LayeredKVCache, SlidingWindowKV
+from .ring import QGROUP, LayeredKVCache, SlidingWindowKV, ring_bits
 
 # write_attend's largest step: decode and short chunks, the query counts DESIGN §7 sizes
 # decode_attention for (1..64); prefill chunks keep attend
@@ -413,7 +413,7 @@ def layer_windows(cfg) -> list[int]:
 
 def arena_layers(cfg) -> int:
     """The layers a KV method applies to: the full-attention ones (a per-layer profile lists
-    these, in model order); sliding-window layers keep a full-precision ring (ring.py)."""
+    these, in model order); sliding-window layers keep a ring of their window (ring.py)."""
     return layer_windows(cfg).count(0)
 
 
@@ -440,6 +440,18 @@ def _ring_dtype(kv: KVConfig) -> torch.dtype:
     return KV_DTYPES[kv.k_method] if kv.is_dense else window_dtype(kv)
 
 
+def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
+    """Bytes of the sliding-window layers' rings for a cache of n_tokens: per layer, K and
+    V of min(window, n) tokens at ring_bits(kv) (plus fp16 scale and min per 32 channels)."""
+    windows = layer_windows(cfg)
+    n_slide, bits = len(windows) - windows.count(0), ring_bits(kv)
+    if not n_slide:
+        return 0
+    per = (cfg.head_dim * _ring_dtype(kv).itemsize if bits == 16
+           else cfg.head_dim * bits // 8 + 2 * 2 * (cfg.head_dim // QGROUP))
+    return 2 * n_slide * cfg.num_kv_heads * min(max(windows), n_tokens) * per
+
+
 def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
     """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
     shift (the same tensors and read path as before), the KVArena otherwise; a model with
@@ -450,29 +462,28 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
-                           max(windows), ctx, _ring_dtype(kv), device)
+                           max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv))
     return LayeredKVCache(windows, full, ring)
 
 
 def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
     """Bytes by component of the cache build_cache(cfg, n_tokens, kv_config) would allocate,
     computed from the codecs' storage layouts without allocating. Sliding-window layers add
-    their ring, 2 · layers · Hkv · min(window, n) · D · itemsize, to "window"."""
+    their rings as "ring" (ring_bytes)."""
     kv = check_kv(cfg, kv_config)
     windows = layer_windows(cfg)
     L, Hkv, D = windows.count(0), cfg.num_kv_heads, cfg.head_dim
-    n_slide = len(windows) - L
-    ring = 2 * n_slide * Hkv * min(max(windows), n_tokens) * D * _ring_dtype(kv).itemsize
+    ring = {"ring": ring_bytes(cfg, kv, n_tokens)} if any(windows) else {}
     if kv.is_dense:
-        return {"window": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize + ring}
+        return {"window": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize, **ring}
     out = dict.fromkeys(COMPONENTS, 0)
     get = _codec_factory(kv)
     for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):
         for c in (get(km, "k"), get(vm, "v")):
             for s in c.slots(Hkv, D, S):
                 out[s.component] += s.nbytes
-    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize + ring
-    return out
+    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize
+    return {**out, **ring}
 
 
 def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:

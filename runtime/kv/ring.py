@@ -12,8 +12,16 @@ are 2 · layers · Hkv · W · D · itemsize.
 - A chunk of T tokens at positions s .. s+T−1 attends over the ring's positions
   max(0, s − window + 1) .. s − 1, gathered oldest first, followed by its own rows, with
   the causal sliding-window mask; then its last min(T, W) rows are written.
-The ring layers have no compressed tail: 512 tokens of fp16 per layer are already small
-beside a 32k global layer, and a codec's window (R + G tokens) would hold most of them.
+Compression: a ring has no full-precision window and no tail — its tokens are overwritten
+in place, one at a time — so it is quantized per token: `bits` 16 keeps the window dtype;
+8 and 4 store each token's K and V as asymmetric min/scale codes over groups of 32
+channels (fp16 scale and min per group; 4-bit codes two to a byte), the per-token
+scheme KIVI uses for V. Per-token 4-bit K loses more than KIVI's per-channel K would, but
+a ring cannot hold KIVI's G-token channel groups, and Gemma's QK-norm keeps K free of the
+outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks the
+width from the KV method (build_cache: 16 for the dense methods, 8 when every method
+keeps >= 8 bits, else 4). As in the arena, the step's own new rows are attended in full
+precision and quantized when they are written.
 
 `LayeredKVCache` puts the two kinds behind the one cache interface the model and engine
 use (runtime/kv/cache.py): sliding layers go to the ring, full-attention layers to `inner`
@@ -31,41 +39,116 @@ from __future__ import annotations
 import torch
 
 from ...kernels import dense_attention
+from ...kernels.codecs import method_family
 from ..errors import KvrunError
+
+
+QGROUP = 32                     # channels per scale/min group of a quantized ring
+
+
+def ring_bits(kv) -> int:
+    """The ring's width for a KV config: 16 (the window dtype) for the dense methods, 8 when
+    every method keeps >= 8 bits (int8, tada-8, fp16 profiles), else 4."""
+    if kv.is_dense:
+        return 16
+    return 8 if min(method_family(m)[1] for m in kv.methods()) >= 8 else 4
+
+
+class _RingStore:
+    """One role's (K or V) storage for every sliding layer: rows of the window dtype, or
+    per-token codes with fp16 scale and min per QGROUP channels."""
+
+    def __init__(self, n_layers, Hkv, W, D, bits, dtype, device):
+        self.bits, self.dtype = bits, dtype
+        if bits == 16:
+            self.x = torch.zeros(n_layers, Hkv, W, D, dtype=dtype, device=device)
+            self.parts = [self.x]
+            return
+        if D % QGROUP:
+            raise KvrunError(f"a {bits}-bit ring needs a head dim divisible by {QGROUP}, got {D}")
+        self.codes = torch.zeros(n_layers, Hkv, W, D * bits // 8, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(n_layers, Hkv, W, D // QGROUP, dtype=torch.float16, device=device)
+        self.min = torch.zeros_like(self.scale)
+        self.parts = [self.codes, self.scale, self.min]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.parts)
+
+    def write(self, layer: int, slots, rows: torch.Tensor) -> None:
+        """rows (Hkv, n, D) into `slots` (an int or n indices) of `layer`."""
+        if self.bits == 16:
+            self.x[layer][:, slots] = rows.to(self.dtype)
+            return
+        Hkv, n, D = rows.shape
+        g = rows.float().reshape(Hkv, n, D // QGROUP, QGROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        top = (1 << self.bits) - 1
+        sc = ((hi - lo) / top).clamp_min(1e-8).half()      # fp16, as the reader sees them
+        mn = lo.half()
+        c = ((g - mn.float()[..., None]) / sc.float()[..., None]).round_().clamp_(0, top).to(torch.uint8)
+        c = c.reshape(Hkv, n, D)
+        if self.bits == 4:                                  # channel pairs (2i, 2i+1) per byte
+            c = c[..., 0::2] | (c[..., 1::2] << 4)
+        if isinstance(slots, int):
+            c, sc, mn = c[:, 0], sc[:, 0], mn[:, 0]
+        self.codes[layer][:, slots] = c
+        self.scale[layer][:, slots] = sc
+        self.min[layer][:, slots] = mn
+
+    def read(self, layer: int, slots) -> torch.Tensor:
+        """Slots `slots` (a slice or indices) of `layer` as (Hkv, n, D) rows."""
+        if self.bits == 16:
+            return self.x[layer][:, slots]
+        c = self.codes[layer][:, slots]
+        if self.bits == 4:
+            c = torch.stack([c & 15, c >> 4], -1).flatten(-2)
+        Hkv, n, D = c.shape
+        g = c.reshape(Hkv, n, D // QGROUP, QGROUP).float()
+        x = g * self.scale[layer][:, slots].float()[..., None] + self.min[layer][:, slots].float()[..., None]
+        return x.reshape(Hkv, n, D).to(self.dtype)
 
 
 class SlidingWindowKV:
     """Ring K/V of the sliding-window layers (module docstring)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
-                 max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu"):
+                 max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu", bits: int = 16):
         if window < 1:
             raise KvrunError(f"sliding window must be >= 1 token (got {window})")
-        self.window, self.W = window, min(window, max_ctx)
-        shape = (n_layers, n_kv_heads, self.W, head_dim)                  # (Ls, Hkv, W, D)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if bits not in (16, 8, 4):
+            raise KvrunError(f"ring width must be 16, 8 or 4 bits (got {bits})")
+        self.window, self.W, self.bits = window, min(window, max_ctx), bits
+        self.k = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device)
+        self.v = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device)
+        self.n_layers, self.dtype = n_layers, dtype
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
         s, T, W = self.seq_len, k.shape[2], self.W
-        kr, vr = self.k[layer], self.v[layer]                             # (Hkv, W, D)
+        kn, vn = k[0].to(self.dtype), v[0].to(self.dtype)                 # (Hkv, T, D) rounded
         if T == 1:
-            kr[:, s % W] = k[0, :, 0]
-            vr[:, s % W] = v[0, :, 0]
             n = min(s + 1, W)
-            return dense_attention(q, kr[None, :, :n], vr[None, :, :n], n - 1)
+            if self.bits == 16:
+                self.k.write(layer, s % W, kn)
+                self.v.write(layer, s % W, vn)
+                K, V = self.k.read(layer, slice(0, n)), self.v.read(layer, slice(0, n))
+            else:                   # the new row attends in full precision, then is quantized
+                K, V = self.k.read(layer, slice(0, n)).clone(), self.v.read(layer, slice(0, n)).clone()
+                K[:, s % W], V[:, s % W] = kn[:, 0], vn[:, 0]
+                self.k.write(layer, s % W, kn)
+                self.v.write(layer, s % W, vn)
+            return dense_attention(q, K[None], V[None], n - 1)
         lo = max(0, s - self.window + 1)                 # the oldest key the chunk can see
-        idx = torch.arange(lo, s, device=kr.device) % W
-        K = torch.cat([kr[:, idx], k[0].to(kr.dtype)], 1)[None]           # (1, Hkv, s-lo+T, D)
-        V = torch.cat([vr[:, idx], v[0].to(vr.dtype)], 1)[None]
+        idx = torch.arange(lo, s, device=q.device) % W
+        K = torch.cat([self.k.read(layer, idx), kn], 1)[None]             # (1, Hkv, s-lo+T, D)
+        V = torch.cat([self.v.read(layer, idx), vn], 1)[None]
         o = dense_attention(q, K, V, s - lo, window=self.window)
         m = min(T, W)
-        slots = torch.arange(s + T - m, s + T, device=kr.device) % W
-        kr[:, slots] = k[0, :, T - m:].to(kr.dtype)
-        vr[:, slots] = v[0, :, T - m:].to(vr.dtype)
+        slots = torch.arange(s + T - m, s + T, device=q.device) % W
+        self.k.write(layer, slots, kn[:, T - m:])
+        self.v.write(layer, slots, vn[:, T - m:])
         self.torn = True
         return o
 
@@ -90,7 +173,7 @@ class SlidingWindowKV:
         self.seq_len, self.torn = 0, False
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes() + self.v.nbytes()
 
 
 class LayeredKVCache:
@@ -167,14 +250,12 @@ class LayeredKVCache:
         m = min(n, r.W)
         slots = torch.arange(s + n - m, s + n) % r.W
         for j, i in enumerate(slide):
-            r.k[j][:, slots] = k[i, :, n - m:].to(r.k.dtype)
-            r.v[j][:, slots] = v[i, :, n - m:].to(r.v.dtype)
+            r.k.write(j, slots, k[i, :, n - m:].to(r.dtype))
+            r.v.write(j, slots, v[i, :, n - m:].to(r.dtype))
         r.commit(n)
 
     def nbytes(self) -> dict[str, int]:
-        out = dict(self.inner.nbytes())
-        out["window"] = out.get("window", 0) + self.ring.nbytes()
-        return out
+        return {**self.inner.nbytes(), "ring": self.ring.nbytes()}
 
     def bytes_per_token(self) -> float:
         return sum(self.nbytes().values()) / self.max_ctx

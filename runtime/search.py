@@ -33,7 +33,7 @@ import torch
 
 from .errors import KvrunError
 from .progress import format_duration
-from .kv.arena import build_cache, check_kv, kv_bytes_at
+from .kv.arena import arena_layers, build_cache, check_kv, kv_bytes_at
 from .kv.cache import DenseKVCache
 from .kv.config import KVConfig, parse_kv
 
@@ -73,9 +73,6 @@ class Objective:
                  n_score: int = 32, chunk: int = 32):
         if n_windows < 1 or prefix < 1 or n_score < 1 or chunk < 1:
             raise KvrunError("calibration windows, prefix, scored tokens and chunk must be >= 1")
-        if any(model.cfg.layer_windows):
-            raise KvrunError(f"kvrun search: compressed KV caches do not support the "
-                             f"sliding-window layers of {model.cfg.architecture} models yet")
         self.model, self.cfg, self.chunk = model, model.cfg, chunk
         self.prefix, self.n_score = prefix, n_score
         ids = model.tokenize(text)
@@ -92,7 +89,8 @@ class Objective:
     def _prepare(self, win: list[int]) -> _Window:
         cfg, P = self.cfg, self.prefix
         ids = torch.tensor([win])
-        dense = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(win), torch.float16)
+        dense = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(win), torch.float16,
+                             windows=cfg.layer_windows)
         self.model.transformer(ids[:, :P], dense, last_only=True)        # one chunk: see docstring
         k, v = dense.k[:, 0, :, :P].clone(), dense.v[:, 0, :, :P].clone()  # (L, Hkv, P, D)
         w = _Window(ids, k, v, None, None)
@@ -144,8 +142,8 @@ class Search:
         self.base = base or KVConfig()
         self.rng = random.Random(seed)
         self.progress = progress or (lambda s: None)
-        self.L = cfg.num_layers
-        fp16 = 2 * self.L * cfg.num_kv_heads * ctx * cfg.head_dim * 2
+        self.L = arena_layers(cfg)          # sliding-window layers keep their fp16 ring
+        fp16 = sum(kv_bytes_at(cfg, "fp16", ctx).values())
         self.limit = int(math.floor(budget * fp16 + 1e-6))
         self.fp16_bytes = fp16
         # methods sorted by bytes (cheapest first); per-slot costs relative to the cheapest
@@ -403,7 +401,7 @@ def _check_reuse(p, model, text, methods, windows, prefix, n_score, base) -> Non
         why = "its calibration text or windows differ"
     elif p.kv != kv_settings(base):
         why = "its KV settings (window, groups …) differ"
-    elif not isinstance(p.meta.get("sensitivity"), list) or len(p.meta["sensitivity"]) != model.cfg.num_layers:
+    elif not isinstance(p.meta.get("sensitivity"), list) or len(p.meta["sensitivity"]) != arena_layers(model.cfg):
         why = "it has no sensitivity table"
     elif not all(m in p.meta.get("uniform_kld", {}) for m in methods):
         why = f"it did not measure all of {', '.join(methods)}"

@@ -187,3 +187,22 @@ def test_sensitivity_progress_has_an_eta(tiny_model):
     sens = [x for x in lines if x.startswith("[search] sensitivity ") and "/" in x.split()[2]]
     assert len(sens) == 2 * tiny_model.cfg.num_layers
     assert all(", ETA " in x for x in sens) and sens[-1].endswith("ETA 0 s)")
+
+
+def test_search_on_sliding_window_layers(tmp_path):
+    """A tiny Gemma 3 (five sliding layers of window 16, one full layer): the profile lists
+    the full layer only, its bytes (rings included) are the arena's, and it loads back."""
+    d = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128, num_heads=4)
+    m = kvrun.load(d, ctx=8)
+    kw = {**KW, "prefix": 48, "trials": 2}
+    r = search(m, CALIB, 0.7, **kw)
+    assert len(r.layers) == 1 and len(r.sensitivity) == 1
+    kv = parse_kv("fp16").replace(layers=r.layers)
+    cfg = m.cfg
+    assert r.bytes == sum(build_cache(cfg, KW["ctx"], kv).nbytes().values())
+    assert r.bytes <= 0.7 * sum(kv_bytes_at(cfg, "fp16", KW["ctx"]).values())
+    out = tmp_path / "p.json"
+    save_result(out, r, m, CALIB, budget=0.7, ctx=KW["ctx"], family="kivi", bits=(2, 4, 8),
+                trials=2, seed=3, windows=2, prefix=48, n_score=32, base=parse_kv("fp16"))
+    again = kvrun.load(d, ctx=64, kv=f"profile:{out}")
+    assert again.generate("The quick", 4, temp=0)

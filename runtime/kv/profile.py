@@ -55,11 +55,13 @@ class Profile:
 
 
 def model_record(cfg) -> dict:
-    """What a profile records about the model it was searched on."""
+    """What a profile records about the model it was searched on. num_layers counts the
+    layers a profile lists: the full-attention ones (sliding-window layers keep a ring)."""
+    from .arena import arena_layers
     src = cfg.source or {}
     name = src.get("name") or (Path(src["path"]).stem if src.get("path") else "")
     return {"name": name, "sha256": src.get("sha256", ""), "architecture": cfg.architecture,
-            "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+            "num_layers": arena_layers(cfg), "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
 
 
 def kv_settings(kv) -> dict:

@@ -157,7 +157,8 @@ class Transformer(nn.Module):
         local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
         h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
         if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=self.dtype)
+            # HF keeps sqrt(hidden) as an fp32 buffer and casts it to the weights' dtype
+            h = h * torch.tensor(self.embed_scale, dtype=torch.float32).to(self.dtype)
         for layer in self.model.layers:
             h = layer(h, *(local if layer.sliding else (cos, sin)), cache)
         cache.commit(T)

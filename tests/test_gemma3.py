@@ -69,10 +69,16 @@ def hf_gemma(gemma3_gguf):
         else:
             _, i, kind, _ = t.name.split(".")
             state[f"model.layers.{i}.{names[kind]}.weight"] = w
-    model = Gemma3ForCausalLM(cfg).float().eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with torch.device("meta"):                  # no random init of 270M parameters
+        model = Gemma3ForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
+    # the non-persistent buffers, built for real
+    model.model.embed_tokens.embed_scale = torch.tensor(cfg.hidden_size ** 0.5)
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    model.eval()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model
 
@@ -210,7 +216,7 @@ def test_windowed_attention_equals_a_brute_force_mask(T, q_start, window):
 
 def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     """A random tiny Gemma 3 (window 16, layer 6 global): prefill in chunks and decode past
-    the window equal one full forward; the native decode step refuses the architecture."""
+    the window equal one full forward; the native decode step takes the architecture."""
     from kvrun.runtime.decode_step import supported
     from kvrun.runtime.model import Transformer
     torch.manual_seed(0)
@@ -227,7 +233,7 @@ def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     torch.testing.assert_close(torch.cat(got), full, atol=1e-4, rtol=1e-4)
     nowin = m(ids, DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32))[0]
     assert (nowin[16:] - full[16:]).abs().max() > 1e-2 and torch.allclose(nowin[:16], full[:16], atol=1e-5)
-    assert not supported(Transformer(ModelConfig.tiny("gemma3", weights="int8")))
+    assert supported(Transformer(ModelConfig.tiny("gemma3", weights="int8")))   # test_decode_layer.py
 
 
 # -- pull: chunked wheels ---------------------------------------------------------------------

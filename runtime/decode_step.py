@@ -10,7 +10,9 @@ read. Here the activations stay fp32 in preallocated buffers and the weights are
 their stored bytes (kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/test_decode_layer.py) and serves everything this step does not cover.
 
-Covered: the Llama/Qwen2 `Transformer` with int4 or int8 linear layers (the weights
+Covered: the Llama/Qwen2 and Gemma 3 `Transformer` (Gemma's extra norms, QK-norm, GeGLU,
+local RoPE tables and embedding scale are the C layer's optional fields) with int4 or int8
+linear layers (the weights
 `kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
 CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
 cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused-write
@@ -48,9 +50,14 @@ def _stacked(lins) -> dict:
     return out
 
 
+def _offset(norm) -> torch.Tensor:
+    """A Gemma (1 + w) RMSNorm's weight as the multiplier the C norm takes."""
+    return 1.0 + norm.weight.detach().float()
+
+
 def supported(model) -> bool:
     """Whether this step can run `model` (see the module docstring)."""
-    if model.cfg.architecture not in ("llama", "qwen2"):   # Gemma 3's layer is not in the C step
+    if model.cfg.architecture not in ("llama", "qwen2", "gemma3"):
         return False
     if native.load() is None:
         return False
@@ -78,16 +85,25 @@ class NativeDecodeStep:
         self.scratch = Scratch(cfg.hidden_size, H, Hkv, D, cfg.intermediate_size, cfg.vocab_size)
         dims = dict(hidden=cfg.hidden_size, H=H, Hkv=Hkv, D=D, inter=cfg.intermediate_size)
         self.plans = []
+        gemma = cfg.architecture == "gemma3"
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj),
                  "gate": _stored(mlp.gate_proj), "up": _stored(mlp.up_proj),
                  "down": _stored(mlp.down_proj)}
-            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, layer.input_layernorm.weight,
-                                        layer.post_attention_layernorm.weight, w, self.scratch))
+            if gemma:                   # runtime/gemma3.py's layer, its (1 + w) norms folded
+                norms = (_offset(layer.input_layernorm), _offset(layer.pre_feedforward_layernorm))
+                extra = {"q_norm": _offset(a.q_norm), "k_norm": _offset(a.k_norm),
+                         "attn_out_norm": _offset(layer.post_attention_layernorm),
+                         "mlp_out_norm": _offset(layer.post_feedforward_layernorm),
+                         "act": "gelu_tanh", "q_scale": a.q_scale or 1.0}
+            else:
+                norms, extra = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), None
+            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, *norms, w, self.scratch, extra))
+        self.local = [getattr(layer, "sliding", False) for layer in model.model.layers]
         self.keep: list = []
         self.head = weight_desc(_stored(model.lm_head), self.keep)
-        self.norm = model.model.norm.weight.detach().float().contiguous()
+        self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
         B, T = ids.shape
@@ -106,15 +122,21 @@ class NativeDecodeStep:
         cos, sin = self.model.rope.tables(positions, torch.float32)     # (1, D)
         s.cos[:B] = cos
         s.sin[:B] = sin
+        if self.model.rope_local is not None:                           # sliding layers' base
+            s.cos_local[:B], s.sin_local[:B] = self.model.rope_local.tables(positions, torch.float32)
         s.x[:B] = self.model.model.embed_tokens(ids)[:, 0].float()     # (B, hidden)
+        if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
+            s.x[:B] *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
         q_end, k_end = self.split
         qkv = s.qkv[:B]
         q = qkv[:, :q_end].view(B, 1, H, D).transpose(1, 2)              # (B, H, 1, D)
         k = qkv[:, q_end:k_end].view(B, 1, Hkv, D).transpose(1, 2)       # (B, Hkv, 1, D)
         v = qkv[:, k_end:].view(B, 1, Hkv, D).transpose(1, 2)
         for i, plan in enumerate(self.plans):
-            plan.pre(B, nth)
+            plan.pre(B, nth, self.local[i])
             o = cache.attend(i, q, k, v)                                 # (B, H, 1, D)
             plan.post(B, o.reshape(B, H * D).contiguous(), nth)
         cache.commit(1)
-        return self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)
+        logits = self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)
+        cap = cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -146,3 +146,42 @@ def test_dense_cache_decode_reads_through_the_native_kernel(monkeypatch, dtype, 
     assert calls, "the native kernel was not used"
     ref = dense_attention(q, c.k[1, :, :, :S + 1].float(), c.v[1, :, :, :S + 1].float(), S)
     assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _quantized_copy(src, dest, weights: str, group: int = 32):
+    """A kvrun model dir with its linear weights (and embedding) stored as `weights`, the
+    way `kvrun convert --weights` stores them (convert.quantize)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from kvrun.convert.quantize import quantize
+    from kvrun.convert.writer import expected_tensors, write_model_dir
+    from kvrun.runtime.loader import load_config
+    cfg = replace(load_config(src), weights=weights, weight_group=group)
+    want = expected_tensors(cfg)
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(".weight") and name[:-len(".weight")] + ".qweight" in want:
+            out.update(quantize(name, w, weights, group))
+        else:
+            out[name] = w.float()
+    return write_model_dir(dest, cfg, out, (src / "tokenizer.json").read_text())
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("kv", ["fp32", "kivi-4"])
+def test_gemma3_native_step_equals_the_eager_step(tmp_path, monkeypatch, weights, kv):
+    """A tiny Gemma 3 (five sliding layers of window 16 with their own RoPE base, one global
+    layer; QK-norm, sandwich norms, GeGLU, scaled embedding, tied int8 lm_head): the
+    native step equals the dequantized eager step past the window, on the ring + dense or
+    arena cache."""
+    from tiny import make_tiny_model_dir
+    src = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128,
+                              num_heads=4, intermediate_size=96)
+    m = kvrun.load(_quantized_copy(src, tmp_path / weights, weights), ctx=256)
+    from kvrun.runtime.decode_step import supported
+    assert supported(m.transformer)
+    cache = kvrun.runtime.api.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))
+    tol = TOL if kv == "fp32" else dict(atol=2e-2, rtol=0)
+    _compare(m, cache, m.tokenize("sliding windows of sixteen tokens"), 40, monkeypatch, tol=tol)

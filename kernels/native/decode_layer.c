@@ -11,6 +11,11 @@
  *                     gate and up rows in one pass, SwiGLU -> down GEMV -> residual add
  *   kvrun_logits      final RMSNorm -> lm_head GEMV
  *
+ * Gemma 3 layers set the optional fields (NULL / 0 for Llama): per-head RMSNorm of q and k
+ * before RoPE (q_norm, k_norm), RMSNorm of the attention and MLP outputs before their
+ * residual adds (attn_out_norm, mlp_out_norm), the tanh GELU instead of SiLU (act), and a
+ * q scale after RoPE (query_pre_attn_scalar). Its (1 + w) norms come in as 1 + w.
+ *
  * Rows: B rows (each its own sequence or token), every weight byte is read once per call
  * and used for all rows. Activations are fp32 throughout (no casts); weights stay in the
  * bytes kvrun stores (runtime/qlinear.py):
@@ -63,7 +68,15 @@ typedef struct {
     float *qkv_out;                  /* (B, (H + 2 Hkv) D): q, k, v of each row */
     float *tmp;                      /* (B, hidden) o_proj output */
     float *h;                        /* (B, inter) SwiGLU output */
+    /* Gemma 3 (NULL / 0 / 1 for Llama) */
+    const float *q_norm, *k_norm;    /* (D,) per-head RMSNorm weights of q and k, before RoPE */
+    const float *attn_out_norm;      /* (hidden,) RMSNorm of o_proj's output before the add */
+    const float *mlp_out_norm;       /* (hidden,) RMSNorm of down's output before the add */
+    int32_t act;                     /* ACT_SILU or ACT_GELU_TANH, of the gate rows */
+    float q_scale;                   /* q multiplied by it after RoPE */
 } Layer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* -- dot products of one weight row with B input rows --------------------------------- */
 
@@ -186,6 +199,15 @@ static void rope(float *v, const float *cs, const float *sn, int D)
 
 static int wgroup(const Weight *w) { return w->kind == W_INT4 ? w->G : 0; }
 
+/* the MLP's gate activation: SiLU (SwiGLU) or the tanh approximation of GELU (GeGLU,
+ * torch's gelu(approximate="tanh")) */
+static float act(int kind, float g)
+{
+    if (kind == ACT_GELU_TANH)
+        return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
 /* a GEMV y (B, N) = x (B, K) W^T over this thread's rows: `omp for` inside a region */
 #define GEMV_FOR(w, B, x, ldx, xs, ldxs, BODY)                                          \
     _Pragma("omp for schedule(static)")                                                 \
@@ -213,8 +235,12 @@ int kvrun_layer_pre(const Layer *L, int B, const float *cosb, const float *sinb)
 #pragma omp for schedule(static)
         for (int i = 0; i < B * (L->H + L->Hkv); i++) {           /* q and k heads of every row */
             const int b = i / (L->H + L->Hkv), hd = i % (L->H + L->Hkv);
-            rope(L->qkv_out + (int64_t)b * NQKV + hd * D, cosb + (int64_t)b * D,
-                 sinb + (int64_t)b * D, D);
+            float *head = L->qkv_out + (int64_t)b * NQKV + hd * D;
+            const float *nw = hd < L->H ? L->q_norm : L->k_norm;
+            if (nw) rmsnorm(head, nw, D, L->eps, head);
+            rope(head, cosb + (int64_t)b * D, sinb + (int64_t)b * D, D);
+            if (hd < L->H && L->q_scale != 1.0f)
+                for (int d = 0; d < D; d++) head[d] *= L->q_scale;
         }
     }
     return 0;
@@ -235,8 +261,9 @@ int kvrun_layer_post(const Layer *L, int B, const float *attn, int64_t lda)
         GEMV_FOR(&L->o, B, attn, (int)lda, L->xsum, ldxs, L->tmp[(int64_t)b * C + n] = r_[b])
 #pragma omp single
         for (int b = 0; b < B; b++) {
-            float *xb = L->x + (int64_t)b * C;
-            for (int i = 0; i < C; i++) xb[i] += L->tmp[(int64_t)b * C + i];
+            float *xb = L->x + (int64_t)b * C, *tb = L->tmp + (int64_t)b * C;
+            if (L->attn_out_norm) rmsnorm(tb, L->attn_out_norm, C, L->eps, tb);
+            for (int i = 0; i < C; i++) xb[i] += tb[i];
             rmsnorm(xb, L->norm2, C, L->eps, L->xn + (int64_t)b * C);
             group_sums(L->xn + (int64_t)b * C, C, Gg, L->xsum + (int64_t)b * ldxs);
         }
@@ -246,12 +273,22 @@ int kvrun_layer_post(const Layer *L, int B, const float *attn, int64_t lda)
             row_dot(&L->gate, n, B, L->xn, C, L->xsum, ldxs, g_);
             row_dot(&L->up, n, B, L->xn, C, L->xsum, ldxs, u_);
             for (int b = 0; b < B; b++)
-                L->h[(int64_t)b * I + n] = g_[b] / (1.0f + expf(-g_[b])) * u_[b];
+                L->h[(int64_t)b * I + n] = act(L->act, g_[b]) * u_[b];
         }
 #pragma omp single
         for (int b = 0; b < B; b++)
             group_sums(L->h + (int64_t)b * I, I, Gd, L->xsum + (int64_t)b * ldxs);
-        GEMV_FOR(&L->down, B, L->h, I, L->xsum, ldxs, L->x[(int64_t)b * C + n] += r_[b])
+        if (!L->mlp_out_norm) {
+            GEMV_FOR(&L->down, B, L->h, I, L->xsum, ldxs, L->x[(int64_t)b * C + n] += r_[b])
+        } else {
+            GEMV_FOR(&L->down, B, L->h, I, L->xsum, ldxs, L->tmp[(int64_t)b * C + n] = r_[b])
+#pragma omp single
+            for (int b = 0; b < B; b++) {
+                float *xb = L->x + (int64_t)b * C, *tb = L->tmp + (int64_t)b * C;
+                rmsnorm(tb, L->mlp_out_norm, C, L->eps, tb);
+                for (int i = 0; i < C; i++) xb[i] += tb[i];
+            }
+        }
     }
     return 0;
 }

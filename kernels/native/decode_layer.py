@@ -30,7 +30,12 @@ class LayerDesc(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("hidden", "H", "Hkv", "D", "inter", "nthreads")] + [
         ("eps", ctypes.c_float), ("norm1", _p), ("norm2", _p)] + [
         (n, WeightDesc) for n in ("qkv", "o", "gate", "up", "down")] + [
-        (n, _p) for n in ("x", "xn", "xsum", "qkv_out", "tmp", "h")]
+        (n, _p) for n in ("x", "xn", "xsum", "qkv_out", "tmp", "h")] + [
+        (n, _p) for n in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
+        ("act", ctypes.c_int32), ("q_scale", ctypes.c_float)]
+
+
+ACTS = {"silu": 0, "gelu_tanh": 1}          # decode_layer.c ACT_*
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -74,13 +79,17 @@ class Scratch:
         self.x, self.xn, self.xsum = z(hidden), z(wide), z(wide // 32)
         self.qkv, self.tmp, self.h = z((H + 2 * Hkv) * D), z(hidden), z(inter)
         self.cos, self.sin = z(D), z(D)
+        self.cos_local, self.sin_local = z(D), z(D)    # sliding-window layers' RoPE (Gemma 3)
         self.logits = z(vocab)
 
 
 class LayerPlan:
     def __init__(self, dims: dict, eps: float, norm1: torch.Tensor, norm2: torch.Tensor,
-                 weights: dict, scratch: Scratch):
-        """dims: hidden, H, Hkv, D, inter; weights: qkv, o, gate, up, down (weight_desc form)."""
+                 weights: dict, scratch: Scratch, extra: dict | None = None):
+        """dims: hidden, H, Hkv, D, inter; weights: qkv, o, gate, up, down (weight_desc form).
+        extra (Gemma 3; decode_layer.c's optional fields): "q_norm", "k_norm" (D,),
+        "attn_out_norm", "mlp_out_norm" (hidden,) norm weights as multiplied (1 + w for
+        Gemma), "act" ("silu" or "gelu_tanh"), "q_scale"."""
         self.keep: list = []
         L = self.desc = LayerDesc()
         for k, v in dims.items():
@@ -89,6 +98,15 @@ class LayerPlan:
         n1, n2 = norm1.detach().float().contiguous(), norm2.detach().float().contiguous()
         self.keep += [n1, n2, scratch]
         L.norm1, L.norm2 = _ptr(n1), _ptr(n2)
+        extra = extra or {}
+        for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
+            t = extra.get(name)
+            if t is not None:
+                t = t.detach().float().contiguous()
+                self.keep.append(t)
+                setattr(L, name, _ptr(t))
+        L.act = ACTS[extra.get("act", "silu")]
+        L.q_scale = float(extra.get("q_scale", 1.0))
         for name in ("qkv", "o", "gate", "up", "down"):
             setattr(L, name, weight_desc(weights[name], self.keep))
         for name, t in (("x", scratch.x), ("xn", scratch.xn), ("xsum", scratch.xsum),
@@ -98,12 +116,13 @@ class LayerPlan:
         self._lib = load()
         assert self._lib is not None, "the native kernels did not build"
 
-    def pre(self, B: int, nthreads: int) -> None:
+    def pre(self, B: int, nthreads: int, local: bool = False) -> None:
         """scratch.x (B, hidden) -> scratch.qkv (B, (H + 2 Hkv) D), q and k roped with
-        scratch.cos / scratch.sin (B, D)."""
+        scratch.cos / scratch.sin (B, D), or cos_local / sin_local for a `local` layer."""
         self.desc.nthreads = nthreads
-        rc = self._lib.kvrun_layer_pre(ctypes.byref(self.desc), B, _p(_ptr(self.scratch.cos)),
-                                       _p(_ptr(self.scratch.sin)))
+        s = self.scratch
+        cos, sin = (s.cos_local, s.sin_local) if local else (s.cos, s.sin)
+        rc = self._lib.kvrun_layer_pre(ctypes.byref(self.desc), B, _p(_ptr(cos)), _p(_ptr(sin)))
         assert rc == 0, rc
 
     def post(self, B: int, attn: torch.Tensor, nthreads: int) -> None:

@@ -49,6 +49,7 @@ class Model:
         self.engine = Engine(transformer, tokenizer, cache, prefill_chunk)
         self.template = template_for(cfg.chat_template, cfg.default_system)
         self.stop_ids = set(cfg.eos_token_ids)
+        self.kv: "str | KVConfig" = "fp16"     # the cache's method (load() sets it)
 
     # -- tokens --
     def tokenize(self, text: str, bos: bool | None = None) -> list[int]:
@@ -88,6 +89,26 @@ class Model:
 
     def chat(self, messages: list[dict], max_tokens: int = 256, *, stop=None, **sampling) -> str:
         return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, stop=stop, **sampling))
+
+    def generate_batch(self, prompts: list, max_tokens: int = 128, *, stop=None,
+                       parallel: int | None = None, kv: "str | KVConfig | None" = None,
+                       kv_budget_mb: float | None = None, **sampling) -> list[str]:
+        """Continuations of many raw prompts (texts or token-id lists), decoded together:
+        one forward per step over all running sequences, each on its own KV cache of
+        prompt + max_tokens tokens (at most the model's context) with method `kv` (default:
+        the model's). `parallel` (default: all) and `kv_budget_mb` bound how many run at
+        once; the rest wait. Greedy outputs equal `generate`'s, prompt by prompt.
+        `stop` and the sampling options apply to every prompt (a seed gives each prompt the
+        stream `generate` with that seed gives it); runtime/scheduler.py takes them per
+        request."""
+        from .scheduler import Scheduler
+        ids = [self.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        sched = Scheduler(self, parallel=parallel or max(1, len(ids)), kv_budget_mb=kv_budget_mb,
+                          max_queue=len(ids), kv=kv)
+        params = SamplingParams(**sampling)
+        reqs = [sched.submit(x, max_tokens, params, stop) for x in ids]
+        sched.run()
+        return [r.text for r in reqs]
 
     # -- scoring --
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -132,4 +153,6 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     transformer = load_transformer(path, cfg, compute, gemv)
     tokenizer = load_tokenizer(path, cfg)
     cache = make_cache(cfg, ctx, kv)
-    return Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)
+    model = Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)
+    model.kv = kv
+    return model

@@ -16,8 +16,12 @@ linear layers (the weights
 `kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
 CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
 cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused-write
-step `write_attend` keeps the eager forward). The rows are a batch axis: each row is
-its own sequence at its own position (B = 1 in today's engine).
+step `write_attend` keeps the eager forward). The rows are a batch axis: `__call__` runs
+B rows on one cache (B = 1 in the engine); `rows` runs row b on its own cache `caches[b]`
+at that cache's position (batched decoding, runtime/batch.py): the norms and GEMVs read
+every weight once for all rows, RoPE takes each row's position, and attention runs per row
+on its own cache, through the same call a lone sequence makes, so each row's logits are
+bit-identical to that sequence's own step (the C code computes every row independently).
 """
 from __future__ import annotations
 
@@ -104,6 +108,7 @@ class NativeDecodeStep:
         self.keep: list = []
         self.head = weight_desc(_stored(model.lm_head), self.keep)
         self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
+        self.attn = torch.zeros(MAX_ROWS, H * D)          # rows(): each row's attention output
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
         B, T = ids.shape
@@ -114,12 +119,40 @@ class NativeDecodeStep:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """ids (B, 1) -> float32 logits (B, 1, V); appends the tokens to `cache`."""
+        B, HD = ids.shape[0], self.cfg.num_heads * self.cfg.head_dim
+        positions = cache.positions(1)                                   # (1,)
+        logits = self._run(ids, positions.expand(B),
+                           lambda i, q, k, v: cache.attend(i, q, k, v).reshape(B, HD).contiguous())
+        cache.commit(1)
+        return logits
+
+    @torch.inference_mode()
+    def rows(self, ids: torch.Tensor, caches: list) -> torch.Tensor:
+        """ids (B, 1), row b the next token of the sequence in caches[b] (B <= MAX_ROWS, each
+        cache one sequence) -> float32 logits (B, 1, V); appends each token to its cache."""
+        B = ids.shape[0]
+        assert len(caches) == B <= MAX_ROWS, (len(caches), B)
+        H, D = self.cfg.num_heads, self.cfg.head_dim
+        positions = torch.cat([c.positions(1) for c in caches])         # (B,)
+        out = self.attn[:B]                                              # (B, H D)
+
+        def attend(i, q, k, v):
+            for b, c in enumerate(caches):
+                out[b] = c.attend(i, q[b:b + 1], k[b:b + 1], v[b:b + 1]).reshape(H * D)
+            return out
+        logits = self._run(ids, positions, attend)
+        for c in caches:
+            c.commit(1)
+        return logits
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The layers over B rows at `positions` (B,); attend(layer, q, k, v) -> (B, H D)
+        float32 rows. Returns float32 logits (B, 1, V)."""
         B = ids.shape[0]
         cfg, s = self.cfg, self.scratch
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nth = torch.get_num_threads()
-        positions = cache.positions(1)                                   # (1,)
-        cos, sin = self.model.rope.tables(positions, torch.float32)     # (1, D)
+        cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
         s.cos[:B] = cos
         s.sin[:B] = sin
         if self.model.rope_local is not None:                           # sliding layers' base
@@ -134,9 +167,7 @@ class NativeDecodeStep:
         v = qkv[:, k_end:].view(B, 1, Hkv, D).transpose(1, 2)
         for i, plan in enumerate(self.plans):
             plan.pre(B, nth, self.local[i])
-            o = cache.attend(i, q, k, v)                                 # (B, H, 1, D)
-            plan.post(B, o.reshape(B, H * D).contiguous(), nth)
-        cache.commit(1)
+            plan.post(B, attend(i, q, k, v), nth)
         logits = self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)
         cap = cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -102,6 +102,15 @@ class Engine:
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Append `ids` to the cache in chunks aligned to multiples of the chunk size;
         returns the last position's logits (V,)."""
+        logits = None
+        for logits, _ in self.prefill_chunks(ids):
+            pass
+        return logits
+
+    def prefill_chunks(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, int]]:
+        """`prefill` one chunk per `next()` (a batch interleaves them with the decode steps
+        of other sequences): yields (the chunk's last-position logits (V,), ids still to
+        prefill); the prompt is checked at the call, not at the first `next()`."""
         if not ids:
             raise KvrunError("empty prompt")
         room = self.max_ctx - (self.cache.shift_keep() if self.can_shift else len(self.cached))
@@ -111,28 +120,40 @@ class Engine:
                     if self.can_shift else "")
             raise KvrunError(f"prompt too long: {held}{len(ids)} new tokens > context size "
                              f"{self.max_ctx}{keep} (raise -c/--ctx-size)")
+        return self._prefill_chunks(ids)
+
+    def _prefill_chunks(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, int]]:
         exact = self.canon == len(self.cached)          # resumed where a fresh prefill would be
         shifts = self.n_shifts
-        logits, s, C = None, 0, self.prefill_chunk
+        s, C = 0, self.prefill_chunk
         while s < len(ids):
             e = s + C - (len(self.cached) % C)          # the next multiple of C
             logits = self._forward(ids[s:e])
             s = e
-        if exact and shifts == self.n_shifts:
-            self.canon = len(self.cached)
-        return logits[0, -1]
+            if s >= len(ids) and exact and shifts == self.n_shifts:
+                self.canon = len(self.cached)
+            yield logits[0, -1], len(ids) - s
 
     def decode_step(self, token: int) -> torch.Tensor:
         """Feed one token; returns next-token logits (V,)."""
-        j = len(self.cached)
-        before = self._tail()
+        state = self.decode_begin()
         logits = self._forward([token])[0, -1]
+        self.decode_end(state)
+        return logits
+
+    def decode_begin(self) -> tuple[int, int]:
+        """Before a one-token forward: the state decode_end needs (a batch runs the forward
+        of many engines in one call between the two; runtime/batch.py)."""
+        return len(self.cached), self._tail()
+
+    def decode_end(self, state: tuple[int, int]) -> None:
+        """After the one-token forward that followed decode_begin (the token is in `cached`)."""
+        j, before = state
         # the token's K/V are a fresh prefill's when its step saw the tail that prefill's
         # chunk would have shown it (decode runs the same ops as a one-token chunk)
         fresh_tail = self.cache.canonical_tail(j // self.prefill_chunk * self.prefill_chunk)
         if self.canon == j and before == self._tail() == fresh_tail and len(self.cached) == j + 1:
             self.canon = j + 1
-        return logits
 
     def _tail(self) -> int:
         """Tokens the cache holds compressed (the arena's tail; none in the dense cache)."""
@@ -157,12 +178,16 @@ class Engine:
         try:
             logits = self.model(torch.tensor([ids]), self.cache, last_only=True)
         except KeyboardInterrupt:
-            kept = self.cache.truncate(min(len(self.cached), self.cache.seq_len))
-            del self.cached[kept:]
-            self.canon = min(self.canon, kept)
+            self.repair()
             raise
         self.cached.extend(ids)
         return logits
+
+    def repair(self) -> None:
+        """Make the cache consistent with `cached` after an interrupted forward."""
+        kept = self.cache.truncate(min(len(self.cached), self.cache.seq_len))
+        del self.cached[kept:]
+        self.canon = min(self.canon, kept)
 
     def tokens(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                stop_ids: set[int], timings: Timings, append: bool = False

@@ -38,6 +38,7 @@ class StopStrings:
         self.stops = check_stops(stop)
         self.text = ""
         self.matched: str | None = None
+        self._pending = ""                  # push(): text received but not emitted yet
 
     def _held(self, pending: str) -> int:
         """Length of the longest suffix of `pending` that is a proper prefix of a stop string:
@@ -54,6 +55,22 @@ class StopStrings:
         """(index, stop string) of the earliest stop string in `pending`, if any."""
         hits = [(i, s) for s in self.stops if (i := pending.find(s)) >= 0]
         return min(hits, key=lambda h: h[0]) if hits else None
+
+    def push(self, text: str, last: bool = False) -> tuple[str, bool]:
+        """The push form of `apply`, for a caller that produces the text itself (a batch
+        sequence, runtime/batch.py): returns the text to emit now and whether a stop string
+        matched (the generation then ends; the stop string and what follows are dropped).
+        `last`: the generation ended on its own, nothing held back can become a stop now."""
+        pending = self._pending + text
+        hit = self._find(pending)
+        if hit is not None:
+            self.matched = hit[1]
+            out, self._pending = pending[:hit[0]], ""
+        else:
+            n = len(pending) if last else len(pending) - self._held(pending)
+            out, self._pending = pending[:n], pending[n:]
+        self.text += out
+        return out, hit is not None
 
     def apply(self, events: Iterator[StreamEvent]) -> Iterator[StreamEvent]:
         """`events` with stop strings applied. Every token event is passed on (its text may

@@ -45,7 +45,8 @@
 typedef _Float16 f16;
 
 enum { W_INT4 = 0, W_INT8 = 1 };
-enum { MAXB = 8 };            /* rows per pass over the weights (register blocking) */
+enum { MAXB = 32 };           /* rows per call: each weight row is read from memory once and
+                                * re-read from L1 for every row (batched decode, runtime/batch.py) */
 
 /* one weight matrix (N, K) in a stored format */
 typedef struct {
@@ -81,7 +82,7 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 /* -- dot products of one weight row with B input rows --------------------------------- */
 
 /* int4 row n dotted with one input row x and its group sums xs */
-static float q4_dot(const Weight *w, int n, const float *x, const float *xs)
+static inline float q4_dot(const Weight *w, int n, const float *x, const float *xs)
 {
     const int K = w->K, G = w->G, ng = K / G, half = G / 2;
     const uint8_t *q = w->q + (int64_t)n * (K / 2);
@@ -128,7 +129,7 @@ static float q4_dot(const Weight *w, int n, const float *x, const float *xs)
 }
 
 /* int8 row n dotted with one input row x */
-static float i8_dot(const Weight *w, int n, const float *x)
+static inline float i8_dot(const Weight *w, int n, const float *x)
 {
     const int K = w->K;
     const int8_t *q = (const int8_t *)w->q + (int64_t)n * K;
@@ -153,14 +154,123 @@ static float i8_dot(const Weight *w, int n, const float *x)
     return r * w->scale[n];
 }
 
+#if KV_AVX512
+/* Row blocks: weight row n dotted with NB (<= 4) input rows at once. The codes are decoded
+ * once per block and used for every row; each row's arithmetic is exactly q4_dot's / i8_dot's
+ * (same accumulators, same order), so a row's result does not depend on the batch it is in
+ * (runtime/batch.py relies on it: a sequence decodes bit-identically alone or batched). */
+#define Q4_GROUP(ACC, NB)                                                                   \
+    {                                                                                       \
+        const __m512 sg = _mm512_set1_ps((float)sp[g]);                                     \
+        const uint8_t *qg = q + g * half;                                                   \
+        __m512 t[NB];                                                                       \
+        for (int b = 0; b < NB; b++) t[b] = _mm512_setzero_ps();                            \
+        for (int j = 0; j < half; j += 16) {                                                \
+            __m128i byt = _mm_loadu_si128((const __m128i *)(qg + j));                       \
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(byt, low)));  \
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                            \
+                _mm_and_si128(_mm_srli_epi16(byt, 4), low)));                               \
+            for (int b = 0; b < NB; b++) {                                                  \
+                const float *xg = x + (int64_t)b * ldx + g * G;                             \
+                t[b] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + j), t[b]);                  \
+                t[b] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + j + half), t[b]);           \
+            }                                                                               \
+        }                                                                                   \
+        for (int b = 0; b < NB; b++) ACC[b] = _mm512_fmadd_ps(t[b], sg, ACC[b]);            \
+        g++;                                                                                \
+    }
+
+#define DEFINE_Q4_ROWS(NB)                                                                  \
+static void q4_rows##NB(const Weight *w, int n, const float *x, int ldx, const float *xs,   \
+                        int ldxs, float *out)                                               \
+{                                                                                           \
+    const int K = w->K, G = w->G, ng = K / G, half = G / 2;                                 \
+    const uint8_t *q = w->q + (int64_t)n * (K / 2);                                         \
+    const f16 *sp = w->s + (int64_t)n * ng, *mp = w->m + (int64_t)n * ng;                   \
+    const __m128i low = _mm_set1_epi8(0x0f);                                                \
+    __m512 a0[NB], a1[NB], a2[NB], a3[NB];                                                  \
+    for (int b = 0; b < NB; b++)                                                            \
+        a0[b] = a1[b] = a2[b] = a3[b] = _mm512_setzero_ps();                                \
+    int g = 0;                                                                              \
+    while (g + 4 <= ng) { Q4_GROUP(a0, NB) Q4_GROUP(a1, NB) Q4_GROUP(a2, NB) Q4_GROUP(a3, NB) } \
+    if (g < ng) Q4_GROUP(a0, NB)                                                            \
+    if (g < ng) Q4_GROUP(a1, NB)                                                            \
+    if (g < ng) Q4_GROUP(a2, NB)                                                            \
+    for (int b = 0; b < NB; b++) {                                                          \
+        float r = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[b], a1[b]),           \
+                                                     _mm512_add_ps(a2[b], a3[b])));         \
+        const float *xsb = xs + (int64_t)b * ldxs;                                          \
+        for (int gg = 0; gg < ng; gg++) r += (float)mp[gg] * xsb[gg];                       \
+        out[b] = r;                                                                         \
+    }                                                                                       \
+}
+
+#define DEFINE_I8_ROWS(NB)                                                                  \
+static void i8_rows##NB(const Weight *w, int n, const float *x, int ldx, float *out)        \
+{                                                                                           \
+    const int K = w->K;                                                                     \
+    const int8_t *q = (const int8_t *)w->q + (int64_t)n * K;                                \
+    __m512 a0[NB], a1[NB], a2[NB], a3[NB];                                                  \
+    for (int b = 0; b < NB; b++)                                                            \
+        a0[b] = a1[b] = a2[b] = a3[b] = _mm512_setzero_ps();                                \
+    int k = 0;                                                                              \
+    for (; k + 64 <= K; k += 64) {                                                          \
+        __m512i c = _mm512_loadu_si512((const void *)(q + k));                              \
+        __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(c)));    \
+        __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, 1))); \
+        __m512 c2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, 2))); \
+        __m512 c3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(c, 3))); \
+        for (int b = 0; b < NB; b++) {                                                      \
+            const float *xb = x + (int64_t)b * ldx + k;                                     \
+            a0[b] = _mm512_fmadd_ps(c0, _mm512_loadu_ps(xb), a0[b]);                        \
+            a1[b] = _mm512_fmadd_ps(c1, _mm512_loadu_ps(xb + 16), a1[b]);                   \
+            a2[b] = _mm512_fmadd_ps(c2, _mm512_loadu_ps(xb + 32), a2[b]);                   \
+            a3[b] = _mm512_fmadd_ps(c3, _mm512_loadu_ps(xb + 48), a3[b]);                   \
+        }                                                                                   \
+    }                                                                                       \
+    for (int b = 0; b < NB; b++) {                                                          \
+        const float *xb = x + (int64_t)b * ldx;                                             \
+        float r = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[b], a1[b]),           \
+                                                     _mm512_add_ps(a2[b], a3[b])));         \
+        for (int kk = k; kk < K; kk++) r += (float)q[kk] * xb[kk];                          \
+        out[b] = r * w->scale[n];                                                           \
+    }                                                                                       \
+}
+
+DEFINE_Q4_ROWS(1) DEFINE_Q4_ROWS(2) DEFINE_Q4_ROWS(3) DEFINE_Q4_ROWS(4)
+DEFINE_I8_ROWS(1) DEFINE_I8_ROWS(2) DEFINE_I8_ROWS(3) DEFINE_I8_ROWS(4)
+#endif
+
 /* weight row n dotted with B input rows x[b] (row stride ldx; int4: group sums xs[b],
- * stride ldxs), plus the bias. The rows re-read the weight row from L1. */
+ * stride ldxs), plus the bias. AVX-512: blocks of 4 rows share one decode of the codes. */
 static void row_dot(const Weight *w, int n, int B, const float *x, int ldx, const float *xs,
                     int ldxs, float *out)
 {
+#if KV_AVX512
+    for (int b0 = 0; b0 < B; b0 += 4) {
+        const float *xb = x + (int64_t)b0 * ldx, *xsb = xs + (int64_t)b0 * ldxs;
+        float *o = out + b0;
+        if (w->kind == W_INT4) {
+            switch (B - b0) {
+            case 1: q4_rows1(w, n, xb, ldx, xsb, ldxs, o); break;
+            case 2: q4_rows2(w, n, xb, ldx, xsb, ldxs, o); break;
+            case 3: q4_rows3(w, n, xb, ldx, xsb, ldxs, o); break;
+            default: q4_rows4(w, n, xb, ldx, xsb, ldxs, o);
+            }
+        } else {
+            switch (B - b0) {
+            case 1: i8_rows1(w, n, xb, ldx, o); break;
+            case 2: i8_rows2(w, n, xb, ldx, o); break;
+            case 3: i8_rows3(w, n, xb, ldx, o); break;
+            default: i8_rows4(w, n, xb, ldx, o);
+            }
+        }
+    }
+#else
     for (int b = 0; b < B; b++)
         out[b] = w->kind == W_INT4 ? q4_dot(w, n, x + (int64_t)b * ldx, xs + (int64_t)b * ldxs)
                                    : i8_dot(w, n, x + (int64_t)b * ldx);
+#endif
     if (w->bias)
         for (int b = 0; b < B; b++) out[b] += w->bias[n];
 }

@@ -16,7 +16,7 @@ import torch
 from . import load
 
 W_INT4, W_INT8 = 0, 1
-MAX_ROWS = 8                     # decode_layer.c MAXB
+MAX_ROWS = 32                    # decode_layer.c MAXB
 
 _p = ctypes.c_void_p
 

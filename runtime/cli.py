@@ -553,5 +553,9 @@ from .cli_search import search_cmd  # noqa: E402  (a command module of its own)
 
 main.add_command(search_cmd)
 
+from .cli_serve import serve_cmd  # noqa: E402
+
+main.add_command(serve_cmd)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,68 @@
+"""`kvrun serve`: the OpenAI-compatible server (runtime/server.py) as a command.
+Registered on the main group by runtime/cli.py: `main.add_command(serve_cmd)`."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .errors import KvrunError
+
+
+def _eprint(*a, **kw):
+    print(*a, file=sys.stderr, flush=True, **kw)
+
+
+@click.command("serve")
+@click.option("-m", "--model", "model", default=None,
+              help="Model directory or pullable name (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("-c", "--ctx-size", "ctx", default=4096, show_default=True, type=int,
+              help="Context per sequence in tokens (a request's cache holds its prompt + "
+                   "max_tokens, at most this).")
+@click.option("--kv", default="fp16", show_default=True,
+              help="Default KV method of a request's cache (any --kv spec; a request may pick "
+                   "its own with the `kv` field).")
+@click.option("--ctx-policy", default=None, type=click.Choice(["error", "shift"]),
+              help="When a sequence's context is full: error (finish_reason length) or shift.")
+@click.option("-np", "--parallel", default=4, show_default=True, type=int,
+              help="Most sequences decoded together.")
+@click.option("--kv-budget-mb", default=None, type=float,
+              help="Most MiB of KV cache across the running sequences (default: no limit); "
+                   "requests wait until theirs fits.")
+@click.option("--queue", "queue", default=64, show_default=True, type=int,
+              help="Most requests waiting for admission (more get HTTP 429).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--alias", default=None, help="Model name clients use (default: the model directory's name).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
+@click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int,
+              help="Prefill chunk size in tokens (one chunk per step while others decode).")
+@click.option("-t", "--threads", default=None, type=int, help="CPU threads.")
+def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, port, alias,
+              dtype, chunk, threads):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
+    /v1/completions, /v1/models, /health), many requests decoded together.
+
+    Needs the server extra: pip install 'kvrun[server]'."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise KvrunError("kvrun serve needs starlette and uvicorn: pip install 'kvrun[server]'") from None
+    from .api import load
+    from .kv.config import parse_kv
+    from .scheduler import Scheduler
+    from .server import create_app
+    if not 0 < port < 65536:
+        raise KvrunError(f"--port must be in 1..65535 (got {port})")
+    spec = parse_kv(kv, **({"ctx_policy": ctx_policy} if ctx_policy else {}))
+    # the model's own cache is never used by the server: one token keeps it out of the way
+    m = load(model, dtype=dtype, ctx=1, kv="fp16", prefill_chunk=chunk, threads=threads,
+             progress=_eprint)
+    sched = Scheduler(m, parallel=parallel, kv_budget_mb=kv_budget_mb, max_queue=queue,
+                      ctx=ctx, kv=spec)
+    name = alias or m.path.name
+    app = create_app(m, sched, name)
+    budget = f"{kv_budget_mb:g} MiB" if kv_budget_mb else "unlimited"
+    _eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
+            f"kv {spec.label()}, KV budget {budget}; http://{host}:{port}/v1")
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)

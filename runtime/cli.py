@@ -465,9 +465,15 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
 @click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int)
 @click.option("-t", "--threads", default=None, type=int)
 @click.option("-s", "--seed", default=0, show_default=True, type=int)
+@click.option("--batch", "batch", default=None,
+              help="Comma list of batch sizes (e.g. 1,4,16): B sequences, each on its own cache, "
+                   "decoded together; aggregate tok/s and ms/token per sequence (model mode, one depth).")
+@click.option("--kv-budget-mb", "budget_mb", default=None, type=float,
+              help="With --batch: also each method at the largest batch whose caches fit this "
+                   "many MiB (the seeds' throughput experiment).")
 @eviction_options
 def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_csv, plot_path,
-          dtype, chunk, threads, seed, **ev):
+          dtype, chunk, threads, seed, batch, budget_mb, **ev):
     """Measure pp/tg speed, KV bytes and peak memory for several KV methods side by side."""
     from . import bench as B
     from .kv.config import parse_kv
@@ -490,6 +496,11 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
             raise KvrunError(f"threads must be >= 1 (got {threads})")
         import torch
         torch.set_num_threads(threads)
+    if budget_mb is not None and batch is None:
+        raise KvrunError("--kv-budget-mb goes with --batch (e.g. --batch 1,4 --kv-budget-mb 256)")
+    if batch is not None:
+        return bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer,
+                               as_json, as_csv, plot_path, dtype, chunk, seed)
     if layer is not None:
         n = B.parse_count(ctx) if ctx else 32768
         name, _ = B.parse_geometry(layer)
@@ -519,6 +530,28 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
     if plot_path:
         B.plot(records, plot_path)
         eprint(f"wrote {plot_path}")
+
+
+def bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer, as_json,
+                    as_csv, plot_path, dtype, chunk, seed):
+    """`kvrun bench --batch` (runtime/bench_batch.py)."""
+    from . import bench as B
+    from .api import load
+    from .bench_batch import bench_batch, format_batch_table
+    if layer is not None or as_csv or plot_path:
+        raise KvrunError("--batch runs in model mode with a table or --json (not --layer, --csv, -o)")
+    batches = B.parse_list(batch, "--batch")
+    d = B.parse_list(depths, "-d") if depths is not None else ([B.parse_count(ctx)] if ctx else [0])
+    if len(d) != 1:
+        raise KvrunError(f"--batch measures at one depth (got -d {depths})")
+    m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
+    warn_ctx(m.cfg, d[0] + tg, "a bench context of", "latency and memory figures are still valid")
+    records = bench_batch(m, specs, batches, tg, d[0], reps, budget_mb, fill=fill, seed=seed,
+                          progress=eprint)
+    where = B.run_info(m.path.name)
+    title = (f"{m.cfg.source.get('path', m.path.name)} | {where['cpu']} | dtype {dtype} | "
+             f"threads {where['threads']} | attention {where['backend']} | fill {fill} | batched decode")
+    print_records(records, as_json, lambda rs: format_batch_table(rs, title))
 
 
 @main.command()

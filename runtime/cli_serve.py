@@ -54,6 +54,11 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     from .server import create_app
     if not 0 < port < 65536:
         raise KvrunError(f"--port must be in 1..65535 (got {port})")
+    if parallel < 1:
+        raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
+    if kv_budget_mb is not None and kv_budget_mb <= 0:
+        raise KvrunError(f"--kv-budget-mb must be > 0 (got {kv_budget_mb})")
+    sock = _listen(host, port)                      # a busy port is an error before the load
     spec = parse_kv(kv, **({"ctx_policy": ctx_policy} if ctx_policy else {}))
     # the model's own cache is never used by the server: one token keeps it out of the way
     m = load(model, dtype=dtype, ctx=1, kv="fp16", prefill_chunk=chunk, threads=threads,
@@ -65,4 +70,19 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     budget = f"{kv_budget_mb:g} MiB" if kv_budget_mb else "unlimited"
     _eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
             f"kv {spec.label()}, KV budget {budget}; http://{host}:{port}/v1")
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60))
+    server.run(sockets=[sock])
+
+
+def _listen(host: str, port: int):
+    """A listening socket on host:port (IPv6 when host has a colon)."""
+    import socket
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise KvrunError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    s.listen(2048)
+    return s

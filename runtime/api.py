@@ -29,7 +29,7 @@ def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
     """A KV cache for `ctx` tokens: the dense cache for plain fp16/bf16/fp32, otherwise the
     compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig); sliding-window
     layers (Gemma 3) keep a ring of their window beside either (runtime/kv/ring.py)."""
-    kv = kv if isinstance(kv, KVConfig) else parse_kv(kv)
+    kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
     kv.check_profile(cfg)                   # a profile searched for another model is refused
     return build_cache(cfg, ctx, kv)
 

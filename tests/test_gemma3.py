@@ -321,3 +321,21 @@ def test_model_names_resolve_and_list(tmp_path, monkeypatch):
     assert asked[-1] == ("gemma-3-270m", "fp32")
     r = CliRunner().invoke(main, ["pull", "--list"])
     assert r.exit_code == 0 and "gemma-3-270m" in r.output and "smollm2-135m" in r.output
+
+
+def test_kv_auto_is_the_profile_shipped_for_gemma(gemma3_dir):
+    """`--kv auto` on Gemma 3 is its shipped 0.30x profile of the 3 global layers (the ring
+    included in the budget); on the default model it stays SmolLM2's."""
+    from kvrun.runtime.kv import kv_bytes_at
+    from kvrun.runtime.kv.profile import SHIPPED_DEFAULT
+    m = kvrun.load(gemma3_dir, kv="auto", ctx=4096)
+    kv = m.engine.cache.kv
+    assert kv.label() == "auto" and len(kv.layers) == 3
+    assert kv.profile_info["path"].endswith("gemma-3-270m-0.30.json")
+    total = sum(m.engine.cache.nbytes().values())
+    assert total <= 0.30 * sum(kv_bytes_at(m.cfg, "fp16", 4096).values())
+    from kvrun.runtime.api import make_cache
+    small = ModelConfig.tiny("llama")                       # no shipped profile: the default's,
+    with pytest.raises(KvrunError, match="has no profile shipped for this model"):
+        make_cache(small, 64, "auto")                       # refused as before
+    assert SHIPPED_DEFAULT.startswith("smollm2")

@@ -116,7 +116,7 @@ def test_mismatched_profile_refused(tiny_model, tmp_path):
 def test_kv_auto_refuses_other_models(tiny_model):
     kv = parse_kv("auto")                    # the shipped SmolLM2 profile
     assert kv.layers and len(kv.layers) == 30
-    with pytest.raises(KvrunError, match="--kv auto only knows the embedded default model"):
+    with pytest.raises(KvrunError, match="--kv auto has no profile shipped for this model"):
         kvrun.load(tiny_model.path, ctx=64, kv=kv)
     with pytest.raises(KvrunError, match="both name a profile"):
         parse_kv("auto", profile="x.json")
@@ -168,17 +168,20 @@ def test_search_command_writes_a_profile(tiny_model, tmp_path):
 def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
     from kvrun.runtime.config import ModelConfig
     from kvrun.runtime.kv.profile import shipped_profiles
-    cfg = ModelConfig.tiny(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576)
-    assert cfg.head_dim == 64
+    # the geometry of the models they were searched on (SmolLM2-135M, Gemma 3 270M)
+    geometry = {"llama": dict(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576),
+                "gemma3": dict(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+                               hidden_size=640, sliding_window=512)}
     names = set()
     for path in shipped_profiles():
         prof = read_profile(path)
+        cfg = ModelConfig.tiny(prof.model["architecture"], **geometry[prof.model["architecture"]])
         ctx, budget = prof.meta["ctx"], prof.meta["budget"]
-        fp16 = 2 * 30 * 3 * ctx * 64 * 2
+        fp16 = sum(kv_bytes_at(cfg, "fp16", ctx).values())    # Gemma: its rings included
         got = sum(kv_bytes_at(cfg, parse_kv(f"profile:{path}"), ctx).values())
         assert got == prof.meta["bytes"] and got <= budget * fp16, path.name
         names.add(path.name)
-    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json"} <= names
+    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json", "gemma-3-270m-0.30.json"} <= names
 
 
 def test_sensitivity_progress_has_an_eta(tiny_model):

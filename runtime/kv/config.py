@@ -150,6 +150,21 @@ class KVConfig:
                              f"the model has {n_layers}")
         return list(self.layers)
 
+    def for_model(self, cfg) -> "KVConfig":
+        """`--kv auto` names the profile shipped for the model it runs on: the embedded
+        model's unless another shipped profile was searched on this model (same name,
+        hash and geometry); any other config is returned as is."""
+        info = self.profile_info or {}
+        if not info.get("auto"):
+            return self
+        from .profile import shipped_for
+        path = shipped_for(cfg)
+        if path is None or str(path) == str(info.get("path")):
+            return self
+        out = parse_kv(f"profile:{path}", **info.get("fields", {}))
+        out.profile_info["auto"] = True
+        return out
+
     def check_profile(self, cfg) -> None:
         """Refuse a profile searched for another model (geometry; identity for --kv auto)."""
         if self.profile_info and self.profile_info.get("model"):
@@ -257,7 +272,8 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
         from .profile import read_profile
         p = read_profile(profile)
         layers = p.layers
-        info = {"path": p.path, "model": p.model, "auto": auto}
+        info = {"path": p.path, "model": p.model, "auto": auto,
+                "fields": dict(fields)}             # as given: for_model re-reads with them
         fields = {**p.kv, **({"layer_rotate": p.rotate} if p.rotate else {}), **fields}
     return KVConfig(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers,
                     profile_info=info, **fields)

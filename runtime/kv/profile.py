@@ -186,13 +186,13 @@ def check_profile_model(profile: dict, cfg, auto: bool = False, where: str = "KV
     for key, what in (("num_layers", "layers"), ("num_kv_heads", "KV heads"), ("head_dim", "head dim")):
         if key in profile and profile[key] != rec[key]:
             if auto:
-                raise KvrunError(f"--kv auto only knows the embedded default model: the shipped "
+                raise KvrunError(f"--kv auto has no profile shipped for this model: the default "
                                  f"profile is for {name} ({profile[key]} {what}), this model has "
                                  f"{rec[key]} {what}; run `kvrun search` for it and pass --kv-profile")
             raise KvrunError(f"{where} was searched for {name} ({profile[key]} {what}); "
                              f"this model has {rec[key]} {what}")
     if auto and profile.get("sha256") and profile["sha256"] != rec["sha256"]:
-        raise KvrunError(f"--kv auto only knows the embedded default model: the shipped profile "
+        raise KvrunError(f"--kv auto has no profile shipped for this model: the default profile "
                          f"is for {name} (sha256 {profile['sha256'][:12]}…), not for this model "
                          f"({rec['name'] or 'unnamed'}, "
                          f"sha256 {rec['sha256'][:12] or 'unknown'}…); run `kvrun search` for it "
@@ -206,6 +206,22 @@ def shipped_profiles() -> list[Path]:
     if not d.is_dir():
         return []
     return sorted(Path(str(p)) for p in d.iterdir() if p.name.endswith(".json"))
+
+
+def shipped_for(cfg) -> Path | None:
+    """The shipped profile `--kv auto` means on this model, or None: SHIPPED_DEFAULT when it
+    was searched on this model, else the largest-budget one searched on it."""
+    fits = []
+    for p in shipped_profiles():
+        try:
+            prof = read_profile(p)
+            check_profile_model(prof.model, cfg, auto=True)
+        except KvrunError:
+            continue
+        if p.name == SHIPPED_DEFAULT:
+            return p
+        fits.append((prof.meta.get("budget", 0.0), p))
+    return max(fits)[1] if fits else None
 
 
 def shipped_default() -> Path:

@@ -334,6 +334,7 @@ def test_kv_auto_is_the_profile_shipped_for_gemma(gemma3_dir):
     assert kv.profile_info["path"].endswith("gemma-3-270m-0.30.json")
     total = sum(m.engine.cache.nbytes().values())
     assert total <= 0.30 * sum(kv_bytes_at(m.cfg, "fp16", 4096).values())
+    assert sum(kv_bytes_at(m.cfg, "auto", 4096).values()) == total    # ppl / bench accounting
     from kvrun.runtime.api import make_cache
     small = ModelConfig.tiny("llama")                       # no shipped profile: the default's,
     with pytest.raises(KvrunError, match="has no profile shipped for this model"):

@@ -418,8 +418,9 @@ def arena_layers(cfg) -> int:
 
 
 def check_kv(cfg, kv_config) -> KVConfig:
-    """The KV config, checked against the model's geometry (one clear line if it does not fit)."""
-    kv = _as_config(kv_config)
+    """The KV config for this model (`--kv auto`: its shipped profile), checked against the
+    model's geometry (one clear line if it does not fit)."""
+    kv = _as_config(kv_config).for_model(cfg)
     kv.check_model(cfg.head_dim, arena_layers(cfg), cfg.num_kv_heads)
     if any(layer_windows(cfg)) and kv.ctx_policy == "shift":
         raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "

@@ -138,7 +138,7 @@ def _score_methods(model, caches: dict, win: list[int], chunk: int) -> dict:
 def _records(model, specs: dict, stats: dict, ctx: int) -> list[PplRecord]:
     from .api import kv_bytes_per_token
     base_ppl = math.exp(stats[BASELINE]["nll"] / stats[BASELINE]["n"])
-    fp16_bpt = kv_bytes_per_token(model.cfg, BASELINE, ctx)    # dense: the same at any length
+    fp16_bpt = kv_bytes_per_token(model.cfg, BASELINE, ctx)
     out = []
     for m, spec in specs.items():
         st = stats[m]
@@ -149,7 +149,9 @@ def _records(model, specs: dict, stats: dict, ctx: int) -> list[PplRecord]:
             kld=st["kld"] / st["n"] if m != BASELINE else 0.0,
             top1=st["top1"] / st["n"] if m != BASELINE else 1.0,
             bytes_per_token=bpt, ratio=bpt / fp16_bpt,
-            ratio_32k=kv_bytes_per_token(model.cfg, spec, 32768) / fp16_bpt,
+            # per 32k tokens against fp16 at 32k (not linear in n with sliding-window rings)
+            ratio_32k=kv_bytes_per_token(model.cfg, spec, 32768)
+            / kv_bytes_per_token(model.cfg, BASELINE, 32768),
             n_scored=st["n"], seconds=st["t"]))
     return out
 

@@ -3,8 +3,10 @@ throughput experiment (KIVI §4.3, GEAR §5.3: a fixed memory budget, the larges
 each KV method fits, and the throughput there).
 
 `tg N @ d, batch B`: B sequences, each with its own cache of the method holding d tokens,
-decode N steps together (one `batch_forward` per step). Aggregate tok/s = B·N / time;
-per-sequence ms/token = time / N (what each sequence's reader sees). As in `kvrun bench`,
+decode N steps together (one `batch_forward` per step). A repetition's step time is the
+median of its N steps (a stall of the machine does not count as decoding speed); the
+aggregate tok/s = B / step time, the per-sequence ms/token = step time (what each
+sequence's reader sees). As in `kvrun bench`,
 the depth is reached without a prefill per cache: one fp16 prefill of random tokens (or
 synthetic K/V), ingested into every cache through its own write path; each row then feeds
 its own random tokens. Repetitions run interleaved (rep 1 of every method and batch, then
@@ -107,17 +109,19 @@ def bench_batch(model, specs: list, batches: list[int], tg: int, depth: int, rep
             for c in caches:
                 if depth:
                     c.ingest(k[:, :, :depth], v[:, :, :depth])
-            t0 = time.perf_counter()
+            step = []
             for i in range(tg):
+                t0 = time.perf_counter()
                 batch_forward(model.transformer, steps[i, :B].tolist(), caches)
+                step.append(time.perf_counter() - t0)
             if rep:
-                times[t].append(time.perf_counter() - t0)
+                times[t].append(statistics.median(step))
             if rep == reps:                                      # the last pass: record
-                per = sum(sum(c.nbytes().values()) for c in caches[:1])
-                rates = [B * tg / x for x in times[t]]
+                per = sum(caches[0].nbytes().values())
+                rates = [B / x for x in times[t]]
                 rec = BatchRecord(_label(specs[m]), B, tg, depth, statistics.fmean(rates),
                                   statistics.stdev(rates) if reps > 1 else 0.0,
-                                  1e3 * statistics.fmean(times[t]) / tg, per, per * B,
+                                  1e3 * statistics.fmean(times[t]), per, per * B,
                                   t[2], reps, **where)
                 records.append(rec)
                 if progress:

@@ -82,7 +82,7 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 /* -- dot products of one weight row with B input rows --------------------------------- */
 
 /* int4 row n dotted with one input row x and its group sums xs */
-static inline float q4_dot(const Weight *w, int n, const float *x, const float *xs)
+static float q4_dot(const Weight *w, int n, const float *x, const float *xs)
 {
     const int K = w->K, G = w->G, ng = K / G, half = G / 2;
     const uint8_t *q = w->q + (int64_t)n * (K / 2);
@@ -129,7 +129,7 @@ static inline float q4_dot(const Weight *w, int n, const float *x, const float *
 }
 
 /* int8 row n dotted with one input row x */
-static inline float i8_dot(const Weight *w, int n, const float *x)
+static float i8_dot(const Weight *w, int n, const float *x)
 {
     const int K = w->K;
     const int8_t *q = (const int8_t *)w->q + (int64_t)n * K;
@@ -206,7 +206,7 @@ static void q4_rows##NB(const Weight *w, int n, const float *x, int ldx, const f
 }
 
 #define DEFINE_I8_ROWS(NB)                                                                  \
-static void i8_rows##NB(const Weight *w, int n, const float *x, int ldx, float *out)        \
+static void i8_rows##NB(const Weight *w, int n, const float *x, int ldx, float *out)       \
 {                                                                                           \
     const int K = w->K;                                                                     \
     const int8_t *q = (const int8_t *)w->q + (int64_t)n * K;                                \
@@ -237,40 +237,52 @@ static void i8_rows##NB(const Weight *w, int n, const float *x, int ldx, float *
     }                                                                                       \
 }
 
-DEFINE_Q4_ROWS(1) DEFINE_Q4_ROWS(2) DEFINE_Q4_ROWS(3) DEFINE_Q4_ROWS(4)
-DEFINE_I8_ROWS(1) DEFINE_I8_ROWS(2) DEFINE_I8_ROWS(3) DEFINE_I8_ROWS(4)
+DEFINE_Q4_ROWS(2) DEFINE_Q4_ROWS(3) DEFINE_Q4_ROWS(4)
+DEFINE_I8_ROWS(2) DEFINE_I8_ROWS(3) DEFINE_I8_ROWS(4)
 #endif
 
-/* weight row n dotted with B input rows x[b] (row stride ldx; int4: group sums xs[b],
- * stride ldxs), plus the bias. AVX-512: blocks of 4 rows share one decode of the codes. */
-static void row_dot(const Weight *w, int n, int B, const float *x, int ldx, const float *xs,
-                    int ldxs, float *out)
-{
 #if KV_AVX512
+/* B >= 2 rows in blocks of 4 that share one decode of the codes (a last lone row: q4_dot /
+ * i8_dot; tests/test_batch.py checks the blocks equal them bit for bit). Out of line, so
+ * that row_dot, inlined into every GEMV loop, costs a lone row (one sequence) nothing. */
+__attribute__((noinline)) static void row_blocks(const Weight *w, int n, int B, const float *x,
+                                                 int ldx, const float *xs, int ldxs, float *out)
+{
     for (int b0 = 0; b0 < B; b0 += 4) {
         const float *xb = x + (int64_t)b0 * ldx, *xsb = xs + (int64_t)b0 * ldxs;
         float *o = out + b0;
         if (w->kind == W_INT4) {
             switch (B - b0) {
-            case 1: q4_rows1(w, n, xb, ldx, xsb, ldxs, o); break;
+            case 1: o[0] = q4_dot(w, n, xb, xsb); break;
             case 2: q4_rows2(w, n, xb, ldx, xsb, ldxs, o); break;
             case 3: q4_rows3(w, n, xb, ldx, xsb, ldxs, o); break;
             default: q4_rows4(w, n, xb, ldx, xsb, ldxs, o);
             }
         } else {
             switch (B - b0) {
-            case 1: i8_rows1(w, n, xb, ldx, o); break;
+            case 1: o[0] = i8_dot(w, n, xb); break;
             case 2: i8_rows2(w, n, xb, ldx, o); break;
             case 3: i8_rows3(w, n, xb, ldx, o); break;
             default: i8_rows4(w, n, xb, ldx, o);
             }
         }
     }
-#else
+}
+#endif
+
+/* weight row n dotted with B input rows x[b] (row stride ldx; int4: group sums xs[b],
+ * stride ldxs), plus the bias. */
+static void row_dot(const Weight *w, int n, int B, const float *x, int ldx, const float *xs,
+                    int ldxs, float *out)
+{
+#if KV_AVX512
+    if (B > 1)
+        row_blocks(w, n, B, x, ldx, xs, ldxs, out);
+    else
+#endif
     for (int b = 0; b < B; b++)
         out[b] = w->kind == W_INT4 ? q4_dot(w, n, x + (int64_t)b * ldx, xs + (int64_t)b * ldxs)
                                    : i8_dot(w, n, x + (int64_t)b * ldx);
-#endif
     if (w->bias)
         for (int b = 0; b < B; b++) out[b] += w->bias[n];
 }

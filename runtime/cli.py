@@ -96,8 +96,8 @@ def kv_options(f):
     f = click.option("--kv", default="fp16", show_default=True,
                      help="KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, "
                           "tada-2/4/8, gear-l, gear; or K/V like kivi-4/kivi-2; suffixes "
-                          "@N (groups of N) and +rot (Hadamard rotation); auto (the shipped "
-                          "per-layer profile for the default model); profile:NAME (a shipped "
+                          "@N (groups of N) and +rot (Hadamard rotation); auto (the per-layer "
+                          "profile shipped for the model in use); profile:NAME (a shipped "
                           f"profile: {shipped_profile_names()}) or profile:FILE.")(f)
     f = click.option("--kv-k", default=None, help="Method for K only.")(f)
     f = click.option("--kv-v", default=None, help="Method for V only.")(f)

@@ -43,8 +43,9 @@ def test_help_lists_the_common_options_first(cmd):
 def test_kv_help_names_auto_and_profiles():
     text = " ".join(run(["generate", "--help"]).stdout.split())
     kv = text[text.index("--kv TEXT"):]
-    assert "auto (the shipped per-layer profile" in kv
-    assert "profile:NAME (a shipped profile: smollm2-135m-0.25, smollm2-135m-0.30)" in kv
+    assert "auto (the per-layer profile shipped for the model in use)" in kv
+    assert ("profile:NAME (a shipped profile: gemma-3-270m-0.30, smollm2-135m-0.25, "
+            "smollm2-135m-0.30)") in kv
 
 
 @pytest.mark.parametrize("cmd,extra,stdin", [

@@ -71,13 +71,8 @@ class Gemma3Attention(Attention):
         q = apply_rope(q, cos, sin)
         if self.q_scale is not None:
             q = q * self.q_scale
-        takes_new_kv = getattr(cache, "takes_new_kv", None)
-        if takes_new_kv is not None and takes_new_kv(self.layer_idx, T):
-            # the normalized K is what RoPE rotates, so the fused writes take it as is
-            o = cache.write_attend(self.layer_idx, q, self._new_kv(x, k, cos, sin))
-        else:
-            o = cache.attend(self.layer_idx, q, apply_rope(k, cos, sin), self._v(x))  # (B, H, T, D)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        # the normalized K is what RoPE rotates, so the fused writes take it as is
+        return self._attend(x, q, k, cos, sin, cache)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -43,7 +43,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        q = apply_rope(q, cos, sin)
+        return self._attend(x, apply_rope(q, cos, sin), k, cos, sin, cache)
+
+    def _attend(self, x, q, k, cos, sin, cache):
+        """q (B, H, T, D) after RoPE, k (B, Hkv, T, D) before it: the cache's attention, then
+        o_proj. Every architecture's attention ends here (gemma3.py too)."""
+        B, T = x.shape[:2]
         takes_new_kv = getattr(cache, "takes_new_kv", None)
         if takes_new_kv is not None and takes_new_kv(self.layer_idx, T):
             # K's RoPE and the V projection run inside the cache's fused window writes

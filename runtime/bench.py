@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import KvrunError
-from .kv_report import fp16_bytes_per_token
+from .kv_report import fp16_bytes
 
 GEOMETRIES = {                      # (query heads, KV heads, head dim)
     "llama-2-7b": (32, 32, 128),
@@ -179,7 +179,7 @@ def bench_model(model, methods: list, pp: list[int], tg: int, depths: list[int],
     methods = list(range(len(specs)))                 # KVConfigs are not hashable: use indices
     caches = {m: make_cache(cfg, max(need, 1), specs[m]) for m in methods}
     labels = {m: _label(specs[m]) for m in methods}
-    ref_bytes = fp16_bytes_per_token(cfg) * max(need, 1)
+    ref_bytes = fp16_bytes(cfg, max(need, 1))           # Gemma: its rings included
     records: list[BenchRecord] = []
     where = run_info(model.path.name)
 
@@ -307,7 +307,7 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
         mean_ms = 1e3 * statistics.fmean(step)
         records.append(BenchRecord(_label(m), "layer", ctx, 0, 1e3 / mean_ms, 0.0, mean_ms,
                                    1e3 * statistics.median(step), total, parts,
-                                   total / (fp16_bytes_per_token(cfg) * ctx), peak_rss_bytes(), 1,
+                                   total / fp16_bytes(cfg, ctx), peak_rss_bytes(), 1,
                                    "decode", cps, **run_info(f"layer {name}")))
         if progress:
             progress(f"[bench] {_label(m)} layer {name}: {mean_ms:.3f} ms/token mean "

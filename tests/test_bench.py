@@ -55,6 +55,17 @@ def test_bench_bytes_equal_arena_accounting(tiny_dir):
     assert recs[0].kv_bytes == sum(cache.nbytes().values())
 
 
+def test_kv_ratio_divides_by_the_models_own_fp16_cache(tmp_path):
+    """A model with sliding-window layers: "x fp16" is against its fp16 cache, rings and
+    all (the fp16 row reads 1.0, not the share of a cache without windows)."""
+    from kvrun.runtime.kv import kv_bytes_at
+    m = kvrun.load(make_tiny_model_dir(tmp_path / "g", architecture="gemma3"), dtype="fp32", ctx=8)
+    fp16, kivi = B.bench_model(m, ["fp16", "kivi-4"], [], 2, [40], 1)
+    assert fp16.kv_ratio == pytest.approx(1.0)
+    want = sum(kv_bytes_at(m.cfg, "kivi-4", 42).values()) / sum(kv_bytes_at(m.cfg, "fp16", 42).values())
+    assert kivi.kv_ratio == pytest.approx(want)
+
+
 def test_synthetic_fill_is_labelled_and_same_depth(tiny_dir):
     r = run(["bench", "-m", str(tiny_dir), "--kv", "fp16", "-p", "0", "-n", "2", "--ctx", "48",
              "-r", "1", "--fill", "synthetic", "--dtype", "fp32"])

@@ -24,6 +24,7 @@ from kvrun.runtime.chat_template import template_for
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv.cache import DenseKVCache
+from hf_oracle import greedy_pair
 
 # -- the real checkpoint ----------------------------------------------------------------------
 
@@ -135,15 +136,7 @@ def test_logits_match_transformers_past_the_window(gemma, hf_gemma, long_ids, lo
 
 
 def test_greedy_32_tokens_match_transformers(gemma, hf_gemma, long_ids):
-    prompt = long_ids[:560]                    # decoding past the 512-token window
-    with torch.no_grad():
-        ref = hf_gemma.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    gemma.stop_ids, stop = set(), gemma.stop_ids
-    try:
-        mine = [ev.token_id for ev in gemma.stream(prompt, 32, temp=0) if ev.token_id is not None]
-    finally:
-        gemma.stop_ids = stop
+    mine, ref = greedy_pair(gemma, hf_gemma, long_ids[:560], 32)   # past the 512-token window
     assert mine == ref
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import kvrun
+from hf_oracle import greedy_pair
 
 
 
@@ -29,15 +30,7 @@ def test_logits_match_transformers(smol, hf_gguf_model, text_ids):
 
 
 def test_greedy_continuation_matches_transformers(smol, hf_gguf_model):
-    prompt = smol.tokenize("The capital of France is")
-    with torch.no_grad():
-        ref = hf_gguf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    smol.stop_ids, stop = set(), smol.stop_ids
-    try:
-        mine = [ev.token_id for ev in smol.stream(prompt, 64, temp=0) if ev.token_id is not None]
-    finally:
-        smol.stop_ids = stop
+    mine, ref = greedy_pair(smol, hf_gguf_model, smol.tokenize("The capital of France is"), 64)
     assert mine == ref
     assert smol.detokenize(mine).startswith(" Paris")
 

@@ -20,6 +20,7 @@ sensitivities; any other model must run `kvrun search`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -208,19 +209,32 @@ def shipped_profiles() -> list[Path]:
     return sorted(Path(str(p)) for p in d.iterdir() if p.name.endswith(".json"))
 
 
+@functools.lru_cache(maxsize=1)
+def _shipped_models() -> tuple:
+    """(path, model record, budget) of every readable shipped profile, read once: the
+    package's files do not change while it runs, and check_kv asks on every cache."""
+    out = []
+    for p in shipped_profiles():
+        try:
+            prof = read_profile(p)
+        except KvrunError:
+            continue
+        out.append((p, prof.model, prof.meta.get("budget", 0.0)))
+    return tuple(out)
+
+
 def shipped_for(cfg) -> Path | None:
     """The shipped profile `--kv auto` means on this model, or None: SHIPPED_DEFAULT when it
     was searched on this model, else the largest-budget one searched on it."""
     fits = []
-    for p in shipped_profiles():
+    for p, model, budget in _shipped_models():
         try:
-            prof = read_profile(p)
-            check_profile_model(prof.model, cfg, auto=True)
+            check_profile_model(model, cfg, auto=True)
         except KvrunError:
             continue
         if p.name == SHIPPED_DEFAULT:
             return p
-        fits.append((prof.meta.get("budget", 0.0), p))
+        fits.append((budget, p))
     return max(fits)[1] if fits else None
 
 

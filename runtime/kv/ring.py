@@ -184,11 +184,11 @@ class LayeredKVCache:
     def __init__(self, windows: list[int], inner, ring: SlidingWindowKV):
         self.windows = list(windows)
         self.inner, self.ring = inner, ring
-        # model layer -> (is sliding, index in its cache)
-        full = [i for i, w in enumerate(self.windows) if not w]
-        slide = [i for i, w in enumerate(self.windows) if w]
-        self.route = {i: (False, j) for j, i in enumerate(full)}
-        self.route.update({i: (True, j) for j, i in enumerate(slide)})
+        # model layers of each kind, and model layer -> (is sliding, index in its cache)
+        self.full = [i for i, w in enumerate(self.windows) if not w]
+        self.slide = [i for i, w in enumerate(self.windows) if w]
+        self.route = {i: (False, j) for j, i in enumerate(self.full)}
+        self.route.update({i: (True, j) for j, i in enumerate(self.slide)})
         self.max_ctx = inner.max_ctx
         self.kv = getattr(inner, "kv", None)
 
@@ -243,13 +243,11 @@ class LayeredKVCache:
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (L, Hkv, n, D), all model layers: full layers' rows go to `inner`, the
         sliding layers keep their last W rows."""
-        full = [i for i, w in enumerate(self.windows) if not w]
-        slide = [i for i, w in enumerate(self.windows) if w]
         s, n, r = self.seq_len, k.shape[2], self.ring
-        self.inner.ingest(k[full], v[full])
+        self.inner.ingest(k[self.full], v[self.full])
         m = min(n, r.W)
         slots = torch.arange(s + n - m, s + n) % r.W
-        for j, i in enumerate(slide):
+        for j, i in enumerate(self.slide):
             r.k.write(j, slots, k[i, :, n - m:].to(r.dtype))
             r.v.write(j, slots, v[i, :, n - m:].to(r.dtype))
         r.commit(n)

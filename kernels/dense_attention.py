@@ -4,6 +4,12 @@ The GQA group is folded into the query rows, (B, Hkv, G*T, D), so each KV head i
 once for all of its query heads instead of being repeated G times in memory. A decode step
 (T = 1) over an fp16/bf16 cache runs SDPA in the cache dtype (its CPU kernel accumulates in
 fp32): ~4x faster than converting the whole K/V to fp32 every step.
+
+A long chunk (a 16k-token prefill in one piece, as SnapKV's one-shot selection wants) is
+cut into blocks of QBLOCK queries, each over only the keys it can see: a sliding-window
+layer then costs O(T · window) instead of O(T²), and no (G·T, S) mask or score matrix is
+ever built for the whole chunk (at T = S = 16k with G = 4 that was a 1 GiB mask and ~4 GiB
+of scores per layer). Each query's arithmetic is the same either way.
 """
 from __future__ import annotations
 
@@ -20,6 +26,16 @@ def causal_mask(T: int, S: int, q_start: int, device=None, window: int = 0) -> t
     return mask & (kpos > qpos - window) if window else mask
 
 
+QBLOCK = 1024          # queries per block of a long chunk (module docstring)
+
+
+def _block(q, k, v, q_start: int, window: int, t0: int, t1: int) -> torch.Tensor:
+    """Queries t0 .. t1-1 of a chunk over the keys they can see (dense_attention's args)."""
+    lo = max(0, q_start + t0 - window + 1) if window else 0
+    return dense_attention(q[:, :, t0:t1], k[:, :, lo:q_start + t1], v[:, :, lo:q_start + t1],
+                           q_start + t0 - lo, window)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
                     window: int = 0) -> torch.Tensor:
     """Causal attention of T new queries over S cached keys.
@@ -32,6 +48,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     assert H % Hkv == 0 and S == q_start + T, (q.shape, k.shape, q_start)
+    if T > QBLOCK:
+        return torch.cat([_block(q, k, v, q_start, window, t0, min(T, t0 + QBLOCK))
+                          for t0 in range(0, T, QBLOCK)], 2)
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * T, D)                                   # rows ordered (g, t)
     if window and S > window:

@@ -10,6 +10,7 @@ Python twice) for the same weights.
 """
 from __future__ import annotations
 
+import importlib
 import hashlib
 import zipfile
 from dataclasses import replace
@@ -205,6 +206,20 @@ def test_windowed_attention_equals_a_brute_force_mask(T, q_start, window):
     scores = (q.view(1, 2, 2 * T, 16) @ k.transpose(-1, -2)) / 4
     ref = (scores.masked_fill(~mask.repeat(2, 1), float("-inf")).softmax(-1) @ v).view(1, 4, T, 16)
     torch.testing.assert_close(dense_attention(q, k, v, q_start, window=window), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,q_start,window,block", [(37, 0, 5, 8), (37, 11, 5, 8), (40, 3, 0, 7),
+                                                    (33, 0, 0, 16), (50, 9, 64, 9), (21, 4, 1, 4)])
+def test_long_chunks_attend_in_query_blocks_like_one_piece(T, q_start, window, block, monkeypatch):
+    """A chunk longer than QBLOCK is cut into query blocks, each over only the keys it can
+    see; every query must get what the unblocked call gives (GQA, causal, sliding)."""
+    da = importlib.import_module("kvrun.kernels.dense_attention")   # the module, not the function
+    g = torch.Generator().manual_seed(T * 7 + q_start + window)
+    q = torch.randn(1, 4, T, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, q_start + T, 16, generator=g)
+    whole = dense_attention(q, k, v, q_start, window=window)
+    monkeypatch.setattr(da, "QBLOCK", block)
+    torch.testing.assert_close(dense_attention(q, k, v, q_start, window=window), whole, atol=1e-5, rtol=1e-5)
 
 
 def test_tiny_gemma_cache_window_and_native_step(tmp_path):

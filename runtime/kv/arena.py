@@ -62,7 +62,7 @@ from ..rope import apply_rope, inv_frequencies
 from .arena_evict import ArenaEviction, tail_sizes
 from .cache import KV_DTYPES, DenseKVCache, NewKV
 from .config import KVConfig, parse_kv
-from .ring import QGROUP, LayeredKVCache, SlidingWindowKV, ring_bits
+from .ring import LayeredKVCache, SlidingWindowKV, ring_bits
 
 # write_attend's largest step: decode and short chunks, the query counts DESIGN §7 sizes
 # decode_attention for (1..64); prefill chunks keep attend
@@ -443,13 +443,14 @@ def _ring_dtype(kv: KVConfig) -> torch.dtype:
 
 def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
     """Bytes of the sliding-window layers' rings for a cache of n_tokens: per layer, K and
-    V of min(window, n) tokens at ring_bits(kv) (plus fp16 scale and min per 32 channels)."""
+    V of min(window, n) tokens at ring_bits(kv) (plus fp16 scale and min per kv.v_group
+    channels)."""
     windows = layer_windows(cfg)
     n_slide, bits = len(windows) - windows.count(0), ring_bits(kv)
     if not n_slide:
         return 0
     per = (cfg.head_dim * _ring_dtype(kv).itemsize if bits == 16
-           else cfg.head_dim * bits // 8 + 2 * 2 * (cfg.head_dim // QGROUP))
+           else cfg.head_dim * bits // 8 + 2 * 2 * (cfg.head_dim // kv.v_group))
     return 2 * n_slide * cfg.num_kv_heads * min(max(windows), n_tokens) * per
 
 
@@ -463,7 +464,7 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
-                           max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv))
+                           max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv), kv.v_group)
     return LayeredKVCache(windows, full, ring)
 
 

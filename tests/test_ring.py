@@ -40,12 +40,14 @@ def _history(n, Hkv=1, H=4, D=32, seed=0):
 
 @pytest.mark.parametrize("bits,tol", [(16, 2e-3), (8, 2e-2), (4, 0.25)])
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 1, 30, 1, 1, 7, 2], [40], [17, 1, 22]])
-def test_sliding_layer_equals_masked_dense_attention(chunks, bits, tol):
-    """fp16 ring: equal to rounding (fp16 SDPA on one token); quantized rings: within their
-    codes' error, and the step's own rows exactly as given (see the next test)."""
+@pytest.mark.parametrize("rotate", ["none", "k", "v", "kv"])
+def test_sliding_layer_equals_masked_dense_attention(chunks, bits, tol, rotate):
+    """fp16 ring: equal to rounding (fp16 SDPA on one token); quantized rings, rotated or
+    not: within their codes' error, and the step's own rows exactly as given (see the next
+    test)."""
     n = sum(chunks)
     q, k, v = _history(n)
-    ring = SlidingWindowKV(1, 1, 32, W, max_ctx=64, bits=bits)
+    ring = SlidingWindowKV(1, 1, 32, W, max_ctx=64, bits=bits, rotate=rotate)
     ref = dense_attention(q, k, v, 0, window=W)                          # (1, H, n, D)
     s = 0
     for T in chunks:
@@ -64,34 +66,35 @@ def test_quantized_ring_attends_new_rows_in_full_precision(bits):
     ring = SlidingWindowKV(1, 1, 32, W, max_ctx=64, bits=bits)
     o = ring.attend(0, q, k, v)
     assert_close(o, v.half().float().expand(1, 4, 1, 32), atol=1e-3, rtol=0)
-    g = (v[0, 0, 0] @ ring.rot).view(-1, 32)           # stored rotated (module docstring)
+    g = v[0, 0, 0].view(-1, 32)
     step = (g.amax(-1) - g.amin(-1)) / ((1 << bits) - 1)
     err = (ring.v.read(0, slice(0, 1))[0, 0].float().view(-1, 32) - g).abs()
     assert (err <= step[:, None] * 0.5 + 2e-3).all()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_ring_is_rotated_so_an_outlier_channel_costs_less(bits):
+def test_rotated_ring_makes_an_outlier_channel_cost_less(bits):
     """One K channel and one V channel 30x larger than the rest: stored as given, their
     32-channel groups take a range that crushes their neighbours; rotated, the range spreads
-    over all channels. The rotated ring's attention error (decode through wrap-arounds) is
-    under 0.7x the unrotated one's (~0.5x at 8 and 4 bits); the fp16 ring is not rotated."""
+    over all channels. The rotated ring's attention error (K always, V with "+rot-v"; decode
+    through wrap-arounds) is under 0.7x the unrotated one's (~0.5x at 8 and 4 bits); an
+    fp16 ring is never rotated."""
     q, k, v = _history(40, D=64)
     k[..., 3] *= 30
     v[..., 37] *= 30
     ref = dense_attention(q, k, v, 0, window=W)
     err = {}
     for rotated in (True, False):
-        ring = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=bits)
+        ring = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=bits, rotate="kv")
         if not rotated:
-            ring.rot = None
+            ring.rot_k = ring.rot_v = None
         o = []
         for t in range(40):
             o.append(ring.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]))
             ring.commit(1)
         err[rotated] = (torch.cat(o, 2) - ref).abs().mean().item()
     assert err[True] < 0.7 * err[False], err
-    assert SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=16).rot is None
+    assert SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=16, rotate="kv").rot_k is None
 
 
 def test_sliding_layer_check_can_fail():
@@ -146,6 +149,9 @@ def test_quantized_ring_groups_channels_as_the_v_group(v_group, per):
     cfg, kv = _cfg(), parse_kv("kivi-4", v_group=v_group)
     c = build_cache(cfg, 100, kv)
     assert c.ring.k.group == v_group
+    assert c.ring.rot_k is not None and c.ring.rot_v is None        # K always; V on request
+    assert build_cache(cfg, 100, "kivi-4+rot-v").ring.rot_v is not None
+    assert build_cache(cfg, 100, "fp16").ring.rot_k is None
     assert kv_bytes_at(cfg, kv, 100)["ring"] == c.nbytes()["ring"] == 2 * 5 * 1 * W * per
 
 

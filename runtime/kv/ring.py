@@ -23,13 +23,19 @@ outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks 
 width from the KV method (build_cache: 16 for the dense methods, 8 when every method
 keeps >= 8 bits, else 4). As in the arena, the step's own new rows are attended in full
 precision and quantized when they are written.
-A quantized ring is stored Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs): K and V
-rows are kept as x @ R, and attention runs in the rotated space — q is rotated once and the
-output un-rotated once per call, never the ring — which is exact in full precision
-(q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a channel's large values over all D
-channels, so each channel group's min/max range fits the bulk of its values. Measured on
-Gemma 3 270M (WikiText-2, one 4096-token window, 4-bit rings with fp32 global layers):
-KLD to the fp16 cache 0.0066 → 0.0039, top-1 agreement 0.952 → 0.967.
+A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
+too with a V rotation in the config ("+rot", "+rot-v": the switch the arena uses for the
+global layers): rows are kept as x @ R, and attention runs in the rotated space — q is
+rotated with K once per call, the output un-rotated once if V is rotated, never the ring —
+which is exact in full precision (q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a
+channel's large values over all D channels, so each channel group's min/max range fits the
+bulk of its values. Measured on Gemma 3 270M (WikiText-2, one 4096-token window, 4-bit
+rings with fp32 global layers): KLD to the fp16 cache 0.0066 → 0.0039 with K and V
+rotated. K is where it matters (per-token K groups lose the most; kivi-4's KLD 0.0157 →
+0.0102 with ring K and V rotated, 0.0148 with V alone), and K alone costs one small GEMM
+per layer and call (q and k together); V's adds a second, for the output. The arena's K
+rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes (kivi-4+rot
+0.0160).
 
 `LayeredKVCache` puts the two kinds behind the one cache interface the model and engine
 use (runtime/kv/cache.py): sliding layers go to the ring, full-attention layers to `inner`
@@ -123,7 +129,7 @@ class SlidingWindowKV:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
                  max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu", bits: int = 16,
-                 group: int = QGROUP):
+                 group: int = QGROUP, rotate: str = "none"):
         if window < 1:
             raise KvrunError(f"sliding window must be >= 1 token (got {window})")
         if bits not in (16, 8, 4):
@@ -134,25 +140,32 @@ class SlidingWindowKV:
         self.n_layers, self.dtype = n_layers, dtype
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
-        # quantized rings hold rows rotated by R (module docstring); None: stored as given
-        self.rot = None if bits == 16 else \
+        # K always, V with a "v" rotation, stored as x @ R (module docstring); fp16 rings never
+        R = None if bits == 16 else \
             rotation_matrix(head_dim, random_signs(head_dim, RING_SIGNS_SEED)).to(device)
+        self.rot_k = R
+        self.rot_v = R if R is not None and "v" in rotate else None
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows (Hkv, n, D) of the model's space into `slots` of `layer`
         (rows computed outside attention: LayeredKVCache.ingest)."""
-        if self.rot is not None:
-            k, v = rotate(k, self.rot), rotate(v, self.rot)
-        self.k.write(layer, slots, k)
-        self.v.write(layer, slots, v)
+        self.k.write(layer, slots, k if self.rot_k is None else rotate(k, self.rot_k))
+        self.v.write(layer, slots, v if self.rot_v is None else rotate(v, self.rot_v))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
-        if self.rot is None:
+        rk, rv = self.rot_k, self.rot_v
+        if rk is None and rv is None:
             return self._attend(layer, q, k, v)
-        H, Hkv = q.shape[1], k.shape[1]                 # q, k, v rotated in one GEMM
-        qr, kr, vr = (torch.cat([q.float(), k.float(), v.float()], 1) @ self.rot).split([H, Hkv, Hkv], 1)
-        return unrotate(self._attend(layer, qr.to(q.dtype), kr, vr), self.rot)
+        R = rk if rk is not None else rv
+        parts = ([q, k] if rk is not None else []) + ([v] if rv is not None else [])   # one GEMM
+        x = (torch.cat([p.float() for p in parts], 1) @ R).split([p.shape[1] for p in parts], 1)
+        if rk is not None:
+            q, k = x[0].to(q.dtype), x[1]
+        if rv is not None:
+            v = x[-1]
+        o = self._attend(layer, q, k, v)
+        return o if rv is None else unrotate(o, rv)
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """attend() in the ring's storage space."""

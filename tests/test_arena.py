@@ -222,7 +222,9 @@ def test_per_layer_profile(tmp_path):
     (dict(spec="kivi-2", residual=100), "multiple of the group"),
     (dict(spec="gear-l", rank=32), "rank"),
     (dict(spec="gear", sparsity=60), "sparsity"),
-    (dict(spec="tada-4", group=24), "multiple of 16"),
+    (dict(spec="tada-4", group=24), "multiple of 32"),
+    (dict(spec="int8", group=48), "multiple of 32"),
+    (dict(spec="kivi-2", group=16), "multiple of 32"),
     (dict(spec="tada-4", ctx_policy="evict"), "context policy"),
 ])
 def test_config_errors(kw, match):

@@ -30,7 +30,7 @@ def test_non_power_of_two_is_block_diagonal_and_odd_is_refused():
         block_size(63)
     cfg = ModelConfig.tiny(num_heads=2, num_kv_heads=1, hidden_size=126)   # D = 63
     with pytest.raises(KvrunError, match="even head dim"):
-        build_cache(cfg, 64, parse_kv("int8+rot", residual=0, group=16))
+        build_cache(cfg, 64, parse_kv("int8+rot", residual=0, group=32))
 
 
 def _cfg(H, Hkv, D=64):

@@ -85,9 +85,9 @@ class KVConfig:
         fams = {method_family(m)[0] for m in self.methods()}
         if not 0 < self.sparsity < 50:
             raise KvrunError(f"GEAR sparsity must be in (0, 50) percent, got {self.sparsity}")
-        if fams - DENSE and self.group % 16:
-            raise KvrunError(f"KV group {self.group} must be a multiple of 16 for quantized codecs "
-                             f"(codes are packed 16 tokens per 32-bit word at 2 bits)")
+        if fams - DENSE and self.group % 32:
+            raise KvrunError(f"KV group {self.group} must be a multiple of 32 for quantized codecs "
+                             f"(their codes are stored in tiles of 32 tokens)")
         if self.group > 256:
             raise KvrunError(f"KV group {self.group} is too large (at most 256)")
         if fams & {"kivi", "gear-l", "gear"} and self.residual % self.group:

@@ -48,7 +48,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     assert H % Hkv == 0 and S == q_start + T, (q.shape, k.shape, q_start)
-    if T > QBLOCK:
+    if T > QBLOCK:                     # K/V cast once here, not again for every block
+        k, v = k.to(q.dtype), v.to(q.dtype)
         return torch.cat([_block(q, k, v, q_start, window, t0, min(T, t0 + QBLOCK))
                           for t0 in range(0, T, QBLOCK)], 2)
     G = H // Hkv

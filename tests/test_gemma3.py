@@ -10,8 +10,8 @@ Python twice) for the same weights.
 """
 from __future__ import annotations
 
-import importlib
 import hashlib
+import importlib
 import zipfile
 from dataclasses import replace
 from pathlib import Path

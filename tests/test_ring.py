@@ -40,14 +40,14 @@ def _history(n, Hkv=1, H=4, D=32, seed=0):
 
 @pytest.mark.parametrize("bits,tol", [(16, 2e-3), (8, 2e-2), (4, 0.25)])
 @pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 1, 30, 1, 1, 7, 2], [40], [17, 1, 22]])
-@pytest.mark.parametrize("rotate", ["none", "k", "v", "kv"])
-def test_sliding_layer_equals_masked_dense_attention(chunks, bits, tol, rotate):
+@pytest.mark.parametrize("rotate_v", [False, True])
+def test_sliding_layer_equals_masked_dense_attention(chunks, bits, tol, rotate_v):
     """fp16 ring: equal to rounding (fp16 SDPA on one token); quantized rings, rotated or
     not: within their codes' error, and the step's own rows exactly as given (see the next
     test)."""
     n = sum(chunks)
     q, k, v = _history(n)
-    ring = SlidingWindowKV(1, 1, 32, W, max_ctx=64, bits=bits, rotate=rotate)
+    ring = SlidingWindowKV(1, 1, 32, W, max_ctx=64, bits=bits, rotate_v=rotate_v)
     ref = dense_attention(q, k, v, 0, window=W)                          # (1, H, n, D)
     s = 0
     for T in chunks:
@@ -85,7 +85,7 @@ def test_rotated_ring_makes_an_outlier_channel_cost_less(bits):
     ref = dense_attention(q, k, v, 0, window=W)
     err = {}
     for rotated in (True, False):
-        ring = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=bits, rotate="kv")
+        ring = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=bits, rotate_v=True)
         if not rotated:
             ring.rot_k = ring.rot_v = None
         o = []
@@ -94,7 +94,7 @@ def test_rotated_ring_makes_an_outlier_channel_cost_less(bits):
             ring.commit(1)
         err[rotated] = (torch.cat(o, 2) - ref).abs().mean().item()
     assert err[True] < 0.7 * err[False], err
-    assert SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=16, rotate="kv").rot_k is None
+    assert SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=16, rotate_v=True).rot_k is None
 
 
 def test_sliding_layer_check_can_fail():

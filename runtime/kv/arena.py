@@ -465,7 +465,7 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
                            max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           kv.rotate)
+                           "v" in kv.rotate)
     return LayeredKVCache(windows, full, ring)
 
 

@@ -24,8 +24,8 @@ width from the KV method (build_cache: 16 for the dense methods, 8 when every me
 keeps >= 8 bits, else 4). As in the arena, the step's own new rows are attended in full
 precision and quantized when they are written.
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
-too with a V rotation in the config ("+rot", "+rot-v": the switch the arena uses for the
-global layers): rows are kept as x @ R, and attention runs in the rotated space — q is
+too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
+the switch the arena uses for the global layers): rows are kept as x @ R, and attention runs in the rotated space — q is
 rotated with K once per call, the output un-rotated once if V is rotated, never the ring —
 which is exact in full precision (q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a
 channel's large values over all D channels, so each channel group's min/max range fits the
@@ -129,7 +129,7 @@ class SlidingWindowKV:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
                  max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu", bits: int = 16,
-                 group: int = QGROUP, rotate: str = "none"):
+                 group: int = QGROUP, rotate_v: bool = False):
         if window < 1:
             raise KvrunError(f"sliding window must be >= 1 token (got {window})")
         if bits not in (16, 8, 4):
@@ -140,11 +140,10 @@ class SlidingWindowKV:
         self.n_layers, self.dtype = n_layers, dtype
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
-        # K always, V with a "v" rotation, stored as x @ R (module docstring); fp16 rings never
-        R = None if bits == 16 else \
+        # K always, V with rotate_v, stored as x @ R (module docstring); fp16 rings never
+        self.rot_k = None if bits == 16 else \
             rotation_matrix(head_dim, random_signs(head_dim, RING_SIGNS_SEED)).to(device)
-        self.rot_k = R
-        self.rot_v = R if R is not None and "v" in rotate else None
+        self.rot_v = self.rot_k if rotate_v else None
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows (Hkv, n, D) of the model's space into `slots` of `layer`
@@ -154,16 +153,14 @@ class SlidingWindowKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
-        rk, rv = self.rot_k, self.rot_v
-        if rk is None and rv is None:
+        R, rv = self.rot_k, self.rot_v          # rv is R or None; R is None for an fp16 ring
+        if R is None:
             return self._attend(layer, q, k, v)
-        R = rk if rk is not None else rv
-        parts = ([q, k] if rk is not None else []) + ([v] if rv is not None else [])   # one GEMM
+        parts = [q, k] + ([v] if rv is not None else [])                  # one GEMM
         x = (torch.cat([p.float() for p in parts], 1) @ R).split([p.shape[1] for p in parts], 1)
-        if rk is not None:
-            q, k = x[0].to(q.dtype), x[1]
+        q, k = x[0].to(q.dtype), x[1]
         if rv is not None:
-            v = x[-1]
+            v = x[2]
         o = self._attend(layer, q, k, v)
         return o if rv is None else unrotate(o, rv)
 

@@ -6,6 +6,7 @@ temperature → draw. `temp <= 0` is greedy. Randomness comes only from the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # the one check of sampling values, shared by the CLI, the library and the server:
+        # NaN passes every `<` test, so finiteness is checked first, and a seed must fit the
+        # generator's 64 bits (a larger one raised inside the batch step)
+        for name, flag in (("temp", "--temp"), ("top_p", "--top-p"), ("min_p", "--min-p"),
+                           ("repeat_penalty", "--repeat-penalty")):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise KvrunError(f"{flag} must be a finite number (got {x!r})")
+            setattr(self, name, float(x))
+        for name, flag in (("top_k", "--top-k"), ("repeat_last_n", "--repeat-last-n")):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise KvrunError(f"{flag} must be an integer (got {x!r})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 1 << 64):
+            raise KvrunError(f"--seed must be an integer in [0, 2^64) (got {self.seed!r})")
         if self.temp < 0:
             raise KvrunError(f"--temp must be >= 0 (got {self.temp})")
         if self.top_k < 0:
@@ -34,6 +51,8 @@ class SamplingParams:
             raise KvrunError(f"--min-p must be in [0, 1) (got {self.min_p})")
         if self.repeat_penalty <= 0:
             raise KvrunError(f"--repeat-penalty must be > 0 (got {self.repeat_penalty})")
+        if self.repeat_last_n < 0:
+            raise KvrunError(f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, recent: list[int], penalty: float) -> torch.Tensor:

@@ -46,10 +46,24 @@ def test_repetition_penalty():
 
 
 @pytest.mark.parametrize("bad", [dict(temp=-1), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(min_p=1.0), dict(top_k=-3), dict(repeat_penalty=0)])
+                                 dict(min_p=1.0), dict(top_k=-3), dict(repeat_penalty=0),
+                                 # NaN passes every `<` check; a seed past 64 bits raised
+                                 # inside the sampler (and killed a server's batch)
+                                 dict(temp=float("nan")), dict(repeat_penalty=float("nan")),
+                                 dict(top_p=float("nan")), dict(min_p=float("nan")),
+                                 dict(temp=float("inf")), dict(seed=1 << 64), dict(seed=-1),
+                                 dict(seed=1180591620717411303424), dict(repeat_last_n=-1),
+                                 dict(temp="0.5"), dict(top_k=2.5), dict(seed=True)])
 def test_bad_sampling_values(bad):
     with pytest.raises(kvrun.KvrunError):
         SamplingParams(**bad)
+
+
+def test_largest_seed_samples(tiny):
+    """The top of the seed range is accepted and draws like any seed."""
+    a = tiny.generate("hello", 4, temp=1.0, seed=(1 << 64) - 1)
+    b = tiny.generate("hello", 4, temp=1.0, seed=(1 << 64) - 1)
+    assert a == b
 
 
 def test_stop_token_ends_generation(tiny):

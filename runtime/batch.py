@@ -15,6 +15,10 @@ holds the live sequences and advances them together, one `step()` at a time:
    weight read once per step), RoPE at each row's own position, attention per row on
    its own cache.
 
+A sequence whose own step raises (its prefill chunk, its sampling, its row of the
+forward) finishes with reason "error"; the other sequences go on. When the batched forward
+raises, the rows are repaired and re-run one at a time, so only the row at fault fails.
+
 Greedy output of every sequence is identical to running it alone: each row of the native
 step is computed independently of the others (decode_step.py), and where the native step
 does not cover a cache or a model (other weights, the torch backend) the rows run one by
@@ -32,6 +36,11 @@ from .errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
 from .sampling import SamplingParams, sample
 from .stops import StopStrings, check_stops
+
+
+def failure(e: Exception) -> str:
+    """One line for a sequence's failure: a user error as is, anything else as internal."""
+    return str(e) if isinstance(e, KvrunError) else f"internal error: {type(e).__name__}: {e}"
 
 
 def native_step(model, ids: torch.Tensor, cache):
@@ -177,7 +186,7 @@ class Batch:
         if pre is not None:
             self._guard(pre, pre.prefill_next)
         feed = [s for s in self.seqs if s.logits is not None and s.finish_reason is None
-                and s.sample_next()]
+                and self._guard(s, s.sample_next)]
         if feed:
             self._decode(feed)
         done = [s for s in self.seqs if s.finish_reason is not None]
@@ -195,15 +204,27 @@ class Batch:
             for s in feed:
                 s.engine.repair()
             raise
+        except Exception as e:                          # noqa: BLE001 - find the row at fault
+            for s in feed:
+                s.engine.repair()
+            if len(feed) == 1:
+                feed[0].finish("error", failure(e))
+                return
+            for s in feed:                              # each row alone: the others go on
+                self._guard(s, lambda s=s: self._decode([s]))
+            return
         for s, st, lg in zip(feed, states, logits):
             s.engine.cached.append(s.token)
             s.engine.decode_end(st)
             s.logits = lg
 
-    def _guard(self, seq: Sequence, fn) -> None:
-        """Run one sequence's step; a user error (e.g. its context is full) ends that
-        sequence with reason "error", not the batch."""
+    @staticmethod
+    def _guard(seq: Sequence, fn):
+        """Run one sequence's step and return its result; if it raises, that sequence ends
+        with reason "error" (a user error's message, or the internal error's type), not the
+        batch, and the result is False."""
         try:
-            fn()
-        except KvrunError as e:
-            seq.finish("error", str(e))
+            return fn()
+        except Exception as e:                          # noqa: BLE001 - this sequence only
+            seq.finish("error", failure(e))
+            return False

@@ -15,9 +15,14 @@ request can hold: prompt + max_tokens tokens, at most the per-sequence context `
 it under `--ctx-policy shift`, which keeps generating); its bytes are known before
 allocation (`kv_bytes_at`). A request is admitted, oldest first, while fewer than
 `parallel` sequences run and the caches' bytes stay within the budget; otherwise it waits
-in a bounded queue (`QueueFull` when that is full too). A request that could never fit
+in a bounded queue: `max_queue` requests may wait beyond the free slots (`QueueFull`, HTTP
+429, past that), so `max_queue=0` still serves a request on an idle loop. A request that could never fit
 (longer than the context, or larger alone than the whole budget) is refused at submit.
 Admitted requests never wait for memory again: a cache is allocated once for its request.
+
+Isolation. Anything that goes wrong for one request (its cache cannot be built, its
+sampling or its row of the batched forward raises) ends that request with finish reason
+"error"; the others keep running (runtime/batch.py).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import threading
 from typing import Iterator
 
 from .api import make_cache
-from .batch import Batch, Sequence
+from .batch import Batch, Sequence, failure
 from .errors import KvrunError
 from .generate import StreamEvent, Timings
 from .kv.arena import kv_bytes_at
@@ -40,7 +45,7 @@ MiB = 1 << 20
 
 
 class QueueFull(KvrunError):
-    """The waiting queue is full: the caller should retry later (HTTP 503)."""
+    """The waiting queue is full: the caller should retry later (HTTP 429)."""
 
 
 class Request:
@@ -73,8 +78,12 @@ class Request:
                 self.error = self.seq.error if self.seq is not None else self.error
             self._events.append(ev)
             self._cond.notify_all()
-        if self.notify is not None:
-            self.notify()
+        notify = self.notify
+        if notify is not None:
+            try:
+                notify()
+            except RuntimeError:                    # the waiter's event loop is closed
+                self.notify = None
 
     def _fail(self, reason: str, error: str | None = None) -> None:
         """End a request that never ran (cancelled or failed while queued)."""
@@ -122,7 +131,7 @@ class Scheduler:
     """Continuous batching over one loaded `Model` (module docstring).
 
     parallel: most sequences decoded together; kv_budget_mb: most MiB of KV caches at once
-    (None: no limit); max_queue: most requests waiting for admission; ctx: tokens per
+    (None: no limit); max_queue: most requests waiting beyond the free slots; ctx: tokens per
     sequence (default: the model's context); kv: the default KV method (default: the
     model's)."""
 
@@ -191,8 +200,10 @@ class Scheduler:
         with self._lock:
             if self._closing:
                 raise KvrunError("the server is shutting down")
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"too many requests waiting ({len(self.pending)}): retry later")
+            free = max(0, self.parallel - len(self.running))
+            if len(self.pending) - free >= self.max_queue:
+                raise QueueFull(f"too many requests waiting ({len(self.pending)}, "
+                                f"{len(self.running)} running): retry later")
             self.pending.append(req)
             self._lock.notify_all()
         return req
@@ -216,8 +227,8 @@ class Scheduler:
                     r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                      r.max_tokens, r.params, self.model.stop_ids, r.stop,
                                      self.model.engine.prefill_chunk, on_event=r._push)
-                except KvrunError as e:
-                    r._fail("error", str(e))
+                except Exception as e:                  # noqa: BLE001 - this request only
+                    r._fail("error", failure(e))
                     continue
                 if r._cancelled:
                     r.seq.cancel()
@@ -265,6 +276,7 @@ class Scheduler:
             try:
                 self.step()
             except Exception as e:                      # noqa: BLE001 - keep serving
+                # the batch isolates each request's failures; this is a bug in the loop itself
                 print(f"error: batch step failed: {type(e).__name__}: {e}", file=sys.stderr)
                 self._fail_running(f"internal error: {type(e).__name__}: {e}")
                 with self._lock:

@@ -82,8 +82,9 @@ class Model:
     def chat_stream(self, messages: list[dict], max_tokens: int = 256, *, stop=None,
                     **sampling) -> Iterator[StreamEvent]:
         """Reply to a conversation; earlier turns still in the cache are not recomputed.
-        `stop` as in `stream`."""
-        ids = self.tokenize(self.template.render(messages), bos=False)
+        Message contents are tokenized as plain text (special-token text in them stays
+        text); only the template's markers are control tokens. `stop` as in `stream`."""
+        ids = self.tokenizer.encode_parts(self.template.render_parts(messages))
         return with_stops(self.engine.stream(ids, max_tokens, SamplingParams(**sampling),
                                              self.stop_ids), stop)
 

@@ -38,11 +38,12 @@ class ChatSession:
         return len(self.m.engine.cached)
 
     def _turn_ids(self, text: str) -> list[int]:
+        """The ids of the next turn; the text is a message's: special-token text stays text."""
         user = {"role": "user", "content": text}
         if not self.ids:
             msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [user]
-            return self.m.tokenize(self.m.template.render(msgs), bos=False)
-        return self.ids + self.m.tokenize(self.m.template.continue_after_reply([user]), bos=False)
+            return self.m.tokenizer.encode_parts(self.m.template.render_parts(msgs))
+        return self.ids + self.m.tokenizer.encode_parts(self.m.template.continue_parts([user]))
 
     def reply(self, text: str, max_tokens: int, stop=None, **sampling) -> Iterator[StreamEvent]:
         """Stream the reply to `text`. `stop`: stop strings (runtime/stops.py); when one

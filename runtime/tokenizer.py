@@ -8,6 +8,7 @@ only the new suffix once it no longer ends in an incomplete character (U+FFFD).
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -23,6 +24,9 @@ class Tokenizer:
             raise KvrunError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
+        self._added = {t.content: (i, t) for i, t in self.tok.get_added_tokens_decoder().items()}
+        self._plain: HFTokenizer | None = None      # the same tokenizer, special text as text
+        self._plain_lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -35,6 +39,35 @@ class Tokenizer:
         if (self.add_bos if bos is None else bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Token ids of a chat rendering (runtime/chat_template.py): a marker part is its
+        added token's id; text parts are tokenized as plain text, so special-token text in a
+        message stays text. A marker the vocabulary has no added token for is text too.
+        Normal messages get the ids `encode` gives the rendered string: it also splits the
+        text at the markers, and a marker's lstrip / rstrip eats the whitespace beside it."""
+        ids: list[int] = []
+        run, eat_left = "", False
+        for text, marker in parts:
+            hit = self._added.get(text) if marker else None
+            if hit is None:
+                run += text.lstrip() if eat_left and not run else text
+                eat_left = eat_left and not run
+                continue
+            tid, tok = hit
+            if tok.lstrip:
+                run = run.rstrip()
+            ids += self._encode_plain(run) if run else []
+            ids.append(tid)
+            run, eat_left = "", tok.rstrip
+        return ids + (self._encode_plain(run) if run else [])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        with self._plain_lock:
+            if self._plain is None:
+                self._plain = HFTokenizer.from_str(self.tok.to_str())
+                self._plain.encode_special_tokens = True
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)

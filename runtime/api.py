@@ -21,6 +21,7 @@ from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
 from .sampling import SamplingParams
 from .stops import with_stops
+from .threads import configure as configure_threads
 
 DEFAULT_CTX = 4096
 
@@ -139,17 +140,19 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
 
     dtype: auto | fp32 | fp16 | bf16 (auto = fp32 prefill + fp16 decode weights on CPU).
     ctx: KV cache size in tokens, allocated once. kv: "fp16" | "fp32" | a --kv spec
-    ("tada-4", "kivi-4/kivi-2" ...) or a KVConfig.
+    ("tada-4", "kivi-4/kivi-2" ...) or a KVConfig. threads: the most CPU threads the
+    compute uses, process-wide (None leaves the cap as it is; by default the CPUs this
+    process may run on); fewer while other processes keep cores busy (runtime/threads.py).
     """
     from .pull import resolve_model
     path = check_model_dir(resolve_model(path, progress=progress))
     cfg = load_config(path)
     if ctx < 1:
         raise KvrunError(f"context size must be >= 1 (got {ctx})")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise KvrunError(f"threads must be an integer >= 1 (got {threads!r})")
     if threads is not None:
-        if threads < 1:
-            raise KvrunError(f"threads must be >= 1 (got {threads})")
-        torch.set_num_threads(threads)
+        configure_threads(threads)
     compute, gemv = parse_dtype(dtype)
     transformer = load_transformer(path, cfg, compute, gemv)
     tokenizer = load_tokenizer(path, cfg)

@@ -82,8 +82,17 @@ def model_options(f):
     f = kv_options(f)
     f = click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int,
                      help="Prefill chunk size in tokens.")(f)
-    f = click.option("-t", "--threads", default=None, type=int, help="CPU threads.")(f)
+    f = threads_option(f)
     return f
+
+
+THREADS_HELP = ("Most CPU threads used (default: every CPU this process may run on); fewer "
+                "while other processes keep cores busy (KVRUN_THREADS_ADAPT=0: exactly N).")
+
+
+def threads_option(f):
+    return click.option("-t", "--threads", default=None, type=click.IntRange(min=1),
+                        help=THREADS_HELP)(f)
 
 
 def shipped_profile_names() -> str:
@@ -376,7 +385,7 @@ def convert(src, out, weights, group, dtype, force, verbose):
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
-@click.option("-t", "--threads", default=None, type=int)
+@threads_option
 @eviction_options
 def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill, threads, **ev):
     """Perplexity and KL divergence vs the fp16 cache on a text FILE (llama-perplexity style)."""
@@ -413,7 +422,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
-@click.option("-t", "--threads", default=None, type=int)
+@threads_option
 @click.option("-s", "--seed", default=0, show_default=True, type=int)
 @eviction_options
 def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, chunk_prefill,
@@ -463,7 +472,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
 @click.option("-o", "--plot", "plot_path", default=None, help="Save a ms/token-vs-depth plot (matplotlib).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int)
-@click.option("-t", "--threads", default=None, type=int)
+@threads_option
 @click.option("-s", "--seed", default=0, show_default=True, type=int)
 @click.option("--batch", "batch", default=None,
               help="Comma list of batch sizes (e.g. 1,4,16): B sequences, each on its own cache, "
@@ -492,10 +501,8 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         except ImportError:
             raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'") from None
     if threads is not None:
-        if threads < 1:
-            raise KvrunError(f"threads must be >= 1 (got {threads})")
-        import torch
-        torch.set_num_threads(threads)
+        from .threads import configure
+        configure(threads)
     if budget_mb is not None and batch is None:
         raise KvrunError("--kv-budget-mb goes with --batch (e.g. --batch 1,4 --kv-budget-mb 256)")
     if batch is not None:

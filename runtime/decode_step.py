@@ -29,6 +29,7 @@ import torch
 
 from ..kernels import native
 from ..kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
+from . import threads
 from .qlinear import Int4Linear, Int8Linear
 
 
@@ -132,6 +133,7 @@ class NativeDecodeStep:
         cache one sequence) -> float32 logits (B, 1, V); appends each token to its cache."""
         B = ids.shape[0]
         assert len(caches) == B <= MAX_ROWS, (len(caches), B)
+        threads.tick()                                                   # as forward() does
         H, D = self.cfg.num_heads, self.cfg.head_dim
         positions = torch.cat([c.positions(1) for c in caches])         # (B,)
         out = self.attn[:B]                                              # (B, H D)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import backend_for
+from . import threads
 from .config import ModelConfig
 from .kv.cache import NewKV
 from .layers import MLP, Linear, RMSNorm
@@ -154,6 +155,7 @@ class Transformer(nn.Module):
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position only.
         """
         B, T = ids.shape
+        threads.tick()                              # fewer threads while cores are taken
         step = self._native_step(ids, cache)
         if step is not None:                        # decode on the native layer kernels
             return step(ids, cache)

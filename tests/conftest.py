@@ -7,6 +7,11 @@ runs at most once per session.
 from __future__ import annotations
 
 import os
+
+# Tests are not benchmarks: OpenMP threads that sleep while they wait (instead of spinning)
+# keep the suite's pace on a machine where other processes hold cores. Set before torch
+# loads libgomp, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import pytest

@@ -157,7 +157,8 @@ def main(argv=None) -> int:
     import kvrun
     from kvrun.runtime.kv.config import parse_kv
     from kvrun.runtime.pull import default_gguf_path, ensure_default_model
-    torch.set_num_threads(a.threads)
+    from kvrun.runtime.threads import configure as configure_threads
+    configure_threads(a.threads)   # the cap kvrun's forwards keep (runtime/threads.py)
     path = a.model
     if a.gguf is None:
         path = path or ensure_default_model(progress=lambda s: print(s, file=sys.stderr))

@@ -31,7 +31,8 @@ def main() -> None:
     from kvrun.runtime.scheduler import Scheduler
     from kvrun.runtime.server import create_app
     if a.t:
-        torch.set_num_threads(a.t)
+        from kvrun.runtime.threads import configure as configure_threads
+        configure_threads(a.t)   # the cap kvrun's forwards keep (runtime/threads.py)
     m = kvrun.load(ctx=1024, kv="fp16")
     sched = Scheduler(m, parallel=4, ctx=1024, kv="fp16")
     sock = socket.socket()

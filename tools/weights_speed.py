@@ -15,6 +15,7 @@ import time
 import torch
 
 import kvrun
+from kvrun.runtime.threads import configure as configure_threads
 
 
 def main():
@@ -26,7 +27,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
-        torch.set_num_threads(a.threads)
+        configure_threads(a.threads)   # the cap kvrun's forwards keep (runtime/threads.py)
     models = {}
     for d in a.dirs:
         cfg = kvrun.load(d, ctx=8).cfg

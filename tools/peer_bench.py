@@ -153,7 +153,6 @@ def main(argv=None) -> int:
     if a._peer:
         peer_worker(a)
         return 0
-    import torch
     import kvrun
     from kvrun.runtime.kv.config import parse_kv
     from kvrun.runtime.pull import default_gguf_path, ensure_default_model

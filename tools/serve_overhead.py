@@ -24,7 +24,6 @@ def main() -> None:
     a = ap.parse_args()
     if a.n < 4 or a.r < 1 or (a.t is not None and a.t < 1):
         sys.exit("error: need -n >= 4, -r >= 1, -t >= 1")
-    import torch
     import uvicorn
 
     import kvrun

@@ -14,7 +14,7 @@ import torch
 from .chat_template import template_for
 from .config import ModelConfig
 from .errors import KvrunError
-from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent
+from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, check_ids
 from .kv import DenseKVCache
 from .kv.arena import build_cache, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
@@ -42,7 +42,12 @@ def kv_bytes_per_token(cfg: ModelConfig, kv: "str | KVConfig", n_tokens: int) ->
 
 
 class Model:
-    """A loaded model with one KV cache (one conversation at a time)."""
+    """A loaded model with one KV cache (one conversation at a time).
+
+    Thread-safe by serialization: a generation holds the model from its first token to its
+    last (an open `stream()` iterator included), and a call from another thread waits for
+    it; a second generation started in the same thread while one is still open raises
+    KvrunError. For several sequences at once, use `generate_batch` (or `kvrun serve`)."""
 
     def __init__(self, path: Path, cfg: ModelConfig, transformer, tokenizer, cache,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
@@ -105,11 +110,14 @@ class Model:
         request."""
         from .scheduler import Scheduler
         ids = [self.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        for x in ids:
+            check_ids(x, self.cfg.vocab_size)
         sched = Scheduler(self, parallel=parallel or max(1, len(ids)), kv_budget_mb=kv_budget_mb,
                           max_queue=len(ids), kv=kv)
         params = SamplingParams(**sampling)
         reqs = [sched.submit(x, max_tokens, params, stop) for x in ids]
-        sched.run()
+        with self.engine.exclusive():           # the batch shares the model's decode scratch
+            sched.run()
         return [r.text for r in reqs]
 
     # -- scoring --
@@ -118,6 +126,12 @@ class Model:
         the conversation cache is left untouched)."""
         if not ids:
             raise KvrunError("logits() needs at least one token")
+        ids = list(ids)
+        check_ids(ids, self.cfg.vocab_size)
+        with self.engine.exclusive():
+            return self._logits(ids)
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
         cache = DenseKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
                              len(ids), torch.float32, windows=self.cfg.layer_windows)
         chunk = self.engine.prefill_chunk
@@ -126,7 +140,8 @@ class Model:
         return torch.cat(out)
 
     def reset(self) -> None:
-        self.engine.reset()
+        with self.engine.exclusive():
+            self.engine.reset()
 
     def kv_bytes(self) -> dict[str, int]:
         return self.engine.cache.nbytes()

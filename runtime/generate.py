@@ -22,7 +22,10 @@ and drops the same ids from `cached`, so generation and chat go on for ever.
 """
 from __future__ import annotations
 
+import numbers
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -59,6 +62,14 @@ class StreamEvent:
     finish_reason: str | None = None    # None while running; "stop" | "length" | "context"
 
 
+def check_ids(ids: list, vocab_size: int) -> None:
+    """Token ids given by a caller are integers in [0, vocab_size): a negative id indexed
+    the embedding from its end, a large one raised IndexError."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+            raise KvrunError(f"token id {t!r} is not in the vocabulary [0, {vocab_size})")
+
+
 class Engine:
     def __init__(self, model, tokenizer, cache, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if prefill_chunk < 1:
@@ -69,6 +80,28 @@ class Engine:
         self.canon = 0                      # leading cached ids with a fresh prefill's K/V
         self.n_shifts = 0                   # context shifts so far
         self.n_dropped = 0                  # ids they dropped
+        self._busy = threading.Lock()       # held by the one generation using the cache
+        self._holder: int | None = None     # the thread that holds it
+
+    @contextmanager
+    def exclusive(self):
+        """Hold the cache (and the model's decode scratch) for one generation: another
+        thread waits until the generation ends; the same thread starting a second one while
+        the first is still open (two interleaved `stream()` iterators) gets a KvrunError,
+        since both would write one sequence's cache."""
+        me = threading.get_ident()
+        if not self._busy.acquire(blocking=False):
+            if self._holder == me:
+                raise KvrunError("this Model is already streaming a generation: finish that "
+                                 "iterator or call its .close() first (a Model holds one "
+                                 "sequence; generate_batch runs several)")
+            self._busy.acquire()
+        self._holder = me
+        try:
+            yield
+        finally:
+            self._holder = None
+            self._busy.release()
 
     @property
     def max_ctx(self) -> int:
@@ -197,8 +230,13 @@ class Engine:
         A stop token is yielded (with reason "stop") but never fed to the model.
         `append`: the prompt continues the cache as it stands (see reuse_prefix).
         """
-        if max_tokens < 0:
-            raise KvrunError(f"-n must be >= 0 (got {max_tokens})")
+        with self.exclusive():
+            yield from self._tokens(prompt, max_tokens, params, stop_ids, timings, append)
+
+    def _tokens(self, prompt, max_tokens, params, stop_ids, timings, append):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise KvrunError(f"-n must be an integer >= 0 (got {max_tokens!r})")
+        check_ids(prompt, self.model.cfg.vocab_size)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         t0 = time.perf_counter()
         start = self.reuse_prefix(prompt, append)

@@ -1,0 +1,65 @@
+"""A Model under misuse: two threads, interleaved streams, token ids outside the
+vocabulary. Each either works as if the calls were made one after the other or raises
+KvrunError; none returns garbage silently."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import kvrun
+
+
+def test_two_threads_get_what_sequential_calls_get(tiny):
+    prompts = ["hello there", "once upon a time in a land"]
+    want = [tiny.generate(p, 24, temp=0) for p in prompts]
+    got = [None, None]
+
+    def run(i):
+        for _ in range(3):
+            got[i] = tiny.generate(prompts[i], 24, temp=0)
+            assert got[i] == want[i]
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert got == want
+
+
+def test_interleaved_streams_in_one_thread_raise(tiny):
+    want = tiny.generate("hello there", 8, temp=0)
+    a = tiny.stream("hello there", 8, temp=0)
+    first = next(a).text
+    b = tiny.stream("once upon a time", 8, temp=0)
+    with pytest.raises(kvrun.KvrunError, match="already streaming"):
+        next(b)
+    with pytest.raises(kvrun.KvrunError, match="already streaming"):
+        tiny.logits([1, 2, 3])
+    assert first + "".join(ev.text for ev in a) == want     # the first stream is intact
+
+
+def test_a_closed_stream_frees_the_model(tiny):
+    want = tiny.generate("once upon a time", 8, temp=0)
+    a = tiny.stream("hello there", 8, temp=0)
+    next(a)
+    a.close()
+    assert tiny.generate("once upon a time", 8, temp=0) == want
+    for ev in tiny.stream("hello there", 8, temp=0):
+        break                                   # an abandoned loop closes its iterator
+    assert tiny.generate("once upon a time", 8, temp=0) == want
+
+
+@pytest.mark.parametrize("ids", [[10 ** 9], [-1], [1, 2, 10 ** 6], [1.5], [True], ["a"]])
+def test_token_ids_outside_the_vocabulary_are_refused(tiny, ids):
+    for call in (lambda: tiny.generate(ids, 2, temp=0), lambda: tiny.logits(ids),
+                 lambda: tiny.generate_batch([ids], 2, temp=0)):
+        with pytest.raises(kvrun.KvrunError, match="vocabulary"):
+            call()
+
+
+@pytest.mark.parametrize("n", [-1, 2.5, None, True])
+def test_bad_max_tokens(tiny, n):
+    with pytest.raises(kvrun.KvrunError, match="-n"):
+        tiny.generate("hi", n, temp=0)

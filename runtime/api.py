@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -32,7 +33,27 @@ def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
     layers (Gemma 3) keep a ring of their window beside either (runtime/kv/ring.py)."""
     kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
     kv.check_profile(cfg)                   # a profile searched for another model is refused
-    return build_cache(cfg, ctx, kv)
+    need = sum(kv_bytes_at(cfg, kv, ctx).values())
+    have = physical_memory()
+    if have is not None and need > have:
+        raise KvrunError(f"context size {ctx}: the {kv.label()} KV cache would take "
+                         f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
+                         f"of memory (lower -c/--ctx-size or pick a smaller --kv)")
+    try:
+        return build_cache(cfg, ctx, kv)
+    except (MemoryError, RuntimeError) as e:        # torch's allocator raises RuntimeError
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
+        raise KvrunError(f"context size {ctx}: cannot allocate the {kv.label()} KV cache "
+                         f"({need / 2**30:.1f} GiB): out of memory") from None
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv: "str | KVConfig", n_tokens: int) -> float:

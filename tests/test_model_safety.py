@@ -63,3 +63,11 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny, ids):
 def test_bad_max_tokens(tiny, n):
     with pytest.raises(kvrun.KvrunError, match="-n"):
         tiny.generate("hi", n, temp=0)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "kivi-4"])
+def test_a_context_larger_than_memory_is_one_error(tiny_dir, kv):
+    """The cache's bytes are computed before it is allocated: -c 1099511627776 was a
+    RuntimeError from torch's allocator (and a large kivi-4 cache was killed by the OS)."""
+    with pytest.raises(kvrun.KvrunError, match="more than this machine"):
+        kvrun.load(tiny_dir, dtype="fp32", ctx=1 << 40, kv=kv)

@@ -65,7 +65,7 @@ def test_bad_max_tokens(tiny, n):
         tiny.generate("hi", n, temp=0)
 
 
-@pytest.mark.parametrize("kv", ["fp16", "kivi-4"])
+@pytest.mark.parametrize("kv", ["fp16", "int8", "tada-4"])
 def test_a_context_larger_than_memory_is_one_error(tiny_dir, kv):
     """The cache's bytes are computed before it is allocated: -c 1099511627776 was a
     RuntimeError from torch's allocator (and a large kivi-4 cache was killed by the OS)."""

@@ -19,6 +19,8 @@ def convert_any(src, out_dir, dtype: str = "bf16", progress=None, overwrite: boo
     from pathlib import Path
 
     from ..runtime.errors import KvrunError
+    if not str(src).strip():
+        raise KvrunError("the source path is empty")
     src = Path(src)
     if src.is_dir():
         return convert_hf(src, out_dir, **kw)

@@ -94,6 +94,8 @@ def open_gguf(path: str | Path):
         raise KvrunError(f"{path}: no such file")
     try:
         reader = gguf.GGUFReader(str(path))
+    except OSError as e:            # unreadable (permissions, I/O error): not a format problem
+        raise KvrunError(f"{path}: cannot read it ({e.strerror or e})") from None
     except Exception as e:          # the reader raises ValueError/IndexError/… on bad bytes
         raise KvrunError(f"{path}: not a valid GGUF file or truncated ({e})") from None
     short = [t.name for t in reader.tensors if t.data.nbytes != t.n_bytes]

@@ -2,8 +2,11 @@
 
 Both converters end here. Everything is written into a temp dir beside the destination
 (`.NAME.tmp-XXXX`, same parent so the final `rename` stays on one filesystem and is atomic),
-then renamed into place. A failure or Ctrl-C at any point removes the temp dir, so a
-destination either holds a complete model or does not exist. Before anything is written,
+then renamed into place. A failure, Ctrl-C, SIGTERM or SIGHUP at any point removes the temp
+dir, so a destination either holds a complete model or does not exist. An existing
+destination is replaced (`overwrite`) only if it is a kvrun model directory
+(`foreign_entries`), never the current or home directory: a mistyped `-o` costs an error
+line, not a user's files. Before anything is written,
 every tensor is checked against the shapes the config implies (`expected_shapes`), so a
 model dir that `Transformer.load_weights` would reject is never produced.
 
@@ -17,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -25,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.errors import KvrunError, raise_on_signals
 
 Progress = Callable[[int, int, str], None]   # converters call it per tensor: (done, total, name)
 
@@ -121,31 +125,111 @@ def validate_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None
             raise KvrunError(f"tensor {name} has shape {got}, the config implies {shape}")
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def check_destination(dest: str | Path, overwrite: bool) -> Path:
-    """Fail early (before a long conversion) if `dest` exists and may not be replaced."""
-    dest = Path(dest).expanduser().absolute()
+    """The absolute destination path, or a KvrunError before any work if it cannot or must
+    not be written.
+
+    Never replaced, even with `overwrite`: an empty path, a symbolic link, the current
+    directory, the home directory or any of their parents (an unset `$OUT` or `-o .` is a
+    typo, not a wish), and a non-empty directory that is not a kvrun model directory
+    (`foreign_entries`). The nearest existing ancestor must be a directory this process can
+    create entries in (probed, so a read-only mount fails here and not after the conversion).
+    """
+    if not str(dest).strip():
+        raise KvrunError("the output path is empty")
+    dest = Path(os.path.abspath(os.path.expanduser(dest)))     # '..' and a trailing '/' folded
+    if dest.is_symlink():
+        raise KvrunError(f"{dest} is a symbolic link; name the directory itself")
+    real = dest.resolve()
+    for keep, what in ((Path.cwd().resolve(), "the current directory"),
+                       (_home(), "the home directory")):
+        if real == keep or real in keep.parents:
+            raise KvrunError(f"{dest} is {what} or one of its parents; name a new directory")
     if dest.exists() and not dest.is_dir():
         raise KvrunError(f"{dest} exists and is not a directory")
-    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        # the CLI's flag and the library's argument: whoever reads this used one of them
-        raise KvrunError(f"{dest} already exists and is not empty (use --force to replace it; "
-                         f"overwrite=True from Python)")
+    if dest.is_dir():
+        try:
+            names = sorted(os.listdir(dest))
+        except OSError as e:
+            raise KvrunError(f"{dest}: cannot list it ({e.strerror})") from None
+        if names and not overwrite:
+            # the CLI's flag and the library's argument: whoever reads this used one of them
+            raise KvrunError(f"{dest} already exists and is not empty (use --force to replace "
+                             f"it; overwrite=True from Python)")
+        why = foreign_entries(dest, names) if names else None
+        if why:
+            raise KvrunError(f"{dest} is not a kvrun model directory ({why}); refusing to "
+                             f"replace it")
+    _check_writable(dest.parent)
     return dest
+
+
+def _home() -> Path:
+    try:
+        return Path.home().resolve()
+    except (RuntimeError, KeyError):            # no $HOME and no passwd entry
+        return Path("/")
+
+
+def foreign_entries(path: Path, names: list[str]) -> str | None:
+    """Why the directory `path` (holding `names`) is not one this writer produced, or None.
+
+    Its signature: nothing but MODEL_FILES, each a regular file (not a link), and a
+    config.json that kvrun wrote (`"format": "kvrun"`). Only such a directory may be
+    replaced: anything else may be a user's data.
+    """
+    extra = [n for n in names if n not in MODEL_FILES]
+    if extra:
+        return f"it holds {extra[0]!r}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+    for n in names:
+        if not (path / n).is_file() or (path / n).is_symlink():
+            return f"{n} is not a regular file"
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "no config.json"
+    except (OSError, ValueError):
+        return "its config.json is unreadable or not JSON"
+    if not isinstance(cfg, dict) or cfg.get("format") != "kvrun":
+        return "its config.json was not written by kvrun"
+    return None
+
+
+def _check_writable(parent: Path) -> None:
+    """Raise KvrunError unless entries can be created under `parent` (or the nearest of its
+    ancestors that exists, where `atomic_dir` will create the rest)."""
+    a = parent
+    while not a.exists() and a != a.parent:
+        a = a.parent
+    if not a.is_dir():
+        raise KvrunError(f"{a} is not a directory")
+    try:                    # os.access would not see a read-only mount as root, or ACLs
+        os.rmdir(tempfile.mkdtemp(prefix=".kvrun-probe-", dir=a))
+    except OSError as e:
+        raise KvrunError(f"cannot write in {a} ({e.strerror})") from None
 
 
 @contextmanager
 def atomic_dir(dest: str | Path, overwrite: bool = False):
-    """Yield a temp dir beside `dest`; on normal exit it becomes `dest`, on error it vanishes."""
+    """Yield a temp dir beside `dest`; on normal exit it becomes `dest`, on error, Ctrl-C,
+    SIGTERM or SIGHUP it vanishes (`raise_on_signals`)."""
     dest = check_destination(dest, overwrite)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(dest, "tmp")
-    tmp.mkdir()                                 # not mkdtemp: its 0700 mode would stick to dest
-    try:
-        yield tmp
-        _replace(tmp, dest, overwrite)
-    except BaseException:                       # KeyboardInterrupt too: leave nothing behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with raise_on_signals():
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = _sibling(dest, "tmp")
+            tmp.mkdir()                         # not mkdtemp: its 0700 mode would stick to dest
+        except OSError as e:
+            raise KvrunError(f"cannot create {dest}: {e.strerror}") from None
+        try:
+            yield tmp
+            _replace(tmp, dest, overwrite)
+        except BaseException:                   # KeyboardInterrupt too: leave nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _sibling(dest: Path, kind: str) -> Path:
@@ -158,21 +242,24 @@ def _sibling(dest: Path, kind: str) -> Path:
 
 def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:
     check_destination(dest, overwrite)          # someone may have created it meanwhile
-    if not dest.exists():
-        os.rename(tmp, dest)
-        return
-    if not any(dest.iterdir()):                 # an empty dir is replaced without ceremony
-        dest.rmdir()
-        os.rename(tmp, dest)
-        return
-    # Two renames: between them `dest` is briefly absent, but never half-written.
-    old = _sibling(dest, "old")
-    os.rename(dest, old)
     try:
-        os.rename(tmp, dest)
-    except BaseException:
-        os.rename(old, dest)
-        raise
+        if not dest.exists():
+            os.rename(tmp, dest)
+            return
+        if not any(dest.iterdir()):             # an empty dir is replaced without ceremony
+            dest.rmdir()
+            os.rename(tmp, dest)
+            return
+        # Two renames: between them `dest` is briefly absent, but never half-written.
+        old = _sibling(dest, "old")
+        os.rename(dest, old)
+        try:
+            os.rename(tmp, dest)
+        except BaseException:
+            os.rename(old, dest)
+            raise
+    except OSError as e:                        # e.g. dest is a mount point (EBUSY)
+        raise KvrunError(f"cannot replace {dest}: {e.strerror}") from None
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -195,4 +282,4 @@ def write_model_dir(dest: str | Path, cfg: ModelConfig, tensors: dict[str, torch
                   metadata={"format": "pt"})
         # safetensors creates its file 0600; give it the umask-derived mode config.json got
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
-    return Path(dest).expanduser().absolute()
+    return Path(os.path.abspath(os.path.expanduser(dest)))

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import KvrunError
+from .errors import KvrunError, raise_on_signals
 
 # A GGUF may ship in one wheel or in chunks spread over several (PyPI limits a file's size);
 # the chunks are concatenated in the listed order.
@@ -174,13 +174,20 @@ def resolve_model(model: str | Path | None, progress: Callable[[str], None] | No
 
 @contextmanager
 def _locked(path: Path, progress):
-    """Exclusive advisory lock on `path` (no-op where fcntl is unavailable)."""
+    """Exclusive advisory lock on `path`, its directory created if need be (no-op where
+    fcntl is unavailable). A KvrunError if the file cannot be created there."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "w")
+    except OSError as e:
+        raise KvrunError(f"cannot write in kvrun's home {path.parent}: {e.strerror}") from None
     try:
         import fcntl
     except ImportError:                      # Windows: no concurrent-run protection
-        yield
+        with f:
+            yield
         return
-    with open(path, "w") as f:
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -215,11 +222,16 @@ def _pip_download(wheel: Wheel, dest: Path, progress) -> Path:
                             text=True, errors="replace")
     stream = proc.stderr if err_fd is not None else proc.stdout
     last = ""
-    for line in stream:
-        if line.strip():
-            last = line.strip()
-        if progress:
-            progress(line.rstrip("\n"))
+    try:
+        for line in stream:
+            if line.strip():
+                last = line.strip()
+            if progress:
+                progress(line.rstrip("\n"))
+    except BaseException:               # Ctrl-C, SIGTERM: pip must not write on into `dest`
+        proc.kill()
+        proc.wait()
+        raise
     if proc.wait() != 0:
         reason = last or f"pip exited with status {proc.returncode}"
         raise KvrunError(f"could not download {wheel.requirement}: {reason}")
@@ -319,20 +331,31 @@ def ensure_model(name: str, progress: Callable[[str], None] | None = _stderr,
     if (out_dir / "config.json").is_file():
         return out_dir
     root = kvrun_home(home)
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / ".pull.lock", progress):
-        if (out_dir / "config.json").is_file():         # another process finished meanwhile
-            return out_dir
-        gguf = gguf_path(name, home)
-        if not gguf.is_file():
-            with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
-                _fetch_gguf(entry, gguf, Path(tmp), progress)
-        from kvrun.convert.gguf_file import convert_gguf
-        if progress:
-            progress(f"converting {gguf.name} → {out_dir}")
-        # fp32: GGUF block values (fp16 scale × code + min) are exact in fp32 but not in
-        # bf16/fp16, and the runtime computes in fp32 anyway. int4 keeps Q4_0/Q4_1 blocks.
-        convert_gguf(gguf, out_dir, dtype="fp32", progress=_convert_progress(progress),
-                     overwrite=True, weights="float" if weights == "fp32" else weights,
-                     group=32)
+    if root.exists() and not root.is_dir():
+        raise KvrunError(f"{root} (kvrun's home: $KVRUN_HOME or ~/.cache/kvrun) is not a directory")
+    # SIGTERM/SIGHUP mid-download or mid-conversion: the temp files go, as on Ctrl-C
+    with raise_on_signals(), _locked(root / ".pull.lock", progress):
+        _fetch_and_convert(entry, name, home, out_dir, weights, progress)
     return out_dir
+
+
+def _fetch_and_convert(entry: Pullable, name: str, home, out_dir: Path, weights: str,
+                       progress) -> None:
+    """`ensure_model`'s work under the lock: the GGUF if missing, then the conversion."""
+    if (out_dir / "config.json").is_file():         # another process finished meanwhile
+        return
+    from kvrun.convert.gguf_file import convert_gguf
+    from kvrun.convert.writer import check_destination
+    check_destination(out_dir, overwrite=True)     # before a download, not after it
+    root = kvrun_home(home)
+    gguf = gguf_path(name, home)
+    if not gguf.is_file():
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
+            _fetch_gguf(entry, gguf, Path(tmp), progress)
+    if progress:
+        progress(f"converting {gguf.name} → {out_dir}")
+    # fp32: GGUF block values (fp16 scale × code + min) are exact in fp32 but not in
+    # bf16/fp16, and the runtime computes in fp32 anyway. int4 keeps Q4_0/Q4_1 blocks.
+    convert_gguf(gguf, out_dir, dtype="fp32", progress=_convert_progress(progress),
+                 overwrite=True, weights="float" if weights == "fp32" else weights,
+                 group=32)

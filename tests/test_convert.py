@@ -332,16 +332,24 @@ def test_overwrite(tiny_llama, tmp_path, monkeypatch):
     (out / "stale.txt").write_text("old")
     with pytest.raises(KvrunError, match="already exists and is not empty"):
         convert_hf(tiny_llama[0], out)
+    # overwrite replaces only a kvrun model directory: this one may be a user's data
+    with pytest.raises(KvrunError, match=r"not a kvrun model directory \(it holds 'stale.txt'\)"):
+        convert_hf(tiny_llama[0], out, overwrite=True)
+    assert (out / "stale.txt").read_text() == "old"
+    (out / "stale.txt").unlink()
+    convert_hf(tiny_llama[0], out, dtype="fp32")                 # a model dir to replace
+    first = (out / "model.safetensors").read_bytes()
     import kvrun.convert.writer as writer
     real = writer.save_file
     monkeypatch.setattr(writer, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("io")))
     with pytest.raises(OSError):
         convert_hf(tiny_llama[0], out, overwrite=True)
-    assert (out / "stale.txt").read_text() == "old"          # a failed replace keeps the old dir
+    assert (out / "model.safetensors").read_bytes() == first     # a failed replace keeps it
     monkeypatch.setattr(writer, "save_file", real)
-    convert_hf(tiny_llama[0], out, overwrite=True)
+    convert_hf(tiny_llama[0], out, overwrite=True)               # bf16 now
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
                                                       "tokenizer.json"]
+    assert (out / "model.safetensors").read_bytes() != first
     assert _leftovers(tmp_path, "out") == []
 
 
@@ -550,13 +558,15 @@ def test_cli_convert_exists_error_names_force(tiny_llama, tmp_path):
     from click.testing import CliRunner
     from kvrun.runtime.cli import main
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
     args = ["convert", str(tiny_llama[0]), "-o", str(out), "--dtype", "fp32"]
+    assert CliRunner().invoke(main, args).exit_code == 0
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1 and "Traceback" not in r.stderr
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "use --force to replace it" in err[0]
+    before = (out / "config.json").stat().st_mtime_ns
     r = CliRunner().invoke(main, args + ["--force"])
     assert r.exit_code == 0, r.stderr
-    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert (out / "config.json").stat().st_mtime_ns != before
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                      "tokenizer.json"]

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from ..kernels import native
 from .chat_template import template_for
 from .config import ModelConfig
 from .errors import KvrunError
@@ -190,6 +191,7 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     if threads is not None:
         configure_threads(threads)
     compute, gemv = parse_dtype(dtype)
+    native.load()                   # built once per machine here, not inside a timed prefill
     transformer = load_transformer(path, cfg, compute, gemv)
     tokenizer = load_tokenizer(path, cfg)
     cache = make_cache(cfg, ctx, kv)

@@ -41,8 +41,10 @@ DEFAULT_PREFILL_CHUNK = 512
 class Timings:
     prompt_tokens: int = 0          # tokens actually prefilled (cache hits excluded)
     prompt_s: float = 0.0
-    gen_tokens: int = 0
-    gen_s: float = 0.0
+    gen_tokens: int = 0             # tokens sampled
+    gen_s: float = 0.0              # from the first sample to the last
+    decode_tokens: int = 0          # one-token forwards (the first token needs none: it is
+    decode_s: float = 0.0           # sampled from the prompt's logits)
 
     @property
     def prompt_tok_s(self) -> float:
@@ -50,7 +52,9 @@ class Timings:
 
     @property
     def gen_tok_s(self) -> float:
-        return self.gen_tokens / self.gen_s if self.gen_s > 0 else 0.0
+        """Decode speed: one-token forwards per second (llama.cpp's eval rate); 0.0 when
+        none ran (-n 1), where a rate over one sample's microseconds meant nothing."""
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else 0.0
 
 
 @dataclass
@@ -258,8 +262,12 @@ class Engine:
                 yield tok, "context"
                 return
             yield tok, None
+            t1 = time.perf_counter()
             logits = self.decode_step(tok)
-            timings.gen_s = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            timings.decode_tokens += 1
+            timings.decode_s += t2 - t1
+            timings.gen_s = t2 - t0
 
     def stream(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                stop_ids: set[int], append: bool = False) -> Iterator[StreamEvent]:

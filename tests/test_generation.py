@@ -131,3 +131,13 @@ def test_interrupted_forward_is_repaired(tmp_path):
     ref.engine.prefill(prompt[:n])
     want = ref.engine.prefill(prompt[n:] + [5]) if n < len(prompt) else ref.engine.decode_step(5)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_rate_counts_one_token_forwards(tiny):
+    """The first token is sampled from the prompt's logits: -n 1 runs no decode step and
+    has no decode rate (it printed a rate over one sample's microseconds), -n 5 runs 4."""
+    one = list(tiny.stream("hello", 1, temp=0))[-1].timings
+    assert one.gen_tokens == 1 and one.decode_tokens == 0 and one.gen_tok_s == 0.0
+    five = list(tiny.stream("hello", 5, temp=0))[-1].timings
+    assert five.gen_tokens == 5 and five.decode_tokens == 4
+    assert five.gen_tok_s == pytest.approx(4 / five.decode_s) and five.decode_s <= five.gen_s

@@ -310,8 +310,8 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
                                    total / fp16_bytes(cfg, ctx), peak_rss_bytes(), 1,
                                    "decode", cps, **run_info(f"layer {name}")))
         if progress:
-            progress(f"[bench] {_label(m)} layer {name}: {mean_ms:.3f} ms/token mean "
-                     f"({wall:.1f} s), {cps}")
+            at = "".join(f", {v:.3f} ms at {k}" for k, v in cps.items())
+            progress(f"[bench] {_label(m)} layer {name}: {mean_ms:.3f} ms/token mean{at} ({wall:.1f} s)")
         del cache
     return records
 
@@ -319,9 +319,12 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
 # -- output --------------------------------------------------------------------------------------
 
 def format_table(records: list[BenchRecord], title: str = "") -> str:
+    """A markdown table; layer-mode checkpoints (ms/token near 1k, 8k, 32k) are columns of
+    their own, empty where a record's decode did not reach them."""
     w = max([16] + [len(r.method) for r in records])        # profile:NAME labels are long
+    cps = sorted({k for r in records for k in r.checkpoints_ms}, key=int)
     head = (f"| {'kv':<{w}} | {'test':<14} | {'t/s':>18} | {'ms/tok':>8} | {'KV MiB':>9} | "
-            f"{'ratio':>6} | {'peak RSS MiB':>12} |")
+            f"{'ratio':>6} | {'peak RSS MiB':>12} |" + "".join(f" {'ms @' + k:>9} |" for k in cps))
     rows = [title] if title else []
     rows += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in records:
@@ -329,10 +332,11 @@ def format_table(records: list[BenchRecord], title: str = "") -> str:
         if r.test == "layer":
             test = f"layer 0→{r.n}"
         rate = f"{r.tok_s:.2f} ± {r.tok_s_sd:.2f}"
+        at = "".join(f" {r.checkpoints_ms[k]:9.3f} |" if k in r.checkpoints_ms else f" {'':>9} |"
+                     for k in cps)
         rows.append(f"| {r.method:<{w}} | {test:<14} | {rate:>18} | {r.ms_per_token:8.2f} | "
-                    f"{r.kv_bytes / 2**20:9.2f} | {r.kv_ratio:6.3f} | {r.peak_rss_bytes / 2**20:12.0f} |")
-        if r.checkpoints_ms:
-            rows.append("|   checkpoints  | " + ", ".join(f"{k}: {v:.3f} ms" for k, v in r.checkpoints_ms.items()))
+                    f"{r.kv_bytes / 2**20:9.2f} | {r.kv_ratio:6.3f} | {r.peak_rss_bytes / 2**20:12.0f} |"
+                    + at)
     return "\n".join(rows)
 
 

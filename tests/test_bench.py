@@ -86,6 +86,11 @@ def test_layer_mode_checkpoints():
     assert [r.method for r in recs] == ["fp16", "kivi-2"]
     assert all(set(r.checkpoints_ms) == {"64", "256"} and r.test == "layer" for r in recs)
     assert recs[1].kv_bytes < recs[0].kv_bytes
+    # the checkpoints are columns: every row of the table has as many cells as its header
+    lines = B.format_table(recs).splitlines()
+    assert "ms @64" in lines[0] and "ms @256" in lines[0]
+    assert len({line.count("|") for line in lines}) == 1
+    assert f"{recs[1].checkpoints_ms['256']:.3f}" in lines[3]
 
 
 @pytest.mark.parametrize("args,fragment", [

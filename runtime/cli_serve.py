@@ -2,6 +2,7 @@
 Registered on the main group by runtime/cli.py: `main.add_command(serve_cmd)`."""
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -30,7 +31,7 @@ def _eprint(*a, **kw):
               help="Most MiB of KV cache across the running sequences (default: no limit); "
                    "requests wait until theirs fits.")
 @click.option("--queue", "queue", default=64, show_default=True, type=int,
-              help="Most requests waiting for admission (more get HTTP 429).")
+              help="Most requests waiting beyond the free --parallel slots (more get HTTP 429).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--alias", default=None, help="Model name clients use (default: the model directory's name).")
@@ -38,8 +39,16 @@ def _eprint(*a, **kw):
 @click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int,
               help="Prefill chunk size in tokens (one chunk per step while others decode).")
 @click.option("-t", "--threads", default=None, type=int, help="CPU threads.")
+@click.option("--api-key", default=None, envvar="KVRUN_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $KVRUN_API_KEY, else no key).")
+@click.option("--cors-origin", "cors", multiple=True,
+              help="An origin browser pages may call the API from (repeatable; '*' for any). "
+                   "Default: none, so no cross-origin page can read replies.")
+@click.option("--max-body-mb", default=4.0, show_default=True, type=float,
+              help="Largest request body in MiB (HTTP 413 past it).")
 def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, port, alias,
-              dtype, chunk, threads):
+              dtype, chunk, threads, api_key, cors, max_body_mb):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
     /v1/completions, /v1/models, /health), many requests decoded together.
 
@@ -52,12 +61,22 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     from .kv.config import parse_kv
     from .scheduler import Scheduler
     from .server import create_app
+    from .server_http import HeaderDeadline, Server
     if not 0 < port < 65536:
         raise KvrunError(f"--port must be in 1..65535 (got {port})")
     if parallel < 1:
         raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
     if kv_budget_mb is not None and kv_budget_mb <= 0:
         raise KvrunError(f"--kv-budget-mb must be > 0 (got {kv_budget_mb})")
+    if queue < 0:
+        raise KvrunError(f"--queue must be >= 0 (got {queue})")
+    if not 0 < max_body_mb <= 1024:
+        raise KvrunError(f"--max-body-mb must be in (0, 1024] (got {max_body_mb:g})")
+    if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
+        raise KvrunError("--api-key must be printable and not empty")
+    # long prompts are tokenized in worker threads (runtime/tokenizer.py): one thread each,
+    # not a rayon pool per call
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sock = _listen(host, port)                      # a busy port is an error before the load
     spec = parse_kv(kv, **({"ctx_policy": ctx_policy} if ctx_policy else {}))
     # the model's own cache is never used by the server: one token keeps it out of the way
@@ -66,11 +85,16 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     sched = Scheduler(m, parallel=parallel, kv_budget_mb=kv_budget_mb, max_queue=queue,
                       ctx=ctx, kv=spec)
     name = alias or m.path.name
-    app = create_app(m, sched, name)
+    app = create_app(m, sched, name, api_key=api_key, cors_origins=tuple(cors),
+                     max_body=int(max_body_mb * (1 << 20)))
     budget = f"{kv_budget_mb:g} MiB" if kv_budget_mb else "unlimited"
+    where = f"[{host}]" if ":" in host else host
     _eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
-            f"kv {spec.label()}, KV budget {budget}; http://{host}:{port}/v1")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60))
+            f"kv {spec.label()}, KV budget {budget}; http://{where}:{port}/v1"
+            + ("" if api_key else " (no --api-key: anyone who can connect may use it)"
+               if host not in ("127.0.0.1", "localhost", "::1") else ""))
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60,
+                                   http=HeaderDeadline, timeout_keep_alive=5))
     server.run(sockets=[sock])
 
 

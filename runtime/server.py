@@ -8,160 +8,96 @@ Request fields: `model` (the served name, or omitted), `messages` / `prompt` (a 
 token ids), `max_tokens` (chat also `max_completion_tokens`; default: until the sequence's
 context is full), `temperature` (default 1), `top_p` (default 1), `seed`, `stop` (a string
 or a list), `stream`, `stream_options.include_usage`; llama.cpp-style extensions `top_k`,
-`min_p`, `repeat_penalty` (off unless given). Extension `kv`: the KV method of this
-request's cache, any `--kv` spec ("fp16", "kivi-4", "auto" ...). Every sequence has its
-own cache, so methods mix freely in one batch; the request's cache bytes count against
-`--kv-budget-mb` like any other (a cheaper method is admitted sooner). Default: `--kv`.
+`min_p`, `repeat_penalty`, `repeat_last_n` (penalty off unless given). Extension `kv`: the
+KV method of this request's cache, a method spec ("fp16", "kivi-4", "int8@64+rot", "auto")
+or a shipped profile by name ("profile:smollm2-135m-0.25"); profile files are the
+operator's `--kv`, never a request's. Every sequence has its own cache, so methods mix
+freely in one batch; the request's cache bytes count against `--kv-budget-mb` like any
+other (a cheaper method is admitted sooner). Default: `--kv`. Fields kvrun does not
+implement (`logprobs`, `tools`, `n` > 1 ...) are refused by name unless neutral
+(runtime/server_fields.py). Chat message text is tokenized as text: it cannot forge the
+template's control tokens.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a
-malformed body or a bad field (an over-long prompt included), 404 for an unknown model,
-429 when the waiting queue is full, 500 when generation failed. A client that disconnects
-mid-stream cancels its request: its sequence leaves the batch at the next step and its
-cache is freed. On Ctrl-C uvicorn stops accepting connections and lets the open ones
-finish; then the loop drains and the process exits.
+malformed body or a bad field (an over-long prompt included), 401 without the `--api-key`,
+404 for an unknown model, 413 for a body over `--max-body-mb`, 415 for a body that is not
+`application/json`, 429 when the waiting queue is full, 500 when generation failed. A bad
+value fails only its own request (runtime/batch.py). A client that disconnects mid-stream
+cancels its request: its sequence leaves the batch at the next step and its cache is
+freed. HTTP-level limits (API key, content type, body size and deadline, header deadline,
+CORS) are runtime/server_http.py. On Ctrl-C uvicorn stops accepting connections and lets
+the open ones finish; then the loop drains and the process exits 0.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 
 from .errors import KvrunError
-from .sampling import SamplingParams
 from .scheduler import QueueFull, Request, Scheduler
+from .server_fields import (ApiError, check_fields, field, max_tokens_from, messages_from,
+                            parse_body, prompt_from, request_kv, sampling_from, stop_from,
+                            stream_from)
 
 try:
     from starlette.applications import Starlette
-    from starlette.requests import Request as HttpRequest
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
+
+    from .server_http import Guard, read_body
 except ImportError:                                 # the optional extra
     Starlette = None
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> "JSONResponse":
-        return JSONResponse({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}}, self.status)
-
-
-def _field(body: dict, name: str, kinds, default=None):
-    """body[name] checked against `kinds` (bool is not a number here)."""
-    x = body.get(name, default)
-    if x is None:
-        return default
-    if isinstance(x, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ApiError(400, f"'{name}' must be {_kind_names(kinds)}, got {json.dumps(x)}", param=name)
-    if not isinstance(x, kinds):
-        raise ApiError(400, f"'{name}' must be {_kind_names(kinds)}, got {json.dumps(x)[:80]}", param=name)
-    return x
-
-
-def _kind_names(kinds) -> str:
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-             list: "a list", dict: "an object"}
-    return " or ".join(dict.fromkeys(names[k] for k in kinds))
-
-
-def sampling_from(body: dict) -> SamplingParams:
-    """OpenAI's sampling fields (and llama.cpp's extensions) as SamplingParams: OpenAI's
-    defaults (temperature 1, top_p 1, no top-k / min-p)."""
-    try:
-        return SamplingParams(temp=float(_field(body, "temperature", (int, float), 1.0)),
-                              top_p=float(_field(body, "top_p", (int, float), 1.0)),
-                              top_k=_field(body, "top_k", int, 0),
-                              min_p=float(_field(body, "min_p", (int, float), 0.0)),
-                              repeat_penalty=float(_field(body, "repeat_penalty", (int, float), 1.0)),
-                              seed=_field(body, "seed", int))
-    except KvrunError as e:
-        raise ApiError(400, str(e).replace("--", "")) from None
-
-
-def _message_text(m, i: int) -> dict:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-    content = m.get("content")
-    if isinstance(content, list):                   # content parts: the text ones
-        try:
-            content = "".join(p["text"] for p in content if p.get("type") == "text")
-        except (TypeError, KeyError, AttributeError):
-            raise ApiError(400, f"messages[{i}].content parts must be objects with 'type' and "
-                                f"'text'", param="messages") from None
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
-    return {"role": m["role"], "content": content}
+DEFAULT_MAX_BODY = 4 << 20          # bytes: a full 4k-token chat is ~20 KB of JSON
 
 
 class App:
-    """The HTTP layer: parses requests, submits them to the scheduler, formats the replies."""
+    """The HTTP layer: parses requests, submits them to the scheduler, formats the replies.
+    Parsing, tokenization and submission run in a worker thread (`_prepare`): a large prompt
+    does not stall the event loop, /health or the other clients' streams."""
 
-    def __init__(self, model, scheduler: Scheduler, name: str):
-        self.model, self.sched, self.name = model, scheduler, name
+    def __init__(self, model, scheduler: Scheduler, name: str, max_body: int = DEFAULT_MAX_BODY):
+        self.model, self.sched, self.name, self.max_body = model, scheduler, name, max_body
         self.created = int(time.time())
+        from .kv.profile import shipped_profiles
+        self.shipped = {p.stem: p for p in shipped_profiles()}
 
-    # -- parsing ----------------------------------------------------------------------------
-    async def _body(self, http: "HttpRequest") -> dict:
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        name = body.get("model")
+    # -- parsing (a worker thread) ---------------------------------------------------------
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[bool, bool, Request]:
+        """(stream, include_usage, the submitted request) of a body; ApiError if it is bad."""
+        body = parse_body(raw)
+        name = field(body, "model", str)
         if name is not None and name != self.name:
-            raise ApiError(404, f"the model '{name}' does not exist (this server has "
+            raise ApiError(404, f"the model '{name:.80}' does not exist (this server has "
                                 f"'{self.name}')", param="model", code="model_not_found")
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n = 1 is supported", param="n")
-        return body
-
-    def _submit(self, body: dict, ids: list[int], max_key: tuple[str, ...]) -> Request:
-        mt = None
-        for k in max_key:
-            mt = _field(body, k, int, mt)
-        stop = body.get("stop")
-        if stop is not None and not (isinstance(stop, str) or
-                                     (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-            raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-        kv = _field(body, "kv", str)
+        check_fields(body, chat)
+        stream, usage = stream_from(body)
         params = sampling_from(body)
+        max_tokens = max_tokens_from(body, chat)
+        stop = stop_from(body)
+        kv = field(body, "kv", str)
+        kv = None if kv is None else request_kv(kv, self.shipped)
+        ids = self._chat_ids(body) if chat else self._prompt_ids(body)     # the heavy part last
         try:
-            return self.sched.submit(ids, mt, params, stop or None, kv)
+            return stream, usage, self.sched.submit(ids, max_tokens, params, stop, kv)
         except QueueFull as e:
-            raise ApiError(429, str(e), "rate_limit_error") from None
+            raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
         except KvrunError as e:
             raise ApiError(400, str(e)) from None
 
     def _prompt_ids(self, body: dict) -> list[int]:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]                                        # a batch of one
-        if isinstance(p, str):
-            return self.model.tokenize(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            if max(p) >= self.model.cfg.vocab_size or min(p) < 0:
-                raise ApiError(400, f"token ids must be in [0, {self.model.cfg.vocab_size})", param="prompt")
-            return p
-        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids "
-                            "(one prompt per request)", param="prompt")
+        p = prompt_from(body, self.model.cfg.vocab_size)
+        return self.model.tokenize(p) if isinstance(p, str) else p
 
     def _chat_ids(self, body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        msgs = [_message_text(m, i) for i, m in enumerate(msgs)]
-        try:
-            return self.model.tokenize(self.model.template.render(msgs), bos=False)
+        msgs = messages_from(body)
+        try:    # message text is tokenized as text: it cannot forge the template's markers
+            return self.model.tokenizer.encode_parts(self.model.template.render_parts(msgs))
         except KvrunError as e:
             raise ApiError(400, str(e), param="messages") from None
 
@@ -201,15 +137,12 @@ class App:
 
     async def _complete(self, http, chat: bool):
         try:
-            body = await self._body(http)
-            ids = self._chat_ids(body) if chat else self._prompt_ids(body)
-            req = self._submit(body, ids, ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",))
+            raw = await read_body(http, self.max_body)
+            stream, usage, req = await asyncio.to_thread(self._prepare, raw, chat)
         except ApiError as e:
             return e.response()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if _field(body, "stream", bool, False):
-            opts = body.get("stream_options") or {}
-            usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        if stream:
             return StreamingResponse(self._sse(req, rid, chat, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         text, reason = "", None
@@ -289,12 +222,16 @@ def _usage(req: Request) -> dict:
     return {"prompt_tokens": p, "completion_tokens": req.n_tokens, "total_tokens": p + req.n_tokens}
 
 
-def create_app(model, scheduler: Scheduler, name: str):
-    """The ASGI app. The scheduler's loop starts with the app and drains when it stops."""
+def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = None,
+               cors_origins: tuple[str, ...] = (), max_body: int = DEFAULT_MAX_BODY):
+    """The ASGI app. The scheduler's loop starts with the app and drains when it stops.
+    api_key: required as `Authorization: Bearer KEY` on every route but /health (None: no
+    key); cors_origins: origins a browser page may call from (none: no CORS headers at all);
+    max_body: most bytes of a request body."""
     if Starlette is None:
         raise KvrunError("kvrun serve needs starlette and uvicorn: pip install 'kvrun[server]'")
     from contextlib import asynccontextmanager
-    app = App(model, scheduler, name)
+    app = App(model, scheduler, name, max_body)
 
     @asynccontextmanager
     async def lifespan(_):
@@ -304,14 +241,23 @@ def create_app(model, scheduler: Scheduler, name: str):
         await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown)
 
     async def not_found(http, exc):
-        return ApiError(404, f"no route {http.method} {http.url.path}", code="not_found").response()
+        return ApiError(404, f"no route {http.method} {http.url.path:.200}", code="not_found").response()
 
     async def bad_method(http, exc):
-        return ApiError(405, f"method {http.method} not allowed on {http.url.path}").response()
+        return ApiError(405, f"method {http.method} not allowed on {http.url.path:.200}").response()
+
+    async def internal(http, exc):
+        print(f"error: {http.method} {http.url.path:.200}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
     routes = [Route("/v1/chat/completions", app.chat_completions, methods=["POST"]),
               Route("/v1/completions", app.completions, methods=["POST"]),
               Route("/v1/models", app.models, methods=["GET"]),
               Route("/health", app.health, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={404: not_found, 405: bad_method})
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                             allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"])] if cors_origins else []
+    middleware.append(Middleware(Guard, api_key=api_key))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                     exception_handlers={404: not_found, 405: bad_method, Exception: internal})

@@ -35,7 +35,7 @@ class Tokenizer:
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """Token ids for `text`; special tokens written in the text are recognized.
         `bos=None` follows the model's add_bos setting."""
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        ids = _ids(self.tok, text)
         if (self.add_bos if bos is None else bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
@@ -67,7 +67,7 @@ class Tokenizer:
             if self._plain is None:
                 self._plain = HFTokenizer.from_str(self.tok.to_str())
                 self._plain.encode_special_tokens = True
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return _ids(self._plain, text)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -77,6 +77,18 @@ class Tokenizer:
 
     def stream(self, skip_special: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special)
+
+
+LONG_TEXT = 1 << 14      # characters
+
+
+def _ids(tok: HFTokenizer, text: str) -> list[int]:
+    """Token ids of `text` without special tokens added. A long text goes through
+    `encode_batch`, which releases the GIL while it works (`encode` holds it: 4 s for 4 MB,
+    during which no other Python thread runs, e.g. a server's event loop)."""
+    if len(text) < LONG_TEXT:
+        return tok.encode(text, add_special_tokens=False).ids
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 class StreamDecoder:

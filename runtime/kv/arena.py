@@ -478,7 +478,7 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
     L, Hkv, D = windows.count(0), cfg.num_kv_heads, cfg.head_dim
     ring = {"ring": ring_bytes(cfg, kv, n_tokens)} if any(windows) else {}
     if kv.is_dense:
-        return {"window": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize, **ring}
+        return {"dense": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize, **ring}
     out = dict.fromkeys(COMPONENTS, 0)
     get = _codec_factory(kv)
     for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):

@@ -142,7 +142,7 @@ class DenseKVCache:
     can_shift = False                   # a full dense cache is an error (shift runs in the arena)
 
     def nbytes(self) -> dict[str, int]:
-        return {"window": self.k.nbytes + self.v.nbytes}
+        return {"dense": self.k.nbytes + self.v.nbytes}    # every token, full precision
 
     def bytes_per_token(self) -> float:
         """Bytes one cached token costs across all layers (K and V)."""

@@ -100,7 +100,17 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
         for w_i, win in enumerate(wins):
             # a window counts only once every method has scored it: Ctrl-C in the middle
             # of one leaves `stats` over whole windows, the same windows for every method
-            add = _score_methods(model, caches, win, chunk)
+            # the first window reports each cache as it ends (one window of many caches
+            # at 16k+ tokens is minutes of silence otherwise), later ones once per window
+            tell = None
+            if progress and w_i == 0:
+                def tell(m, j, st):
+                    elapsed = time.perf_counter() - t_start
+                    eta = elapsed / (j + 1) * (len(methods) * len(wins) - j - 1)
+                    progress(f"[ppl] {m} on window 1/{len(wins)}: ppl {math.exp(st['nll'] / st['n']):.3f} "
+                             f"({j + 1}/{len(methods)} caches) | {format_duration(elapsed)} "
+                             f"elapsed, ETA {format_duration(eta)}")
+            add = _score_methods(model, caches, win, chunk, tell)
             # one assignment: an interrupt while summing leaves the old totals whole
             stats = {m: {k: x + add[m][k] for k, x in stats[m].items()} for m in methods}
             done = w_i + 1
@@ -117,11 +127,12 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
     return _records(model, specs, stats, ctx)
 
 
-def _score_methods(model, caches: dict, win: list[int], chunk: int) -> dict:
-    """Per-method sums (nll, kld, top1, n, t) over one window; the baseline comes first."""
+def _score_methods(model, caches: dict, win: list[int], chunk: int, tell=None) -> dict:
+    """Per-method sums (nll, kld, top1, n, t) over one window; the baseline comes first.
+    `tell(method, index, sums)` is called as each method ends."""
     targets = torch.tensor(win[len(win) // 2 + 1:])
     base, out = None, {}
-    for m, cache in caches.items():
+    for j, (m, cache) in enumerate(caches.items()):
         t0 = time.perf_counter()
         lp = score_window(model.transformer, cache, win, chunk, model.engine.prefill_chunk)
         st = dict(nll=-float(lp.gather(1, targets[:, None]).sum()), n=len(targets),
@@ -132,6 +143,8 @@ def _score_methods(model, caches: dict, win: list[int], chunk: int) -> dict:
             st["kld"] = float((base.exp() * (base - lp)).sum())
             st["top1"] = int((base.argmax(-1) == lp.argmax(-1)).sum())
         out[m] = st
+        if tell:
+            tell(m, j, st)
     return out
 
 

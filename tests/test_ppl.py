@@ -61,6 +61,11 @@ def test_progress_lines_carry_elapsed_and_eta(tiny_dir):
     assert [x.split(":")[0] for x in windows] == ["[ppl] window 1/2", "[ppl] window 2/2"]
     assert all(" elapsed, ETA " in x for x in windows)
     assert windows[-1].endswith("ETA 0 s")                      # nothing left after the last
+    # the first window also reports each cache as it ends (one long window of many caches
+    # printed nothing for minutes)
+    per_cache = [x for x in lines if " on window 1/2: " in x]
+    assert [x.split()[1] for x in per_cache] == ["fp16", "kivi-2"]
+    assert all(" elapsed, ETA " in x for x in per_cache)
 
 
 def test_ctrl_c_returns_the_windows_done(tiny_dir):

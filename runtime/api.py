@@ -21,7 +21,7 @@ from .kv import DenseKVCache
 from .kv.arena import build_cache, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
-from .sampling import SamplingParams
+from .sampling import sampling_params
 from .stops import with_stops
 from .threads import configure as configure_threads
 
@@ -47,6 +47,12 @@ def make_cache(cfg: ModelConfig, ctx: int, kv: "str | KVConfig" = "fp16"):
             raise
         raise KvrunError(f"context size {ctx}: cannot allocate the {kv.label()} KV cache "
                          f"({need / 2**30:.1f} GiB): out of memory") from None
+
+
+def check_count(what: str, n) -> None:
+    """An integer >= 1 (a float, a string or NaN raised TypeError deep inside torch)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KvrunError(f"{what} must be an integer >= 1 (got {n!r})")
 
 
 def physical_memory() -> int | None:
@@ -81,10 +87,22 @@ class Model:
 
     # -- tokens --
     def tokenize(self, text: str, bos: bool | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise KvrunError(f"text to tokenize must be a str, got {type(text).__name__}")
         return self.tokenizer.encode(text, bos)
 
     def detokenize(self, ids: list[int]) -> str:
+        ids = list(ids)
+        check_ids(ids, self.cfg.vocab_size)
         return self.tokenizer.decode(ids)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """A raw prompt's ids: text is tokenized, a list or tuple of ids is taken as is."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise KvrunError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
 
     @property
     def cache(self):
@@ -100,8 +118,8 @@ class Model:
         """Stream a continuation of a raw prompt (text or token ids). `stop`: a string or a
         list of strings that end the generation (finish_reason "stop"); the stop string
         itself is not part of the text (runtime/stops.py)."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        return with_stops(self.engine.stream(ids, max_tokens, SamplingParams(**sampling),
+        ids = self._prompt_ids(prompt)
+        return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
                                              self.stop_ids), stop)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None, **sampling) -> str:
@@ -113,7 +131,7 @@ class Model:
         Message contents are tokenized as plain text (special-token text in them stays
         text); only the template's markers are control tokens. `stop` as in `stream`."""
         ids = self.tokenizer.encode_parts(self.template.render_parts(messages))
-        return with_stops(self.engine.stream(ids, max_tokens, SamplingParams(**sampling),
+        return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
                                              self.stop_ids), stop)
 
     def chat(self, messages: list[dict], max_tokens: int = 256, *, stop=None, **sampling) -> str:
@@ -131,12 +149,14 @@ class Model:
         stream `generate` with that seed gives it); runtime/scheduler.py takes them per
         request."""
         from .scheduler import Scheduler
-        ids = [self.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise KvrunError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
+        ids = [self._prompt_ids(p) for p in prompts]
         for x in ids:
             check_ids(x, self.cfg.vocab_size)
         sched = Scheduler(self, parallel=parallel or max(1, len(ids)), kv_budget_mb=kv_budget_mb,
                           max_queue=len(ids), kv=kv)
-        params = SamplingParams(**sampling)
+        params = sampling_params(sampling)
         reqs = [sched.submit(x, max_tokens, params, stop) for x in ids]
         with self.engine.exclusive():           # the batch shares the model's decode scratch
             sched.run()
@@ -182,12 +202,16 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     process may run on); fewer while other processes keep cores busy (runtime/threads.py).
     """
     from .pull import resolve_model
+    check_count("context size", ctx)
+    check_count("prefill chunk", prefill_chunk)
+    if threads is not None:
+        check_count("threads", threads)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise KvrunError(f"a model is a directory path or a pullable name, got {type(path).__name__}")
+    if not isinstance(kv, (str, KVConfig)):
+        raise KvrunError(f"kv is a --kv spec string or a KVConfig, got {type(kv).__name__}")
     path = check_model_dir(resolve_model(path, progress=progress))
     cfg = load_config(path)
-    if ctx < 1:
-        raise KvrunError(f"context size must be >= 1 (got {ctx})")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise KvrunError(f"threads must be an integer >= 1 (got {threads!r})")
     if threads is not None:
         configure_threads(threads)
     compute, gemv = parse_dtype(dtype)

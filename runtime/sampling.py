@@ -7,7 +7,7 @@ temperature → draw. `temp <= 0` is greedy. Randomness comes only from the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -55,6 +55,16 @@ class SamplingParams:
             raise KvrunError(f"--repeat-last-n must be >= 0 (got {self.repeat_last_n})")
 
 
+def sampling_params(options: dict) -> SamplingParams:
+    """SamplingParams from keyword options (the library's **sampling), an unknown name
+    being a KvrunError that lists the known ones (not a TypeError)."""
+    known = [f.name for f in fields(SamplingParams)]
+    bad = [k for k in options if k not in known]
+    if bad:
+        raise KvrunError(f"unknown sampling option {bad[0]!r} (known: {', '.join(known)})")
+    return SamplingParams(**options)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, recent: list[int], penalty: float) -> torch.Tensor:
     """CTRL-style penalty: positive logits divided, negative multiplied (logits: (V,))."""
     if penalty == 1.0 or not recent:
@@ -85,6 +95,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
     if p.min_p > 0.0:
         keep &= probs >= p.min_p * probs[0]
     keep[0] = True
-    vals = vals[keep] / p.temp
+    # relative to the best logit (sorted first) over a temperature no smaller than the
+    # dtype's tiniest normal, so a tiny temperature gives the best token 1 and the rest 0
+    # (vals / 1e-300 divided by a float32 zero: NaN)
+    vals = (vals[keep] - vals[0]) / max(p.temp, torch.finfo(vals.dtype).tiny)
     choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
     return int(idx[keep][choice])

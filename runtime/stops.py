@@ -21,7 +21,12 @@ def check_stops(stop: "str | Iterable[str] | None") -> list[str]:
     user error, since it would match before the first token."""
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, (list, tuple)):
+        stops = list(stop)
+    else:
+        raise KvrunError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
     for s in stops:
         if not isinstance(s, str):
             raise KvrunError(f"stop strings must be str, got {type(s).__name__} {s!r}")

@@ -71,3 +71,36 @@ def test_a_context_larger_than_memory_is_one_error(tiny_dir, kv):
     RuntimeError from torch's allocator (and a large kivi-4 cache was killed by the OS)."""
     with pytest.raises(kvrun.KvrunError, match="more than this machine"):
         kvrun.load(tiny_dir, dtype="fp32", ctx=1 << 40, kv=kv)
+
+
+@pytest.mark.parametrize("kw", [dict(ctx=10.5), dict(ctx="10"), dict(ctx=float("nan")),
+                                dict(prefill_chunk="a"), dict(prefill_chunk=0), dict(kv=4),
+                                dict(kv=None), dict(threads="2"), dict(path=5)])
+def test_bad_load_arguments_are_one_error(tiny_dir, kw):
+    """Each was a TypeError or AttributeError from deep inside torch or the parser."""
+    kw = {"path": tiny_dir, "dtype": "fp32", "ctx": 16, "kv": "fp32"} | kw
+    with pytest.raises(kvrun.KvrunError):
+        kvrun.load(**kw)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.generate(None, 2),
+    lambda m: m.generate(b"hello", 2),
+    lambda m: m.generate("hi", 2, stop=5),
+    lambda m: m.generate("hi", 2, temperature=0.5),       # OpenAI's name, not kvrun's
+    lambda m: m.generate_batch("hi", 2),
+    lambda m: m.tokenize(None),
+    lambda m: m.detokenize([-1]),
+])
+def test_bad_library_calls_are_one_error(tiny, call):
+    with pytest.raises(kvrun.KvrunError):
+        call(tiny)
+
+
+@pytest.mark.parametrize("temp", [1e-300, 1e-45, 1e300])
+def test_extreme_temperatures_sample(tiny, temp):
+    """A temperature below float32's range divided the logits by zero (NaN probabilities,
+    RuntimeError); tiny ones are greedy, huge ones draw from the kept tokens."""
+    out = tiny.generate("hello", 4, temp=temp, seed=3, top_k=0, top_p=1.0, min_p=0.0)
+    if temp < 1:
+        assert out == tiny.generate("hello", 4, temp=0)

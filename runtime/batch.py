@@ -92,6 +92,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.cancelled = False
+        self.cancel_error: str | None = None
         self._dec = tokenizer.stream(skip_special=True)
         self._t0 = 0.0
 
@@ -103,8 +104,10 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.logits is None and self.finish_reason is None
 
-    def cancel(self) -> None:
-        """Ask the batch to drop this sequence at its next step (any thread may call it)."""
+    def cancel(self, error: str | None = None) -> None:
+        """Ask the batch to drop this sequence at its next step (any thread may call it):
+        finish reason "cancelled", or "error" saying `error` (e.g. the server is stopping)."""
+        self.cancel_error = error
         self.cancelled = True
 
     # -- the steps, called by Batch ----------------------------------------------------------
@@ -181,7 +184,7 @@ class Batch:
         """One step (module docstring); returns the sequences that finished in it."""
         for s in self.seqs:
             if s.cancelled:
-                s.finish("cancelled")
+                s.finish("error", s.cancel_error) if s.cancel_error else s.finish("cancelled")
         pre = next((s for s in self.seqs if s.prefilling), None)
         if pre is not None:
             self._guard(pre, pre.prefill_next)

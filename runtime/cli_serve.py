@@ -47,8 +47,11 @@ def _eprint(*a, **kw):
                    "Default: none, so no cross-origin page can read replies.")
 @click.option("--max-body-mb", default=4.0, show_default=True, type=float,
               help="Largest request body in MiB (HTTP 413 past it).")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds running requests may take to finish after Ctrl-C / SIGTERM; then "
+                   "they end with an error (a second Ctrl-C quits at once).")
 def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, port, alias,
-              dtype, chunk, threads, api_key, cors, max_body_mb):
+              dtype, chunk, threads, api_key, cors, max_body_mb, shutdown_timeout):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
     /v1/completions, /v1/models, /health), many requests decoded together.
 
@@ -72,6 +75,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
         raise KvrunError(f"--queue must be >= 0 (got {queue})")
     if not 0 < max_body_mb <= 1024:
         raise KvrunError(f"--max-body-mb must be in (0, 1024] (got {max_body_mb:g})")
+    if not 0 <= shutdown_timeout <= 3600:
+        raise KvrunError(f"--shutdown-timeout must be in [0, 3600] s (got {shutdown_timeout:g})")
     if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
         raise KvrunError("--api-key must be printable and not empty")
     # long prompts are tokenized in worker threads (runtime/tokenizer.py): one thread each,
@@ -93,8 +98,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
             f"kv {spec.label()}, KV budget {budget}; http://{where}:{port}/v1"
             + ("" if api_key else " (no --api-key: anyone who can connect may use it)"
                if host not in ("127.0.0.1", "localhost", "::1") else ""))
-    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60,
-                                   http=HeaderDeadline, timeout_keep_alive=5))
+    server = Server(uvicorn.Config(app, log_level="warning", http=HeaderDeadline,
+                                   timeout_keep_alive=5), sched, shutdown_timeout)
     server.run(sockets=[sock])
 
 

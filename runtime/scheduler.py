@@ -48,6 +48,13 @@ class QueueFull(KvrunError):
     """The waiting queue is full: the caller should retry later (HTTP 429)."""
 
 
+class Closed(KvrunError):
+    """The loop takes no new requests (it is shutting down: HTTP 503)."""
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class Request:
     """A submitted generation. `events()` streams its StreamEvents (the last carries the
     finish reason: "stop" | "length" | "context" | "cancelled" | "error"); `result()` waits
@@ -66,6 +73,7 @@ class Request:
         self._events: collections.deque[StreamEvent] = collections.deque()
         self._cond = threading.Condition()
         self._cancelled = False
+        self._cancel_error: str | None = None
         self.notify = None          # called (in the loop's thread) after each event: async waiters
 
     def _push(self, ev: StreamEvent) -> None:       # the loop's thread
@@ -91,11 +99,13 @@ class Request:
             self.error = error
             self._push(StreamEvent("", None, self.timings, reason))
 
-    def cancel(self) -> None:
-        """Stop generating; the sequence leaves the batch (its cache is freed) at the next step."""
+    def cancel(self, error: str | None = None) -> None:
+        """Stop generating; the sequence leaves the batch (its cache is freed) at the next step
+        with finish reason "cancelled", or "error" saying `error`."""
+        self._cancel_error = error
         self._cancelled = True
         if self.seq is not None:
-            self.seq.cancel()
+            self.seq.cancel(error)
 
     @property
     def done(self) -> bool:
@@ -199,7 +209,7 @@ class Scheduler:
                       check_stops(stop), kv, n_ctx, nbytes)
         with self._lock:
             if self._closing:
-                raise KvrunError("the server is shutting down")
+                raise Closed(SHUTTING_DOWN)
             free = max(0, self.parallel - len(self.running))
             if len(self.pending) - free >= self.max_queue:
                 raise QueueFull(f"too many requests waiting ({len(self.pending)}, "
@@ -216,7 +226,7 @@ class Scheduler:
         with self._lock:
             for r in [r for r in self.pending if r._cancelled]:
                 self.pending.remove(r)
-                r._fail("cancelled")
+                r._fail("error", r._cancel_error) if r._cancel_error else r._fail("cancelled")
             while self.pending and len(self.running) < self.parallel:
                 r = self.pending[0]
                 if self.budget is not None and self.kv_used + r.kv_bytes > self.budget:
@@ -231,7 +241,7 @@ class Scheduler:
                     r._fail("error", failure(e))
                     continue
                 if r._cancelled:
-                    r.seq.cancel()
+                    r.seq.cancel(r._cancel_error)
                 self.batch.add(r.seq)
                 self.running.append(r)
                 self.kv_used += r.kv_bytes
@@ -282,14 +292,27 @@ class Scheduler:
                 with self._lock:
                     self.running, self.kv_used = [], 0
 
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop taking requests; with `drain` finish those already submitted, else cancel
-        them; then stop the loop's thread (waits up to `timeout` s)."""
+    def close(self) -> None:
+        """Take no new requests (submit raises Closed); those submitted go on."""
         with self._lock:
             self._closing = True
-            if not drain:
-                for r in list(self.pending) + self.running:
-                    r.cancel()
+
+    def cancel_all(self, error: str | None = None) -> None:
+        """Cancel every submitted request: finish reason "cancelled", or "error" saying
+        `error` (any thread may call it)."""
+        with self._lock:
+            for r in list(self.pending) + self.running:
+                r.cancel(error)
+            self._lock.notify_all()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with `drain` finish those already submitted, else cancel
+        them (finish reason "error": SHUTTING_DOWN); then stop the loop's thread (waits up
+        to `timeout` s)."""
+        self.close()
+        if not drain:
+            self.cancel_all(SHUTTING_DOWN)
+        with self._lock:
             self._stop = True
             self._lock.notify_all()
         if self._thread is not None:

@@ -21,12 +21,14 @@ template's control tokens.
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a
 malformed body or a bad field (an over-long prompt included), 401 without the `--api-key`,
 404 for an unknown model, 413 for a body over `--max-body-mb`, 415 for a body that is not
-`application/json`, 429 when the waiting queue is full, 500 when generation failed. A bad
+`application/json`, 429 when the waiting queue is full, 500 when generation failed, 503 while shutting down. A bad
 value fails only its own request (runtime/batch.py). A client that disconnects mid-stream
 cancels its request: its sequence leaves the batch at the next step and its cache is
 freed. HTTP-level limits (API key, content type, body size and deadline, header deadline,
-CORS) are runtime/server_http.py. On Ctrl-C uvicorn stops accepting connections and lets
-the open ones finish; then the loop drains and the process exits 0.
+CORS) are runtime/server_http.py. On Ctrl-C or SIGTERM the server stops accepting
+requests and lets the running ones finish for `--shutdown-timeout` seconds; those still
+running then end with "the server is shutting down" (an SSE error event, or 503); the
+process exits 0. A second Ctrl-C quits at once.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import time
 import uuid
 
 from .errors import KvrunError
-from .scheduler import QueueFull, Request, Scheduler
+from .scheduler import SHUTTING_DOWN, Closed, QueueFull, Request, Scheduler
 from .server_fields import (ApiError, check_fields, field, max_tokens_from, messages_from,
                             parse_body, prompt_from, request_kv, sampling_from, stop_from,
                             stream_from)
@@ -87,6 +89,8 @@ class App:
             return stream, usage, self.sched.submit(ids, max_tokens, params, stop, kv)
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except Closed as e:
+            raise ApiError(503, str(e), "server_error", code="shutting_down") from None
         except KvrunError as e:
             raise ApiError(400, str(e)) from None
 
@@ -155,6 +159,8 @@ class App:
             watch.cancel()
         if reason == "cancelled":                   # the client is gone: nobody reads this
             return ApiError(499, "client disconnected").response()
+        if reason == "error" and req.error == SHUTTING_DOWN:
+            return ApiError(503, SHUTTING_DOWN, "server_error", code="shutting_down").response()
         if reason == "error":
             return ApiError(500, f"generation failed: {req.error}", "server_error").response()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -181,9 +187,10 @@ class App:
             yield chunk(None, None, first=True)
         async for ev in self.events(req):
             if ev.finish_reason == "error":
-                err = {"error": {"message": f"generation failed: {req.error}", "type": "server_error",
-                                 "param": None, "code": None}}
-                yield f"data: {json.dumps(err)}\n\n"
+                err = ApiError(503, SHUTTING_DOWN, "server_error", code="shutting_down") \
+                    if req.error == SHUTTING_DOWN else \
+                    ApiError(500, f"generation failed: {req.error}", "server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
                 return
             if ev.finish_reason is not None:
                 if ev.text:
@@ -238,7 +245,8 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
         if scheduler._thread is None:
             scheduler.start()
         yield
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown)
+        # uvicorn has drained the connections: what still runs has no reader
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown, False)
 
     async def not_found(http, exc):
         return ApiError(404, f"no route {http.method} {http.url.path:.200}", code="not_found").response()

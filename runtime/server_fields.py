@@ -18,6 +18,7 @@ from .sampling import SamplingParams
 
 MAX_DEPTH = 32                  # nesting of a body: OpenAI's own requests need 5
 MAX_STOPS, MAX_STOP_CHARS = 16, 256     # stop strings are matched at every token
+MAX_MESSAGE = 400               # characters of an error message (they quote the request)
 
 try:
     from starlette.responses import JSONResponse
@@ -30,6 +31,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
+        message = message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 

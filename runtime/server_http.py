@@ -8,13 +8,13 @@ cannot be held open by sending headers slowly.
   (text/plain, form data) is refused, and a JSON POST from a page needs a CORS preflight,
   which is only answered for the origins of `--cors-origin` (Starlette's CORSMiddleware).
 - `read_body`: at most `limit` bytes (413 past it, before reading on when Content-Length
-  says so), all of it within `timeout` seconds (408).
+  says so), all of it within `timeout` seconds (408); a client gone mid-body is no error.
 - `HeaderDeadline`: uvicorn's h11 protocol with a deadline for each request's headers,
   counted from the connection (or the previous response); uvicorn itself only times out
   idle keep-alive connections, so a client that sends a header byte now and then held its
   connection forever. h11 bounds the header size (16 KiB).
-- `Server`: uvicorn's server, but a SIGINT / SIGTERM that shut it down cleanly ends the
-  process with status 0 (uvicorn re-raises the signal after its shutdown).
+- `Server`: uvicorn's server with a bounded drain on SIGINT / SIGTERM (running requests
+  finish or end with "the server is shutting down"), and exit status 0 after it.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import threading
 
 import h11
 import uvicorn
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .server_fields import ApiError
@@ -83,6 +84,8 @@ async def read_body(http, limit: int, timeout: float = BODY_TIMEOUT) -> bytes:
     except asyncio.TimeoutError:
         raise ApiError(408, f"request body not received within {timeout:g} s",
                        code="request_timeout") from None
+    except ClientDisconnect:                    # gone mid-body: nobody reads the reply
+        raise ApiError(499, "client disconnected") from None
     return b"".join(chunks)
 
 
@@ -127,7 +130,25 @@ class HeaderDeadline(H11Protocol):
 
 
 class Server(uvicorn.Server):
-    """uvicorn.Server whose clean shutdown on SIGINT / SIGTERM exits 0 (module docstring)."""
+    """uvicorn.Server that stops well on SIGINT / SIGTERM: the scheduler takes no new
+    requests, the running ones get `drain_timeout` seconds to finish, then end with an error
+    event / HTTP 503 ("the server is shutting down") instead of a cut connection; a second
+    Ctrl-C quits at once. A shutdown by signal exits 0 (uvicorn re-raises the signal after
+    its shutdown, which made the exit status 130 or -15)."""
+
+    def __init__(self, config, scheduler=None, drain_timeout: float = 30.0):
+        # uvicorn's own deadline is the backstop: it cancels what still runs, uncleanly
+        config.timeout_graceful_shutdown = drain_timeout + 10
+        super().__init__(config)
+        self.scheduler, self.drain_timeout = scheduler, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.scheduler is not None:
+            from .scheduler import SHUTTING_DOWN
+            self.scheduler.close()
+            asyncio.get_running_loop().call_later(self.drain_timeout, self.scheduler.cancel_all,
+                                                  SHUTTING_DOWN)
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self):

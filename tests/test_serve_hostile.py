@@ -37,7 +37,7 @@ def tiny_m(tiny_dir):
     return kvrun.load(tiny_dir, dtype="fp32", ctx=CTX, kv="fp32")
 
 
-def start(model, **app_kw):
+def start(model, drain=30.0, **app_kw):
     """(port, scheduler, stop()) of a server on a free loopback port."""
     sched = Scheduler(model, parallel=app_kw.pop("parallel", 2), max_queue=app_kw.pop("queue", 8),
                       ctx=CTX, kv="fp32")
@@ -45,7 +45,7 @@ def start(model, **app_kw):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     srv = Server(uvicorn.Config(create_app(model, sched, NAME, **app_kw), log_level="critical",
-                                http=QuickDeadline))
+                                http=QuickDeadline), sched, drain)
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 60
@@ -89,7 +89,7 @@ def openai_error(status, body, want_status, param=None):
     assert status == want_status, body
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     msg = body["error"]["message"]
-    assert msg and "\n" not in msg and "Traceback" not in msg
+    assert msg and "\n" not in msg and "Traceback" not in msg and len(msg) <= 400
     if param is not None:
         assert body["error"]["param"] == param, body
     return msg
@@ -126,6 +126,7 @@ BAD = [  # (raw body, the param the 400 names)
     (json.dumps(chat(model=7)), "model"),
     (json.dumps(chat(kv=4)), "kv"),
     (json.dumps(chat(kv="nope-3")), None),
+    (json.dumps(chat(kv="x" * 100000)), None),
     (json.dumps(chat(user=5)), "user"),
     (json.dumps({"messages": []}), "messages"),
     (json.dumps({"messages": "hi"}), "messages"),
@@ -398,3 +399,48 @@ def test_signal_shutdown_exits_0(tiny_dir, sig):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_client_gone_mid_body_is_quiet(server, capfd):
+    s = socket.create_connection(("127.0.0.1", server[0]))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+              b"\r\nContent-Length: 100\r\n\r\n{\"messages\":")
+    time.sleep(0.2)
+    s.close()
+    time.sleep(0.5)
+    assert call(server[0], "GET", "/health")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ClientDisconnect" not in err, err
+
+
+def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
+    from kvrun.runtime import batch as batch_mod
+    real = batch_mod.batch_forward
+
+    def slow(*a):                                       # 100 tokens take 5 s
+        time.sleep(0.05)
+        return real(*a)
+    monkeypatch.setattr(batch_mod, "batch_forward", slow)
+    port, sched, stop = start(tiny_m, drain=1.0)
+    got = {}
+
+    def ask(key, body, path="/v1/completions"):
+        got[key] = call(port, "POST", path, body, timeout=30)
+    short = threading.Thread(target=ask, args=("short", {"prompt": [5, 6], "max_tokens": 3}))
+    long = threading.Thread(target=ask, args=("long", {"prompt": [5, 6], "max_tokens": 100}))
+    streamed = threading.Thread(target=ask, args=("stream", {"prompt": [7, 8], "max_tokens": 100,
+                                                             "stream": True}))
+    for t in (short, long, streamed):
+        t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    stop()                                              # as SIGINT does: should_exit
+    for t in (short, long, streamed):
+        t.join(30)
+    assert time.monotonic() - t0 < 5
+    assert got["short"][0] == 200 and got["short"][2]["choices"][0]["finish_reason"] == "length"
+    openai_error(got["long"][0], got["long"][2], 503)
+    events = [json.loads(ln[6:]) for ln in got["stream"][2].decode().splitlines()
+              if ln.startswith("data: {")]
+    assert events[-1]["error"]["message"] == "the server is shutting down"
+    assert not sched.busy() and sched.kv_used == 0

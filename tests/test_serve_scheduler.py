@@ -96,3 +96,19 @@ def test_queue_counts_beyond_the_slots(tiny_m):
     assert (len(taken), refused) == (8, 24)
     sched.run()
     assert all(r.finish_reason == "length" for r in taken)
+
+
+def test_close_then_cancel_all(tiny_m):
+    from kvrun.runtime.scheduler import SHUTTING_DOWN, Closed
+    sched = Scheduler(tiny_m, parallel=1, kv="fp32", ctx=128)
+    running = sched.submit([4, 5], 50, SamplingParams(temp=0))
+    waiting = sched.submit([4, 6], 50, SamplingParams(temp=0))
+    sched.step()
+    sched.close()
+    with pytest.raises(Closed):
+        sched.submit([4, 5], 2)
+    sched.step()
+    sched.cancel_all(SHUTTING_DOWN)
+    sched.run()
+    assert [(r.finish_reason, r.error) for r in (running, waiting)] == [("error", SHUTTING_DOWN)] * 2
+    assert 0 < running.n_tokens < 50 and waiting.n_tokens == 0 and sched.kv_used == 0

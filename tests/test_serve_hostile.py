@@ -67,9 +67,9 @@ def server(tiny_m):
     stop()
 
 
-def call(port, method, path, body=None, headers=None, timeout=30):
+def call(port, method, path, body=None, headers=None, timeout=30, host="127.0.0.1"):
     """(status, headers, parsed JSON or raw bytes) of one request; a dict body is JSON."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         h = {"Content-Type": "application/json"} if data is not None else {}
@@ -368,33 +368,48 @@ def test_queue_zero_serves_an_idle_server(tiny_m):
         stop()
 
 
-def _serve(tiny_dir, *args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _serve(tiny_dir, host="127.0.0.1"):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
         port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "kvrun.runtime.cli", "serve", "-m", str(tiny_dir), "-t", "1",
-                          "-c", "128", "--dtype", "fp32", "--port", str(port), *args],
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "kvrun.runtime.cli", "serve", "-m", str(tiny_dir),
+                          "-t", "1", "-c", "128", "--dtype", "fp32", "--port", str(port),
+                          "--host", host], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while True:
         assert p.poll() is None, p.stderr.read()
         assert time.monotonic() < deadline, "kvrun serve did not start"
         try:
-            if call(port, "GET", "/health", timeout=2)[0] == 200:
+            if call(port, "GET", "/health", timeout=2, host=host)[0] == 200:
                 return p, port
         except OSError:
             time.sleep(0.2)
 
 
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_shutdown_exits_0(tiny_dir, sig):
-    p, port = _serve(tiny_dir)
+    host = "::1" if sig == signal.SIGTERM and _has_ipv6() else "127.0.0.1"
+    p, port = _serve(tiny_dir, host)
     try:
-        assert call(port, "POST", "/v1/chat/completions", chat(seed=1 << 70))[0] == 400
+        assert call(port, "POST", "/v1/chat/completions", chat(seed=1 << 70), host=host)[0] == 400
         t0 = time.monotonic()
         p.send_signal(sig)
         assert p.wait(30) == 0
         assert time.monotonic() - t0 < 10
+        err = p.stderr.read()
+        assert "Traceback" not in err, err
+        if host == "::1":                               # the banner's URL can be pasted
+            assert f"http://[::1]:{port}/v1" in err
     finally:
         if p.poll() is None:
             p.kill()

@@ -80,6 +80,11 @@ def format_kv(model) -> str:
         lines.append(f"  ring: {n} sliding-window layers of {n + full}, {ring.W} tokens each, "
                      f"{width}; the method applies to the {full} full-attention layers")
         cache = cache.inner
+    if model.engine.can_shift:          # --ctx-policy shift: say what it did so far
+        e = model.engine
+        lines.append(f"  context shift: keeps the first {cache.kv.n_keep} tokens, drops half of "
+                     f"the rest when full; {e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} "
+                     f"so far, {e.n_dropped} tokens dropped")
     ev = getattr(cache, "ev", None)
     if ev is not None:                  # token eviction: what the bounded arena holds
         kept = [nt + w for nt, w in zip(cache.n_tail, cache.n_win)]

@@ -140,3 +140,16 @@ def test_sinks_that_would_fill_a_block_of_the_context_still_shift(tiny32, tmp_pa
     events = list(m.engine.stream(_ids(4), 80, GREEDY, set()))
     assert events[-1].finish_reason == "length" and m.engine.n_shifts > 0
     assert m.engine.cached[:4] == _ids(4)                 # the sinks survive every shift
+
+
+def test_kv_report_says_what_shifts_did(tiny32, tmp_path):
+    """/kv names the policy and counts the shifts and dropped tokens (a shift happened
+    silently before)."""
+    from kvrun.runtime.kv_report import format_kv
+    m = kvrun.load(tiny32, dtype="fp32", ctx=CTX, kv=_kv("fp16", tmp_path))
+    assert "0 shifts so far" in format_kv(m)
+    m.generate(list(range(1, 20)), 200, temp=0)
+    e = m.engine
+    assert e.n_shifts >= 1
+    assert (f"{e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} so far, "
+            f"{e.n_dropped} tokens dropped") in format_kv(m)

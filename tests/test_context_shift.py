@@ -148,7 +148,7 @@ def test_kv_report_says_what_shifts_did(tiny32, tmp_path):
     from kvrun.runtime.kv_report import format_kv
     m = kvrun.load(tiny32, dtype="fp32", ctx=CTX, kv=_kv("fp16", tmp_path))
     assert "0 shifts so far" in format_kv(m)
-    m.generate(list(range(1, 20)), 200, temp=0)
+    list(m.engine.stream(list(range(1, 20)), 200, GREEDY, set()))     # no stop token
     e = m.engine
     assert e.n_shifts >= 1
     assert (f"{e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} so far, "

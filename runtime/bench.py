@@ -22,10 +22,12 @@ import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from .errors import KvrunError
+from .files import atomic_output
 from .kv_report import fp16_bytes
 
 GEOMETRIES = {                      # (query heads, KV heads, head dim)
@@ -405,5 +407,8 @@ def plot(records: list[BenchRecord], path: str) -> None:
     ax.set_title(plot_title(tg), fontsize=10)
     ax.grid(alpha=0.3, axis="y" if len(depths) == 1 else "both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_output(path, suffix=Path(path).suffix) as tmp:
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)

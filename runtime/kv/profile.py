@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KvrunError
+from ..files import atomic_output
 
 FORMAT = "kvrun-kv-profile"
 VERSION = 1
@@ -173,10 +174,8 @@ def save_profile(path, layers, model: dict | str | None = None, kv: dict | None 
     model = {"name": model} if isinstance(model, str) else (model or {})
     p = Profile([tuple(x) for x in layers], model, kv or {}, meta, rotate=rotate)
     parse_profile(json.loads(json.dumps(p.to_json())), str(path))
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(p.to_json(), indent=1) + "\n")
-    tmp.replace(path)
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(p.to_json(), indent=1) + "\n")
 
 
 def check_profile_model(profile: dict, cfg, auto: bool = False, where: str = "KV profile") -> None:

@@ -68,6 +68,9 @@ class App:
         self.created = int(time.time())
         from .kv.profile import shipped_profiles
         self.shipped = {p.stem: p for p in shipped_profiles()}
+        # more characters than this cannot fit in a sequence's context, whatever they are
+        # (4x: a normalizer may fold characters): refused without tokenizing them
+        self.max_chars = scheduler.ctx * model.tokenizer.max_token_chars() * 4
 
     # -- parsing (a worker thread) ---------------------------------------------------------
     def _prepare(self, raw: bytes, chat: bool) -> tuple[bool, bool, Request]:
@@ -96,14 +99,23 @@ class App:
 
     def _prompt_ids(self, body: dict) -> list[int]:
         p = prompt_from(body, self.model.cfg.vocab_size)
-        return self.model.tokenize(p) if isinstance(p, str) else p
+        if isinstance(p, str):
+            self._fits(len(p), "prompt")
+            return self.model.tokenize(p)
+        return p
 
     def _chat_ids(self, body: dict) -> list[int]:
         msgs = messages_from(body)
+        self._fits(sum(len(m["content"]) for m in msgs), "messages")
         try:    # message text is tokenized as text: it cannot forge the template's markers
             return self.model.tokenizer.encode_parts(self.model.template.render_parts(msgs))
         except KvrunError as e:
             raise ApiError(400, str(e), param="messages") from None
+
+    def _fits(self, n_chars: int, param: str) -> None:
+        if n_chars > self.max_chars:
+            raise ApiError(400, f"prompt too long: {n_chars} characters cannot fit in the "
+                                f"context per sequence ({self.sched.ctx} tokens)", param=param)
 
     # -- events ------------------------------------------------------------------------------
     @staticmethod

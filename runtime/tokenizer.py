@@ -32,6 +32,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
+    def max_token_chars(self) -> int:
+        """Most characters one token stands for (its vocabulary entry's length: byte-level
+        symbols are one byte each, so a token never covers more input characters)."""
+        return max(map(len, self.tok.get_vocab(with_added_tokens=True)))
+
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """Token ids for `text`; special tokens written in the text are recognized.
         `bos=None` follows the model's add_bos setting."""

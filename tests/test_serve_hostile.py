@@ -315,7 +315,18 @@ def test_body_size_is_bounded(tiny_m):
         stop()
 
 
+def test_a_prompt_too_long_to_fit_is_refused_untokenized(server):
+    for path, body in (("/v1/completions", {"prompt": "lorem ipsum " * 300000}),
+                       ("/v1/chat/completions", chat("lorem ipsum " * 300000))):
+        t0 = time.monotonic()
+        status, _, got = call(server[0], "POST", path, body)
+        assert "characters cannot fit" in openai_error(status, got, 400)
+        assert time.monotonic() - t0 < 1.0                 # tokenizing it takes seconds
+
+
 def test_health_answers_while_a_huge_prompt_is_tokenized(server, monkeypatch):
+    from kvrun.runtime import server as server_mod
+    monkeypatch.setattr(server_mod.App, "_fits", lambda *a: None)      # tokenize it all
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")     # as kvrun serve runs it
     port = server[0]
     big = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 140000, "max_tokens": 1}).encode()

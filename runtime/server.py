@@ -39,6 +39,7 @@ import time
 import uuid
 
 from .errors import KvrunError
+from .kv.profile import shipped_profiles
 from .scheduler import SHUTTING_DOWN, Closed, QueueFull, Request, Scheduler
 from .server_fields import (ApiError, check_fields, field, max_tokens_from, messages_from,
                             parse_body, prompt_from, request_kv, sampling_from, stop_from,
@@ -66,7 +67,6 @@ class App:
     def __init__(self, model, scheduler: Scheduler, name: str, max_body: int = DEFAULT_MAX_BODY):
         self.model, self.sched, self.name, self.max_body = model, scheduler, name, max_body
         self.created = int(time.time())
-        from .kv.profile import shipped_profiles
         self.shipped = {p.stem: p for p in shipped_profiles()}
         # more characters than this cannot fit in a sequence's context, whatever they are
         # (4x: a normalizer may fold characters): refused without tokenizing them

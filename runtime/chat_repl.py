@@ -5,16 +5,19 @@ Tab completes /commands). The history persists across sessions in $KVRUN_HOME/ch
 (like ~/.python_history); KVRUN_CHAT_HISTORY names another file, or "" keeps it in memory
 only. A line starting with / is a command, never a message: an unknown one is an error
 line (`//text` sends "/text"). A line ending in \\ continues on the next (llama.cpp's
-multi-line input). Replies go to stdout, everything else to stderr.
+multi-line input). Replies go to stdout, everything else to stderr. Bytes that are not
+UTF-8 in a line become U+FFFD with a warning (`as_utf8`), as `kvrun generate` does: a bad
+line never ends the session.
 """
 from __future__ import annotations
 
+import io
 import os
 import sys
 from pathlib import Path
 
 from .chat_session import ChatSession
-from .errors import KvrunError
+from .errors import KvrunError, as_utf8
 from .kv_report import fmt_bytes, kv_summary
 
 COMMANDS = {                          # name -> (aliases, help)
@@ -68,6 +71,12 @@ class LineReader:
     def __init__(self, interactive: bool):
         self.interactive = interactive
         self.readline, self.path = None, None
+        # keep undecodable bytes (as surrogates, for as_utf8) instead of raising mid-session;
+        # possible until the first read (else a bad line is an error line, see run_chat)
+        try:
+            sys.stdin.reconfigure(errors="surrogateescape")
+        except (AttributeError, io.UnsupportedOperation):
+            pass
         if interactive:
             try:
                 import readline             # line editing just by being imported
@@ -136,6 +145,10 @@ def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], epr
             except KeyboardInterrupt:       # Ctrl-C at the prompt: a fresh prompt
                 eprint("")
                 continue
+            except UnicodeDecodeError:      # stdin could not be set to keep bad bytes
+                eprint("error: this line is not valid UTF-8 text; not sent")
+                continue
+            line = as_utf8(line, "this line", eprint)
             if not line.strip():
                 continue
             try:

@@ -1,34 +1,118 @@
 """The `kvrun` command line (click). Generated text goes to stdout; progress and
-statistics to stderr, so stdout pipes cleanly. User errors print `error: …` and exit 1
-(usage errors exit 2, Ctrl-C 130); `--debug` shows tracebacks."""
+statistics to stderr, so stdout pipes cleanly. Every error, usage errors included, is one
+`error: …` line and exit status 1; Ctrl-C exits 130, SIGTERM/SIGHUP 128 + the signal (after
+removing anything half-written), a closed pipe on stdout 141 silently; `--debug` shows
+tracebacks."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import click
 
 from ..kernels.dispatch import BackendError
-from .errors import KvrunError, PartialResults, read_text_file
+from .errors import KvrunError, PartialResults, Terminated, as_utf8, raise_on_signals, read_text_file
 
 
 def eprint(*a, **kw):
     print(*a, file=sys.stderr, flush=True, **kw)
 
 
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's final flush of what is still buffered
+    for a full disk or a closed pipe does not print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # no real fd (captured output)
+        pass
+
+
 class KvrunGroup(click.Group):
-    def invoke(self, ctx):
+    """Turns every way a command can fail into one stderr line and an exit status.
+
+    `own_signals`: commands that handle SIGTERM/SIGHUP themselves (serve); every other
+    command runs under `raise_on_signals`, so a kill removes its temp files as Ctrl-C does."""
+
+    own_signals: set[click.Command] = set()
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
         try:
-            return super().invoke(ctx)
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:     # bare `kvrun`: the help page
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
+        except click.ClickException as e:       # usage: unknown option, bad value, missing -p
+            eprint(f"error: {one_line(e.format_message())} (see '{self._help_for(e, args)}')")
+            sys.exit(1)
+        except click.exceptions.Abort:          # Ctrl-C or end of input while click parses
+            eprint("\ninterrupted")
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)      # an int: click's Exit (--help, --version)
+
+    def _help_for(self, e: click.ClickException, args) -> str:
+        """The --help to read after a usage error: the command's when it is known."""
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None:
+            return f"{ctx.command_path} --help"
+        words = [a for a in (sys.argv[1:] if args is None else args) if not a.startswith("-")]
+        name = words[0] if words and words[0] in self.commands else None
+        return f"kvrun {name} --help" if name else "kvrun --help"
+
+    def invoke(self, ctx):
+        sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+        guard = nullcontext() if sub in self.own_signals else raise_on_signals()
+        try:
+            with guard:
+                rv = super().invoke(ctx)
+                sys.stdout.flush()              # a full disk fails here, not at interpreter exit
+            return rv
         except (KvrunError, BackendError) as e:      # BackendError: a bad KVRUN_BACKEND
             if ctx.params.get("debug"):
                 raise
-            eprint(f"error: {e}")
+            eprint(f"error: {one_line(str(e))}")
             sys.exit(1)
+        except Terminated as e:
+            eprint(f"\nterminated ({signal.Signals(e.signum).name})")
+            raise
         except KeyboardInterrupt:
             eprint("\ninterrupted")
             sys.exit(130)
+        except OSError as e:                    # the environment: stdout, disk, permissions
+            if ctx.params.get("debug"):
+                raise
+            if e.errno == errno.EPIPE:          # the reader left (`| head`): no message
+                _silence_stdout()
+                sys.exit(141)
+            eprint(f"error: {_os_error(e)}")
+            sys.exit(1)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise                               # usage errors, --help: `main` reports them
+        except Exception as e:                  # a bug, but still one line for the user
+            if ctx.params.get("debug"):
+                raise
+            eprint(f"error: internal error ({type(e).__name__}: {one_line(str(e))[:300]}); "
+                   f"`kvrun --debug ...` shows the traceback")
+            sys.exit(1)
+
+
+def _os_error(e: OSError) -> str:
+    if e.filename and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+        _silence_stdout()               # most likely stdout itself (`> /dev/full`, a full disk)
+        return f"cannot write output: {e.strerror}"
+    return one_line(e.strerror or str(e) or repr(e))
 
 
 @click.group(cls=KvrunGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -38,6 +122,8 @@ def main(debug):
     """kvrun — LLM decoding with a compressed KV-cache arena."""
 
 
+MAX_TRIALS = 1_000_000      # the needles are drawn up front: 10^21 of them exhausted memory
+SEED = click.IntRange(0, (1 << 64) - 1)         # what torch and SamplingParams accept
 COMMON_OPTIONS = ("-m", "-p", "-n", "-c", "--temp", "-s", "-t", "--kv")
 
 
@@ -173,6 +259,9 @@ def kv_config(kw, spec: str | None = None):
                                        ("keep", "n_keep"), ("kv_rotate", "rotate"),
                                        ("kv_rotate_seed", "rotate_seed"))}
     k, v, profile = kw.pop("kv_k"), kw.pop("kv_v"), kw.pop("kv_profile")
+    for flag, x in (("--kv", spec), ("--kv-k", k), ("--kv-v", v), ("--kv-profile", profile)):
+        if x is not None and not str(x).strip():    # an unset shell variable, not "default"
+            raise KvrunError(f"{flag} is empty")
     kw.pop("kv_budget_mb", None)
     opts = {f: x for f, x in opts.items() if x is not None} | eviction_fields(kw)
     return parse_kv(spec, k=k, v=v, profile=profile, **opts)
@@ -267,7 +356,55 @@ def stop_option(f):
 def stop_strings(stop) -> list[str]:
     """--stop values, escapes processed and validated (before the model loads)."""
     from .stops import check_stops, unescape
-    return check_stops([unescape(s) for s in stop])
+    return check_stops([unescape(as_utf8(s, "--stop", eprint)) for s in stop])
+
+
+def read_stdin() -> str:
+    """All of stdin as text; bytes that are not UTF-8 become U+FFFD (see `as_utf8`)."""
+    buf = getattr(sys.stdin, "buffer", None)
+    if buf is None:
+        return sys.stdin.read()
+    return buf.read().decode("utf-8", "surrogateescape")
+
+
+def comma_list(s: str, flag: str) -> list[str]:
+    """The stripped items of a comma list; an empty list or an empty item (`4k,,8k`, a
+    trailing comma: usually a shell variable that expanded to nothing) is an error."""
+    items = [x.strip() for x in s.split(",")]
+    if not any(items):
+        raise KvrunError(f"{flag}: empty list")
+    if not all(items):
+        raise KvrunError(f"{flag}: empty item in {s!r}")
+    return items
+
+
+MAX_BENCH_TOKENS = 1 << 20      # what `kvrun bench` allocates at most, in either mode
+MAX_BATCH = 4096
+
+
+def one_count(s: str, flag: str) -> int:
+    """One token count (512, 4k) for a flag that takes a single value."""
+    out = count_list(s, flag)
+    if len(out) != 1:
+        raise KvrunError(f"{flag} takes one value (got {s!r})")
+    return out[0]
+
+
+def check_bench_size(n: int, bytes_per_token: int, flag: str) -> None:
+    """n tokens of `bytes_per_token` must fit the benchmark's limit and this machine."""
+    from .api import physical_memory
+    if n > MAX_BENCH_TOKENS:
+        raise KvrunError(f"{flag} {n} tokens is beyond what this benchmark allocates (1M)")
+    mem = physical_memory()
+    if mem is not None and n * bytes_per_token > mem:
+        raise KvrunError(f"{flag} {n}: its K/V need {n * bytes_per_token / 2**30:.1f} GiB, more "
+                         f"than this machine's {mem / 2**30:.1f} GiB")
+
+
+def count_list(s: str, flag: str) -> list[int]:
+    """A comma list of token counts (512, 4k, 32k) for bench's -p, -d, --batch."""
+    from .bench import parse_list
+    return parse_list(",".join(comma_list(s, flag)), flag)
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -286,8 +423,7 @@ def generate(prompt, n, as_chat, stop, **kw):
         raise KvrunError(f"-n must be >= 0 (got {n})")
     sampling = sampling_kwargs(kw)
     stop = stop_strings(stop)
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    prompt = as_utf8(read_stdin() if prompt == "-" else prompt, "the prompt", eprint)
     m = load_model(kw)
     events = (m.chat_stream([{"role": "user", "content": prompt}], n, stop=stop, **sampling)
               if as_chat else m.stream(prompt, n, stop=stop, **sampling))
@@ -317,24 +453,29 @@ def chat(system, n, stop, **kw):
     Ctrl-C stops a reply, Ctrl-D exits. History: $KVRUN_HOME/chat_history
     (KVRUN_CHAT_HISTORY= keeps it in memory only)."""
     from .chat_repl import run_chat
+    if n < 0:                                   # else every message would fail on its own
+        raise KvrunError(f"-n must be >= 0 (got {n})")
     sampling = sampling_kwargs(kw)
     stop = stop_strings(stop)
+    if system is not None:
+        system = as_utf8(system, "--system", eprint)
     m = load_model(kw)
     run_chat(m, system, n, sampling, stop, eprint)
 
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable output: typed values (numbers, booleans, null).")
 def info(model, as_json):
     """Show a model directory's architecture, sizes, dtype, source and template."""
-    from .info import model_info
+    from .info import model_facts, model_info
     from .pull import resolve_model
-    d = model_info(resolve_model(model, progress=eprint))
-    if as_json:
-        print(json.dumps(d, indent=2))
+    path = resolve_model(model, progress=eprint)
+    if as_json:                                 # typed values: numbers, booleans, null
+        print(json.dumps(model_facts(path), indent=2))
     else:
-        for k, v in d.items():
+        for k, v in model_info(path).items():
             print(f"{k:<22} {v}")
 
 
@@ -351,8 +492,10 @@ def info(model, as_json):
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 @click.option("-v", "--verbose", is_flag=True, help="Print each quantized tensor's error.")
 def convert(src, out, weights, group, dtype, force, verbose):
-    """Convert an HF checkpoint folder or a GGUF file into a kvrun model directory."""
-    from pathlib import Path
+    """Convert an HF checkpoint folder or a GGUF file into a kvrun model directory.
+
+    --force replaces OUT only if it is a kvrun model directory (what convert or pull wrote);
+    any other directory, the current one or a parent of it is refused before any work."""
     from ..convert import convert_any
     from .progress import CountProgress
     # -v prints a line per tensor: a progress line would interleave with them
@@ -365,7 +508,7 @@ def convert(src, out, weights, group, dtype, force, verbose):
             dtype = "fp32"          # norms/biases are tiny: keep them exact
     elif weights is not None:
         dtype = weights
-    cfg = convert_any(Path(src), Path(out), dtype=dtype, progress=progress, overwrite=force,
+    cfg = convert_any(src, out, dtype=dtype, progress=progress, overwrite=force,
                       weights=fmt, group=int(group), log=eprint if verbose else None)
     what = dtype if fmt == "float" else fmt + (f" group {cfg.weight_group}" if fmt == "int4" else "")
     eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {what})")
@@ -392,9 +535,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
     from .api import load
     from .ppl import format_table, perplexity
     text = read_text_file(file)
-    methods = [m.strip() for m in kv_list.split(",") if m.strip()]
-    if not methods:
-        raise KvrunError("--kv: empty method list")
+    methods = comma_list(kv_list, "--kv")
     evict = eviction_fields(ev)
     if evict:
         from .kv.config import parse_kv
@@ -414,7 +555,8 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
               help="Prompt length in tokens (filler + needle + question).")
 @click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
               help="Needle depths as fractions of the filler.")
-@click.option("--trials", default=3, show_default=True, type=int, help="Needles per depth.")
+@click.option("--trials", default=3, show_default=True, type=click.IntRange(1, MAX_TRIALS),
+              help="Needles per depth.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the full fp16 cache without eviction.")
 @click.option("--json", "as_json", is_flag=True, help="Records as JSON on stdout.")
@@ -423,7 +565,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
               type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
 @threads_option
-@click.option("-s", "--seed", default=0, show_default=True, type=int)
+@click.option("-s", "--seed", default=0, show_default=True, type=SEED)
 @eviction_options
 def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, chunk_prefill,
            threads, seed, **ev):
@@ -433,14 +575,14 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
     from .needle import format_table, run_needle
     text = read_text_file(file)
     try:
-        ds = [float(x) for x in depths.split(",") if x.strip()]
+        ds = [float(x) for x in comma_list(depths, "--depths")]
     except ValueError:
         raise KvrunError(f"--depths: expected comma-separated fractions, got {depths!r}") from None
-    if not ds or any(not 0 <= d <= 1 for d in ds):
+    if any(not 0 <= d <= 1 for d in ds):
         raise KvrunError(f"--depths: fractions in [0, 1], got {depths!r}")
     evict = eviction_fields(ev)
     specs = {"fp16": "fp16"} if baseline else {}
-    for m in (x.strip() for x in kv_list.split(",") if x.strip()):
+    for m in comma_list(kv_list, "--kv"):
         spec = parse_kv(m, **evict)
         specs[spec.label()] = spec
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
@@ -473,7 +615,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int)
 @threads_option
-@click.option("-s", "--seed", default=0, show_default=True, type=int)
+@click.option("-s", "--seed", default=0, show_default=True, type=SEED)
 @click.option("--batch", "batch", default=None,
               help="Comma list of batch sizes (e.g. 1,4,16): B sequences, each on its own cache, "
                    "decoded together; aggregate tok/s and ms/token per sequence (model mode, one depth).")
@@ -486,9 +628,7 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
     """Measure pp/tg speed, KV bytes and peak memory for several KV methods side by side."""
     from . import bench as B
     from .kv.config import parse_kv
-    methods = [m.strip() for m in kv_list.split(",") if m.strip()]
-    if not methods:
-        raise KvrunError("--kv: empty method list")
+    methods = comma_list(kv_list, "--kv")
     evict = eviction_fields(ev)                 # applies to every method
     specs = [parse_kv(m, **evict) for m in methods]
     if tg < 0:
@@ -503,20 +643,26 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
     if threads is not None:
         from .threads import configure
         configure(threads)
+    if budget_mb is not None and not 0 < budget_mb < float("inf"):     # NaN fails too
+        raise KvrunError(f"--kv-budget-mb must be a positive number of MiB (got {budget_mb})")
     if budget_mb is not None and batch is None:
         raise KvrunError("--kv-budget-mb goes with --batch (e.g. --batch 1,4 --kv-budget-mb 256)")
     if batch is not None:
         return bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer,
                                as_json, as_csv, plot_path, dtype, chunk, seed)
     if layer is not None:
-        n = B.parse_count(ctx) if ctx else 32768
-        name, _ = B.parse_geometry(layer)
+        n = one_count(ctx, "--ctx") if ctx else 32768
+        name, (h, hkv, d) = B.parse_geometry(layer)
+        if h * d > MAX_BENCH_TOKENS:                     # a model dim no model has
+            raise KvrunError(f"--layer {layer}: H x D = {h * d} is beyond what this benchmark "
+                             f"allocates ({MAX_BENCH_TOKENS})")
+        check_bench_size(n, 2 * hkv * d * 4, "--ctx")    # fp32 K and V of n tokens
         records = B.bench_layer(layer, specs, n, seed=seed, progress=eprint)
         title = f"attention layer {name}, decode 0 → {n} tokens, random q/k/v"
     else:
         from .api import load
-        d = B.parse_list(depths, "-d") if depths is not None else ([B.parse_count(ctx)] if ctx else [0])
-        pps = [x for x in B.parse_list(pp, "-p") if x > 0]
+        d = count_list(depths, "-d") if depths is not None else ([one_count(ctx, "--ctx")] if ctx else [0])
+        pps = [x for x in count_list(pp, "-p") if x > 0]
         if not pps and not tg:
             raise KvrunError("nothing to measure: -p and -n are both 0")
         if not tg and plot_path:
@@ -524,19 +670,26 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         if not tg and any(d):                   # llama-bench: -n 0 means no tg tests
             eprint("note: -n 0 runs no tg tests; -d only applies to them and is ignored")
         need = max([d_ + tg for d_ in d if tg] + pps)
-        if need > 1 << 20:
+        if need > MAX_BENCH_TOKENS:
             raise KvrunError(f"depth {need} tokens is beyond what this benchmark allocates (1M)")
         m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
         warn_ctx(m.cfg, need, "a bench context of", "latency and memory figures are still valid")
         records = B.bench_model(m, specs, pps, tg, d, reps, fill=fill, seed=seed, progress=eprint)
         where = B.run_info(m.path.name)
-        title = (f"{m.cfg.source.get('path', m.path.name)} | {where['cpu']} | dtype {dtype} | "
+        title = (f"{model_title(m)} | {where['cpu']} | dtype {dtype} | "
                  f"threads {where['threads']} | attention {where['backend']} | fill {fill}"
                  + (" (SYNTHETIC K/V: latency and memory only)" if fill == "synthetic" else ""))
     print_records(records, as_json, lambda rs: B.to_csv(rs) if as_csv else B.format_table(rs, title))
     if plot_path:
         B.plot(records, plot_path)
         eprint(f"wrote {plot_path}")
+
+
+def model_title(m) -> str:
+    """A bench table's model: its source file and how its weights are stored, so an int4
+    and an fp32 conversion of the same GGUF are told apart."""
+    from .info import weight_format
+    return f"{m.cfg.source.get('path', m.path.name)} | weights {weight_format(m.cfg)}"
 
 
 def bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer, as_json,
@@ -547,8 +700,10 @@ def bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill,
     from .bench_batch import bench_batch, format_batch_table
     if layer is not None or as_csv or plot_path:
         raise KvrunError("--batch runs in model mode with a table or --json (not --layer, --csv, -o)")
-    batches = B.parse_list(batch, "--batch")
-    d = B.parse_list(depths, "-d") if depths is not None else ([B.parse_count(ctx)] if ctx else [0])
+    batches = count_list(batch, "--batch")
+    if max(batches) > MAX_BATCH:
+        raise KvrunError(f"--batch: at most {MAX_BATCH} sequences (got {max(batches)})")
+    d = count_list(depths, "-d") if depths is not None else ([one_count(ctx, "--ctx")] if ctx else [0])
     if len(d) != 1:
         raise KvrunError(f"--batch measures at one depth (got -d {depths})")
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
@@ -556,7 +711,7 @@ def bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill,
     records = bench_batch(m, specs, batches, tg, d[0], reps, budget_mb, fill=fill, seed=seed,
                           progress=eprint)
     where = B.run_info(m.path.name)
-    title = (f"{m.cfg.source.get('path', m.path.name)} | {where['cpu']} | dtype {dtype} | "
+    title = (f"{model_title(m)} | {where['cpu']} | dtype {dtype} | "
              f"threads {where['threads']} | attention {where['backend']} | fill {fill} | batched decode")
     print_records(records, as_json, lambda rs: format_batch_table(rs, title))
 
@@ -596,6 +751,7 @@ main.add_command(search_cmd)
 from .cli_serve import serve_cmd  # noqa: E402
 
 main.add_command(serve_cmd)
+KvrunGroup.own_signals.add(serve_cmd)       # its server shuts down on its own terms
 
 if __name__ == "__main__":
     main()

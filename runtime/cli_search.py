@@ -16,7 +16,10 @@ def _eprint(*a, **kw):
 
 def _bits(s: str) -> list[int]:
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        items = [x.strip() for x in s.split(",")]
+        if not all(items):
+            raise ValueError
+        return [int(x) for x in items]
     except ValueError:
         raise KvrunError(f"--bits must be a comma list of integers like 2,4,8, got {s!r}") from None
 

@@ -68,6 +68,8 @@ def read_text_file(path) -> str:
     """A UTF-8 text file's contents (a regular file, a pipe, /dev/stdin), or a KvrunError
     saying why it can't be read."""
     from pathlib import Path
+    if not str(path).strip():
+        raise KvrunError("the text file name is empty")
     p = Path(path)
     if p.is_dir():
         raise KvrunError(f"{path}: is a directory, not a text file")

@@ -1,51 +1,113 @@
-"""`kvrun info`: what a model directory holds."""
+"""`kvrun info`: what a model directory holds.
+
+`model_facts` gives typed values (numbers as numbers, booleans as booleans: `info --json`);
+`model_info` the same facts as the display rows of the human table.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .loader import check_model_dir, load_config
+from .config import ModelConfig
+from .loader import check_model_dir, load_config, weights_error
+
+
+def weight_format(cfg: ModelConfig) -> str:
+    """How the linear weights are stored, e.g. `int4 (group 32; embedding int8)` or `bf16`."""
+    if cfg.weights == "int8":
+        return "int8 (per channel; embedding int8)"
+    if cfg.weights == "int4":
+        return f"int4 (group {cfg.weight_group}; embedding int8)"
+    return cfg.torch_dtype
+
+
+def _count_parameters(f: Path) -> int:
+    """Weights in model.safetensors, counted from its header (int4 codes: two per byte;
+    scales and mins are quantization metadata, not weights)."""
+    from safetensors import SafetensorError, safe_open
+    n_params = 0
+    try:
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name.endswith((".scales", ".mins")):
+                    continue
+                sl = st.get_slice(name)
+                n = 1
+                for s in sl.get_shape():
+                    n *= s
+                if name.endswith(".qweight") and sl.get_dtype() == "U8":
+                    n *= 2
+                n_params += n
+    except (SafetensorError, OSError, ValueError) as e:
+        raise weights_error(f, e) from None
+    return n_params
+
+
+def model_facts(path) -> dict:
+    """The model directory `path` described with typed values (the `info --json` record)."""
+    return _describe(path)[1]
+
+
+def _describe(path) -> tuple[ModelConfig, dict]:
+    path = check_model_dir(path)
+    cfg = load_config(path)
+    f = path / "model.safetensors"
+    n_params = _count_parameters(f)
+    n_bytes = f.stat().st_size
+    src = cfg.source or {}
+    sliding = sum(1 for w in cfg.layer_windows if w)
+    return cfg, {
+        "path": str(Path(path).resolve()),
+        "architecture": cfg.architecture,
+        "parameters": n_params,
+        "weights": {"format": cfg.weights if cfg.weights != "float" else cfg.torch_dtype,
+                    "group": cfg.weight_group or None,
+                    "embedding": "int8" if cfg.weights != "float" else cfg.torch_dtype,
+                    "float_dtype": cfg.torch_dtype,
+                    "bytes": n_bytes,
+                    "bits_per_param": round(8 * n_bytes / max(n_params, 1), 4)},
+        "layers": cfg.num_layers,
+        "sliding_layers": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "rope_local_theta": cfg.rope_local_theta if sliding else None,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "context": cfg.max_position,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling or None,
+        "vocab": cfg.vocab_size,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "chat_template": cfg.chat_template,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_ids": list(cfg.eos_token_ids),
+        "source": {"format": src.get("format"), "path": src.get("path"),
+                   "sha256": src.get("sha256")},
+    }
 
 
 def model_info(path) -> dict:
-    path = check_model_dir(path)
-    cfg = load_config(path)
-    from safetensors import safe_open
-    n_params, n_bytes = 0, 0
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            if name.endswith((".scales", ".mins")):        # quantization metadata, not weights
-                continue
-            sl = f.get_slice(name)
-            n = 1
-            for s in sl.get_shape():
-                n *= s
-            if name.endswith(".qweight") and sl.get_dtype() == "U8":
-                n *= 2                                      # two int4 codes per byte
-            n_params += n
-    n_bytes = (path / "model.safetensors").stat().st_size
-    fmt = cfg.torch_dtype
-    if cfg.weights == "int8":
-        fmt = "int8 (per channel; embedding int8)"
-    elif cfg.weights == "int4":
-        fmt = f"int4 (group {cfg.weight_group}; embedding int8)"
-    src = cfg.source or {}
+    """The human table of `kvrun info`: row name → display string (or number)."""
+    cfg, d = _describe(path)
+    w, src = d["weights"], d["source"]
     return {
-        "path": str(Path(path).resolve()),
-        "architecture": cfg.architecture,
-        "parameters": f"{n_params / 1e6:.1f}M",
-        "weights": f"{fmt}, {n_bytes / 2**20:.1f} MiB, {8 * n_bytes / max(n_params, 1):.2f} bits/param",
-        "layers": cfg.num_layers if not any(cfg.layer_windows) else
-        (f"{cfg.num_layers} ({sum(1 for w in cfg.layer_windows if w)} sliding over "
-         f"{cfg.sliding_window} tokens, rope theta {cfg.rope_local_theta:g}; "
-         f"{cfg.layer_windows.count(0)} global)"),
-        "hidden / ffn": f"{cfg.hidden_size} / {cfg.intermediate_size}",
-        "heads (q / kv)": f"{cfg.num_heads} / {cfg.num_kv_heads}, head dim {cfg.head_dim}",
-        "context": cfg.max_position,
-        "rope": f"theta {cfg.rope_theta:g}" + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""),
-        "vocab": cfg.vocab_size,
-        "tied embeddings": cfg.tie_word_embeddings,
-        "chat template": cfg.chat_template,
-        "bos / eos": f"{cfg.bos_token_id} / {cfg.eos_token_ids}",
-        "source": f"{src.get('format', '?')}: {src.get('path', '?')}",
-        "source sha256": src.get("sha256", "?"),
+        "path": d["path"],
+        "architecture": d["architecture"],
+        "parameters": f"{d['parameters'] / 1e6:.1f}M",
+        "weights": f"{weight_format(cfg)}, {w['bytes'] / 2**20:.1f} MiB, "
+                   f"{8 * w['bytes'] / max(d['parameters'], 1):.2f} bits/param",
+        "layers": d["layers"] if not d["sliding_layers"] else
+        (f"{d['layers']} ({d['sliding_layers']} sliding over {d['sliding_window']} tokens, "
+         f"rope theta {d['rope_local_theta']:g}; {d['layers'] - d['sliding_layers']} global)"),
+        "hidden / ffn": f"{d['hidden_size']} / {d['intermediate_size']}",
+        "heads (q / kv)": f"{d['heads']} / {d['kv_heads']}, head dim {d['head_dim']}",
+        "context": d["context"],
+        "rope": f"theta {d['rope_theta']:g}" + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""),
+        "vocab": d["vocab"],
+        "tied embeddings": d["tied_embeddings"],
+        "chat template": d["chat_template"],
+        "bos / eos": f"{d['bos_token_id']} / {cfg.eos_token_ids}",
+        "source": f"{src['format'] or '?'}: {src['path'] or '?'}",
+        "source sha256": src["sha256"] or "?",
     }

@@ -1,6 +1,7 @@
 """Load a kvrun model directory (config.json + model.safetensors + tokenizer.json)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -28,7 +29,16 @@ def parse_dtype(name: str) -> tuple[torch.dtype, torch.dtype | None]:
 
 
 def check_model_dir(path: str | Path) -> Path:
+    """`path` if it is a kvrun model directory whose three files this process can open;
+    otherwise a KvrunError that says what it is instead (a GGUF, an HF checkpoint, …)."""
     path = Path(path).expanduser()
+    try:
+        return _check_model_dir(path)
+    except PermissionError as e:                # a directory without r/x permission
+        raise KvrunError(f"{e.filename or path}: permission denied") from None
+
+
+def _check_model_dir(path: Path) -> Path:
     if not path.exists():
         raise KvrunError(f"{path}: no such file or directory")
     if path.is_file():
@@ -36,6 +46,9 @@ def check_model_dir(path: str | Path) -> Path:
             raise KvrunError(f"{path} is a GGUF file: convert it first with "
                              f"`kvrun convert {path} -o DIR`")
         raise KvrunError(f"{path}: expected a kvrun model directory")
+    if not path.is_dir():
+        raise KvrunError(f"{path}: expected a kvrun model directory")
+    os.listdir(path)                            # PermissionError now, not a wrong "missing"
     if not (path / "config.json").exists():
         raise KvrunError(f"{path}: no config.json (not a model directory)")
     for name in ("model.safetensors", "tokenizer.json"):
@@ -44,6 +57,12 @@ def check_model_dir(path: str | Path) -> Path:
                 raise KvrunError(f"{path} looks like an HF checkpoint: convert it first with "
                                  f"`kvrun convert {path} -o DIR`")
             raise KvrunError(f"{path}: missing {name}")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        f = path / name
+        if not f.is_file():
+            raise KvrunError(f"{f}: not a regular file")
+        with open(f, "rb"):                     # unreadable: PermissionError, said above
+            pass
     return path
 
 
@@ -51,15 +70,25 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.from_file(path / "config.json")
 
 
+def weights_error(f: Path, e: Exception) -> KvrunError:
+    """The one-line error for a model.safetensors that cannot be read: an OS error as
+    such (permissions, I/O), anything else (safetensors' header checks) as damage."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return KvrunError(f"{f}: cannot read weights ({e.strerror})")
+    return KvrunError(f"{f}: cannot read weights ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      f"the file is truncated or corrupt")
+
+
 def load_state(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     f = path / "model.safetensors"
     try:
+        with open(f, "rb"):                     # an OS error first, with its own words
+            pass
         return load_file(str(f))
     except (SafetensorError, OSError, ValueError) as e:
-        raise KvrunError(f"{f}: cannot read weights ({str(e).splitlines()[0]}); "
-                         f"the file is truncated or corrupt") from None
+        raise weights_error(f, e) from None
 
 
 def load_transformer(path: Path, cfg: ModelConfig, dtype: torch.dtype,

@@ -166,6 +166,8 @@ def resolve_model(model: str | Path | None, progress: Callable[[str], None] | No
     happens to be called like a registered model is still loaded as given."""
     if model is None:
         return ensure_default_model(progress=progress)
+    if not str(model).strip():                  # `-m "$MODEL"` with MODEL unset
+        raise KvrunError("the model path is empty")
     path = Path(model).expanduser()
     if path.exists() or str(model) not in REGISTRY:
         return path

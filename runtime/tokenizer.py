@@ -25,8 +25,9 @@ class Tokenizer:
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
         self._added = {t.content: (i, t) for i, t in self.tok.get_added_tokens_decoder().items()}
-        self._plain: HFTokenizer | None = None      # the same tokenizer, special text as text
-        self._plain_lock = threading.Lock()
+        # `encode_special_tokens` (special-token text read as text) is the tokenizer's state,
+        # set per call: one encode at a time
+        self._lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
@@ -40,7 +41,7 @@ class Tokenizer:
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """Token ids for `text`; special tokens written in the text are recognized.
         `bos=None` follows the model's add_bos setting."""
-        ids = _ids(self.tok, text)
+        ids = self._encode(text, plain=False)
         if (self.add_bos if bos is None else bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
@@ -62,17 +63,15 @@ class Tokenizer:
             tid, tok = hit
             if tok.lstrip:
                 run = run.rstrip()
-            ids += self._encode_plain(run) if run else []
+            ids += self._encode(run, plain=True) if run else []
             ids.append(tid)
             run, eat_left = "", tok.rstrip
-        return ids + (self._encode_plain(run) if run else [])
+        return ids + (self._encode(run, plain=True) if run else [])
 
-    def _encode_plain(self, text: str) -> list[int]:
-        with self._plain_lock:
-            if self._plain is None:
-                self._plain = HFTokenizer.from_str(self.tok.to_str())
-                self._plain.encode_special_tokens = True
-        return _ids(self._plain, text)
+    def _encode(self, text: str, plain: bool) -> list[int]:
+        with self._lock:
+            self.tok.encode_special_tokens = plain
+            return _ids(self.tok, text)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)

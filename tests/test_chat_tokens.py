@@ -90,3 +90,25 @@ def test_gemma_markers_cannot_be_forged():
     ids = tok.encode_parts(t.render_parts(msgs))
     assert ids.count(tok.token_id("<start_of_turn>")) == 2           # user, model: the template's
     assert tok.decode(ids) == t.render(msgs)
+
+
+def test_plain_and_special_encodes_from_many_threads(tmp_path):
+    """The plain-text switch is the tokenizer's state: threads encoding both ways at once
+    (a server's requests) each get their own reading, and decoding goes on beside them."""
+    from concurrent.futures import ThreadPoolExecutor
+    tok = tokenizers(tmp_path)[0]
+    t = template_for("chatml")
+    parts = t.render_parts([{"role": "user", "content": FORGED * 50}])
+    text = t.render([{"role": "user", "content": FORGED * 50}])
+    want_plain, want_special = tok.encode_parts(parts), tok.encode(text, bos=False)
+    long_text = "lorem <|im_start|> ipsum " * 2000        # past LONG_TEXT: the GIL is released
+
+    def work(i):
+        if i % 3 == 0:
+            return tok.encode_parts(parts) == want_plain
+        if i % 3 == 1:
+            return tok.encode(text, bos=False) == want_special and \
+                tok.encode(long_text, bos=False).count(1) == 2000
+        return tok.decode(want_plain) == text
+    with ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(work, range(300)))

@@ -294,6 +294,13 @@ def test_api_key(tiny_m):
         assert call(port, "POST", "/v1/chat/completions", chat(), headers=ok)[0] == 200
         assert call(port, "GET", "/v1/models", headers=ok)[0] == 200
         assert call(port, "GET", "/health")[0] == 200               # open for probes
+        openai = pytest.importorskip("openai")
+        url = f"http://127.0.0.1:{port}/v1"
+        ok_client = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+        assert ok_client.chat.completions.create(model=NAME, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}]).choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
     finally:
         stop()
 

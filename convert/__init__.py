@@ -26,6 +26,8 @@ def convert_any(src, out_dir, dtype: str = "bf16", progress=None, overwrite: boo
         return convert_hf(src, out_dir, **kw)
     if src.is_file():
         return convert_gguf(src, out_dir, **kw)
+    if src.exists():                            # /dev/null, a FIFO: nothing to mmap
+        raise KvrunError(f"{src}: not a regular file (expected a GGUF file or an HF folder)")
     raise KvrunError(f"{src}: no such file or directory")
 
 

@@ -45,6 +45,8 @@ def _read_json(path: Path, required: bool = True) -> dict | None:
 
 
 def _architecture(hf: dict) -> str:
+    if isinstance(hf.get("architectures"), str):        # a hand-written config: one name
+        hf = {**hf, "architectures": [hf["architectures"]]}
     for a in hf.get("architectures") or []:
         if a in _ARCHS:
             return _ARCHS[a]
@@ -192,6 +194,8 @@ def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
         cfg = config_from_hf(src, hf, tok, dtype)
     except KeyError as e:
         raise KvrunError(f"{src / 'config.json'}: missing field {e}") from None
+    except (TypeError, ValueError) as e:        # "vocab_size": "abc", a list for a number
+        raise KvrunError(f"{src / 'config.json'}: bad value ({e})") from None
 
     files = _shards(src)
     raw = _load_tensors(files)

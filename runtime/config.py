@@ -59,6 +59,7 @@ class ModelConfig:
     source: dict = field(default_factory=dict)   # conversion record (path, sha256, format)
 
     def __post_init__(self):
+        self._check_numbers()
         if self.architecture not in ARCHITECTURES:
             raise KvrunError(f"unsupported architecture {self.architecture!r} "
                              f"(supported: {', '.join(ARCHITECTURES)})")
@@ -91,6 +92,25 @@ class ModelConfig:
             raise KvrunError(f"unknown weight format {self.weights!r} (float, int8, int4)")
         if self.weights == "int4" and self.weight_group == 0:
             self.weight_group = 32
+
+    def _check_numbers(self) -> None:
+        """Sizes are positive integers and float settings finite numbers, whoever wrote the
+        config.json (a hand edit, a foreign converter): else a KvrunError here, not a
+        ZeroDivisionError or a torch error while the model is built."""
+        import math
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise KvrunError(f"config: {name} must be an integer >= 1 (got {x!r})")
+        for name in ("head_dim", "sliding_window", "weight_group"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise KvrunError(f"config: {name} must be an integer >= 0 (got {x!r})")
+        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "query_pre_attn_scalar"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                raise KvrunError(f"config: {name} must be a finite number >= 0 (got {x!r})")
 
     @property
     def gqa_group(self) -> int:

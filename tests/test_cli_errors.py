@@ -284,3 +284,25 @@ def test_unexpected_exception_is_one_line_unless_debug(tiny_dir, monkeypatch):
     one_error_line(r, "internal error (ZeroDivisionError: division by zero)")
     r = run(["--debug", "info", str(tiny_dir), "--json"])
     assert isinstance(r.exception, ZeroDivisionError)
+
+
+def test_convert_odd_sources_and_configs(tmp_path):
+    one_error_line(run(["convert", "/dev/null", "-o", str(tmp_path / "o")]), "not a regular file")
+    hf = write_tiny_hf(tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    for change, fragment in [({"num_attention_heads": 0}, "num_heads must be an integer >= 1"),
+                             ({"vocab_size": "abc"}, "bad value"),
+                             ({"architectures": "GPT2LMHeadModel"}, "'GPT2LMHeadModel'")]:
+        (hf / "config.json").write_text(json.dumps({**cfg, **change}))
+        one_error_line(run(["convert", str(hf), "-o", str(tmp_path / "o")]), fragment)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "x"), ("num_heads", 0),
+                                         ("rope_theta", None), ("num_layers", True)])
+def test_model_config_with_bad_numbers(tmp_path, field, value):
+    d = make_tiny_model_dir(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, field: value}))
+    for cmd in (["info", str(d)], ["generate", "-m", str(d), "-p", "x", "-n", "1"]):
+        one_error_line(run(cmd), f"config: {field} must be")

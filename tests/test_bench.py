@@ -95,7 +95,8 @@ def test_layer_mode_checkpoints():
 
 @pytest.mark.parametrize("args,fragment", [
     (["--kv", "fp16,nope"], "unknown KV method"),
-    (["-d", "1,,x"], "bad token count"),
+    (["-d", "1,x"], "bad token count"),
+    (["-d", "1,,4"], "-d: empty item"),         # not skipped: often an unset variable
     (["-d", ""], "empty list"),
     (["-r", "0"], "-r must be >= 1"),
     (["--layer", "7,2,64"], "multiple of HKV"),

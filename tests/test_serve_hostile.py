@@ -461,9 +461,13 @@ def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
 
     def ask(key, body, path="/v1/completions"):
         got[key] = call(port, "POST", path, body, timeout=30)
-    short = threading.Thread(target=ask, args=("short", {"prompt": [5, 6], "max_tokens": 3}))
-    long = threading.Thread(target=ask, args=("long", {"prompt": [5, 6], "max_tokens": 100}))
-    streamed = threading.Thread(target=ask, args=("stream", {"prompt": [7, 8], "max_tokens": 100,
+    # greedy from these prompts, the tiny model samples no stop token in 100 tokens
+    short = threading.Thread(target=ask, args=("short", {"prompt": list(range(3, 20)),
+                                                         "max_tokens": 3, "temperature": 0}))
+    long = threading.Thread(target=ask, args=("long", {"prompt": list(range(3, 20)),
+                                                       "max_tokens": 100, "temperature": 0}))
+    streamed = threading.Thread(target=ask, args=("stream", {"prompt": list(range(4, 20)),
+                                                             "max_tokens": 100, "temperature": 0,
                                                              "stream": True}))
     for t in (short, long, streamed):
         t.start()

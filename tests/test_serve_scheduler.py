@@ -83,7 +83,7 @@ def test_queue_counts_beyond_the_slots(tiny_m):
     with pytest.raises(QueueFull):
         sched.submit([4, 5], 2)
     sched.run()
-    assert r.finish_reason == "length"
+    assert r.finish_reason in ("length", "stop")
     sched = Scheduler(tiny_m, parallel=4, kv="fp32", ctx=128, max_queue=4)
     taken, refused = [], 0
     for i in range(32):                                             # a burst
@@ -95,14 +95,14 @@ def test_queue_counts_beyond_the_slots(tiny_m):
             sched.step()                                            # 3 admitted mid-burst
     assert (len(taken), refused) == (8, 24)
     sched.run()
-    assert all(r.finish_reason == "length" for r in taken)
+    assert all(r.finish_reason in ("length", "stop") for r in taken)
 
 
 def test_close_then_cancel_all(tiny_m):
     from kvrun.runtime.scheduler import SHUTTING_DOWN, Closed
     sched = Scheduler(tiny_m, parallel=1, kv="fp32", ctx=128)
-    running = sched.submit([4, 5], 50, SamplingParams(temp=0))
-    waiting = sched.submit([4, 6], 50, SamplingParams(temp=0))
+    running = sched.submit(GOOD[0], 50, SamplingParams(temp=0))      # no stop token in 50
+    waiting = sched.submit(GOOD[0], 50, SamplingParams(temp=0))
     sched.step()
     sched.close()
     with pytest.raises(Closed):

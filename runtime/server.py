@@ -16,7 +16,8 @@ freely in one batch; the request's cache bytes count against `--kv-budget-mb` li
 other (a cheaper method is admitted sooner). Default: `--kv`. Fields kvrun does not
 implement (`logprobs`, `tools`, `n` > 1 ...) are refused by name unless neutral
 (runtime/server_fields.py). Chat message text is tokenized as text: it cannot forge the
-template's control tokens.
+template's control tokens; a completion's `prompt` string is the model's raw input, where
+special-token text is read as those tokens (as llama-server reads it).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a
 malformed body or a bad field (an over-long prompt included), 401 without the `--api-key`,

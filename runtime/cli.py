@@ -342,9 +342,13 @@ def print_stats(t, m) -> None:
     """The stats line after `generate`: speeds, the KV method with its allocated bytes and
     their ratio to fp16 (the numbers of chat's /kv), and peak memory."""
     from .kv_report import kv_summary
+    rate = f"{t.gen_tok_s:.1f} tok/s" if t.decode_tokens else "no decode step"
+    e = m.engine
+    shifts = (f" | context shifted {e.n_shifts}x, {e.n_dropped} tokens dropped"
+              if e.n_shifts else "")
     eprint(f"\n[prompt: {t.prompt_tokens} tok, {t.prompt_tok_s:.1f} tok/s | "
-           f"generated: {t.gen_tokens} tok, {t.gen_tok_s:.1f} tok/s | "
-           f"{kv_summary(m).short()} | peak RSS {peak_rss_mb():.0f} MB]")
+           f"generated: {t.gen_tokens} tok, {rate} | "
+           f"{kv_summary(m).short()}{shifts} | peak RSS {peak_rss_mb():.0f} MB]")
 
 
 def stop_option(f):
@@ -640,6 +644,8 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
             import matplotlib  # noqa: F401
         except ImportError:
             raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'") from None
+        from .files import check_writable
+        check_writable(plot_path)               # before the run, not after minutes of it
     if threads is not None:
         from .threads import configure
         configure(threads)

@@ -2,11 +2,10 @@
 Registered on the main group by runtime/cli.py: `main.add_command(search_cmd)`."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from .errors import KvrunError, read_text_file
+from .files import check_writable
 
 
 def _eprint(*a, **kw):
@@ -63,8 +62,7 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     from .kv.config import KVConfig
     from .search import save_result, search
     text = read_text_file(calib)
-    if Path(out).parent and not Path(out).parent.exists():
-        raise KvrunError(f"{out}: directory {Path(out).parent} does not exist")
+    check_writable(out)                         # before the search, not after it
     fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("v_group", kv_vgroup),
                                 ("rotate", kv_rotate), ("tada_mu", tada_mu)) if x is not None}
     base = KVConfig(**fields)

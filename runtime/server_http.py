@@ -94,6 +94,7 @@ class HeaderDeadline(H11Protocol):
     HEADER_TIMEOUT seconds of the connection (or of the previous response) is dropped."""
 
     header_timeout = HEADER_TIMEOUT
+    _deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -118,9 +119,8 @@ class HeaderDeadline(H11Protocol):
             self._deadline = self.loop.call_later(self.header_timeout, self._expire)
 
     def _disarm(self) -> None:
-        d = getattr(self, "_deadline", None)
-        if d is not None:
-            d.cancel()
+        if self._deadline is not None:
+            self._deadline.cancel()
             self._deadline = None
 
     def _expire(self) -> None:

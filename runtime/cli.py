@@ -48,16 +48,20 @@ class KvrunGroup(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, False, **extra)
-        except click.exceptions.NoArgsIsHelpError as e:     # bare `kvrun`: the help page
-            click.echo(e.ctx.get_help())
-            sys.exit(0)
+            try:
+                rv = super().main(args, prog_name, complete_var, False, **extra)
+            except click.exceptions.NoArgsIsHelpError as e:     # bare `kvrun`: the help page
+                click.echo(e.ctx.get_help())
+                rv = 0
+            sys.stdout.flush()
         except click.ClickException as e:       # usage: unknown option, bad value, missing -p
             eprint(f"error: {one_line(e.format_message())} (see '{self._help_for(e, args)}')")
             sys.exit(1)
         except click.exceptions.Abort:          # Ctrl-C or end of input while click parses
             eprint("\ninterrupted")
             sys.exit(130)
+        except OSError as e:                    # --help or --version into a full disk
+            exit_on_os_error(e)
         sys.exit(rv if isinstance(rv, int) else 0)      # an int: click's Exit (--help, --version)
 
     def _help_for(self, e: click.ClickException, args) -> str:
@@ -91,11 +95,7 @@ class KvrunGroup(click.Group):
         except OSError as e:                    # the environment: stdout, disk, permissions
             if ctx.params.get("debug"):
                 raise
-            if e.errno == errno.EPIPE:          # the reader left (`| head`): no message
-                _silence_stdout()
-                sys.exit(141)
-            eprint(f"error: {_os_error(e)}")
-            sys.exit(1)
+            exit_on_os_error(e)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise                               # usage errors, --help: `main` reports them
         except Exception as e:                  # a bug, but still one line for the user
@@ -104,6 +104,15 @@ class KvrunGroup(click.Group):
             eprint(f"error: internal error ({type(e).__name__}: {one_line(str(e))[:300]}); "
                    f"`kvrun --debug ...` shows the traceback")
             sys.exit(1)
+
+
+def exit_on_os_error(e: OSError):
+    """One line and status 1; a closed pipe (`| head`: the reader left) quietly, 141."""
+    if e.errno == errno.EPIPE:
+        _silence_stdout()
+        sys.exit(141)
+    eprint(f"error: {_os_error(e)}")
+    sys.exit(1)
 
 
 def _os_error(e: OSError) -> str:

@@ -155,7 +155,8 @@ def test_unreadable_real(tmp_path):
 # -- stdout that cannot be written (item 13) -------------------------------------------------
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
-@pytest.mark.parametrize("args", [["pull", "--list"], ["info", "{M}", "--json"],
+@pytest.mark.parametrize("args", [["pull", "--list"], ["info", "{M}", "--json"], ["--help"],
+                                  ["generate", "--help"], ["--version"], [],
                                   ["generate", "-m", "{M}", "-p", "hi", "-n", "4", "--temp", "0"]])
 def test_stdout_to_dev_full(tiny_dir, args):
     args = [str(tiny_dir) if a == "{M}" else a for a in args]

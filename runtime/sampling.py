@@ -72,7 +72,10 @@ def apply_repetition_penalty(logits: torch.Tensor, recent: list[int], penalty: f
     ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
     picked = logits[ids]
     logits = logits.clone()
-    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    # kept finite: a penalty of 1e-300 (or 1e300) overflows float32 to ±inf, and the
+    # sampler's inf - inf is NaN
+    big = torch.finfo(logits.dtype).max
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty).clamp(-big, big)
     return logits
 
 

@@ -104,3 +104,11 @@ def test_extreme_temperatures_sample(tiny, temp):
     out = tiny.generate("hello", 4, temp=temp, seed=3, top_k=0, top_p=1.0, min_p=0.0)
     if temp < 1:
         assert out == tiny.generate("hello", 4, temp=0)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-320, 1e300])
+def test_extreme_repeat_penalties_sample(tiny, penalty):
+    """A penalty that overflows float32 made the penalized logits ±inf and the sampler's
+    probabilities NaN (a RuntimeError; a 500 for that server request)."""
+    out = tiny.generate("hello hello hello", 6, temp=0.8, seed=1, repeat_penalty=penalty)
+    assert isinstance(out, str)

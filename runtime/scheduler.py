@@ -149,8 +149,9 @@ class Scheduler:
                  max_queue: int = 64, ctx: int | None = None, kv: "str | KVConfig | None" = None):
         if parallel < 1:
             raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
-        if kv_budget_mb is not None and kv_budget_mb <= 0:
-            raise KvrunError(f"--kv-budget-mb must be > 0 (got {kv_budget_mb})")
+        if kv_budget_mb is not None and not (isinstance(kv_budget_mb, (int, float))
+                                             and 0 < kv_budget_mb < float("inf")):
+            raise KvrunError(f"--kv-budget-mb must be a finite number > 0 (got {kv_budget_mb!r})")
         if max_queue < 0:
             raise KvrunError(f"queue size must be >= 0 (got {max_queue})")
         self.model = model

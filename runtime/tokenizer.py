@@ -90,6 +90,11 @@ def _ids(tok: HFTokenizer, text: str) -> list[int]:
     """Token ids of `text` without special tokens added. A long text goes through
     `encode_batch`, which releases the GIL while it works (`encode` holds it: 4 s for 4 MB,
     during which no other Python thread runs, e.g. a server's event loop)."""
+    if not text.isascii():
+        # a lone surrogate ('\udce9' from a surrogateescape decode, or a JSON "\ud800")
+        # is not text the Rust tokenizer accepts (TypeError): U+FFFD in its place, as a
+        # non-UTF-8 byte is read elsewhere; a valid pair becomes its character
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if len(text) < LONG_TEXT:
         return tok.encode(text, add_special_tokens=False).ids
     return tok.encode_batch([text], add_special_tokens=False)[0].ids

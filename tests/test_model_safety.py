@@ -112,3 +112,17 @@ def test_extreme_repeat_penalties_sample(tiny, penalty):
     probabilities NaN (a RuntimeError; a 500 for that server request)."""
     out = tiny.generate("hello hello hello", 6, temp=0.8, seed=1, repeat_penalty=penalty)
     assert isinstance(out, str)
+
+
+def test_lone_surrogates_read_as_replacement_characters(tiny):
+    """'caf\\udce9' (a surrogateescape decode of Latin-1 bytes) was a TypeError from the
+    Rust tokenizer; it is read as U+FFFD, and a valid pair as its character."""
+    assert tiny.tokenize("caf\udce9") == tiny.tokenize("caf\ufffd")
+    assert tiny.tokenize("\ud83d\ude00") == tiny.tokenize("\U0001F600")
+    assert tiny.generate("caf\udce9", 3, temp=0) == tiny.generate("caf\ufffd", 3, temp=0)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), "256"])
+def test_batch_budget_must_be_a_finite_number(tiny, budget):
+    with pytest.raises(kvrun.KvrunError, match="kv-budget-mb"):
+        tiny.generate_batch(["hi"], 2, kv_budget_mb=budget)

@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import click
 
@@ -73,13 +73,16 @@ class KvrunGroup(click.Group):
         name = words[0] if words and words[0] in self.commands else None
         return f"kvrun {name} --help" if name else "kvrun --help"
 
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if cmd is not None and cmd not in self.own_signals:
+            ctx.with_resource(raise_on_signals())   # until this context closes
+        return name, cmd, rest
+
     def invoke(self, ctx):
-        sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
-        guard = nullcontext() if sub in self.own_signals else raise_on_signals()
         try:
-            with guard:
-                rv = super().invoke(ctx)
-                sys.stdout.flush()              # a full disk fails here, not at interpreter exit
+            rv = super().invoke(ctx)
+            sys.stdout.flush()                  # a full disk fails here, not at interpreter exit
             return rv
         except (KvrunError, BackendError) as e:      # BackendError: a bad KVRUN_BACKEND
             if ctx.params.get("debug"):

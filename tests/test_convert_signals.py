@@ -121,3 +121,29 @@ def test_raise_on_signals_leaves_other_handlers_alone():
         assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_cli_commands_clean_up_on_signals_but_serve_keeps_its_own(monkeypatch, tiny_dir):
+    """Every command but serve runs with SIGTERM/SIGHUP raising Terminated (its temp files,
+    the native build's included, go as on Ctrl-C); serve installs its own shutdown."""
+    from click.testing import CliRunner
+    from kvrun.runtime import info
+    from kvrun.runtime.cli import main
+    from kvrun.runtime.cli_serve import serve_cmd
+    seen = {}
+
+    def record(name):
+        seen[name] = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
+        return {}
+    monkeypatch.setattr(info, "model_facts", lambda p: record("info"))
+    monkeypatch.setattr(serve_cmd, "callback", lambda **kw: record("serve"))
+    before = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:                    # as a shell starts kvrun (a harness may run us under nohup)
+        assert CliRunner().invoke(main, ["info", str(tiny_dir), "--json"]).exit_code == 0
+        assert CliRunner().invoke(main, ["serve", "-m", str(tiny_dir)]).exit_code == 0
+        assert all(callable(h) for h in seen["info"])
+        assert seen["serve"] == (signal.SIG_DFL, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored after the command
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

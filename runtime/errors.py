@@ -65,14 +65,16 @@ def raise_on_signals():
 
 
 def read_text_file(path) -> str:
-    """A UTF-8 text file's contents (a regular file, a pipe, /dev/stdin), or a KvrunError
-    saying why it can't be read."""
+    """A UTF-8 text file's contents (a regular file or a pipe such as `<(zcat f.gz)`), or a
+    KvrunError saying why it can't be read."""
     from pathlib import Path
     if not str(path).strip():
         raise KvrunError("the text file name is empty")
     p = Path(path)
     if p.is_dir():
         raise KvrunError(f"{path}: is a directory, not a text file")
+    if p.exists() and not (p.is_file() or p.is_fifo()):     # /dev/zero would never end
+        raise KvrunError(f"{path}: not a regular file or a pipe")
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError:

@@ -100,6 +100,20 @@ def test_text_file_that_is_a_directory(tmp_path):
                 ["search", "--calib", str(tmp_path), "--budget", "0.3", "-o", "x.json"]):
         one_error_line(run(cmd), f"{tmp_path}: is a directory, not a text file")
     one_error_line(run(["ppl", str(tmp_path / "nope.txt")]), "nope.txt: no such file")
+    one_error_line(run(["ppl", "/dev/zero"]), "/dev/zero: not a regular file or a pipe")
+
+
+def test_text_file_from_a_pipe(tiny_dir, tmp_path):
+    """`kvrun ppl <(zcat text.gz)`: a FIFO is read like a file."""
+    import threading
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    writer = threading.Thread(target=lambda: fifo.write_text(text))
+    writer.start()
+    r = run(["ppl", str(fifo), "-m", str(tiny_dir), "-c", "64", "--windows", "1"])
+    writer.join(10)
+    assert r.exit_code == 0, r.stderr
 
 
 # -- model files that cannot be read (item 13) -----------------------------------------------

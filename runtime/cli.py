@@ -375,12 +375,17 @@ def stop_strings(stop) -> list[str]:
     return check_stops([unescape(as_utf8(s, "--stop", eprint)) for s in stop])
 
 
+STDIN_LIMIT = 64 << 20      # far beyond any context; `< /dev/zero` must not fill memory
+
+
 def read_stdin() -> str:
-    """All of stdin as text; bytes that are not UTF-8 become U+FFFD (see `as_utf8`)."""
+    """All of stdin as text (at most STDIN_LIMIT bytes); bytes that are not UTF-8 become
+    U+FFFD (see `as_utf8`)."""
     buf = getattr(sys.stdin, "buffer", None)
-    if buf is None:
-        return sys.stdin.read()
-    return buf.read().decode("utf-8", "surrogateescape")
+    data = buf.read(STDIN_LIMIT + 1) if buf is not None else sys.stdin.read(STDIN_LIMIT + 1)
+    if len(data) > STDIN_LIMIT:
+        raise KvrunError(f"the prompt on stdin is over {STDIN_LIMIT >> 20} MiB")
+    return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
 
 
 def comma_list(s: str, flag: str) -> list[str]:

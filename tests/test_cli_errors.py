@@ -321,3 +321,12 @@ def test_model_config_with_bad_numbers(tmp_path, field, value):
     (d / "config.json").write_text(json.dumps({**cfg, field: value}))
     for cmd in (["info", str(d)], ["generate", "-m", str(d), "-p", "x", "-n", "1"]):
         one_error_line(run(cmd), f"config: {field} must be")
+
+
+def test_endless_stdin_prompt_is_refused(tiny_dir, monkeypatch):
+    from kvrun.runtime import cli
+    monkeypatch.setattr(cli, "STDIN_LIMIT", 1000)
+    one_error_line(run(["generate", "-m", str(tiny_dir), "-p", "-"], input="x" * 1001),
+                   "the prompt on stdin is over")
+    assert run(["generate", "-m", str(tiny_dir), "-p", "-", "-n", "1"],
+               input="x" * 100).exit_code == 0

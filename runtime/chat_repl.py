@@ -28,6 +28,7 @@ COMMANDS = {                          # name -> (aliases, help)
 }
 ALIASES = {a: name for name, (aliases, _) in COMMANDS.items() for a in (name, *aliases)}
 HISTORY_LINES = 1000
+LINE_LIMIT = 64 << 20                 # characters in one input line: far beyond any context
 
 
 def help_text() -> str:
@@ -102,9 +103,11 @@ class LineReader:
     def _one(self, prompt: str) -> str:
         if self.interactive:
             return input(prompt)
-        line = sys.stdin.readline()
+        line = sys.stdin.readline(LINE_LIMIT + 1)
         if not line:
             raise EOFError
+        if len(line) > LINE_LIMIT:          # `< /dev/zero`: no newline ever comes
+            raise KvrunError(f"an input line is over {LINE_LIMIT >> 20} MiB characters")
         return line.rstrip("\n")
 
     def read(self) -> str:

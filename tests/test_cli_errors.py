@@ -330,3 +330,11 @@ def test_endless_stdin_prompt_is_refused(tiny_dir, monkeypatch):
                    "the prompt on stdin is over")
     assert run(["generate", "-m", str(tiny_dir), "-p", "-", "-n", "1"],
                input="x" * 100).exit_code == 0
+
+
+def test_endless_chat_line_is_refused(tiny_dir, monkeypatch):
+    from kvrun.runtime import chat_repl
+    monkeypatch.setattr(chat_repl, "LINE_LIMIT", 1000)
+    r = run(["chat", "-m", str(tiny_dir), "-n", "1", "-c", "256"], input="x" * 1001)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.stderr.strip().splitlines()[-1].startswith("error: an input line is over")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from kvrun.runtime.config import ModelConfig
@@ -275,11 +276,15 @@ def write_model_dir(dest: str | Path, cfg: ModelConfig, tensors: dict[str, torch
     bad = [k for k, t in tensors.items() if t.dtype != want[k][1]]
     assert not bad, f"{bad[0]} is {tensors[bad[0]].dtype}, the format needs {want[bad[0]][1]}"
     with atomic_dir(dest, overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n",
-                                         encoding="utf-8")
-        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        try:
+            (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n",
+                                             encoding="utf-8")
+            (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+            save_file({k: t.contiguous() for k, t in tensors.items()},
+                      str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        except (OSError, SafetensorError) as e:     # a full disk, a quota: say so, in one line
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise KvrunError(f"cannot write {dest}: {why or type(e).__name__}") from None
         # safetensors creates its file 0600; give it the umask-derived mode config.json got
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)
     return Path(os.path.abspath(os.path.expanduser(dest)))

@@ -342,7 +342,7 @@ def test_overwrite(tiny_llama, tmp_path, monkeypatch):
     import kvrun.convert.writer as writer
     real = writer.save_file
     monkeypatch.setattr(writer, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("io")))
-    with pytest.raises(OSError):
+    with pytest.raises(KvrunError, match="cannot write .*: io"):
         convert_hf(tiny_llama[0], out, overwrite=True)
     assert (out / "model.safetensors").read_bytes() == first     # a failed replace keeps it
     monkeypatch.setattr(writer, "save_file", real)

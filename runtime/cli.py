@@ -77,7 +77,8 @@ THREADS_HELP = ("Most CPU threads used (default: every CPU this process may run 
 
 
 def threads_option(f):
-    return click.option("-t", "--threads", default=None, type=click.IntRange(min=1),
+    from .threads import MAX_THREADS
+    return click.option("-t", "--threads", default=None, type=click.IntRange(1, MAX_THREADS),
                         help=THREADS_HELP)(f)
 
 

@@ -31,6 +31,7 @@ import torch
 
 SAMPLE_S = 0.002            # at most one reading per 2 ms: a tiny model's step is ~1 ms
 HISTORY = 5                 # a transient process (a shell command) moves no decision
+MAX_THREADS = 1024          # -t beyond this overflowed inside torch
 
 
 def available_cpus() -> int:

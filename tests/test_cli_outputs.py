@@ -47,3 +47,10 @@ def test_plot_and_profile_paths_are_checked_before_the_run(tiny_dir, tmp_path):
         assert "[bench]" not in r.stderr and "[search]" not in r.stderr
     assert list(tmp_path.iterdir()) == []
     assert time.perf_counter() - t0 < 60
+
+
+def test_thread_counts_out_of_range_are_one_line(tiny_dir):
+    """-t 1180591620717411303424 overflowed inside torch."""
+    for t in ("0", "1180591620717411303424"):
+        r = run(["generate", "-m", str(tiny_dir), "-p", "hi", "-n", "1", "-t", t])
+        assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "--threads" in r.stderr

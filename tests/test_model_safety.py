@@ -126,3 +126,8 @@ def test_lone_surrogates_read_as_replacement_characters(tiny):
 def test_batch_budget_must_be_a_finite_number(tiny, budget):
     with pytest.raises(kvrun.KvrunError, match="kv-budget-mb"):
         tiny.generate_batch(["hi"], 2, kv_budget_mb=budget)
+
+
+def test_too_many_threads_is_one_error(tiny_dir):
+    with pytest.raises(kvrun.KvrunError, match="at most"):
+        kvrun.load(tiny_dir, dtype="fp32", ctx=16, kv="fp32", threads=10 ** 21)

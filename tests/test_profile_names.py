@@ -66,3 +66,22 @@ def test_cli_uses_names_from_elsewhere(elsewhere):
     assert r.exit_code == 1 and r.stderr.strip() == (
         "error: KV profile 'nope': no such file, and no shipped profile of that name "
         f"(shipped: {', '.join(p.stem for p in shipped_profiles())})")
+
+
+@pytest.mark.parametrize("make", ["fifo", "device", "huge"])
+def test_a_profile_must_be_a_small_regular_file(tmp_path, make):
+    """--kv profile:/dev/zero filled memory until the OS killed the process; a FIFO blocked
+    the open for ever. Each is one error line, shared by the CLI, library and server."""
+    import os
+    from kvrun.runtime.errors import KvrunError
+    from kvrun.runtime.kv.profile import read_profile
+    if make == "fifo":
+        path = tmp_path / "p.json"
+        os.mkfifo(path)
+    elif make == "device":
+        path = "/dev/zero"
+    else:
+        path = tmp_path / "p.json"
+        path.write_text(" " * (2 << 20) + "{}")
+    with pytest.raises(KvrunError, match="regular file|larger than"):
+        read_profile(path)

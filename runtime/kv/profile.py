@@ -147,12 +147,23 @@ def resolve_profile(spec) -> Path:
                      f"name (shipped: {names})")
 
 
+MAX_PROFILE_BYTES = 1 << 20     # a profile is a list of per-layer methods: a few KiB
+
+
 def read_profile(path) -> Profile:
+    """A profile file: a regular file of at most MAX_PROFILE_BYTES (a FIFO would block the
+    open for ever, /dev/zero fill memory), JSON in the kvrun-kv-profile format."""
     path = resolve_profile(path)
+    if path.is_dir():
+        raise KvrunError(f"{path}: is a directory, not a KV profile")
+    if path.exists() and not path.is_file():
+        raise KvrunError(f"{path}: not a regular file, not a KV profile")
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except IsADirectoryError:
-        raise KvrunError(f"{path}: is a directory, not a KV profile") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise KvrunError(f"{path}: larger than {MAX_PROFILE_BYTES >> 20} MiB, not a KV profile")
+        d = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvrunError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:                            # unreadable, or removed meanwhile

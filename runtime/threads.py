@@ -79,10 +79,10 @@ class Governor:
         self.explicit = threads is not None
         self.cap = threads if threads is not None else available_cpus()
         self.others.clear()
-        self._set(self.cap)
+        self._set(self.cap, force=True)
 
-    def _set(self, n: int) -> None:
-        if n != self.current:
+    def _set(self, n: int, force: bool = False) -> None:
+        if force or n != self.current:
             torch.set_num_threads(n)
             self.current = n
 

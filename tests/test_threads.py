@@ -22,7 +22,7 @@ def gov(monkeypatch):
     monkeypatch.setattr(g, "_runnable_others", lambda: readings.pop(0))
     monkeypatch.setattr(T, "SAMPLE_S", 0.0)
     yield g, readings
-    torch.set_num_threads(T.available_cpus())
+    T.governor.configure(None)          # torch's count is process-wide: give it back
 
 
 def test_cores_taken_by_others_lower_the_count_after_the_median(gov):

@@ -15,6 +15,7 @@ decode-step contract, the same order on every backend, is in runtime/kv/arena.py
 | `decode_attention` (tail + window + new) | `triton.supports`: KIVI / TaDA / GEAR of 2, 4, 8 bits, int8, fp (eviction's `mass=` too) | fp, int8, KIVI, TaDA, GEAR (`native.decode_attention.describe`), batch 1, D <= 256, whole 32-token tiles | every codec (the oracle) |
 | `attend_append` (window write fused into attention) | — (None: the caller writes first) | codecs `decode_attention` reads, rotation included | — |
 | `rope_compress_k` / `vproj_compress` (K RoPE / V projection fused into the window write) | KIVI, TaDA, int8 (`fused_compress.supports`) | torch | torch (the oracle) |
+| `ring_step` (a quantized sliding ring's one-token attend + slot write) | — (None: the torch step) | 4/8-bit rings, batch 1, D <= 256 (`native.ring_attention.supports`) | runtime/kv/ring.py (the oracle) |
 | `pack` (a flush: window → tail) | KIVI 2/4-bit (`kivi_pack`), else `codec.store` | KIVI, TaDA, int8 (`native.pack`), else `codec.store` | `codec.store` |
 
 The arena's step routes: torch and Triton take `write_attend` (`rope_compress_k` +
@@ -106,6 +107,17 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
                  rot_k, rot_v, **kw)
+
+
+def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None):
+    """A quantized sliding ring's one-token step as one op where the backend has it (native
+    CPU: attention over the codes in place + the new rows quantized into their slot, bit-
+    identical storage; kernels/native/ring_attention.py `ring_step`); None elsewhere, and
+    the caller runs the torch step (runtime/kv/ring.py)."""
+    if backend_for(q) != "native":
+        return None
+    from .native.ring_attention import ring_step as fused
+    return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
 
 
 def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:

@@ -23,9 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-# one shared object from every C source here: attention (decode_attention.c) and the
-# dense part of a decoder layer (decode_layer.c)
-SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "decode_layer.c")]
+# one shared object from every C source here: attention (decode_attention.c), the dense
+# part of a decoder layer (decode_layer.c) and the quantized sliding ring's step
+# (ring_attention.c)
+SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "decode_layer.c",
+                                              "ring_attention.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 

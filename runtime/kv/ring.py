@@ -54,6 +54,7 @@ import torch
 
 from ...kernels import dense_attention
 from ...kernels.codecs import method_family
+from ...kernels.dispatch import ring_step
 from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 
@@ -154,13 +155,20 @@ class SlidingWindowKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
         R, rv = self.rot_k, self.rot_v          # rv is R or None; R is None for an fp16 ring
-        if R is None:
-            return self._attend(layer, q, k, v)
-        parts = [q, k] + ([v] if rv is not None else [])                  # one GEMM
-        x = (torch.cat([p.float() for p in parts], 1) @ R).split([p.shape[1] for p in parts], 1)
-        q, k = x[0].to(q.dtype), x[1]
-        if rv is not None:
-            v = x[2]
+        if R is not None:
+            parts = [q, k] + ([v] if rv is not None else [])              # one GEMM
+            x = (torch.cat([p.float() for p in parts], 1) @ R).split([p.shape[1] for p in parts], 1)
+            q, k = x[0].to(q.dtype), x[1]
+            if rv is not None:
+                v = x[2]
+        if self.bits != 16 and k.shape[2] == 1:
+            # one token on codes: the backend's fused step (attend + slot write) where it
+            # has one (kernels/dispatch.py), same storage as _attend's
+            s, W = self.seq_len, self.W
+            o = ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
+                          self.dtype, layer, s % W, min(s + 1, W), rv)
+            if o is not None:
+                return o
         o = self._attend(layer, q, k, v)
         return o if rv is None else unrotate(o, rv)
 

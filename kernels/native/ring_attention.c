@@ -1,0 +1,470 @@
+/* ring_attention: one decode token of a quantized sliding-window ring (Gemma 3's local
+ * layers, runtime/kv/ring.py), native CPU implementation (kvrun.kernels.native).
+ *
+ * A ring slot holds one token's K or V row quantized per token: 4 or 8 bits, asymmetric,
+ * an fp16 scale and min per `group` channels, 4-bit codes two per byte as the channel pair
+ * (2i, 2i+1) (low nibble = 2i). K is stored Hadamard-rotated, V with rotate_v; q arrives
+ * rotated (the caller's one GEMM rotates q, k and v together). One call per layer:
+ *
+ *   phase 0  round the new K / V rows to the ring dtype, quantize them into slot `slot`
+ *            (bit-identical to _RingStore.write: fp32 min/max, scale fp16((hi-lo)/top,
+ *            clamped to 1e-8), min fp16(lo), codes clamp(rint((x-min)/scale), 0, top) with
+ *            NaN -> 0, as torch's uint8 cast gives), and keep the rounded rows in fp32.
+ *   phase 1  logits of the Gq query rows of each KV head over the n filled slots: every slot
+ *            dequantized from its codes in registers (c s + m), except slot `slot`, which
+ *            uses the new row in full precision (SlidingWindowKV._attend's T == 1 step).
+ *   phase 2  one exact softmax per row (fp32, exp with |rel err| < 2e-7).
+ *   phase 3  p.V in fp32 over per-split partial outputs, summed; then un-rotated by R_v
+ *            (rotate_v) so the caller gets the model-space output.
+ * Slots are split over OpenMP threads (torch's libgomp pool, as decode_attention.c), one
+ * split per 256 head-slots at most, so a short ring does not wake threads for nothing.
+ *
+ * AVX-512 (D % 32 == 0; group % 32 == 0 at 4 bits, % 16 at 8): 16 bytes of 4-bit codes
+ * decode to 32 codes in two registers, low nibbles (channels 2i) then high (2i+1); q, the
+ * new rows and the partial outputs are kept in that per-32-channel "pair" order, so no
+ * shuffle is needed, and restored to channel order once at the end. Logits of 16 slots are
+ * reduced together (hsum16x16). The portable path (-DKVRUN_NO_AVX512, or other groups)
+ * dequantizes each row into L1 in channel order and runs plain loops.
+ *
+ * Bytes read per decode step and layer: the n slots' codes, scales and mins of K and V once
+ * each, 2 Hkv n (D bits/8 + 4 D/group) bytes (Gemma 3 270M at n = 512, D 256, group 32,
+ * 4 bits: 160 KiB, against 512 KiB for its fp16 ring), plus q, the new rows and, with
+ * rotate_v, R_v (4 D^2 bytes, shared by the layers); written: one slot per role. No
+ * dequantized copy of the ring is made.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
+#include <immintrin.h>
+#define HAVE_FAST 1
+#else
+#define HAVE_FAST 0
+#endif
+
+typedef _Float16 f16;
+
+enum { R_FP16 = 0, R_BF16 = 1, R_FP32 = 2 };          /* as native/decode_attention.py */
+enum { MAXD = 256, MAXR = 16, SPLIT_MIN = 256 };
+
+/* One role's (K or V) ring storage, all sliding layers: codes (L, Hkv, W, D*bits/8) uint8,
+ * scale and min (L, Hkv, W, D/group) fp16; element strides layer, head, slot. */
+typedef struct {
+    uint8_t *codes; f16 *scale, *min;
+    int64_t cs[3], ss[3];
+} RingStore;
+
+typedef struct {
+    int32_t Hkv, Gq, D, n, slot, layer, bits, group, qdtype, kdtype, vdtype, rdtype, nthreads;
+    const void *q; int64_t qs;         /* (H, D) rotated queries in qdtype, head stride      */
+    const void *kn, *vn; int64_t kns, vns;   /* (Hkv, D) new rows (storage space), head stride */
+    RingStore k, v;
+    const float *rvt;                  /* (D, D) R_v^T (out = out @ R_v^T) or NULL           */
+    float *out;                        /* (H, D) fp32, H = Hkv * Gq (head = kv * Gq + g)     */
+    float *qp;                         /* scratch (H, D): q / sqrt(D), in the working order  */
+    float *kx, *vx;                    /* scratch (Hkv, D): the new rows, working order      */
+    float *sc;                         /* scratch (H, n): logits, then probabilities         */
+    float *part;                       /* scratch (nthreads, H, D): partial outputs          */
+} RingArgs;
+
+/* -- scalar helpers ------------------------------------------------------------------------ */
+
+static inline float bf16f(uint16_t b) {
+    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
+    return v.f;
+}
+
+/* D values of dtype `kind` to fp32 */
+static void load_row(const void *p, int kind, int D, float *restrict o) {
+    if (kind == R_FP16) for (int d = 0; d < D; d++) o[d] = (float)((const f16 *)p)[d];
+    else if (kind == R_BF16) for (int d = 0; d < D; d++) o[d] = bf16f(((const uint16_t *)p)[d]);
+    else memcpy(o, p, sizeof(float) * D);
+}
+
+/* x rounded to dtype `kind` and back (nearest even), as torch's .to(ring dtype) */
+static void round_row(float *x, int kind, int D) {
+    if (kind == R_FP16) {
+        for (int d = 0; d < D; d++) x[d] = (float)(f16)x[d];
+    } else if (kind == R_BF16) {
+        for (int d = 0; d < D; d++) {
+            union { float f; uint32_t u; } v = { x[d] };
+            v.u = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) & 0xFFFF0000u;
+            x[d] = v.f;
+        }
+    }
+}
+
+/* channel order <-> working order: with `pair`, position 32b + i (i < 16) holds channel
+ * 32b + 2i and 32b + 16 + i holds 32b + 2i + 1 (the two nibble planes of 16 code bytes) */
+static void to_work(const float *restrict x, int D, int pair, float *restrict o) {
+    if (!pair) { memcpy(o, x, sizeof(float) * D); return; }
+    for (int b = 0; b < D; b += 32)
+        for (int i = 0; i < 16; i++) { o[b + i] = x[b + 2 * i]; o[b + 16 + i] = x[b + 2 * i + 1]; }
+}
+
+static void from_work(float *x, int D, int pair) {
+    if (!pair) return;
+    float t[MAXD];
+    memcpy(t, x, sizeof(float) * D);
+    for (int b = 0; b < D; b += 32)
+        for (int i = 0; i < 16; i++) { x[b + 2 * i] = t[b + i]; x[b + 2 * i + 1] = t[b + 16 + i]; }
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int D) {
+    float s = 0.f;
+    for (int d = 0; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* exp for x <= 0 (logits minus the row max), vectorizable: 2^n * p(r), |rel err| < 2e-7
+ * (the same polynomial as decode_attention.c) */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    float n = __builtin_roundf(x * 1.44269504f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { uint32_t u; float f; } s = { (uint32_t)((int32_t)n + 127) << 23 };
+    return p * s.f;
+}
+
+static inline const uint8_t *codes_at(const RingStore *s, int layer, int h, int64_t t) {
+    return s->codes + layer * s->cs[0] + h * s->cs[1] + t * s->cs[2];
+}
+
+static inline int64_t param_off(const RingStore *s, int layer, int h, int64_t t) {
+    return layer * s->ss[0] + h * s->ss[1] + t * s->ss[2];
+}
+
+/* -- phase 0: the new row's codes, bit-identical to _RingStore.write ----------------------------
+ * Every float op is a separate IEEE op as in torch (no contraction or reassociation), fp16
+ * conversions round to nearest even, codes round half to even (rintf). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off", "no-associative-math")
+
+static void quant_row(const float *x, int D, int bits, int group, uint8_t *codes, f16 *scale,
+                      f16 *mn) {
+    const int top = (1 << bits) - 1;
+    uint8_t c[MAXD];
+    for (int g0 = 0, gi = 0; g0 < D; g0 += group, gi++) {
+        float lo = x[g0], hi = x[g0];
+        for (int d = g0 + 1; d < g0 + group; d++) {
+            lo = x[d] < lo ? x[d] : lo;
+            hi = x[d] > hi ? x[d] : hi;
+        }
+        float sv = (hi - lo) / (float)top;
+        if (sv < 1e-8f) sv = 1e-8f;                  /* clamp_min (fp16 rounds it to 0) */
+        f16 s = (f16)sv, m = (f16)lo;
+        float sf = (float)s, mf = (float)m;
+        scale[gi] = s;
+        mn[gi] = m;
+        for (int d = g0; d < g0 + group; d++) {
+            float q = rintf((x[d] - mf) / sf);         /* 0/0 (scale 0) is NaN: code 0 */
+            c[d] = q != q ? 0 : q < 0.f ? 0 : q > (float)top ? (uint8_t)top : (uint8_t)q;
+        }
+    }
+    if (bits == 8) {
+        memcpy(codes, c, D);
+    } else {
+        for (int i = 0; i < D / 2; i++) codes[i] = (uint8_t)(c[2 * i] | (c[2 * i + 1] << 4));
+    }
+}
+#pragma GCC pop_options
+
+/* -- portable path: one slot dequantized into L1 in channel order ----------------------------- */
+
+static void deq_row(const RingStore *s, int layer, int h, int64_t t, int D, int bits, int group,
+                    float *restrict o) {
+    const uint8_t *c = codes_at(s, layer, h, t);
+    const int64_t po = param_off(s, layer, h, t);
+    if (bits == 4) {
+        for (int i = 0; i < D / 2; i++) { o[2 * i] = (float)(c[i] & 15); o[2 * i + 1] = (float)(c[i] >> 4); }
+    } else {
+        for (int d = 0; d < D; d++) o[d] = (float)c[d];
+    }
+    for (int g0 = 0, gi = 0; g0 < D; g0 += group, gi++) {
+        float sg = (float)s->scale[po + gi], mg = (float)s->min[po + gi];
+        for (int d = g0; d < g0 + group; d++) o[d] = o[d] * sg + mg;
+    }
+}
+
+/* sc[r * n + t] = q_r . k_t for slots t in [t0, t1) of head h (none of them the new one) */
+static void k_logits_plain(const RingArgs *a, int h, int64_t t0, int64_t t1, const float *q,
+                           float *sc) {
+    float row[MAXD];
+    for (int64_t t = t0; t < t1; t++) {
+        deq_row(&a->k, a->layer, h, t, a->D, a->bits, a->group, row);
+        for (int r = 0; r < a->Gq; r++) sc[r * a->n + t] = dot(q + r * a->D, row, a->D);
+    }
+}
+
+/* acc[r] += p[r * n + t] v_t over slots [t0, t1) of head h */
+static void v_mix_plain(const RingArgs *a, int h, int64_t t0, int64_t t1, const float *p,
+                        float *acc) {
+    float row[MAXD];
+    const int D = a->D;
+    for (int64_t t = t0; t < t1; t++) {
+        deq_row(&a->v, a->layer, h, t, D, a->bits, a->group, row);
+        for (int r = 0; r < a->Gq; r++) {
+            float pr = p[r * a->n + t];
+            for (int d = 0; d < D; d++) acc[r * D + d] += pr * row[d];
+        }
+    }
+}
+
+/* -- AVX-512 path: codes decoded and dequantized in registers ------------------------------- */
+#if HAVE_FAST
+
+/* 32 dequantized values of one slot at channel block d0 (working order) into v0, v1 */
+static inline __attribute__((always_inline)) void deq32(const uint8_t *c, const f16 *sp,
+        const f16 *mp, int d0, int bits, int group, __m512 *v0, __m512 *v1) {
+    __m512 s0, m0, s1, m1;
+    if (bits == 4) {                       /* 16 bytes: low nibbles, then high nibbles */
+        __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d0 / 2)));
+        *v0 = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+        *v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+        s0 = s1 = _mm512_set1_ps((float)sp[d0 / group]);
+        m0 = m1 = _mm512_set1_ps((float)mp[d0 / group]);
+    } else {
+        *v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d0))));
+        *v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d0 + 16))));
+        s0 = _mm512_set1_ps((float)sp[d0 / group]);
+        m0 = _mm512_set1_ps((float)mp[d0 / group]);
+        s1 = _mm512_set1_ps((float)sp[(d0 + 16) / group]);
+        m1 = _mm512_set1_ps((float)mp[(d0 + 16) / group]);
+    }
+    *v0 = _mm512_fmadd_ps(*v0, s0, m0);
+    *v1 = _mm512_fmadd_ps(*v1, s1, m1);
+}
+
+/* lane i of the result = sum of the 16 lanes of v[i] (as decode_attention.c) */
+static inline __m512 hsum16x16(const __m512 v[16]) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* part[i][j] = lane sums of q_i . k_t for NR rows (the 16 lanes still to be reduced) */
+static inline __attribute__((always_inline)) void kdot_slot(const RingArgs *a, int h, int64_t t,
+        const float *q, __m512 (*part)[16], int j, const int NR) {
+    const int D = a->D;
+    const uint8_t *c = codes_at(&a->k, a->layer, h, t);
+    const int64_t po = param_off(&a->k, a->layer, h, t);
+    __m512 acc[8];
+    for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        __m512 k0, k1;
+        deq32(c, a->k.scale + po, a->k.min + po, d0, a->bits, a->group, &k0, &k1);
+        for (int i = 0; i < NR; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + d0), k0, acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + d0 + 16), k1, acc[i]);
+        }
+    }
+    for (int i = 0; i < NR; i++) part[i][j] = acc[i];
+}
+
+static void k_logits_fast(const RingArgs *a, int h, int64_t t0, int64_t t1, const float *q,
+                          float *sc) {
+    __m512 part[MAXR][16];
+    const int R = a->Gq;
+    for (int64_t tb = t0; tb < t1; tb += 16) {
+        int nb = t1 - tb < 16 ? (int)(t1 - tb) : 16;
+        for (int j = 0; j < nb; j++) {
+            int r0 = 0;
+#define KS(nr) kdot_slot(a, h, tb + j, q + r0 * a->D, part + r0, j, nr)
+            for (; r0 + 8 <= R; r0 += 8) KS(8);
+            switch (R - r0) {
+            case 7: KS(7); break; case 6: KS(6); break; case 5: KS(5); break;
+            case 4: KS(4); break; case 3: KS(3); break; case 2: KS(2); break;
+            case 1: KS(1); break; default: break;
+            }
+#undef KS
+        }
+        for (int r = 0; r < R; r++) {
+            for (int j = nb; j < 16; j++) part[r][j] = _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(sc + r * a->n + tb, (__mmask16)((1u << nb) - 1), hsum16x16(part[r]));
+        }
+    }
+}
+
+/* acc (NR rows, 32 channels at d0, working order) += p_t v_t over slots [t0, t1) */
+static inline __attribute__((always_inline)) void vmix_block(const RingArgs *a, int h, int64_t t0,
+        int64_t t1, int d0, const float *p, float *acc, const int NR) {
+    const int D = a->D;
+    __m512 x[8][2];
+    for (int i = 0; i < NR; i++) {
+        x[i][0] = _mm512_loadu_ps(acc + i * D + d0);
+        x[i][1] = _mm512_loadu_ps(acc + i * D + d0 + 16);
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t po = param_off(&a->v, a->layer, h, t);
+        __m512 v0, v1;
+        deq32(codes_at(&a->v, a->layer, h, t), a->v.scale + po, a->v.min + po, d0, a->bits,
+              a->group, &v0, &v1);
+        for (int i = 0; i < NR; i++) {
+            __m512 pb = _mm512_set1_ps(p[i * a->n + t]);
+            x[i][0] = _mm512_fmadd_ps(pb, v0, x[i][0]);
+            x[i][1] = _mm512_fmadd_ps(pb, v1, x[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        _mm512_storeu_ps(acc + i * D + d0, x[i][0]);
+        _mm512_storeu_ps(acc + i * D + d0 + 16, x[i][1]);
+    }
+}
+
+static void v_mix_fast(const RingArgs *a, int h, int64_t t0, int64_t t1, const float *p,
+                       float *acc) {
+    const int R = a->Gq;
+    for (int d0 = 0; d0 < a->D; d0 += 32) {
+        int r0 = 0;
+#define VM(nr) vmix_block(a, h, t0, t1, d0, p + r0 * a->n, acc + r0 * a->D, nr)
+        for (; r0 + 8 <= R; r0 += 8) VM(8);
+        switch (R - r0) {
+        case 7: VM(7); break; case 6: VM(6); break; case 5: VM(5); break;
+        case 4: VM(4); break; case 3: VM(3); break; case 2: VM(2); break;
+        case 1: VM(1); break; default: break;
+        }
+#undef VM
+    }
+}
+#endif
+
+/* -- the op ------------------------------------------------------------------------------------ */
+
+int kvrun_ring_attention(const RingArgs *a) {
+    const int Hkv = a->Hkv, Gq = a->Gq, D = a->D, H = Hkv * Gq;
+    const int64_t n = a->n, slot = a->slot;
+    if (D > MAXD || D < 1 || Gq > MAXR || Gq < 1 || (a->bits != 4 && a->bits != 8)
+        || a->group < 1 || D % a->group || (a->bits == 4 && D % 2) || slot < 0 || slot >= n)
+        return 1;
+    const int fast = HAVE_FAST && D % 32 == 0 && a->group % (a->bits == 4 ? 32 : 16) == 0;
+    const int pair = fast && a->bits == 4;
+    const float qscale = 1.f / sqrtf((float)D);
+
+    /* phase 0: the new rows, rounded to the ring dtype, into their slot and kept in fp32 */
+    float row[MAXD];
+    for (int h = 0; h < Hkv; h++) {
+        const RingStore *st[2] = { &a->k, &a->v };
+        const void *src[2] = { (const char *)a->kn, (const char *)a->vn };
+        int64_t off[2] = { h * a->kns, h * a->vns };
+        int dt[2] = { a->kdtype, a->vdtype };
+        float *keep[2] = { a->kx + (int64_t)h * D, a->vx + (int64_t)h * D };
+        for (int role = 0; role < 2; role++) {
+            int sz = dt[role] == R_FP32 ? 4 : 2;
+            load_row((const char *)src[role] + off[role] * sz, dt[role], D, row);
+            round_row(row, a->rdtype, D);
+            const int64_t po = param_off(st[role], a->layer, h, slot);
+            quant_row(row, D, a->bits, a->group, (uint8_t *)codes_at(st[role], a->layer, h, slot),
+                      st[role]->scale + po, st[role]->min + po);
+            to_work(row, D, pair, keep[role]);
+        }
+    }
+    for (int hq = 0; hq < H; hq++) {                       /* rows of KV head h: g = 0..Gq-1 */
+        int sz = a->qdtype == R_FP32 ? 4 : 2;
+        load_row((const char *)a->q + hq * a->qs * sz, a->qdtype, D, row);
+        for (int d = 0; d < D; d++) row[d] *= qscale;
+        to_work(row, D, pair, a->qp + (int64_t)hq * D);
+    }
+
+    int nsplit = (int)(n * Hkv / SPLIT_MIN) + 1;
+    if (nsplit > a->nthreads) nsplit = a->nthreads < 1 ? 1 : a->nthreads;
+#pragma omp parallel num_threads(nsplit) if (nsplit > 1)
+    {
+        /* phase 1: logits, slots split over threads; the new slot from its fp32 row */
+#pragma omp for schedule(static)
+        for (int sp = 0; sp < nsplit; sp++) {
+            int64_t t0 = n * sp / nsplit, t1 = n * (sp + 1) / nsplit;
+            for (int h = 0; h < Hkv; h++) {
+                const float *q = a->qp + (int64_t)h * Gq * D;
+                float *sc = a->sc + (int64_t)h * Gq * n;
+                int64_t cut[2][2] = { { t0, slot < t0 ? t0 : slot < t1 ? slot : t1 },
+                                      { slot + 1 > t0 ? slot + 1 : t0, t1 } };
+                for (int k = 0; k < 2; k++) {
+                    if (cut[k][0] >= cut[k][1]) continue;
+#if HAVE_FAST
+                    if (fast) { k_logits_fast(a, h, cut[k][0], cut[k][1], q, sc); continue; }
+#endif
+                    k_logits_plain(a, h, cut[k][0], cut[k][1], q, sc);
+                }
+                if (slot >= t0 && slot < t1)
+                    for (int r = 0; r < Gq; r++) sc[r * n + slot] = dot(q + r * D, a->kx + (int64_t)h * D, D);
+            }
+        }
+        /* phase 2: one exact softmax per row */
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < H; hr++) {
+            float *s = a->sc + (int64_t)hr * n;
+            float m = -INFINITY;
+            for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+            float den = 0.f;
+            for (int64_t t = 0; t < n; t++) { float e = exp_neg(s[t] - m); s[t] = e; den += e; }
+            float inv = 1.f / den;
+            for (int64_t t = 0; t < n; t++) s[t] *= inv;
+        }
+        /* phase 3: p.V into per-split partial outputs (nsplit, H, D), the same splits */
+#pragma omp for schedule(static)
+        for (int sp = 0; sp < nsplit; sp++) {
+            float *part = a->part + (int64_t)sp * H * D;
+            memset(part, 0, sizeof(float) * H * D);
+            int64_t t0 = n * sp / nsplit, t1 = n * (sp + 1) / nsplit;
+            for (int h = 0; h < Hkv; h++) {
+                const float *p = a->sc + (int64_t)h * Gq * n;
+                float *acc = part + (int64_t)h * Gq * D;
+                int64_t cut[2][2] = { { t0, slot < t0 ? t0 : slot < t1 ? slot : t1 },
+                                      { slot + 1 > t0 ? slot + 1 : t0, t1 } };
+                for (int k = 0; k < 2; k++) {
+                    if (cut[k][0] >= cut[k][1]) continue;
+#if HAVE_FAST
+                    if (fast) { v_mix_fast(a, h, cut[k][0], cut[k][1], p, acc); continue; }
+#endif
+                    v_mix_plain(a, h, cut[k][0], cut[k][1], p, acc);
+                }
+                if (slot >= t0 && slot < t1) {
+                    const float *vx = a->vx + (int64_t)h * D;
+                    for (int r = 0; r < Gq; r++) {
+                        float pr = p[r * n + slot];
+                        for (int d = 0; d < D; d++) acc[r * D + d] += pr * vx[d];
+                    }
+                }
+            }
+        }
+        /* the splits summed, back to channel order, un-rotated (o R_v^T) */
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < H; hr++) {
+            float o[MAXD] = {0};
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float *pp = a->part + ((int64_t)sp * H + hr) * D;
+                for (int d = 0; d < D; d++) o[d] += pp[d];
+            }
+            from_work(o, D, pair);
+            float *dst = a->out + (int64_t)hr * D;
+            if (a->rvt) {
+                float y[MAXD] = {0};
+                for (int e = 0; e < D; e++) {
+                    const float *m = a->rvt + (int64_t)e * D;
+                    for (int d = 0; d < D; d++) y[d] += o[e] * m[d];
+                }
+                memcpy(dst, y, sizeof(float) * D);
+            } else {
+                memcpy(dst, o, sizeof(float) * D);
+            }
+        }
+    }
+    return 0;
+}

@@ -1,4 +1,4 @@
-"""Converters into kvrun's model directory format (DESIGN.md §2).
+"""Converters into kvrun's model directory format (convert/writer.py).
 
 `convert_hf` reads an HF checkpoint folder (config.json + *.safetensors + tokenizer.json);
 `convert_gguf` reads a llama.cpp GGUF file, dequantizing its weights and rebuilding its

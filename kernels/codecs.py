@@ -1,4 +1,4 @@
-"""Codec registry: method names → codec objects (DESIGN §4).
+"""Codec registry: method names → codec objects (adding a codec: docs/architecture.md).
 
 Method names: fp16, bf16, fp32 (uncompressed), int8, kivi-2, kivi-4, tada-2, tada-4, tada-8, and GEAR on a KIVI
 backbone: gear-l / gear (4-bit backbone), gear-l-2 / gear-2 (2-bit), gear-l-4 / gear-4.

@@ -1,4 +1,4 @@
-"""rope_compress_k and vproj_compress (DESIGN §7 ops 1-2), torch implementation: the write
+"""rope_compress_k and vproj_compress (kernels/dispatch.py), torch implementation: the write
 half of a decode step. New K rows get RoPE, new V rows come out of the V projection (or
 arrive as rows when the model's v_proj is weight-quantized and ran its own op); both are
 rounded to the window dtype and appended to the layer's residual window, and (flush=True)

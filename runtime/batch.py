@@ -1,5 +1,5 @@
 """Batched decoding: many sequences, each on its own KV cache, one forward per step
-(DESIGN §10; continuous batching as in Orca / vLLM, llama.cpp's server slots).
+(continuous batching as in Orca / vLLM, llama.cpp's server slots; docs/architecture.md).
 
 A `Sequence` is one generation: its own `Engine` (its cache: window, tail, positions,
 codec and eviction state; the ids it holds), its sampling state and its text. A `Batch`

@@ -1,4 +1,4 @@
-"""`kvrun search`: per-layer KV precision search under a memory budget (DESIGN §6; TaDA §3.3
+"""`kvrun search`: per-layer KV precision search under a memory budget (kv/profile.py; TaDA §3.3
 "Searching for quantization precision" and Appendix B).
 
 Objective: mean KL(P_fp16 ‖ P_profile) of next-token distributions on a calibration text,

@@ -1,4 +1,4 @@
-"""The arena's fused-write decode step (KVArena.write_attend, DESIGN §7): the fused write
+"""The arena's fused-write decode step (KVArena.write_attend, docs/architecture.md): the fused write
 ops (dispatch.rope_compress_k / vproj_compress, flush=False) write the new K/V into the
 window, dispatch.decode_attention reads tail + window, then the leaving blocks are packed.
 

@@ -1,5 +1,5 @@
 """decode_attention, Triton: split-K flash-decoding over the compressed tail + window + new
-tokens (DESIGN §7 op 3), reading the packed codes directly (no dequantized copy of the
+tokens (kernels/dispatch.py), reading the packed codes directly (no dequantized copy of the
 cache). Same signature and semantics as kernels/decode_attention.py (the torch path, which
 is this kernel's test oracle).
 

@@ -1,4 +1,4 @@
-"""rope_compress_k and vproj_compress, Triton (DESIGN §7 ops 1-2): one launch per layer per
+"""rope_compress_k and vproj_compress, Triton (kernels/dispatch.py): one launch per layer per
 call computes the new K rows with RoPE (or the new V rows with the V projection, or takes
 V rows as given when the model's v_proj is weight-quantized), appends them to the residual
 window, and packs the tokens that leave the window into the codec's tail storage straight

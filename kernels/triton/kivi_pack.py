@@ -1,6 +1,6 @@
 """kivi_pack, Triton: KIVI's compression of a flushed block (K per channel over G-token
 groups, V per token over g-channel groups) written straight into the codec's packed storage
-— the compress half of DESIGN §7 ops 1-2 for the KIVI codec. Bit-identical to
+— the pack op of kernels/dispatch.py for the KIVI codec. Bit-identical to
 `KiviCodec.pack` (codes, fp16 scales and zeros): the same min-max parameters (zero = lo
 rounded to fp16, scale = (hi − zero)/qmax rounded to fp16 and nudged up one ulp if it does
 not reach hi), IEEE division (div_rn), round-half-even (the 1.5·2^23 trick, exact for

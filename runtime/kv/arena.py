@@ -1,5 +1,5 @@
 """The compressed KV arena: a full-precision residual window + a compressed tail per layer
-(DESIGN §3), behind the same interface as DenseKVCache (positions / attend / commit /
+(docs/architecture.md), behind the same interface as DenseKVCache (positions / attend / commit /
 truncate / reset / nbytes).
 
 Per layer (codecs may differ per layer and between K and V):
@@ -38,7 +38,7 @@ double quantization of those tokens (K rotated and re-quantized; V re-quantized 
 own reconstruction, which for RTN min-max per token is nearly idempotent), once every
 ~ctx/2 generated tokens.
 
-Token eviction (`KVConfig.evict`, DESIGN §5) is the third policy: the tail is allocated for
+Token eviction (`KVConfig.evict`, evict.py) is the third policy: the tail is allocated for
 the budget instead of max_ctx and arena_evict.ArenaEviction takes over the append path
 (per-KV-head token sets, dirty blocks re-packed in place; see that module). Positions stay
 absolute (`seq_len`), so n_tail + n_win + evicted == seq_len.
@@ -64,8 +64,8 @@ from .cache import KV_DTYPES, DenseKVCache, NewKV
 from .config import KVConfig, parse_kv
 from .ring import LayeredKVCache, SlidingWindowKV, ring_bits
 
-# write_attend's largest step: decode and short chunks, the query counts DESIGN §7 sizes
-# decode_attention for (1..64); prefill chunks keep attend
+# write_attend's largest step: decode steps and short chunks of up to 64 new tokens;
+# longer prefill chunks keep attend
 WRITE_ATTEND_MAX_T = 64
 
 

@@ -1,4 +1,4 @@
-"""Token eviction inside the KV arena (DESIGN §5): bounded memory for any sequence length.
+"""Token eviction inside the KV arena (policies: evict.py): bounded memory for any sequence length.
 
 With `--evict POLICY --kv-budget N` the arena's tail holds S_l = N - (R + G) tokens per
 layer (whole blocks of G; per-layer for pyramidkv), allocated once, so the window's R + G

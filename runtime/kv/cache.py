@@ -14,7 +14,7 @@ so the model code never changes:
     can_shift                       whether a full context shifts (the arena's shift()) or errors
     nbytes() -> dict                exact bytes by component
 
-A cache may also offer the fused-write step of DESIGN §7 (the compressed arena on the
+A cache may also offer the fused-write step (docs/architecture.md; the compressed arena on the
 torch and Triton backends); the model asks with getattr, so this dense cache needs neither:
 
     takes_new_kv(layer, T) -> bool  this step can be written from the fused ops' inputs
@@ -61,7 +61,7 @@ class DenseKVCache:
     `windows[l]` > 0 makes layer l a sliding-window layer (Gemma 3's local layers,
     ModelConfig.layer_windows): each query attends only to the last `windows[l]` tokens, its
     own included. The window is a mask over the full-length buffer; a ring of the window's
-    size only (DESIGN §9) is the arena's job."""
+    size only is ring.py's SlidingWindowKV."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
                  dtype: torch.dtype = torch.float16, batch: int = 1, device="cpu",

@@ -54,7 +54,7 @@ class KVConfig:
     rotate: str = "none"            # Hadamard rotation along D before quantizing: none | k | v | kv
     rotate_seed: int | None = None  # random ±1 signs on top of the Hadamard matrix (None: no signs)
     layer_rotate: list | None = None    # per-layer rotate values from a profile
-    # token eviction (DESIGN §5, evict.py): a policy keeps at most `budget` tokens per layer
+    # token eviction (evict.py, arena_evict.py): a policy keeps at most `budget` tokens per layer
     evict: str = "none"             # none | streaming | h2o | snapkv | pyramidkv | kvcrush | kvcrush-h2o
     budget: int | None = None       # tokens per layer incl. the window (mean over layers for pyramidkv)
     sinks: int = 4                  # streaming: first tokens always kept

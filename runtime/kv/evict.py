@@ -1,4 +1,4 @@
-"""Token-eviction policies (DESIGN §5) as pure functions over score tensors.
+"""Token-eviction policies (arena_evict.py applies them) as pure functions over score tensors.
 
 Each policy answers one question: of the n candidate tokens of a layer, which k does every
 KV head keep? Inputs are the per-query-head attention mass the decode op reports

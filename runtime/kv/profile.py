@@ -1,4 +1,4 @@
-"""Per-layer KV precision profiles (DESIGN §6, TaDA §3.3 / Appendix B).
+"""Per-layer KV precision profiles (written by `kvrun search`; TaDA §3.3 / Appendix B).
 
 A profile is JSON written by `kvrun search` (or by hand):
 

@@ -19,12 +19,15 @@
  * Slots are split over OpenMP threads (torch's libgomp pool, as decode_attention.c), one
  * split per 256 head-slots at most, so a short ring does not wake threads for nothing.
  *
- * AVX-512 (D % 32 == 0; group % 32 == 0 at 4 bits, % 16 at 8): 16 bytes of 4-bit codes
- * decode to 32 codes in two registers, low nibbles (channels 2i) then high (2i+1); q, the
- * new rows and the partial outputs are kept in that per-32-channel "pair" order, so no
- * shuffle is needed, and restored to channel order once at the end. Logits of 16 slots are
- * reduced together (hsum16x16). The portable path (-DKVRUN_NO_AVX512, or other groups)
- * dequantizes each row into L1 in channel order and runs plain loops.
+ * Vector path (GCC vectors of the register width: 16 lanes on AVX-512, 8 on AVX2, so the
+ * same code is tested on either; needs D and, at 4 bits, the group divisible by BC = 2 lanes,
+ * at 8 bits the group by the lane count): a slot's codes are decoded and dequantized in
+ * registers, BC channels at a time; 4-bit codes decode as the low nibbles (channels 2i)
+ * then the high ones (2i+1), so q, the new rows and the partial outputs are kept in that
+ * "pair" order (no shuffle per slot) and restored to channel order once at the end; the
+ * logits of VL slots are reduced together (hsum_tokens). The portable path
+ * (-DKVRUN_NO_AVX512, the build KVRUN_NATIVE=portable loads, or other groups) dequantizes
+ * each slot into L1 in channel order and runs plain loops.
  *
  * Bytes read per decode step and layer: the n slots' codes, scales and mins of K and V once
  * each, 2 Hkv n (D bits/8 + 4 D/group) bytes (Gemma 3 270M at n = 512, D 256, group 32,
@@ -36,8 +39,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
-#include <immintrin.h>
+#if !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
 #else
 #define HAVE_FAST 0
@@ -95,20 +97,21 @@ static void round_row(float *x, int kind, int D) {
     }
 }
 
-/* channel order <-> working order: with `pair`, position 32b + i (i < 16) holds channel
- * 32b + 2i and 32b + 16 + i holds 32b + 2i + 1 (the two nibble planes of 16 code bytes) */
-static void to_work(const float *restrict x, int D, int pair, float *restrict o) {
-    if (!pair) { memcpy(o, x, sizeof(float) * D); return; }
-    for (int b = 0; b < D; b += 32)
-        for (int i = 0; i < 16; i++) { o[b + i] = x[b + 2 * i]; o[b + 16 + i] = x[b + 2 * i + 1]; }
+/* channel order <-> working order: with pair blocks of P channels (P = 2 VL, 0: channel
+ * order), position b + i (i < P/2) holds channel b + 2i and b + P/2 + i holds b + 2i + 1
+ * (the low and high nibbles of P/2 code bytes) */
+static void to_work(const float *restrict x, int D, int P, float *restrict o) {
+    if (!P) { memcpy(o, x, sizeof(float) * D); return; }
+    for (int b = 0; b < D; b += P)
+        for (int i = 0; i < P / 2; i++) { o[b + i] = x[b + 2 * i]; o[b + P / 2 + i] = x[b + 2 * i + 1]; }
 }
 
-static void from_work(float *x, int D, int pair) {
-    if (!pair) return;
+static void from_work(float *x, int D, int P) {
+    if (!P) return;
     float t[MAXD];
     memcpy(t, x, sizeof(float) * D);
-    for (int b = 0; b < D; b += 32)
-        for (int i = 0; i < 16; i++) { x[b + 2 * i] = t[b + i]; x[b + 2 * i + 1] = t[b + 16 + i]; }
+    for (int b = 0; b < D; b += P)
+        for (int i = 0; i < P / 2; i++) { x[b + 2 * i] = t[b + i]; x[b + 2 * i + 1] = t[b + P / 2 + i]; }
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int D) {
@@ -219,130 +222,160 @@ static void v_mix_plain(const RingArgs *a, int h, int64_t t0, int64_t t1, const 
     }
 }
 
-/* -- AVX-512 path: codes decoded and dequantized in registers ------------------------------- */
+/* -- vector path: codes decoded and dequantized in registers ---------------------------------
+ * GCC vectors of VL lanes, the machine's register width (16 floats on AVX-512, 8 on AVX2),
+ * so the same code runs and is tested on either. A block of BC = 2 VL channels is decoded
+ * at a time: VL bytes of 4-bit codes (low nibbles, then high) or 2 VL bytes of 8-bit ones. */
 #if HAVE_FAST
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#define BC (2 * VL)
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef uint8_t vb __attribute__((vector_size(VL)));
 
-/* 32 dequantized values of one slot at channel block d0 (working order) into v0, v1 */
-static inline __attribute__((always_inline)) void deq32(const uint8_t *c, const f16 *sp,
-        const f16 *mp, int d0, int bits, int group, __m512 *v0, __m512 *v1) {
-    __m512 s0, m0, s1, m1;
-    if (bits == 4) {                       /* 16 bytes: low nibbles, then high nibbles */
-        __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d0 / 2)));
-        *v0 = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
-        *v1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-        s0 = s1 = _mm512_set1_ps((float)sp[d0 / group]);
-        m0 = m1 = _mm512_set1_ps((float)mp[d0 / group]);
+static inline __attribute__((always_inline)) vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline __attribute__((always_inline)) void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline __attribute__((always_inline)) vi bytes(const uint8_t *p) {   /* VL bytes, zero-extended */
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vi);
+}
+
+/* BC dequantized values of one slot at channel block d0 (working order) into v0, v1;
+ * gx[i]: the group of channels VL i .. VL i + VL-1 (a table: an integer division per block
+ * cost more than the block's FMAs) */
+static inline __attribute__((always_inline)) void deq(const uint8_t *c, const f16 *sp,
+        const f16 *mp, int d0, int bits, const int *gx, vf *v0, vf *v1) {
+    const int g0 = gx[d0 / VL], g1 = gx[d0 / VL + 1];
+    if (bits == 4) {
+        vi w = bytes(c + d0 / 2);
+        float s = (float)sp[g0], m = (float)mp[g0];
+        *v0 = __builtin_convertvector(w & 15, vf) * s + m;
+        *v1 = __builtin_convertvector(w >> 4, vf) * s + m;
     } else {
-        *v0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d0))));
-        *v1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d0 + 16))));
-        s0 = _mm512_set1_ps((float)sp[d0 / group]);
-        m0 = _mm512_set1_ps((float)mp[d0 / group]);
-        s1 = _mm512_set1_ps((float)sp[(d0 + 16) / group]);
-        m1 = _mm512_set1_ps((float)mp[(d0 + 16) / group]);
+        *v0 = __builtin_convertvector(bytes(c + d0), vf) * (float)sp[g0] + (float)mp[g0];
+        *v1 = __builtin_convertvector(bytes(c + d0 + VL), vf) * (float)sp[g1] + (float)mp[g1];
     }
-    *v0 = _mm512_fmadd_ps(*v0, s0, m0);
-    *v1 = _mm512_fmadd_ps(*v1, s1, m1);
 }
 
-/* lane i of the result = sum of the 16 lanes of v[i] (as decode_attention.c) */
-static inline __m512 hsum16x16(const __m512 v[16]) {
-    __m512 s[8], u[4], w[2];
+/* lane j of the result = sum of the VL lanes of v[j]: rounds of pairwise folds, each halving
+ * the lanes per token and the number of vectors */
+static inline __attribute__((always_inline)) vf hsum_tokens(const vf v[VL]) {
+#if VL == 16
+    static const vi a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                    b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                    a2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                    b2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+                    a3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                    b3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+                    a4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+                    b4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf s[8], u[4], w[2];
     for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
+        s[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], a1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], b1);
+#else
+    static const vi a2 = {0, 1, 2, 3, 8, 9, 10, 11}, b2 = {4, 5, 6, 7, 12, 13, 14, 15},
+                    a3 = {0, 1, 4, 5, 8, 9, 12, 13}, b3 = {2, 3, 6, 7, 10, 11, 14, 15},
+                    a4 = {0, 2, 4, 6, 8, 10, 12, 14}, b4 = {1, 3, 5, 7, 9, 11, 13, 15};
+    const vf *s = v;
+    vf u[4], w[2];
+#endif
+    for (int i = 0; i < 4; i++)
+        u[i] = __builtin_shuffle(s[2 * i], s[2 * i + 1], a2) + __builtin_shuffle(s[2 * i], s[2 * i + 1], b2);
     for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+        w[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], a3) + __builtin_shuffle(u[2 * i], u[2 * i + 1], b3);
+    return __builtin_shuffle(w[0], w[1], a4) + __builtin_shuffle(w[0], w[1], b4);
 }
 
-/* part[i][j] = lane sums of q_i . k_t for NR rows (the 16 lanes still to be reduced) */
+/* part[i][j] = lane sums of q_i . k_t for NR rows (the VL lanes still to be reduced) */
 static inline __attribute__((always_inline)) void kdot_slot(const RingArgs *a, int h, int64_t t,
-        const float *q, __m512 (*part)[16], int j, const int NR) {
+        const float *q, const int *gx, vf (*part)[VL], int j, const int NR) {
     const int D = a->D;
     const uint8_t *c = codes_at(&a->k, a->layer, h, t);
     const int64_t po = param_off(&a->k, a->layer, h, t);
-    __m512 acc[8];
-    for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
-    for (int d0 = 0; d0 < D; d0 += 32) {
-        __m512 k0, k1;
-        deq32(c, a->k.scale + po, a->k.min + po, d0, a->bits, a->group, &k0, &k1);
-        for (int i = 0; i < NR; i++) {
-            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + d0), k0, acc[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + d0 + 16), k1, acc[i]);
-        }
+    vf acc[8];
+    for (int i = 0; i < NR; i++) acc[i] = (vf){0};
+    for (int d0 = 0; d0 < D; d0 += BC) {
+        vf k0, k1;
+        deq(c, a->k.scale + po, a->k.min + po, d0, a->bits, gx, &k0, &k1);
+        for (int i = 0; i < NR; i++)
+            acc[i] += vload(q + i * D + d0) * k0 + vload(q + i * D + d0 + VL) * k1;
     }
     for (int i = 0; i < NR; i++) part[i][j] = acc[i];
 }
 
 static void k_logits_fast(const RingArgs *a, int h, int64_t t0, int64_t t1, const float *q,
-                          float *sc) {
-    __m512 part[MAXR][16];
+                          const int *gx, float *sc) {
+    vf part[MAXR][VL];
     const int R = a->Gq;
-    for (int64_t tb = t0; tb < t1; tb += 16) {
-        int nb = t1 - tb < 16 ? (int)(t1 - tb) : 16;
+    for (int64_t tb = t0; tb < t1; tb += VL) {
+        int nb = t1 - tb < VL ? (int)(t1 - tb) : VL;
         for (int j = 0; j < nb; j++) {
             int r0 = 0;
-#define KS(nr) kdot_slot(a, h, tb + j, q + r0 * a->D, part + r0, j, nr)
-            for (; r0 + 8 <= R; r0 += 8) KS(8);
+#define KS(nr) kdot_slot(a, h, tb + j, q + r0 * a->D, gx, part + r0, j, nr)
+            for (; r0 + 4 <= R; r0 += 4) KS(4);
             switch (R - r0) {
-            case 7: KS(7); break; case 6: KS(6); break; case 5: KS(5); break;
-            case 4: KS(4); break; case 3: KS(3); break; case 2: KS(2); break;
-            case 1: KS(1); break; default: break;
+            case 3: KS(3); break; case 2: KS(2); break; case 1: KS(1); break;
+            default: break;
             }
 #undef KS
         }
         for (int r = 0; r < R; r++) {
-            for (int j = nb; j < 16; j++) part[r][j] = _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(sc + r * a->n + tb, (__mmask16)((1u << nb) - 1), hsum16x16(part[r]));
+            for (int j = nb; j < VL; j++) part[r][j] = (vf){0};
+            float l[VL];
+            vstore(l, hsum_tokens(part[r]));
+            memcpy(sc + r * a->n + tb, l, sizeof(float) * nb);
         }
     }
 }
 
-/* acc (NR rows, 32 channels at d0, working order) += p_t v_t over slots [t0, t1) */
+/* acc (NR rows, BC channels at d0, working order) += p_t v_t over slots [t0, t1) */
 static inline __attribute__((always_inline)) void vmix_block(const RingArgs *a, int h, int64_t t0,
-        int64_t t1, int d0, const float *p, float *acc, const int NR) {
+        int64_t t1, int d0, const int *gx, const float *p, float *acc, const int NR) {
     const int D = a->D;
-    __m512 x[8][2];
+    vf x[4][2];
     for (int i = 0; i < NR; i++) {
-        x[i][0] = _mm512_loadu_ps(acc + i * D + d0);
-        x[i][1] = _mm512_loadu_ps(acc + i * D + d0 + 16);
+        x[i][0] = vload(acc + i * D + d0);
+        x[i][1] = vload(acc + i * D + d0 + VL);
     }
     for (int64_t t = t0; t < t1; t++) {
         const int64_t po = param_off(&a->v, a->layer, h, t);
-        __m512 v0, v1;
-        deq32(codes_at(&a->v, a->layer, h, t), a->v.scale + po, a->v.min + po, d0, a->bits,
-              a->group, &v0, &v1);
+        vf v0, v1;
+        deq(codes_at(&a->v, a->layer, h, t), a->v.scale + po, a->v.min + po, d0, a->bits, gx,
+            &v0, &v1);
         for (int i = 0; i < NR; i++) {
-            __m512 pb = _mm512_set1_ps(p[i * a->n + t]);
-            x[i][0] = _mm512_fmadd_ps(pb, v0, x[i][0]);
-            x[i][1] = _mm512_fmadd_ps(pb, v1, x[i][1]);
+            float pt = p[i * a->n + t];
+            x[i][0] += pt * v0;
+            x[i][1] += pt * v1;
         }
     }
     for (int i = 0; i < NR; i++) {
-        _mm512_storeu_ps(acc + i * D + d0, x[i][0]);
-        _mm512_storeu_ps(acc + i * D + d0 + 16, x[i][1]);
+        vstore(acc + i * D + d0, x[i][0]);
+        vstore(acc + i * D + d0 + VL, x[i][1]);
     }
 }
 
-static void v_mix_fast(const RingArgs *a, int h, int64_t t0, int64_t t1, const float *p,
-                       float *acc) {
+static void v_mix_fast(const RingArgs *a, int h, int64_t t0, int64_t t1, const int *gx,
+                       const float *p, float *acc) {
     const int R = a->Gq;
-    for (int d0 = 0; d0 < a->D; d0 += 32) {
+    for (int d0 = 0; d0 < a->D; d0 += BC) {
         int r0 = 0;
-#define VM(nr) vmix_block(a, h, t0, t1, d0, p + r0 * a->n, acc + r0 * a->D, nr)
-        for (; r0 + 8 <= R; r0 += 8) VM(8);
+#define VM(nr) vmix_block(a, h, t0, t1, d0, gx, p + r0 * a->n, acc + r0 * a->D, nr)
+        for (; r0 + 4 <= R; r0 += 4) VM(4);
         switch (R - r0) {
-        case 7: VM(7); break; case 6: VM(6); break; case 5: VM(5); break;
-        case 4: VM(4); break; case 3: VM(3); break; case 2: VM(2); break;
-        case 1: VM(1); break; default: break;
+        case 3: VM(3); break; case 2: VM(2); break; case 1: VM(1); break;
+        default: break;
         }
 #undef VM
     }
 }
+#else
+#define BC 32
 #endif
 
 /* -- the op ------------------------------------------------------------------------------------ */
@@ -353,9 +386,12 @@ int kvrun_ring_attention(const RingArgs *a) {
     if (D > MAXD || D < 1 || Gq > MAXR || Gq < 1 || (a->bits != 4 && a->bits != 8)
         || a->group < 1 || D % a->group || (a->bits == 4 && D % 2) || slot < 0 || slot >= n)
         return 1;
-    const int fast = HAVE_FAST && D % 32 == 0 && a->group % (a->bits == 4 ? 32 : 16) == 0;
-    const int pair = fast && a->bits == 4;
+    const int fast = HAVE_FAST && D % BC == 0 && a->group % (a->bits == 4 ? BC : BC / 2) == 0;
+    const int pair = fast && a->bits == 4 ? BC : 0;
     const float qscale = 1.f / sqrtf((float)D);
+    int gx[MAXD / 8 + 1];                                  /* group of each BC/2 channels */
+    for (int i = 0; i < D / (BC / 2); i++) gx[i] = BC / 2 * i / a->group;
+    (void)gx;                                              /* unused without the vector path */
 
     /* phase 0: the new rows, rounded to the ring dtype, into their slot and kept in fp32 */
     float row[MAXD];
@@ -398,7 +434,7 @@ int kvrun_ring_attention(const RingArgs *a) {
                 for (int k = 0; k < 2; k++) {
                     if (cut[k][0] >= cut[k][1]) continue;
 #if HAVE_FAST
-                    if (fast) { k_logits_fast(a, h, cut[k][0], cut[k][1], q, sc); continue; }
+                    if (fast) { k_logits_fast(a, h, cut[k][0], cut[k][1], q, gx, sc); continue; }
 #endif
                     k_logits_plain(a, h, cut[k][0], cut[k][1], q, sc);
                 }
@@ -431,7 +467,7 @@ int kvrun_ring_attention(const RingArgs *a) {
                 for (int k = 0; k < 2; k++) {
                     if (cut[k][0] >= cut[k][1]) continue;
 #if HAVE_FAST
-                    if (fast) { v_mix_fast(a, h, cut[k][0], cut[k][1], p, acc); continue; }
+                    if (fast) { v_mix_fast(a, h, cut[k][0], cut[k][1], gx, p, acc); continue; }
 #endif
                     v_mix_plain(a, h, cut[k][0], cut[k][1], p, acc);
                 }

@@ -22,7 +22,10 @@ a ring cannot hold KIVI's G-token channel groups, and Gemma's QK-norm keeps K fr
 outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks the
 width from the KV method (build_cache: 16 for the dense methods, 8 when every method
 keeps >= 8 bits, else 4). As in the arena, the step's own new rows are attended in full
-precision and quantized when they are written.
+precision and quantized when they are written. A one-token step on codes is one op where the
+backend has it (kernels/dispatch.py `ring_step`: the native kernel reads the codes in place
+and writes the new slot bit-identical to `_RingStore.write`); `_attend` is its torch oracle
+and serves everything else (fp16 rings, chunks, the torch backend).
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
 too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
 the switch the arena uses for the global layers): rows are kept as x @ R, and attention runs in the rotated space — q is

@@ -128,6 +128,24 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp left
 
 
+def test_a_killed_builds_temp_is_removed_later(tmp_path, monkeypatch):
+    """SIGKILL (or SIGTERM in a program with no handler) skips the build's `finally`: the
+    next build removes a temp older than any compile, and leaves a fresh one (a concurrent
+    build's) alone."""
+    import os
+    import time
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
+    d = tmp_path / "native"
+    d.mkdir()
+    old, fresh = d / (native.TMP_PREFIX + "killed.so"), d / (native.TMP_PREFIX + "running.so")
+    old.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    t = time.time() - native.STALE_S - 60
+    os.utime(old, (t, t))
+    a = native._build()
+    assert sorted(p.name for p in d.iterdir()) == sorted([a.name, fresh.name])
+
+
 @pytest.fixture
 def portable(monkeypatch):
     """The kernel built without its AVX-512 paths: the (D, 32) tile path machines without

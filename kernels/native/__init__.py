@@ -45,6 +45,22 @@ def _compiler() -> str:
     return os.environ.get("CC", "gcc")
 
 
+TMP_PREFIX = ".build-"          # a compile in progress; renamed to its final name when done
+STALE_S = 3600                  # no compile takes an hour: such a temp was left by a kill
+
+
+def _remove_stale_builds(d: Path) -> None:
+    """Temps of compiles that a signal or a kill interrupted (the `finally` below does not
+    run on SIGKILL, nor on SIGTERM in a library that installs no handler)."""
+    import time
+    for p in d.glob(TMP_PREFIX + "*.so"):
+        try:
+            if time.time() - p.stat().st_mtime > STALE_S:
+                p.unlink()
+        except OSError:                 # removed by a concurrent build meanwhile
+            pass
+
+
 def _build(extra: tuple = ()) -> Path:
     """Compile (once) and return the shared object's path. `extra` flags make a variant,
     e.g. ("-DKVRUN_NO_AVX512",): the portable tile path the tests also check."""
@@ -57,7 +73,8 @@ def _build(extra: tuple = ()) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    _remove_stale_builds(out.parent)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         r = subprocess.run([cc, *flags, *map(str, SRCS), "-o", tmp, "-lm"], capture_output=True, text=True)

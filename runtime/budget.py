@@ -10,7 +10,7 @@ from .errors import KvrunError
 from .kv.arena import check_kv, kv_bytes_at
 from .kv.config import KVConfig, parse_kv
 
-# uniform configurations tried after the profiles, rotated (same bytes, lower KLD: README)
+# uniform configurations tried after the profiles, rotated (same bytes, lower KLD: docs/measurements.md)
 UNIFORM_FALLBACKS = ("int8+rot", "kivi-4+rot", "kivi-4@64+rot", "kivi-4/kivi-2+rot", "kivi-2+rot",
                      "kivi-2@64+rot")
 

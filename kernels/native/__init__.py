@@ -28,6 +28,7 @@ from pathlib import Path
 # (ring_attention.c)
 SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "decode_layer.c",
                                               "ring_attention.c")]
+HEADERS = [Path(__file__).with_name("math_inline.h")]    # included by the sources above
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 
@@ -65,7 +66,7 @@ def _build(extra: tuple = ()) -> Path:
     """Compile (once) and return the shared object's path. `extra` flags make a variant,
     e.g. ("-DKVRUN_NO_AVX512",): the portable tile path the tests also check."""
     cc = _compiler()
-    src = b"".join(p.read_bytes() for p in SRCS)
+    src = b"".join(p.read_bytes() for p in SRCS + HEADERS)     # a header edit rebuilds too
     flags = FLAGS + list(extra)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(src + ver.encode() + " ".join(flags).encode()).hexdigest()[:16]

@@ -39,6 +39,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+
+#include "math_inline.h"
 #if !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
 #else
@@ -114,29 +116,6 @@ static void from_work(float *x, int D, int P) {
         for (int i = 0; i < P / 2; i++) { x[b + 2 * i] = t[b + i]; x[b + 2 * i + 1] = t[b + P / 2 + i]; }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int D) {
-    float s = 0.f;
-    for (int d = 0; d < D; d++) s += a[d] * b[d];
-    return s;
-}
-
-/* exp for x <= 0 (logits minus the row max), vectorizable: 2^n * p(r), |rel err| < 2e-7
- * (the same polynomial as decode_attention.c) */
-static inline float exp_neg(float x) {
-    x = x < -87.f ? -87.f : x;
-    float n = __builtin_roundf(x * 1.44269504f);
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union { uint32_t u; float f; } s = { (uint32_t)((int32_t)n + 127) << 23 };
-    return p * s.f;
-}
 
 static inline const uint8_t *codes_at(const RingStore *s, int layer, int h, int64_t t) {
     return s->codes + layer * s->cs[0] + h * s->cs[1] + t * s->cs[2];

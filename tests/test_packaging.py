@@ -21,4 +21,5 @@ def test_every_package_dir_is_listed():
 def test_native_source_is_package_data():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "*.c" in cfg["package-data"]["kvrun.kernels.native"]
+    assert "*.h" in cfg["package-data"]["kvrun.kernels.native"]     # math_inline.h
     assert (ROOT / "kernels" / "native" / "decode_attention.c").is_file()

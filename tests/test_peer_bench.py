@@ -27,6 +27,16 @@ def test_a_peer_that_cannot_run_names_the_build_flags(monkeypatch, rc, stderr, w
     assert "-DGGML_AVX_VNNI=OFF" in why and "-DGGML_AMX_TILE=OFF" in why
 
 
+def test_build_flags_follow_the_cpu():
+    """An AVX2-only CPU must not be told to build llama.cpp with AVX-512 (it would fault)."""
+    avx2 = peer_bench.build_command({"avx", "avx2", "fma", "f16c"})
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2
+    zen4 = peer_bench.build_command({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni",
+                                     "avx512_bf16"})
+    assert "-DGGML_AVX512=ON" in zen4 and "-DGGML_AVX512_VNNI=ON" in zen4
+    assert "-DGGML_AVX_VNNI=OFF" in zen4 and "-DGGML_AMX_TILE=OFF" in zen4
+
+
 def test_table_has_both_runtimes_and_medians():
     a = SimpleNamespace(peer_kv=["f16"], kv_labels=["kivi-4"], p=8, n=2, depths=[0, 64])
     recs = [{"who": "llama.cpp", "kv": "f16", "test": "tg", "depth": 0, "ms": x} for x in (5, 7, 6)]

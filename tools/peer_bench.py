@@ -22,12 +22,34 @@ import subprocess
 import sys
 import time
 
-BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
-         '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF '
-         '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" MAKEFLAGS=-j2 '
-         'pip install --no-cache-dir llama-cpp-python')
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo), empty where it cannot tell."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_command(flags: set[str]) -> str:
+    """llama-cpp-python's build for this CPU: each ggml ISA switch on only where the CPU has
+    it. GGML_NATIVE is off because its probe faults on these VMs (AMX on the Intel ones;
+    AVX-VNNI, which -march=native assumes, is an illegal instruction on the AMD ones)."""
+    isa = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512": "avx512f",
+           "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
+    on = " ".join(f"-DGGML_{k}={'ON' if v in flags else 'OFF'}" for k, v in isa.items())
+    return (f'CMAKE_ARGS="-DGGML_NATIVE=OFF {on} -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF '
+            f'-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" MAKEFLAGS=-j2 '
+            'pip install --no-cache-dir llama-cpp-python')
+
+
+BUILD = build_command(cpu_flags())
 WHY = ("llama.cpp's native build faults on these VMs (AMX on the Intel ones; "
-       "-DGGML_AVX_VNNI=ON is an illegal instruction on the AMD ones); build it with:\n  " + BUILD)
+       "-DGGML_AVX_VNNI=ON is an illegal instruction on the AMD ones); build it for this "
+       "CPU with:\n  " + BUILD)
 # ggml_type values of llama.h for the KV cache
 PEER_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "bf16": 30}
 # bytes per element of those types (ggml block sizes), for the KV-bytes column

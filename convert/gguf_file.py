@@ -23,7 +23,6 @@ although GGUF lists dims innermost first. The tokenizer comes from gguf_tokenize
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Callable
@@ -33,6 +32,7 @@ import torch
 
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.files import file_sha256
 from kvrun.runtime.rope import inv_frequencies
 
 from .gguf_tokenizer import tokenizer_from_gguf
@@ -115,14 +115,6 @@ def read_metadata(reader) -> dict:
         except Exception as e:
             raise KvrunError(f"GGUF metadata field {key} is unreadable ({e})") from None
     return meta
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _rope_scaling(meta: dict, arch: str, head_dim: int, theta: float,

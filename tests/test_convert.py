@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvrun.convert import convert_gguf, convert_hf
-from kvrun.convert.gguf_file import file_sha256, hf_name, unpermute
+from kvrun.convert.gguf_file import hf_name, unpermute
+from kvrun.runtime.files import file_sha256
 from kvrun.convert.templates import detect_chat_template
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError

@@ -113,10 +113,6 @@ class ModelConfig:
                 raise KvrunError(f"config: {name} must be a finite number >= 0 (got {x!r})")
 
     @property
-    def gqa_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def layer_windows(self) -> list[int]:
         """Per layer the attention window in tokens: sliding_window for sliding layers, 0
         (everything cached) for full ones. Caches size and mask their layers by this."""

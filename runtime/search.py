@@ -241,9 +241,6 @@ class Search:
         self.rho[0] = 1.0
         self.progress(f"[search] sensitivity and uniform KLDs reused ({len(self.s)} slots)")
 
-    def predicted_loss(self, a) -> float:
-        return float(sum(self.s[i] * self.rho[j] for i, j in enumerate(a)))
-
     def knapsack(self) -> tuple:
         """Exact minimiser of the predicted loss under the budget (DP over byte units)."""
         n, M = 2 * self.L, len(self.methods)

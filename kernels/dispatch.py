@@ -1,5 +1,6 @@
-"""Backend choice for the decode-step ops (DESIGN §7): Triton on CUDA tensors; on CPU the
-native C kernel (kernels/native/, built with gcc at first use) when it builds, else torch.
+"""Backend choice for the decode-step ops: Triton on CUDA tensors; on CPU the native C
+kernel (kernels/native/, built with gcc at first use) when it builds, else torch (the
+path of a token through them: docs/architecture.md).
 
 `KVRUN_BACKEND=triton|native|torch` forces one. Triton on CPU tensors runs only in Triton's
 interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are first imported —

@@ -1,5 +1,5 @@
 """KV caches for models whose layers differ in what they attend to (Gemma 3: every 6th layer
-attends to everything, the others to their last 512 tokens; DESIGN §3, issue 17).
+attends to everything, the others to their last 512 tokens).
 
 `SlidingWindowKV` holds the sliding-window layers: a ring of W = min(window, max_ctx) slots
 per layer, in the window dtype. A token at position p lives in slot p mod W. A query at

@@ -82,6 +82,19 @@ def threads_option(f):
                         help=THREADS_HELP)(f)
 
 
+def eval_model_options(f):
+    """-m, --dtype, -b and -t for the evaluations (ppl, needle, bench): the model is loaded
+    once and each KV method gets its own cache, so no -c or --kv here."""
+    f = threads_option(f)
+    f = click.option("-b", "--batch-size", "prefill_chunk", default=512, show_default=True,
+                     type=int, help="Prefill chunk size in tokens.")(f)
+    f = click.option("--dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
+                     help="Compute dtype; auto = fp32 prefill + fp16 decode weights.")(f)
+    return click.option("-m", "--model", "model", default=None,
+                        help="Model directory or pullable name (default: embedded).")(f)
+
+
 def shipped_profile_names() -> str:
     from .kv.profile import shipped_profiles
     return ", ".join(p.stem for p in shipped_profiles()) or "none installed"
@@ -432,15 +445,11 @@ def convert(src, out, weights, group, dtype, force, verbose):
 @click.option("--chunk", default=32, show_default=True, type=int,
               help="Scored half fed in chunks of this many tokens (1 = strict decode order).")
 @click.option("--json", "as_json", is_flag=True, help="Print records as JSON on stdout.")
-@click.option("-m", "--model", "model", default=None, help="Model directory or pullable name (default: embedded).")
 @click.option("-c", "--ctx-size", "ctx", default=2048, show_default=True, type=int,
               help="Window size in tokens (first half context, second half scored).")
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
-@click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
-@threads_option
+@eval_model_options
 @eviction_options
-def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill, threads, **ev):
+def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, prefill_chunk, threads, **ev):
     """Perplexity and KL divergence vs the fp16 cache on a text FILE (llama-perplexity style)."""
     from .api import load
     from .ppl import format_table, perplexity
@@ -450,7 +459,7 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
     if evict:
         from .kv.config import parse_kv
         parse_kv("fp16", **evict)               # bad eviction flags fail before loading
-    m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
+    m = load(model, dtype=dtype, ctx=8, prefill_chunk=prefill_chunk, threads=threads, progress=eprint)
     warn_ctx(m.cfg, ctx, "-c")
     with partial_on_interrupt(as_json, format_table):
         records = perplexity(m, text, ctx, methods, windows, chunk, progress=eprint, evict=evict)
@@ -470,14 +479,10 @@ def ppl(file, kv_list, windows, chunk, as_json, model, ctx, dtype, chunk_prefill
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the full fp16 cache without eviction.")
 @click.option("--json", "as_json", is_flag=True, help="Records as JSON on stdout.")
-@click.option("-m", "--model", "model", default=None, help="Model directory or pullable name (default: embedded).")
-@click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
-@click.option("-b", "--batch-size", "chunk_prefill", default=512, show_default=True, type=int)
-@threads_option
+@eval_model_options
 @click.option("-s", "--seed", default=0, show_default=True, type=SEED)
 @eviction_options
-def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, chunk_prefill,
+def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, prefill_chunk,
            threads, seed, **ev):
     """Needle-in-a-haystack retrieval accuracy by depth, with FILE as the filler text."""
     from .api import load
@@ -495,7 +500,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
     for m in comma_list(kv_list, "--kv"):
         spec = parse_kv(m, **evict)
         specs[spec.label()] = spec
-    m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk_prefill, threads=threads, progress=eprint)
+    m = load(model, dtype=dtype, ctx=8, prefill_chunk=prefill_chunk, threads=threads, progress=eprint)
     warn_ctx(m.cfg, ctx, "-c")
     table = lambda rs: format_table(rs, ds, list(specs))    # noqa: E731 (the whole grid)
     with partial_on_interrupt(as_json, table):
@@ -504,7 +509,6 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
 
 
 @main.command(cls=CommonFirstCommand)
-@click.option("-m", "--model", "model", default=None, help="Model directory or pullable name (default: embedded).")
 @click.option("--kv", "kv_list", default="fp16,int8,kivi-2,kivi-4,tada-4,gear-l", show_default=True,
               help="Comma list of KV methods, measured side by side.")
 @click.option("-p", "--n-prompt", "pp", default="512", show_default=True,
@@ -522,9 +526,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
 @click.option("--json", "as_json", is_flag=True, help="Records as JSON on stdout.")
 @click.option("--csv", "as_csv", is_flag=True, help="Records as CSV on stdout.")
 @click.option("-o", "--plot", "plot_path", default=None, help="Save a ms/token-vs-depth plot (matplotlib).")
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
-@click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int)
-@threads_option
+@eval_model_options
 @click.option("-s", "--seed", default=0, show_default=True, type=SEED)
 @click.option("--batch", "batch", default=None,
               help="Comma list of batch sizes (e.g. 1,4,16): B sequences, each on its own cache, "
@@ -534,7 +536,7 @@ def needle(file, kv_list, ctx, depths, trials, baseline, as_json, model, dtype, 
                    "many MiB (the seeds' throughput experiment).")
 @eviction_options
 def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_csv, plot_path,
-          dtype, chunk, threads, seed, batch, budget_mb, **ev):
+          dtype, prefill_chunk, threads, seed, batch, budget_mb, **ev):
     """Measure pp/tg speed, KV bytes and peak memory for several KV methods side by side."""
     from . import bench as B
     from .kv.config import parse_kv
@@ -561,7 +563,7 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         raise KvrunError("--kv-budget-mb goes with --batch (e.g. --batch 1,4 --kv-budget-mb 256)")
     if batch is not None:
         return bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer,
-                               as_json, as_csv, plot_path, dtype, chunk, seed)
+                               as_json, as_csv, plot_path, dtype, prefill_chunk, seed)
     if layer is not None:
         n = one_count(ctx, "--ctx") if ctx else 32768
         name, (h, hkv, d) = B.parse_geometry(layer)
@@ -584,7 +586,7 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
         need = max([d_ + tg for d_ in d if tg] + pps)
         if need > MAX_BENCH_TOKENS:
             raise KvrunError(f"depth {need} tokens is beyond what this benchmark allocates (1M)")
-        m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
+        m = load(model, dtype=dtype, ctx=8, prefill_chunk=prefill_chunk, progress=eprint)
         warn_ctx(m.cfg, need, "a bench context of", "latency and memory figures are still valid")
         records = B.bench_model(m, specs, pps, tg, d, reps, fill=fill, seed=seed, progress=eprint)
         where = B.run_info(m.path.name)
@@ -605,7 +607,7 @@ def model_title(m) -> str:
 
 
 def bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer, as_json,
-                    as_csv, plot_path, dtype, chunk, seed):
+                    as_csv, plot_path, dtype, prefill_chunk, seed):
     """`kvrun bench --batch` (runtime/bench_batch.py)."""
     from . import bench as B
     from .api import load
@@ -618,7 +620,7 @@ def bench_batch_cmd(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill,
     d = count_list(depths, "-d") if depths is not None else ([one_count(ctx, "--ctx")] if ctx else [0])
     if len(d) != 1:
         raise KvrunError(f"--batch measures at one depth (got -d {depths})")
-    m = load(model, dtype=dtype, ctx=8, prefill_chunk=chunk, progress=eprint)
+    m = load(model, dtype=dtype, ctx=8, prefill_chunk=prefill_chunk, progress=eprint)
     warn_ctx(m.cfg, d[0] + tg, "a bench context of", "latency and memory figures are still valid")
     records = bench_batch(m, specs, batches, tg, d[0], reps, budget_mb, fill=fill, seed=seed,
                           progress=eprint)

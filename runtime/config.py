@@ -144,18 +144,3 @@ class ModelConfig:
         if "sliding_attention" not in self.layer_types:
             del d["layer_types"]     # all full: derived again from num_layers, as before
         return {"format": "kvrun", "format_version": 1, **d}
-
-    @classmethod
-    def tiny(cls, architecture: str = "llama", **kw) -> "ModelConfig":
-        """A small random-weight configuration for tests (GQA 4:2, two layers; gemma3: six
-        layers, the last global, GQA 4:1)."""
-        base = dict(architecture=architecture, vocab_size=256, hidden_size=64,
-                    intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                    max_position=512, rope_theta=10000.0, bos_token_id=1,
-                    eos_token_ids=[2], torch_dtype="fp32")
-        if architecture == "gemma3":        # one KV head of D 32, a window of 16, global layer 6
-            base.update(num_layers=6, num_kv_heads=1, head_dim=32, sliding_window=16,
-                        rope_theta=1e6, rope_local_theta=10000.0, tie_word_embeddings=True,
-                        rms_norm_eps=1e-6, chat_template="gemma")
-        base.update(kw)
-        return cls(**base)

@@ -7,14 +7,14 @@ import torch
 from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
-from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv import (DenseKVCache, KVArena, build_cache, kv_bytes_at, load_profile,
                               parse_kv, save_profile)
 from kvrun.runtime.model import Transformer
 from kvrun.runtime.rope import Rope, apply_rope
+from tiny import tiny_config
 
-CFG = ModelConfig.tiny(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
+CFG = tiny_config(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
                        max_position=1024)                            # D = 64, GQA 3
 L, Hkv, H, D = CFG.num_layers, CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
 

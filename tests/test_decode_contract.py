@@ -29,14 +29,14 @@ from torch.testing import assert_close                                    # noqa
 from attention_cases import dequantized_reference                         # noqa: E402
 from kvrun.kernels import dispatch, native                                # noqa: E402
 from kvrun.kernels.hadamard import rotate, unrotate                                 # noqa: E402
-from kvrun.runtime.config import ModelConfig                              # noqa: E402
 from kvrun.runtime.kv import build_cache, parse_kv                        # noqa: E402
 from kvrun.runtime.kv.cache import NewKV                                  # noqa: E402
 from kvrun.runtime.rope import Rope, apply_rope                           # noqa: E402
+from tiny import tiny_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_NATIVE = native.load() is not None
-CFG = ModelConfig.tiny(num_layers=1, num_heads=6, num_kv_heads=2, hidden_size=384,
+CFG = tiny_config(num_layers=1, num_heads=6, num_kv_heads=2, hidden_size=384,
                        max_position=1024)                                 # D = 64, GQA 3
 H, Hkv, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
 R = G = 32

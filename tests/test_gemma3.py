@@ -22,10 +22,10 @@ import torch
 import kvrun
 from kvrun.kernels.dense_attention import causal_mask, dense_attention
 from kvrun.runtime.chat_template import template_for
-from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv.cache import DenseKVCache
 from hf_oracle import greedy_pair
+from tiny import tiny_config
 
 # -- the real checkpoint ----------------------------------------------------------------------
 
@@ -185,13 +185,13 @@ def test_gemma_template_renders_like_its_jinja():
 
 
 def test_layer_kinds_from_the_config():
-    c = ModelConfig.tiny("gemma3", num_layers=12, sliding_window=7)
+    c = tiny_config("gemma3", num_layers=12, sliding_window=7)
     assert c.layer_windows == [7] * 5 + [0] + [7] * 5 + [0]
-    assert ModelConfig.tiny().layer_windows == [0, 0]
+    assert tiny_config().layer_windows == [0, 0]
     with pytest.raises(KvrunError, match="layer_types must list 2 entries"):
-        ModelConfig.tiny(layer_types=["full_attention"])
+        tiny_config(layer_types=["full_attention"])
     with pytest.raises(KvrunError, match="need sliding_window"):
-        ModelConfig.tiny(layer_types=["sliding_attention"] * 2)
+        tiny_config(layer_types=["sliding_attention"] * 2)
 
 
 @pytest.mark.parametrize("T,q_start,window", [(1, 20, 8), (5, 0, 3), (9, 12, 4), (6, 30, 40), (3, 5, 1)])
@@ -228,7 +228,7 @@ def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     from kvrun.runtime.decode_step import supported
     from kvrun.runtime.model import Transformer
     torch.manual_seed(0)
-    cfg = ModelConfig.tiny("gemma3")
+    cfg = tiny_config("gemma3")
     m = Transformer(cfg).float().eval()
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -241,7 +241,7 @@ def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     torch.testing.assert_close(torch.cat(got), full, atol=1e-4, rtol=1e-4)
     nowin = m(ids, DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32))[0]
     assert (nowin[16:] - full[16:]).abs().max() > 1e-2 and torch.allclose(nowin[:16], full[:16], atol=1e-5)
-    assert supported(Transformer(ModelConfig.tiny("gemma3", weights="int8")))   # test_decode_layer.py
+    assert supported(Transformer(tiny_config("gemma3", weights="int8")))   # test_decode_layer.py
 
 
 # -- pull: chunked wheels ---------------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_kv_auto_is_the_profile_shipped_for_gemma(gemma3_dir):
     assert total <= 0.30 * sum(kv_bytes_at(m.cfg, "fp16", 4096).values())
     assert sum(kv_bytes_at(m.cfg, "auto", 4096).values()) == total    # ppl / bench accounting
     from kvrun.runtime.api import make_cache
-    small = ModelConfig.tiny("llama")                       # no shipped profile: the default's,
+    small = tiny_config("llama")                       # no shipped profile: the default's,
     with pytest.raises(KvrunError, match="has no profile shipped for this model"):
         make_cache(small, 64, "auto")                       # refused as before
     assert SHIPPED_DEFAULT.startswith("smollm2")

@@ -4,9 +4,9 @@ import pytest
 import torch
 import transformers
 
-from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.kv import DenseKVCache
 from kvrun.runtime.model import Transformer
+from tiny import tiny_config
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -24,7 +24,7 @@ def hf_pair(arch, tie, scaling):
         hc = transformers.Qwen2Config(**common)
         hf = transformers.Qwen2ForCausalLM(hc)
     hf.eval()
-    cfg = ModelConfig.tiny(arch, tie_word_embeddings=tie, rms_norm_eps=hc.rms_norm_eps,
+    cfg = tiny_config(arch, tie_word_embeddings=tie, rms_norm_eps=hc.rms_norm_eps,
                            rope_scaling=scaling, rope_theta=10000.0)
     m = Transformer(cfg).float()
     sd = {k: v for k, v in hf.state_dict().items() if "rotary" not in k}

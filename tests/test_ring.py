@@ -17,17 +17,17 @@ import torch
 from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
-from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv import build_cache, kv_bytes_at, parse_kv
 from kvrun.runtime.kv.ring import LayeredKVCache, SlidingWindowKV
+from tiny import tiny_config
 
 W = 16
 
 
 def _cfg(**kw):
     # six layers, the last one global; 1 KV head of D 32; window 16
-    return ModelConfig.tiny("gemma3", **kw)
+    return tiny_config("gemma3", **kw)
 
 
 def _history(n, Hkv=1, H=4, D=32, seed=0):
@@ -108,7 +108,7 @@ def test_full_layers_behave_as_their_own_cache(kv):
     cfg = _cfg()
     c = build_cache(cfg, 128, parse_kv(kv, residual=32, group=32))
     assert isinstance(c, LayeredKVCache)
-    alone = build_cache(ModelConfig.tiny("llama", num_layers=1, num_heads=4, num_kv_heads=1,
+    alone = build_cache(tiny_config("llama", num_layers=1, num_heads=4, num_kv_heads=1,
                                          head_dim=32, hidden_size=64), 128,
                         parse_kv(kv, residual=32, group=32))
     q, k, v = _history(100)
@@ -194,7 +194,7 @@ def test_refusals_are_one_line():
         build_cache(cfg, 128, parse_kv("kivi-4", ctx_policy="shift"))
     with pytest.raises(KvrunError, match="more than one KV head"):
         build_cache(cfg, 128, "tada-4")
-    build_cache(ModelConfig.tiny("llama"), 128, "tada-4")                # 2 KV heads: fine
+    build_cache(tiny_config("llama"), 128, "tada-4")                # 2 KV heads: fine
 
 
 def _tiny_gemma():

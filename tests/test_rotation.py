@@ -6,10 +6,10 @@ from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
 from kvrun.kernels.hadamard import block_size, fwht, random_signs, rotation_matrix
-from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError
 from kvrun.runtime.kv import build_cache, kv_bytes_at, parse_kv
 from kvrun.runtime.rope import Rope, apply_rope
+from tiny import tiny_config
 
 
 @pytest.mark.parametrize("D", [64, 128, 80, 96, 6])
@@ -28,13 +28,13 @@ def test_non_power_of_two_is_block_diagonal_and_odd_is_refused():
     assert torch.count_nonzero(r[:16, 16:]) == 0                 # blocks do not mix
     with pytest.raises(ValueError):
         block_size(63)
-    cfg = ModelConfig.tiny(num_heads=2, num_kv_heads=1, hidden_size=126)   # D = 63
+    cfg = tiny_config(num_heads=2, num_kv_heads=1, hidden_size=126)   # D = 63
     with pytest.raises(KvrunError, match="even head dim"):
         build_cache(cfg, 64, parse_kv("int8+rot", residual=0, group=32))
 
 
 def _cfg(H, Hkv, D=64):
-    return ModelConfig.tiny(num_layers=2, num_heads=H, num_kv_heads=Hkv, hidden_size=H * D,
+    return tiny_config(num_layers=2, num_heads=H, num_kv_heads=Hkv, hidden_size=H * D,
                             max_position=1024)
 
 

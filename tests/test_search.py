@@ -2,8 +2,6 @@
 on a tiny random model (head dim 32: KIVI's 32-channel V groups fit)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import kvrun
@@ -13,7 +11,7 @@ from kvrun.runtime.budget import fit_budget
 from kvrun.runtime.kv.profile import model_record, read_profile
 from kvrun.runtime.search import save_result, search
 
-from tiny import make_tiny_model_dir
+from tiny import make_tiny_model_dir, tiny_config
 
 CALIB = ("The quick brown fox jumps over the lazy dog near the river bank. "
          "Seven wizards quietly judge boxing matches every Friday night. ") * 12
@@ -166,7 +164,6 @@ def test_search_command_writes_a_profile(tiny_model, tmp_path):
 
 
 def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
-    from kvrun.runtime.config import ModelConfig
     from kvrun.runtime.kv.profile import shipped_profiles
     # the geometry of the models they were searched on (SmolLM2-135M, Gemma 3 270M)
     geometry = {"llama": dict(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576),
@@ -175,7 +172,7 @@ def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
     names = set()
     for path in shipped_profiles():
         prof = read_profile(path)
-        cfg = ModelConfig.tiny(prof.model["architecture"], **geometry[prof.model["architecture"]])
+        cfg = tiny_config(prof.model["architecture"], **geometry[prof.model["architecture"]])
         ctx, budget = prof.meta["ctx"], prof.meta["budget"]
         fp16 = sum(kv_bytes_at(cfg, "fp16", ctx).values())    # Gemma: its rings included
         got = sum(kv_bytes_at(cfg, parse_kv(f"profile:{path}"), ctx).values())

@@ -29,16 +29,16 @@ from torch.testing import assert_close                                    # noqa
 
 from attention_cases import dequantized_reference                         # noqa: E402
 from kvrun.kernels import dispatch                                        # noqa: E402
-from kvrun.runtime.config import ModelConfig                              # noqa: E402
 from kvrun.runtime.kv import arena as arena_mod                           # noqa: E402
 from kvrun.runtime.kv import build_cache, parse_kv                        # noqa: E402
 from kvrun.runtime.kv.cache import NewKV                                  # noqa: E402
 from kvrun.runtime.rope import Rope, apply_rope                           # noqa: E402
+from tiny import tiny_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 BACKENDS = ["torch", pytest.param("triton", marks=NEEDS_TRITON)]
-CFG = ModelConfig.tiny(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
+CFG = tiny_config(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
                        max_position=1024)                                 # D = 64, GQA 3
 L, Hkv, H, D = CFG.num_layers, CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
 R = G = 32

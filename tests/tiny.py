@@ -12,6 +12,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.model import Transformer
 
+
+def tiny_config(architecture: str = "llama", **kw) -> ModelConfig:
+    """A small random-weight configuration (GQA 4:2, two layers; gemma3: six layers, the
+    last global, GQA 4:1)."""
+    base = dict(architecture=architecture, vocab_size=256, hidden_size=64,
+                intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                max_position=512, rope_theta=10000.0, bos_token_id=1,
+                eos_token_ids=[2], torch_dtype="fp32")
+    if architecture == "gemma3":        # one KV head of D 32, a window of 16, global layer 6
+        base.update(num_layers=6, num_kv_heads=1, head_dim=32, sliding_window=16,
+                    rope_theta=1e6, rope_local_theta=10000.0, tie_word_embeddings=True,
+                    rms_norm_eps=1e-6, chat_template="gemma")
+    base.update(kw)
+    return ModelConfig(**base)
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -31,7 +46,7 @@ def byte_level_tokenizer() -> Tokenizer:
 def make_tiny_model_dir(path: Path, architecture: str = "llama", seed: int = 0, **cfg_kw) -> Path:
     torch.manual_seed(seed)
     tok = byte_level_tokenizer()
-    cfg = ModelConfig.tiny(architecture, vocab_size=tok.get_vocab_size(), bos_token_id=1,
+    cfg = tiny_config(architecture, vocab_size=tok.get_vocab_size(), bos_token_id=1,
                            eos_token_ids=[2], chat_template="chatml",
                            default_system="You are tiny.", **cfg_kw)
     model = Transformer(cfg)

@@ -108,15 +108,6 @@ class ChatTemplate:
         return self.close_parts() + body + self.generation_parts()
 
     # -- the same as one string (for display; tokenize the parts) --
-    def message(self, role: str, content: str, first: bool) -> str:
-        return _text(self.message_parts(role, content, first))
-
-    def generation_prompt(self) -> str:
-        return _text(self.generation_parts())
-
-    def close_reply(self) -> str:
-        return _text(self.close_parts())
-
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return _text(self.render_parts(messages, add_generation_prompt))
 

@@ -66,7 +66,6 @@ class Governor:
 
     def __init__(self):
         self.cap = available_cpus()
-        self.explicit = False           # the cap came from -t / threads=
         self.adapt = os.environ.get("KVRUN_THREADS_ADAPT", "1") != "0"
         self.current = None             # the count last given to torch
         self.others: deque[int] = deque(maxlen=HISTORY)
@@ -76,7 +75,6 @@ class Governor:
 
     def configure(self, threads: int | None) -> None:
         """Set the cap: `threads` (>= 1), or None for the CPUs this process may run on."""
-        self.explicit = threads is not None
         self.cap = threads if threads is not None else available_cpus()
         self.others.clear()
         self._set(self.cap, force=True)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import click
 
-from .cli_group import KvrunGroup, eprint
+from .cli_group import KvrunGroup, eprint, threads_option
 from .errors import KvrunError, PartialResults, as_utf8, read_text_file
 
 
@@ -70,16 +70,6 @@ def model_options(f):
                      help="Prefill chunk size in tokens.")(f)
     f = threads_option(f)
     return f
-
-
-THREADS_HELP = ("Most CPU threads used (default: every CPU this process may run on); fewer "
-                "while other processes keep cores busy (KVRUN_THREADS_ADAPT=0: exactly N).")
-
-
-def threads_option(f):
-    from .threads import MAX_THREADS
-    return click.option("-t", "--threads", default=None, type=click.IntRange(1, MAX_THREADS),
-                        help=THREADS_HELP)(f)
 
 
 def eval_model_options(f):
@@ -557,8 +547,9 @@ def bench(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, as_cs
     if threads is not None:
         from .threads import configure
         configure(threads)
-    if budget_mb is not None and not 0 < budget_mb < float("inf"):     # NaN fails too
-        raise KvrunError(f"--kv-budget-mb must be a positive number of MiB (got {budget_mb})")
+    if budget_mb is not None:
+        from .scheduler import check_budget_mb
+        check_budget_mb(budget_mb)
     if budget_mb is not None and batch is None:
         raise KvrunError("--kv-budget-mb goes with --batch (e.g. --batch 1,4 --kv-budget-mb 256)")
     if batch is not None:

@@ -19,6 +19,17 @@ def eprint(*a, **kw):
     print(*a, file=sys.stderr, flush=True, **kw)
 
 
+THREADS_HELP = ("Most CPU threads used (default: every CPU this process may run on); fewer "
+                "while other processes keep cores busy (KVRUN_THREADS_ADAPT=0: exactly N).")
+
+
+def threads_option(f):
+    """-t/--threads, the same for every command that computes."""
+    from .threads import MAX_THREADS
+    return click.option("-t", "--threads", default=None, type=click.IntRange(1, MAX_THREADS),
+                        help=THREADS_HELP)(f)
+
+
 def one_line(text: str) -> str:
     return " ".join(text.split())
 

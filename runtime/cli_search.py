@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import click
 
+from .cli_group import eprint, threads_option
 from .errors import KvrunError, read_text_file
 from .files import check_writable
-
-
-def _eprint(*a, **kw):
-    import sys
-    print(*a, file=sys.stderr, flush=True, **kw)
 
 
 def _bits(s: str) -> list[int]:
@@ -54,7 +50,7 @@ def _bits(s: str) -> list[int]:
               help="Hadamard-rotate K and/or V in every layer (recorded in the profile).")
 @click.option("--tada-mu", default=None, type=click.Choice(["fp16", "int8"]), help="TaDA mean storage.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
-@click.option("-t", "--threads", default=None, type=int)
+@threads_option
 def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windows, prefix, n_score,
                reuse, kv_residual, kv_group, kv_vgroup, kv_rotate, tada_mu, dtype, threads):
     """Search per-layer K/V bits minimizing KL divergence vs fp16 under a KV memory budget."""
@@ -67,20 +63,20 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
                                 ("rotate", kv_rotate), ("tada_mu", tada_mu)) if x is not None}
     base = KVConfig(**fields)
     bl = _bits(bits)
-    m = load(model, dtype=dtype, ctx=8, threads=threads, progress=_eprint)
+    m = load(model, dtype=dtype, ctx=8, threads=threads, progress=eprint)
     kw = dict(budget=budget, ctx=ctx, trials=trials, seed=seed, bits=bl, family=family,
               windows=windows, prefix=prefix, n_score=n_score, base=base)
     prior = None
     if reuse is not None:
         from .kv.profile import read_profile
         prior = read_profile(reuse)
-    res = search(m, text, progress=_eprint, reuse=prior, **kw)
+    res = search(m, text, progress=eprint, reuse=prior, **kw)
     save_result(out, res, m, text, **kw)
-    _eprint(f"[search] best KLD {res.kld:.5f} at {res.ratio:.4f}× fp16 ({res.bytes / 2**20:.2f} MiB "
+    eprint(f"[search] best KLD {res.kld:.5f} at {res.ratio:.4f}× fp16 ({res.bytes / 2**20:.2f} MiB "
             f"for {ctx} tokens), {res.evaluations} evaluations in {res.seconds:.0f} s")
     for mth, k in sorted(res.uniform.items(), key=lambda x: x[1]):
-        _eprint(f"[search]   uniform {mth:<8} KLD {k:.5f}")
-    _eprint("layer  K        V")
+        eprint(f"[search]   uniform {mth:<8} KLD {k:.5f}")
+    eprint("layer  K        V")
     for i, (k, v) in enumerate(res.layers):
-        _eprint(f"{i:5d}  {k:<8} {v}")
+        eprint(f"{i:5d}  {k:<8} {v}")
     print(out)

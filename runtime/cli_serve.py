@@ -3,15 +3,11 @@ Registered on the main group by runtime/cli.py: `main.add_command(serve_cmd)`.""
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
+from .cli_group import eprint, threads_option
 from .errors import KvrunError
-
-
-def _eprint(*a, **kw):
-    print(*a, file=sys.stderr, flush=True, **kw)
 
 
 @click.command("serve")
@@ -38,7 +34,7 @@ def _eprint(*a, **kw):
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @click.option("-b", "--batch-size", "chunk", default=512, show_default=True, type=int,
               help="Prefill chunk size in tokens (one chunk per step while others decode).")
-@click.option("-t", "--threads", default=None, type=int, help="CPU threads.")
+@threads_option
 @click.option("--api-key", default=None, envvar="KVRUN_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $KVRUN_API_KEY, else no key).")
@@ -62,15 +58,14 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
         raise KvrunError("kvrun serve needs starlette and uvicorn: pip install 'kvrun[server]'") from None
     from .api import load
     from .kv.config import parse_kv
-    from .scheduler import Scheduler
+    from .scheduler import Scheduler, check_budget_mb
     from .server import create_app
     from .server_http import HeaderDeadline, Server
     if not 0 < port < 65536:
         raise KvrunError(f"--port must be in 1..65535 (got {port})")
     if parallel < 1:
         raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
-    if kv_budget_mb is not None and kv_budget_mb <= 0:
-        raise KvrunError(f"--kv-budget-mb must be > 0 (got {kv_budget_mb})")
+    check_budget_mb(kv_budget_mb)
     if queue < 0:
         raise KvrunError(f"--queue must be >= 0 (got {queue})")
     if not 0 < max_body_mb <= 1024:
@@ -86,7 +81,7 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     spec = parse_kv(kv, **({"ctx_policy": ctx_policy} if ctx_policy else {}))
     # the model's own cache is never used by the server: one token keeps it out of the way
     m = load(model, dtype=dtype, ctx=1, kv="fp16", prefill_chunk=chunk, threads=threads,
-             progress=_eprint)
+             progress=eprint)
     sched = Scheduler(m, parallel=parallel, kv_budget_mb=kv_budget_mb, max_queue=queue,
                       ctx=ctx, kv=spec)
     name = alias or m.path.name
@@ -94,7 +89,7 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
                      max_body=int(max_body_mb * (1 << 20)))
     budget = f"{kv_budget_mb:g} MiB" if kv_budget_mb else "unlimited"
     where = f"[{host}]" if ":" in host else host
-    _eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
+    eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
             f"kv {spec.label()}, KV budget {budget}; http://{where}:{port}/v1"
             + ("" if api_key else " (no --api-key: anyone who can connect may use it)"
                if host not in ("127.0.0.1", "localhost", "::1") else ""))

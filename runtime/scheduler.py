@@ -55,6 +55,13 @@ class Closed(KvrunError):
 SHUTTING_DOWN = "the server is shutting down"
 
 
+def check_budget_mb(mb) -> None:
+    """--kv-budget-mb: None (no limit) or a finite number of MiB > 0 (NaN passes `<= 0`)."""
+    if mb is not None and not (isinstance(mb, (int, float)) and not isinstance(mb, bool)
+                               and 0 < mb < float("inf")):
+        raise KvrunError(f"--kv-budget-mb must be a finite number > 0 (got {mb!r})")
+
+
 class Request:
     """A submitted generation. `events()` streams its StreamEvents (the last carries the
     finish reason: "stop" | "length" | "context" | "cancelled" | "error"); `result()` waits
@@ -149,9 +156,7 @@ class Scheduler:
                  max_queue: int = 64, ctx: int | None = None, kv: "str | KVConfig | None" = None):
         if parallel < 1:
             raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
-        if kv_budget_mb is not None and not (isinstance(kv_budget_mb, (int, float))
-                                             and 0 < kv_budget_mb < float("inf")):
-            raise KvrunError(f"--kv-budget-mb must be a finite number > 0 (got {kv_budget_mb!r})")
+        check_budget_mb(kv_budget_mb)
         if max_queue < 0:
             raise KvrunError(f"queue size must be >= 0 (got {max_queue})")
         self.model = model

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -31,6 +30,7 @@ from safetensors.torch import save_file
 
 from kvrun.runtime.config import ModelConfig
 from kvrun.runtime.errors import KvrunError, raise_on_signals
+from kvrun.runtime.files import check_can_create_in
 
 Progress = Callable[[int, int, str], None]   # converters call it per tensor: (done, total, name)
 
@@ -207,10 +207,7 @@ def _check_writable(parent: Path) -> None:
         a = a.parent
     if not a.is_dir():
         raise KvrunError(f"{a} is not a directory")
-    try:                    # os.access would not see a read-only mount as root, or ACLs
-        os.rmdir(tempfile.mkdtemp(prefix=".kvrun-probe-", dir=a))
-    except OSError as e:
-        raise KvrunError(f"cannot write in {a} ({e.strerror})") from None
+    check_can_create_in(a)
 
 
 @contextmanager

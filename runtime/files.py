@@ -19,9 +19,17 @@ def check_writable(path) -> Path:
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise KvrunError(f"{path}: no such directory {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise KvrunError(f"{path}: cannot write in {parent}")
+    check_can_create_in(parent)
     return p
+
+
+def check_can_create_in(d: Path) -> None:
+    """A KvrunError unless entries can be created in the directory `d`: probed with a temp
+    directory, since os.access does not see a read-only mount as root, nor ACLs."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvrun-probe-", dir=d))
+    except OSError as e:
+        raise KvrunError(f"cannot write in {d} ({e.strerror})") from None
 
 
 @contextmanager

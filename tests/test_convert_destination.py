@@ -139,14 +139,14 @@ def test_destination_checked_before_the_source_is_read(work):
 def test_unwritable_parent_fails_before_converting(work, monkeypatch):
     """`-o <read-only dir>/out`: one line at once, not after the conversion. Simulated (a
     read-only mount's EROFS), as root writes through permission bits."""
-    import kvrun.convert.writer as writer
+    import kvrun.runtime.files as files          # where the probe lives
     cwd, _ = work
     src = write_tiny_hf(cwd.parent / "hf")
     (cwd / "ro").mkdir()
 
     def refuse(*a, **k):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-    monkeypatch.setattr(writer.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(files.tempfile, "mkdtemp", refuse)
     r = run(["convert", str(src), "-o", "ro/new/out"])
     one_error_line(r, f"cannot write in {cwd / 'ro'} (Read-only file system)")
     assert "[convert]" not in r.stderr and list((cwd / "ro").iterdir()) == []

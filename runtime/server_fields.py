@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from .errors import KvrunError
+from .generate import check_ids
 from .sampling import SamplingParams
 
 MAX_DEPTH = 32                  # nesting of a body: OpenAI's own requests need 5
@@ -259,8 +260,10 @@ def prompt_from(body: dict, vocab_size: int) -> str | list[int]:
     if isinstance(p, str) and p:
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        if max(p) >= vocab_size or min(p) < 0:
-            raise ApiError(400, f"token ids must be in [0, {vocab_size})", param="prompt")
+        try:
+            check_ids(p, vocab_size)                    # the library's check of caller ids
+        except KvrunError as e:
+            raise ApiError(400, str(e), param="prompt") from None
         return p
     raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids "
                         "(one prompt per request)", param="prompt")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import kvrun  # noqa: E402
 from kvrun.runtime.scheduler import Scheduler  # noqa: E402
 from kvrun.runtime.server import create_app  # noqa: E402
+from serving import run_in_thread  # noqa: E402
 
 NAME = "smol"
 CTX = 512
@@ -33,16 +33,8 @@ def model():
 def server(model):
     """(base url, scheduler) of a server on a free port; stopped (drained) at the end."""
     sched = Scheduler(model, parallel=8, max_queue=64, ctx=CTX, kv="fp16")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(create_app(model, sched, NAME), log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.05)
+    port, th = run_in_thread(srv)
     yield port, sched
     srv.should_exit = True
     th.join(60)

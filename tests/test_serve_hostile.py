@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import kvrun  # noqa: E402
 from kvrun.runtime.scheduler import Scheduler  # noqa: E402
 from kvrun.runtime.server import create_app  # noqa: E402
+from serving import run_in_thread  # noqa: E402
 from kvrun.runtime.server_http import HeaderDeadline, Server  # noqa: E402
 
 CTX = 128
@@ -41,17 +42,9 @@ def start(model, drain=30.0, **app_kw):
     """(port, scheduler, stop()) of a server on a free loopback port."""
     sched = Scheduler(model, parallel=app_kw.pop("parallel", 2), max_queue=app_kw.pop("queue", 8),
                       ctx=CTX, kv="fp32")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     srv = Server(uvicorn.Config(create_app(model, sched, NAME, **app_kw), log_level="critical",
                                 http=QuickDeadline), sched, drain)
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
+    port, th = run_in_thread(srv)
 
     def stop():
         srv.should_exit = True

@@ -357,6 +357,15 @@ static void v_mix_fast(const RingArgs *a, int h, int64_t t0, int64_t t1, const i
 #define BC 32
 #endif
 
+/* slots [t0, t1) of a split, less the slot being written (read from its fp32 row): the
+ * ranges [cut[0][0], cut[0][1]) and [cut[1][0], cut[1][1]), either possibly empty */
+static inline void around_slot(int64_t t0, int64_t t1, int64_t slot, int64_t cut[2][2]) {
+    cut[0][0] = t0;
+    cut[0][1] = slot < t0 ? t0 : slot < t1 ? slot : t1;
+    cut[1][0] = slot + 1 > t0 ? slot + 1 : t0;
+    cut[1][1] = t1;
+}
+
 /* -- the op ------------------------------------------------------------------------------------ */
 
 int kvrun_ring_attention(const RingArgs *a) {
@@ -408,8 +417,8 @@ int kvrun_ring_attention(const RingArgs *a) {
             for (int h = 0; h < Hkv; h++) {
                 const float *q = a->qp + (int64_t)h * Gq * D;
                 float *sc = a->sc + (int64_t)h * Gq * n;
-                int64_t cut[2][2] = { { t0, slot < t0 ? t0 : slot < t1 ? slot : t1 },
-                                      { slot + 1 > t0 ? slot + 1 : t0, t1 } };
+                int64_t cut[2][2];
+                around_slot(t0, t1, slot, cut);
                 for (int k = 0; k < 2; k++) {
                     if (cut[k][0] >= cut[k][1]) continue;
 #if HAVE_FAST
@@ -441,8 +450,8 @@ int kvrun_ring_attention(const RingArgs *a) {
             for (int h = 0; h < Hkv; h++) {
                 const float *p = a->sc + (int64_t)h * Gq * n;
                 float *acc = part + (int64_t)h * Gq * D;
-                int64_t cut[2][2] = { { t0, slot < t0 ? t0 : slot < t1 ? slot : t1 },
-                                      { slot + 1 > t0 ? slot + 1 : t0, t1 } };
+                int64_t cut[2][2];
+                around_slot(t0, t1, slot, cut);
                 for (int k = 0; k < 2; k++) {
                     if (cut[k][0] >= cut[k][1]) continue;
 #if HAVE_FAST

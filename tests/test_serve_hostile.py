@@ -449,7 +449,7 @@ def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
         time.sleep(0.05)
         return real(*a)
     monkeypatch.setattr(batch_mod, "batch_forward", slow)
-    port, sched, stop = start(tiny_m, drain=1.0)
+    port, sched, stop = start(tiny_m, drain=1.0, parallel=3)
     got = {}
 
     def ask(key, body, path="/v1/completions"):
@@ -464,7 +464,10 @@ def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
                                                              "stream": True}))
     for t in (short, long, streamed):
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20                    # all three admitted, however slow the machine
+    while len(sched.running) + ("short" in got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)                                     # the short one has finished by now or during the drain
     t0 = time.monotonic()
     stop()                                              # as SIGINT does: should_exit
     for t in (short, long, streamed):

@@ -18,7 +18,7 @@ def convert_any(src, out_dir, dtype: str = "bf16", progress=None, overwrite: boo
               group=group, log=log)
     from pathlib import Path
 
-    from ..runtime.errors import KvrunError
+    from kvrun.errors import KvrunError
     if not str(src).strip():
         raise KvrunError("the source path is empty")
     src = Path(src)

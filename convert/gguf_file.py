@@ -30,10 +30,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.files import file_sha256
-from kvrun.runtime.rope import inv_frequencies
+from kvrun.model.config import ModelConfig
+from kvrun.errors import KvrunError
+from kvrun.files import file_sha256
+from kvrun.kernels.rope import inv_frequencies
 
 from .gguf_tokenizer import tokenizer_from_gguf
 from .quantize import (check_weight_format, describe, is_quantized, quantize, repack_gguf_q4,
@@ -256,7 +256,7 @@ def _dequantize(t) -> np.ndarray:
 def _quantized_parts(t, name: str, weights: str, group: int, log) -> dict[str, torch.Tensor]:
     """Stored int8/int4 parts of one GGUF tensor (still in llama.cpp's Q/K row order)."""
     import gguf
-    from kvrun.runtime.qlinear import int4_group
+    from kvrun.model.qlinear import int4_group
     qtype = gguf.GGMLQuantizationType(t.tensor_type).name
     shape = _torch_shape(t)
     fmt = target_format(name, weights)

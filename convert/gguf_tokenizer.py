@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from kvrun.runtime.errors import KvrunError
+from kvrun.errors import KvrunError
 
 # llama.cpp token types (llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.files import file_sha256
+from kvrun.model.config import ModelConfig
+from kvrun.errors import KvrunError
+from kvrun.files import file_sha256
 
 from .quantize import check_weight_format, describe, is_quantized, quantize, target_format
 from .templates import chat_stop_tokens, detect_chat_template

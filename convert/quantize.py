@@ -1,4 +1,4 @@
-"""Weight-only quantization for `kvrun convert --weights int8|int4` (layout: runtime/qlinear.py).
+"""Weight-only quantization for `kvrun convert --weights int8|int4` (layout: runtime/model/qlinear.py).
 
 What is quantized: every linear layer (`*_proj.weight`), the token embedding and an untied
 lm_head. Norms and biases stay float. The embedding (and so a tied lm_head) and an untied
@@ -26,13 +26,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.qlinear import dequantize_int4, dequantize_int8, int4_group, pack_int4, unpack_int4
+from kvrun.errors import KvrunError
+from kvrun.model.qlinear import dequantize_int4, dequantize_int8, int4_group, pack_int4, unpack_int4
 
 
 def check_weight_format(weights: str, group: int) -> None:
     """KvrunError unless `weights` is float | int8 | int4 and `group` a supported int4 group."""
-    from kvrun.runtime.qlinear import INT4_GROUPS, WEIGHT_FORMATS
+    from kvrun.model.qlinear import INT4_GROUPS, WEIGHT_FORMATS
     if weights not in WEIGHT_FORMATS:
         raise KvrunError(f"unknown weight format {weights!r} ({', '.join(WEIGHT_FORMATS)})")
     if weights == "int4" and group not in INT4_GROUPS:

@@ -11,7 +11,7 @@ every tensor is checked against the shapes the config implies (`expected_shapes`
 model dir that `Transformer.load_weights` would reject is never produced.
 
 Quantized models (`cfg.weights` int8 | int4) store each linear `X.weight` as `X.qweight` +
-`X.scales` (+ `X.mins` for int4) and the embedding as int8 rows (runtime/qlinear.py has
+`X.scales` (+ `X.mins` for int4) and the embedding as int8 rows (runtime/model/qlinear.py has
 the layout); norms and biases stay in `cfg.torch_dtype`.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.errors import KvrunError, raise_on_signals
-from kvrun.runtime.files import check_can_create_in
+from kvrun.model.config import ModelConfig
+from kvrun.errors import KvrunError, raise_on_signals
+from kvrun.files import check_can_create_in
 
 Progress = Callable[[int, int, str], None]   # converters call it per tensor: (done, total, name)
 
@@ -56,7 +56,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
     if cfg.weights == "float":
         dt = torch_dtype(cfg.torch_dtype)
         return {k: (v, dt) for k, v in shapes.items()}
-    from kvrun.runtime.qlinear import int4_group
+    from kvrun.model.qlinear import int4_group
     out = {}
     for name, shape in shapes.items():
         if not name.endswith(".weight") or len(shape) != 2:    # norms, biases
@@ -95,7 +95,7 @@ def _float_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (C,),
             p + "post_attention_layernorm.weight": (C,),
         })
-        if cfg.architecture == "gemma3":     # sandwich norms and QK-norm (runtime/gemma3.py)
+        if cfg.architecture == "gemma3":     # sandwich norms and QK-norm (runtime/model/gemma3.py)
             shapes.update({p + "pre_feedforward_layernorm.weight": (C,),
                            p + "post_feedforward_layernorm.weight": (C,),
                            p + "self_attn.q_norm.weight": (cfg.head_dim,),

@@ -1,5 +1,5 @@
 """kvrun.kernels — one op per module: the Triton kernel, its launcher and the torch
-implementation (used on CPU and as the test oracle). Nothing here imports kvrun.runtime."""
+implementation (used on CPU and as the test oracle). Nothing here imports kvrun."""
 from .codecs import COMPONENTS, METHODS, Codec, Slot, make_codec, method_family
 from .decode_attention import decode_attention
 from .dense_attention import causal_mask, dense_attention

@@ -26,7 +26,7 @@ window, not rotated, not evicting; everything else (GEAR, fp16/bf16/fp32 tails, 
 eviction, long prefill chunks) and the native backend take `attend` (`attend_append` or
 `decode_attention`, then `pack`). The dense cache's one-token steps read K/V through
 native `decode_attention` as an uncompressed tail. Around attention, int4/int8 models run
-the rest of the layer natively too (runtime/decode_step.py: `kvrun_layer_pre` /
+the rest of the layer natively too (runtime/model/native_step.py: `kvrun_layer_pre` /
 `kvrun_layer_post` in native/decode_layer.c). A request a kernel does not cover falls back
 to torch per call; `pack` storage is bit-identical on every backend, and the write ops'
 Triton kernels are bit-identical to their torch oracle.

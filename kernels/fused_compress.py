@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from .codec_base import Int8Codec
-from .codec_gear import GearCodec
-from .codec_kivi import KiviCodec
-from .codec_tada import TadaCodec
+from .codecs.base import Int8Codec
+from .codecs.gear import GearCodec
+from .codecs.kivi import KiviCodec
+from .codecs.tada import TadaCodec
 
 
 def supports(codec) -> bool:

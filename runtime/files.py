@@ -1,4 +1,5 @@
-"""Files: a user's output written whole or not at all, and the sha256 of inputs."""
+"""Files: a user's output written whole or not at all, the sha256 of inputs, and the folder
+kvrun keeps its models and profiles in ($KVRUN_HOME)."""
 from __future__ import annotations
 
 import hashlib
@@ -59,3 +60,10 @@ def file_sha256(*paths) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def kvrun_home(home: str | Path | None = None) -> Path:
+    """`home`, else $KVRUN_HOME, else ~/.cache/kvrun."""
+    if home is None:
+        home = os.environ.get("KVRUN_HOME") or Path.home() / ".cache" / "kvrun"
+    return Path(home).expanduser().absolute()

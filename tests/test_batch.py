@@ -1,4 +1,4 @@
-"""Batched decoding (runtime/batch.py, runtime/scheduler.py, Model.generate_batch): every
+"""Batched decoding (runtime/engine/batch.py, runtime/engine/scheduler.py, Model.generate_batch): every
 sequence of a batch decodes exactly as it does alone, on the real default model (int4, the
 native step) across KV methods and window flushes, and on the tiny fp32 model (the eager
 fallback); admission under a budget, the queue, cancellation."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import kvrun
-from kvrun.runtime import batch as batch_mod
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.sampling import SamplingParams
-from kvrun.runtime.scheduler import QueueFull, Scheduler
+from kvrun.engine import batch as batch_mod
+from kvrun.errors import KvrunError
+from kvrun.engine.sampling import SamplingParams
+from kvrun.engine.scheduler import QueueFull, Scheduler
 
 STORY = "The history of the old harbour town is long, and its people remember every storm. "
 PROMPTS = ["The capital of France is",                     # 5 tokens
@@ -34,7 +34,7 @@ def fresh(m):
 
 @pytest.fixture(scope="module")
 def smol():
-    from kvrun.runtime.pull import ensure_default_model
+    from kvrun.engine.pull import ensure_default_model
     return kvrun.load(ensure_default_model(progress=None), ctx=1024, kv="fp16")
 
 
@@ -86,7 +86,7 @@ def test_rows_bit_identical(smol):
     """The native step's rows: row b of a B-row call equals a one-row call (every B, both
     weight kinds: int4 layers and the int8 lm_head)."""
     T = smol.transformer
-    from kvrun.runtime.api import make_cache
+    from kvrun.kv.build import make_cache
     c = make_cache(smol.cfg, 8, "fp16")
     T(torch.tensor([[1]]), c)                                     # builds the step
     step = T._step

@@ -6,9 +6,9 @@ import torch
 from click.testing import CliRunner
 
 import kvrun
-from kvrun.runtime import bench as B
-from kvrun.runtime.api import make_cache
-from kvrun.runtime.cli import main
+from kvrun.eval import bench as B
+from kvrun.kv.build import make_cache
+from kvrun.cli.main import main
 from tiny import make_tiny_model_dir
 
 JSON_KEYS = {"method", "test", "n", "depth", "tok_s", "tok_s_sd", "ms_per_token",
@@ -58,7 +58,7 @@ def test_bench_bytes_equal_arena_accounting(tiny_dir):
 def test_kv_ratio_divides_by_the_models_own_fp16_cache(tmp_path):
     """A model with sliding-window layers: "x fp16" is against its fp16 cache, rings and
     all (the fp16 row reads 1.0, not the share of a cache without windows)."""
-    from kvrun.runtime.kv import kv_bytes_at
+    from kvrun.kv import kv_bytes_at
     m = kvrun.load(make_tiny_model_dir(tmp_path / "g", architecture="gemma3"), dtype="fp32", ctx=8)
     fp16, kivi = B.bench_model(m, ["fp16", "kivi-4"], [], 2, [40], 1)
     assert fp16.kv_ratio == pytest.approx(1.0)
@@ -112,7 +112,7 @@ def test_bench_bad_arguments(tiny_dir, args, fragment):
 def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
     """On the torch backend the arena offers write-then-attend; the layer bench measures
     that step (what the model runs), not attend."""
-    from kvrun.runtime.kv.arena import KVArena
+    from kvrun.kv.arena import KVArena
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     calls = {"write_attend": 0, "attend": 0}
     for name in calls:
@@ -152,7 +152,7 @@ def test_n0_skips_tg_like_llama_bench(tiny_dir):
 
 def test_auto_and_named_profiles_are_labelled_by_name(tiny_dir, tmp_path):
     """`--kv auto` is `auto` in the table and JSON, a profile its name, not `profile`."""
-    from kvrun.runtime.kv import parse_kv, save_profile
+    from kvrun.kv import parse_kv, save_profile
     p = tmp_path / "mine.json"
     save_profile(p, [("kivi-4", "kivi-2"), ("int8", "int8")])
     r = run(["bench", "-m", str(tiny_dir), "--kv", f"fp16,profile:{p}", "-p", "16", "-n", "0",

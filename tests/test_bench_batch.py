@@ -1,4 +1,4 @@
-"""`kvrun bench --batch` (runtime/bench_batch.py) on the tiny model: the records, the budget
+"""`kvrun bench --batch` (runtime/eval/bench_batch.py) on the tiny model: the records, the budget
 arithmetic, the table, and the CLI's one-line errors. No timings are asserted."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 import kvrun
-from kvrun.runtime.bench_batch import MiB, bench_batch, format_batch_table, max_batch
-from kvrun.runtime.cli import main
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv.arena import kv_bytes_at
+from kvrun.eval.bench_batch import MiB, bench_batch, format_batch_table, max_batch
+from kvrun.cli.main import main
+from kvrun.errors import KvrunError
+from kvrun.kv.build import kv_bytes_at
 
 
 @pytest.fixture(scope="module")

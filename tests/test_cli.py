@@ -6,7 +6,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 from tiny import make_tiny_model_dir
 
 
@@ -103,7 +103,7 @@ def test_gguf_path_given_as_model(tmp_path):
 
 
 def test_console_script_exit_code_and_no_traceback():
-    p = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", "generate", "-m", "/nope", "-p", "x"],
+    p = subprocess.run([sys.executable, "-m", "kvrun.cli.main", "generate", "-m", "/nope", "-p", "x"],
                        capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr
 
@@ -113,7 +113,7 @@ def test_bad_backend_is_a_one_line_error(tmp_path):
     import subprocess
     import sys
     env = dict(os.environ, KVRUN_BACKEND="bogus")
-    r = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", "bench", "--layer", "4,2,32",
+    r = subprocess.run([sys.executable, "-m", "kvrun.cli.main", "bench", "--layer", "4,2,32",
                         "--ctx", "64", "--kv", "kivi-4", "-r", "1"], capture_output=True, text=True, env=env)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("error: KVRUN_BACKEND='bogus'")
@@ -183,9 +183,9 @@ def test_chat_help_unknown_command_banner_kv(tiny_dir):
 
 @pytest.mark.parametrize("kv", ["fp16", "int8"])
 def test_generate_stats_line_names_kv_bytes_ratio(tiny_dir, kv):
-    from kvrun.runtime.kv.arena import kv_bytes_at
-    from kvrun.runtime.kv_report import fmt_bytes, fp16_bytes_per_token
-    from kvrun.runtime.loader import load_config
+    from kvrun.kv.build import kv_bytes_at
+    from kvrun.kv.report import fmt_bytes, fp16_bytes_per_token
+    from kvrun.model.loader import load_config
     r = run(["generate", "-m", str(tiny_dir), "-p", "hello", "-n", "4", "--temp", "0",
              "--kv", kv, "-c", "512"])
     assert r.exit_code == 0, r.stderr
@@ -200,7 +200,7 @@ def test_generate_stats_line_names_kv_bytes_ratio(tiny_dir, kv):
 def test_chat_history_file(monkeypatch, tmp_path):
     """The history a terminal session leaves is read back by the next one."""
     readline = pytest.importorskip("readline")
-    from kvrun.runtime.chat_repl import LineReader, history_path
+    from kvrun.cli.chat import LineReader, history_path
     monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
     monkeypatch.delenv("KVRUN_CHAT_HISTORY", raising=False)
     assert history_path() == tmp_path / "chat_history"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 from tiny import make_tiny_model_dir, write_tiny_hf
 
 
@@ -65,7 +65,7 @@ def test_sampling_flags_one_line(tiny_dir, args, fragment):
 
 
 def test_console_script_usage_error_exit_1():
-    p = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", "generate", "--nope"],
+    p = subprocess.run([sys.executable, "-m", "kvrun.cli.main", "generate", "--nope"],
                        capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ")
 
@@ -133,7 +133,7 @@ def test_unreadable_weights_and_directory(tmp_path, monkeypatch):
     """PermissionError is said as such, not as a missing or corrupt file. Simulated: the
     tests run as root, which reads through permission bits."""
     import builtins
-    from kvrun.runtime import loader
+    from kvrun.model import loader
     d = make_tiny_model_dir(tmp_path / "m")
     real_open = builtins.open
 
@@ -175,7 +175,7 @@ def test_unreadable_real(tmp_path):
 def test_stdout_to_dev_full(tiny_dir, args):
     args = [str(tiny_dir) if a == "{M}" else a for a in args]
     with open("/dev/full", "w") as full:
-        p = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", *args], stdout=full,
+        p = subprocess.run([sys.executable, "-m", "kvrun.cli.main", *args], stdout=full,
                            stderr=subprocess.PIPE, text=True)
     err = [x for x in p.stderr.splitlines() if x.startswith(("error", "Exception", "Traceback"))]
     assert p.returncode == 1 and err == ["error: cannot write output: No space left on device"], \
@@ -184,7 +184,7 @@ def test_stdout_to_dev_full(tiny_dir, args):
 
 def test_closed_pipe_is_quiet(tiny_dir):
     """`kvrun ... | head -1`: the reader left; no error text, SIGPIPE's status."""
-    p = subprocess.Popen([sys.executable, "-m", "kvrun.runtime.cli", "generate", "-m",
+    p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "generate", "-m",
                           str(tiny_dir), "-p", "hi", "-n", "400", "--temp", "0", "-c", "512"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.read(1)
@@ -201,7 +201,7 @@ BAD = b"caf\xe9\xff"
 def test_generate_non_utf8_stdin_and_argv(tiny_dir):
     """Bytes that are not UTF-8 become U+FFFD (one warning), in stdin and in -p: the
     prompt is then the same as if U+FFFD had been typed."""
-    base = [sys.executable, "-m", "kvrun.runtime.cli", "generate", "-m", str(tiny_dir),
+    base = [sys.executable, "-m", "kvrun.cli.main", "generate", "-m", str(tiny_dir),
             "-n", "4", "--temp", "0", "-c", "64"]
     piped = subprocess.run(base + ["-p", "-"], input=BAD, capture_output=True)
     argv = subprocess.run(base + ["-p", BAD.decode("utf-8", "surrogateescape")],
@@ -217,7 +217,7 @@ def test_generate_non_utf8_stdin_and_argv(tiny_dir):
 
 
 def test_chat_survives_a_non_utf8_line(tiny_dir):
-    p = subprocess.run([sys.executable, "-m", "kvrun.runtime.cli", "chat", "-m", str(tiny_dir),
+    p = subprocess.run([sys.executable, "-m", "kvrun.cli.main", "chat", "-m", str(tiny_dir),
                         "-n", "2", "--temp", "0", "-c", "256"],
                        input=b"hi\n" + BAD + b"\n/kv\n", capture_output=True)
     err = p.stderr.decode()
@@ -293,7 +293,7 @@ def test_absurd_values_one_line(tiny_dir, text_file, args, fragment):
 
 def test_unexpected_exception_is_one_line_unless_debug(tiny_dir, monkeypatch):
     """A bug still reaches the user as one line; --debug gives the traceback."""
-    from kvrun.runtime import info
+    from kvrun.model import info
     monkeypatch.setattr(info, "model_facts", lambda p: 1 / 0)
     r = run(["info", str(tiny_dir), "--json"])
     one_error_line(r, "internal error (ZeroDivisionError: division by zero)")
@@ -324,7 +324,7 @@ def test_model_config_with_bad_numbers(tmp_path, field, value):
 
 
 def test_endless_stdin_prompt_is_refused(tiny_dir, monkeypatch):
-    from kvrun.runtime import cli
+    from kvrun.cli import main as cli
     monkeypatch.setattr(cli, "STDIN_LIMIT", 1000)
     one_error_line(run(["generate", "-m", str(tiny_dir), "-p", "-"], input="x" * 1001),
                    "the prompt on stdin is over")
@@ -333,7 +333,7 @@ def test_endless_stdin_prompt_is_refused(tiny_dir, monkeypatch):
 
 
 def test_endless_chat_line_is_refused(tiny_dir, monkeypatch):
-    from kvrun.runtime import chat_repl
+    from kvrun.cli import chat as chat_repl
     monkeypatch.setattr(chat_repl, "LINE_LIMIT", 1000)
     r = run(["chat", "-m", str(tiny_dir), "-n", "1", "-c", "256"], input="x" * 1001)
     assert r.exit_code == 1 and "Traceback" not in r.output

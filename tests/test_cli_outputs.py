@@ -6,7 +6,7 @@ import time
 
 from click.testing import CliRunner
 
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 
 
 def run(args):

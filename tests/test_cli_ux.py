@@ -6,7 +6,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 
 COMMON = ["-m", "-p", "-n", "-c", "--temp", "-s", "-t", "--kv"]
 
@@ -65,7 +65,7 @@ def test_ctx_beyond_trained_context_warns_once(tiny_dir, cmd, extra, stdin):
 
 @pytest.mark.parametrize("weights", ["int4", "int8", "fp32"])
 def test_pull_weights_prints_the_directory(monkeypatch, tmp_path, weights):
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     asked = []
 
     def fake(progress=None, home=None, weights=pull.DEFAULT_WEIGHTS):
@@ -83,7 +83,7 @@ def test_pull_weights_prints_the_directory(monkeypatch, tmp_path, weights):
 def test_pull_weights_converts_from_the_cached_gguf(smollm2_gguf, tmp_path, monkeypatch):
     """A real `kvrun pull --weights int8` into a fresh $KVRUN_HOME holding only the GGUF
     (no download): the directory it prints is a model the CLI runs."""
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     home = tmp_path / "home"
     (home / "gguf").mkdir(parents=True)
     (home / "gguf" / smollm2_gguf.name).symlink_to(smollm2_gguf)

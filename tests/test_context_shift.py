@@ -8,10 +8,10 @@ import torch
 from torch.testing import assert_close
 
 import kvrun
-from kvrun.runtime.chat_session import ChatSession
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv.config import parse_kv
-from kvrun.runtime.sampling import SamplingParams
+from kvrun.engine.chat_session import ChatSession
+from kvrun.errors import KvrunError
+from kvrun.kv.config import parse_kv
+from kvrun.engine.sampling import SamplingParams
 from tiny import make_tiny_model_dir
 
 CTX = 128
@@ -116,7 +116,7 @@ def test_a_prompt_longer_than_a_shift_keeps_is_one_clear_error(tiny32, tmp_path)
 def test_a_context_shorter_than_the_window_allocates_only_the_context(tiny32, tmp_path):
     """-c 64 with R + G = 64 + 32: the window never flushes and holds at most 64 tokens, so the
     arena allocates 64 slots (an fp16 arena then costs what the dense cache does)."""
-    from kvrun.runtime.kv.arena import kv_bytes_at
+    from kvrun.kv.build import kv_bytes_at
     kv = _kv("fp16", tmp_path, residual=64)
     m = kvrun.load(tiny32, dtype="fp32", ctx=64, kv=kv)
     cfg = m.cfg
@@ -145,7 +145,7 @@ def test_sinks_that_would_fill_a_block_of_the_context_still_shift(tiny32, tmp_pa
 def test_kv_report_says_what_shifts_did(tiny32, tmp_path):
     """/kv names the policy and counts the shifts and dropped tokens (a shift happened
     silently before)."""
-    from kvrun.runtime.kv_report import format_kv
+    from kvrun.kv.report import format_kv
     m = kvrun.load(tiny32, dtype="fp32", ctx=CTX, kv=_kv("fp16", tmp_path))
     assert "0 shifts so far" in format_kv(m)
     list(m.engine.stream(list(range(1, 20)), 200, GREEDY, set()))     # no stop token

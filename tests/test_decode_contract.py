@@ -29,9 +29,9 @@ from torch.testing import assert_close                                    # noqa
 from attention_cases import dequantized_reference                         # noqa: E402
 from kvrun.kernels import dispatch, native                                # noqa: E402
 from kvrun.kernels.hadamard import rotate, unrotate                                 # noqa: E402
-from kvrun.runtime.kv import build_cache, parse_kv                        # noqa: E402
-from kvrun.runtime.kv.cache import NewKV                                  # noqa: E402
-from kvrun.runtime.rope import Rope, apply_rope                           # noqa: E402
+from kvrun.kv import build_cache, parse_kv                        # noqa: E402
+from kvrun.kv.cache import NewKV                                  # noqa: E402
+from kvrun.kernels.rope import Rope, apply_rope                           # noqa: E402
 from tiny import tiny_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

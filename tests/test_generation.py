@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import kvrun
-from kvrun.runtime.chat_session import ChatSession
-from kvrun.runtime.sampling import SamplingParams, apply_repetition_penalty, sample
+from kvrun.engine.chat_session import ChatSession
+from kvrun.engine.sampling import SamplingParams, apply_repetition_penalty, sample
 from tiny import interrupted_forward, make_tiny_model_dir
 
 
@@ -117,7 +117,7 @@ def test_chat_template_chatml_default_system(tiny):
 def test_interrupted_forward_is_repaired(tmp_path):
     """Ctrl-C between layers of a compressed cache leaves it usable and consistent."""
     tiny_dir = make_tiny_model_dir(tmp_path / "d32", hidden_size=128)          # head dim 32
-    m = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv=kvrun.runtime.kv.parse_kv(
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv=kvrun.kv.parse_kv(
         "int8", residual=32, group=32))
     prompt = m.tokenize("a" * 100)
     m.engine.prefill(prompt)
@@ -126,7 +126,7 @@ def test_interrupted_forward_is_repaired(tmp_path):
     n = len(m.engine.cached)
     assert n == m.cache.seq_len and n <= len(prompt)
     got = m.engine.prefill(prompt[n:] + [5]) if n < len(prompt) else m.engine.decode_step(5)
-    ref = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv=kvrun.runtime.kv.parse_kv(
+    ref = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv=kvrun.kv.parse_kv(
         "int8", residual=32, group=32))
     ref.engine.prefill(prompt[:n])
     want = ref.engine.prefill(prompt[n:] + [5]) if n < len(prompt) else ref.engine.decode_step(5)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers
 
-from kvrun.runtime.kv import DenseKVCache
-from kvrun.runtime.model import Transformer
+from kvrun.kv import DenseKVCache
+from kvrun.model.llama import Transformer
 from tiny import tiny_config
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -170,7 +170,7 @@ def test_kivi_pack_bit_identical(bits, G, g, D):
     """The C flush writes exactly what KiviCodec.pack writes (codes, fp16 scales and zeros),
     including a second flush into a half-filled byte block, constant rows (the 1e-6 scale
     floor) and large values (scale nudged up one fp16 ulp)."""
-    from kvrun.kernels.codec_kivi import KiviCodec
+    from kvrun.kernels.codecs.kivi import KiviCodec
     from kvrun.kernels.native.pack import store
     torch.manual_seed(bits * 1000 + G + D)
     for role in ("k", "v"):

@@ -1,4 +1,4 @@
-"""The needle-in-a-haystack builder (runtime/needle.py) and `kvrun needle`."""
+"""The needle-in-a-haystack builder (runtime/eval/needle.py) and `kvrun needle`."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kvrun.runtime.cli import main  # noqa: E402
-from kvrun.runtime.errors import KvrunError  # noqa: E402
-from kvrun.runtime.needle import Needle, build_prompt, make_needle  # noqa: E402
+from kvrun.cli.main import main  # noqa: E402
+from kvrun.errors import KvrunError  # noqa: E402
+from kvrun.eval.needle import Needle, build_prompt, make_needle  # noqa: E402
 from tiny import make_tiny_model_dir  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def test_cli_needle_runs_every_configuration(tmp_path):
 def test_needle_ctrl_c_prints_the_cells_done(tmp_path, monkeypatch):
     """Ctrl-C after the first (method, depth) cell: the table shows that cell, '-' for the
     others, the progress line had an ETA, and the exit code is 130."""
-    from kvrun.runtime import needle as N
+    from kvrun.eval import needle as N
     d = make_tiny_model_dir(tmp_path / "tiny")
     f = tmp_path / "fill.txt"
     f.write_text("Some filler sentence about nothing in particular. " * 40)

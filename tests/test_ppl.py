@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvrun.runtime.cli import main
+from kvrun.cli.main import main
 from tiny import make_tiny_model_dir
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
@@ -53,7 +53,7 @@ def test_ppl_missing_and_binary_file(tiny_dir, tmp_path):
 
 def test_progress_lines_carry_elapsed_and_eta(tiny_dir):
     import kvrun
-    from kvrun.runtime.ppl import perplexity
+    from kvrun.eval.ppl import perplexity
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
     lines = []
     perplexity(m, TEXT, 512, ["kivi-2"], n_windows=2, progress=lines.append)
@@ -73,8 +73,8 @@ def test_ctrl_c_returns_the_windows_done(tiny_dir):
     windows): PartialResults carries records over exactly those 2 windows, equal to a run
     asked for 2 windows."""
     import kvrun
-    from kvrun.runtime.errors import PartialResults
-    from kvrun.runtime.ppl import perplexity
+    from kvrun.errors import PartialResults
+    from kvrun.eval.ppl import perplexity
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
 
     def progress(line):
@@ -95,7 +95,7 @@ def test_ctrl_c_mid_window_keeps_only_whole_windows(tiny_dir, monkeypatch):
     """An interrupt inside window 2, after the baseline scored it but before kivi-2 did,
     must not leave the baseline with one window more than kivi-2."""
     import kvrun
-    from kvrun.runtime import ppl as P
+    from kvrun.eval import ppl as P
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
     real, calls = P.score_window, {"n": 0}
 
@@ -112,7 +112,7 @@ def test_ctrl_c_mid_window_keeps_only_whole_windows(tiny_dir, monkeypatch):
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_cli_ctrl_c_prints_partial_table_and_exits_130(tiny_dir, tmp_path, monkeypatch, as_json):
-    from kvrun.runtime import ppl as P
+    from kvrun.eval import ppl as P
     f = tmp_path / "t.txt"
     f.write_text(TEXT * 2)
     real, calls = P._score_methods, {"n": 0}
@@ -136,7 +136,7 @@ def test_cli_ctrl_c_prints_partial_table_and_exits_130(tiny_dir, tmp_path, monke
 
 
 def test_cli_ctrl_c_in_the_first_window_is_a_plain_interrupt(tiny_dir, tmp_path, monkeypatch):
-    from kvrun.runtime import ppl as P
+    from kvrun.eval import ppl as P
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
     monkeypatch.setattr(P, "_score_methods", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
@@ -156,7 +156,7 @@ def test_ppl_warns_beyond_trained_context(tiny_dir, tmp_path):
 
 
 def test_table_columns_stay_aligned_with_long_labels():
-    from kvrun.runtime.ppl import PplRecord, format_table
+    from kvrun.eval.ppl import PplRecord, format_table
     recs = [PplRecord(m, 17.5, 0.1, 0.01, 0.95, 8000, 0.35, 0.3, 100, 1.0)
             for m in ("fp16", "profile:smollm2-135m-0.25", "kivi-4/kivi-2@64+rot")]
     rows = format_table(recs).splitlines()

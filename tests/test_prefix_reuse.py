@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import kvrun
-from kvrun.runtime.chat_session import ChatSession
-from kvrun.runtime.generate import Timings
-from kvrun.runtime.kv.config import parse_kv
-from kvrun.runtime.sampling import SamplingParams
+from kvrun.engine.chat_session import ChatSession
+from kvrun.engine.generate import Timings
+from kvrun.kv.config import parse_kv
+from kvrun.engine.sampling import SamplingParams
 from tiny import make_tiny_model_dir
 
 METHODS = ["fp16", "int8", "kivi-4", "kivi-2", "tada-4", "gear-l", "gear", "kivi-4+rot", "profile"]

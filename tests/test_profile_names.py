@@ -5,10 +5,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvrun.runtime.cli import main
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv import parse_kv, save_profile
-from kvrun.runtime.kv.profile import resolve_profile, shipped_profiles
+from kvrun.cli.main import main
+from kvrun.errors import KvrunError
+from kvrun.kv import parse_kv, save_profile
+from kvrun.kv.profile import resolve_profile, shipped_profiles
 from tiny import make_tiny_model_dir
 
 SHIPPED = "smollm2-135m-0.25"
@@ -16,7 +16,7 @@ SHIPPED = "smollm2-135m-0.25"
 
 @pytest.fixture
 def elsewhere(tmp_path, monkeypatch):
-    """A working directory with no runtime/profiles/ below it."""
+    """A working directory with no runtime/kv/profiles/ below it."""
     d = tmp_path / "cwd"
     d.mkdir()
     monkeypatch.chdir(d)
@@ -73,8 +73,8 @@ def test_a_profile_must_be_a_small_regular_file(tmp_path, make):
     """--kv profile:/dev/zero filled memory until the OS killed the process; a FIFO blocked
     the open for ever. Each is one error line, shared by the CLI, library and server."""
     import os
-    from kvrun.runtime.errors import KvrunError
-    from kvrun.runtime.kv.profile import read_profile
+    from kvrun.errors import KvrunError
+    from kvrun.kv.profile import read_profile
     if make == "fifo":
         path = tmp_path / "p.json"
         os.mkfifo(path)

@@ -1,4 +1,4 @@
-"""Weight-only quantized weights (runtime/qlinear.py, convert/quantize.py).
+"""Weight-only quantized weights (runtime/model/qlinear.py, convert/quantize.py).
 
 References: a dense F.linear over the dequantized weights (the layers), `gguf.quants`'
 own quantize/dequantize (the GGUF repacking), and the fp32 conversion of the same file
@@ -17,9 +17,9 @@ import kvrun
 from kvrun.convert import convert_gguf, convert_hf
 from kvrun.convert.quantize import (op_dequantize, quantize_int4, quantize_int8, rel_error,
                                     repack_gguf_q4)
-from kvrun.runtime import qlinear
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.qlinear import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8,
+from kvrun.model import qlinear
+from kvrun.errors import KvrunError
+from kvrun.model.qlinear import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8,
                                    int4_group, pack_int4, unpack_int4)
 from tiny import write_tiny_hf
 
@@ -231,7 +231,7 @@ def test_bad_weight_options(tiny_hf, tmp_path):
 
 
 def test_info_reports_format(tiny_hf, tmp_path):
-    from kvrun.runtime.info import model_info
+    from kvrun.model.info import model_info
     convert_hf(tiny_hf, tmp_path / "q", weights="int4", group=32)
     d = model_info(tmp_path / "q")
     assert d["weights"].startswith("int4 (group 32; embedding int8)") and "MiB" in d["weights"]

@@ -17,9 +17,9 @@ import torch
 from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv import build_cache, kv_bytes_at, parse_kv
-from kvrun.runtime.kv.ring import LayeredKVCache, SlidingWindowKV
+from kvrun.errors import KvrunError
+from kvrun.kv import build_cache, kv_bytes_at, parse_kv
+from kvrun.kv.ring import LayeredKVCache, SlidingWindowKV
 from tiny import tiny_config
 
 W = 16
@@ -198,7 +198,7 @@ def test_refusals_are_one_line():
 
 
 def _tiny_gemma():
-    from kvrun.runtime.model import Transformer
+    from kvrun.model.llama import Transformer
     torch.manual_seed(0)
     cfg = _cfg()
     m = Transformer(cfg).float().eval()
@@ -212,8 +212,8 @@ def _tiny_gemma():
 # real-model quality is `kvrun ppl`'s, docs/measurements.md)
 @pytest.mark.parametrize("kv,tol", [("fp16", 5e-3), ("int8", 0.2), ("kivi-4", 2.0)])
 def test_tiny_gemma_on_the_layered_cache(kv, tol):
-    from kvrun.runtime.api import make_cache
-    from kvrun.runtime.kv import DenseKVCache
+    from kvrun.kv.build import make_cache
+    from kvrun.kv import DenseKVCache
     cfg, m = _tiny_gemma()
     ids = torch.randint(0, cfg.vocab_size, (1, 120))
     ref_cache = DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 128, torch.float16,

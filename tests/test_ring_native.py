@@ -18,9 +18,9 @@ import torch
 from torch.testing import assert_close
 
 import kvrun.kernels.native.ring_attention as nra
-import kvrun.runtime.kv.ring as ring_mod
+import kvrun.kv.ring as ring_mod
 from kvrun.kernels import native
-from kvrun.runtime.kv.ring import SlidingWindowKV
+from kvrun.kv.ring import SlidingWindowKV
 
 W = 37                      # odd: the filled-slot count min(s + 1, W) takes odd and even values
 

@@ -6,9 +6,9 @@ from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
 from kvrun.kernels.hadamard import block_size, fwht, random_signs, rotation_matrix
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv import build_cache, kv_bytes_at, parse_kv
-from kvrun.runtime.rope import Rope, apply_rope
+from kvrun.errors import KvrunError
+from kvrun.kv import build_cache, kv_bytes_at, parse_kv
+from kvrun.kernels.rope import Rope, apply_rope
 from tiny import tiny_config
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 import kvrun
-from kvrun.runtime.errors import KvrunError
-from kvrun.runtime.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
-from kvrun.runtime.budget import fit_budget
-from kvrun.runtime.kv.profile import model_record, read_profile
-from kvrun.runtime.search import save_result, search
+from kvrun.errors import KvrunError
+from kvrun.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
+from kvrun.kv.budget import fit_budget
+from kvrun.kv.profile import model_record, read_profile
+from kvrun.eval.search import save_result, search
 
 from tiny import make_tiny_model_dir, tiny_config
 
@@ -121,7 +121,7 @@ def test_kv_auto_refuses_other_models(tiny_model):
 
 
 def test_shipped_profile_matches_the_default_model_geometry():
-    from kvrun.runtime.kv.profile import shipped_default
+    from kvrun.kv.profile import shipped_default
     prof = read_profile(shipped_default())
     assert prof.model["num_layers"] == len(prof.layers) == 30
     assert (prof.model["num_kv_heads"], prof.model["head_dim"]) == (3, 64)
@@ -149,7 +149,7 @@ def test_fit_budget(tiny_model, tmp_path, monkeypatch):
 
 def test_search_command_writes_a_profile(tiny_model, tmp_path):
     from click.testing import CliRunner
-    from kvrun.runtime.cli_search import search_cmd
+    from kvrun.cli.search import search_cmd
     calib, out = tmp_path / "calib.txt", tmp_path / "p.json"
     calib.write_text(CALIB)
     args = ["-m", str(tiny_model.path), "--calib", str(calib), "--budget", "0.62", "-c", "512",
@@ -164,7 +164,7 @@ def test_search_command_writes_a_profile(tiny_model, tmp_path):
 
 
 def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
-    from kvrun.runtime.kv.profile import shipped_profiles
+    from kvrun.kv.profile import shipped_profiles
     # the geometry of the models they were searched on (SmolLM2-135M, Gemma 3 270M)
     geometry = {"llama": dict(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576),
                 "gemma3": dict(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,

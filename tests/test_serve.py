@@ -1,4 +1,4 @@
-"""`kvrun serve` (runtime/server.py) through the official `openai` client: a real uvicorn
+"""`kvrun serve` (runtime/cli/server.py) through the official `openai` client: a real uvicorn
 server on a free loopback port, in this process (a thread), over the default model."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 import kvrun  # noqa: E402
-from kvrun.runtime.scheduler import Scheduler  # noqa: E402
-from kvrun.runtime.server import create_app  # noqa: E402
+from kvrun.engine.scheduler import Scheduler  # noqa: E402
+from kvrun.cli.server import create_app  # noqa: E402
 from serving import run_in_thread  # noqa: E402
 
 NAME = "smol"
@@ -25,7 +25,7 @@ TIMEOUT = 120                               # seconds any one request may take
 
 @pytest.fixture(scope="module")
 def model():
-    from kvrun.runtime.pull import ensure_default_model
+    from kvrun.engine.pull import ensure_default_model
     return kvrun.load(ensure_default_model(progress=None), ctx=CTX, kv="fp16")
 
 

@@ -19,10 +19,10 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 import kvrun  # noqa: E402
-from kvrun.runtime.scheduler import Scheduler  # noqa: E402
-from kvrun.runtime.server import create_app  # noqa: E402
+from kvrun.engine.scheduler import Scheduler  # noqa: E402
+from kvrun.cli.server import create_app  # noqa: E402
 from serving import run_in_thread  # noqa: E402
-from kvrun.runtime.server_http import HeaderDeadline, Server  # noqa: E402
+from kvrun.cli.server_http import HeaderDeadline, Server  # noqa: E402
 
 CTX = 128
 NAME = "tiny"
@@ -187,7 +187,7 @@ def test_bad_requests_never_touch_a_running_one(server, tiny_m):
     """A long stream runs while every bad body above arrives; it ends as it would alone."""
     port, sched = server
     s0 = Scheduler(tiny_m, parallel=1, ctx=CTX, kv="fp32")
-    from kvrun.runtime.sampling import SamplingParams
+    from kvrun.engine.sampling import SamplingParams
     ref = s0.submit(list(range(3, 20)), 80, SamplingParams(temp=0))
     s0.run()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -325,7 +325,7 @@ def test_a_prompt_too_long_to_fit_is_refused_untokenized(server):
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server, monkeypatch):
-    from kvrun.runtime import server as server_mod
+    from kvrun.cli import server as server_mod
     monkeypatch.setattr(server_mod.App, "_fits", lambda *a: None)      # tokenize it all
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")     # as kvrun serve runs it
     port = server[0]
@@ -386,7 +386,7 @@ def _serve(tiny_dir, host="127.0.0.1"):
     with socket.socket(family) as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "kvrun.runtime.cli", "serve", "-m", str(tiny_dir),
+    p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "serve", "-m", str(tiny_dir),
                           "-t", "1", "-c", "128", "--dtype", "fp32", "--port", str(port),
                           "--host", host], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
@@ -442,7 +442,7 @@ def test_client_gone_mid_body_is_quiet(server, capfd):
 
 
 def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
-    from kvrun.runtime import batch as batch_mod
+    from kvrun.engine import batch as batch_mod
     real = batch_mod.batch_forward
 
     def slow(*a):                                       # 100 tokens take 5 s

@@ -1,4 +1,4 @@
-"""The serving loop's isolation and queue (runtime/scheduler.py, runtime/batch.py) on the tiny
+"""The serving loop's isolation and queue (runtime/engine/scheduler.py, runtime/engine/batch.py) on the tiny
 model: a request whose values fail inside the loop (its seed, its sampling, its row of the
 forward) ends alone with finish reason "error" while the others decode exactly as they do
 alone; `max_queue` counts the requests waiting beyond the free slots."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import kvrun
-from kvrun.runtime import batch as batch_mod
-from kvrun.runtime.sampling import SamplingParams
-from kvrun.runtime.scheduler import QueueFull, Scheduler
+from kvrun.engine import batch as batch_mod
+from kvrun.engine.sampling import SamplingParams
+from kvrun.engine.scheduler import QueueFull, Scheduler
 
 GOOD = [list(range(3, 40)), [5, 9, 11, 7]]
 N = 24
@@ -99,7 +99,7 @@ def test_queue_counts_beyond_the_slots(tiny_m):
 
 
 def test_close_then_cancel_all(tiny_m):
-    from kvrun.runtime.scheduler import SHUTTING_DOWN, Closed
+    from kvrun.engine.scheduler import SHUTTING_DOWN, Closed
     sched = Scheduler(tiny_m, parallel=1, kv="fp32", ctx=128)
     running = sched.submit(GOOD[0], 50, SamplingParams(temp=0))      # no stop token in 50
     waiting = sched.submit(GOOD[0], 50, SamplingParams(temp=0))

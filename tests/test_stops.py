@@ -1,12 +1,12 @@
-"""Stop strings (runtime/stops.py): the filter on hand-made events, then on the tiny model's
+"""Stop strings (runtime/engine/stops.py): the filter on hand-made events, then on the tiny model's
 greedy continuations through the library API and a chat session."""
 import pytest
 import torch
 
 import kvrun
-from kvrun.runtime.chat_session import ChatSession
-from kvrun.runtime.generate import StreamEvent, Timings
-from kvrun.runtime.stops import StopStrings, check_stops, unescape
+from kvrun.engine.chat_session import ChatSession
+from kvrun.engine.generate import StreamEvent, Timings
+from kvrun.engine.stops import StopStrings, check_stops, unescape
 
 
 class Source:

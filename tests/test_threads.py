@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvrun.runtime import threads as T
+from kvrun import threads as T
 
 
 @pytest.fixture()

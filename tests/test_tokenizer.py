@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from kvrun.convert.gguf_file import open_gguf, read_metadata
 from kvrun.convert.gguf_tokenizer import sentencepiece_merges, tokenizer_from_gguf
-from kvrun.runtime.errors import KvrunError
+from kvrun.errors import KvrunError
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 'quoted', isn't it?",

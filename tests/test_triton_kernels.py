@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 from attention_cases import attention_case, dequantized_reference        # noqa: E402
 from kvrun.kernels import make_codec                                     # noqa: E402
 from kvrun.kernels import triton as tri                                  # noqa: E402
-from kvrun.kernels.codec_base import FpCodec                             # noqa: E402
+from kvrun.kernels.codecs.base import FpCodec                             # noqa: E402
 from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
 from kvrun.kernels.dispatch import BackendError, backend_for             # noqa: E402
 from kvrun.kernels.dispatch import decode_attention as dispatch_attention  # noqa: E402
@@ -263,7 +263,7 @@ def test_tiny_model_decodes_the_same_tokens_on_both_backends(tmp_path, monkeypat
     The 78-token prompt puts 32 tokens in the compressed tail after prefill, and the decode
     flushes 32 more after attending them."""
     import kvrun
-    from kvrun.runtime.kv.config import parse_kv
+    from kvrun.kv.config import parse_kv
     from tiny import make_tiny_model_dir
 
     path = make_tiny_model_dir(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2,

@@ -29,10 +29,10 @@ from torch.testing import assert_close                                    # noqa
 
 from attention_cases import dequantized_reference                         # noqa: E402
 from kvrun.kernels import dispatch                                        # noqa: E402
-from kvrun.runtime.kv import arena as arena_mod                           # noqa: E402
-from kvrun.runtime.kv import build_cache, parse_kv                        # noqa: E402
-from kvrun.runtime.kv.cache import NewKV                                  # noqa: E402
-from kvrun.runtime.rope import Rope, apply_rope                           # noqa: E402
+from kvrun.kv import arena as arena_mod                           # noqa: E402
+from kvrun.kv import build_cache, parse_kv                        # noqa: E402
+from kvrun.kv.cache import NewKV                                  # noqa: E402
+from kvrun.kernels.rope import Rope, apply_rope                           # noqa: E402
 from tiny import tiny_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -161,7 +161,7 @@ def test_takes_new_kv_only_where_the_fused_ops_cover_the_step(monkeypatch):
 def _int8_v_proj(lin):
     """The dense v_proj as a weight-only int8 layer (its rows reach the cache as given)."""
     from kvrun.convert.quantize import quantize_int8
-    from kvrun.runtime.qlinear import Int8Linear
+    from kvrun.model.qlinear import Int8Linear
     q = Int8Linear(lin.weight.shape[1], lin.weight.shape[0])
     parts = quantize_int8(lin.weight.detach())
     q.qweight.copy_(parts["qweight"])
@@ -238,7 +238,7 @@ def test_smollm2_decodes_the_same_tokens_on_both_backends(monkeypatch):
     hand: the same tokens)."""
     import kvrun
     from kvrun.kernels.triton import fused_compress as tfc
-    from kvrun.runtime.pull import ensure_default_model
+    from kvrun.engine.pull import ensure_default_model
     m = kvrun.load(ensure_default_model(progress=None), ctx=256,
                    kv=parse_kv("tada-4/kivi-2", residual=R, group=G))
     text = ("The history of the city begins with a small settlement on the river, where "

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.model import Transformer
+from kvrun.model.config import ModelConfig
+from kvrun.model.llama import Transformer
 
 
 def tiny_config(architecture: str = "llama", **kw) -> ModelConfig:

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from kvrun.runtime.config import ModelConfig
-from kvrun.runtime.kv import KVArena, build_cache, kv_ratio_at, parse_kv
-from kvrun.runtime.rope import inv_frequencies
+from kvrun.model.config import ModelConfig
+from kvrun.kv import KVArena, build_cache, kv_ratio_at, parse_kv
+from kvrun.kernels.rope import inv_frequencies
 
 
 def make_cache(cfg, ctx, spec):

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvrun.runtime.kv.evict import POLICIES, crush_anchor, crush_bits, crush_buckets, select
+from kvrun.kv.evict import POLICIES, crush_anchor, crush_bits, crush_buckets, select
 
 
 def timed(fn, reps):

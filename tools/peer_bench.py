@@ -114,7 +114,7 @@ def run_peer(a) -> list[dict] | str:
 
 def run_kvrun(m, specs, a) -> list[dict]:
     """One repetition of every kvrun method (kvrun's own bench: warm-up excluded)."""
-    from kvrun.runtime.bench import bench_model
+    from kvrun.eval.bench import bench_model
     recs = bench_model(m, specs, [a.p] if a.p else [], a.n, a.depths, 1, seed=a.seed)
     out = []
     for r in recs:
@@ -176,9 +176,9 @@ def main(argv=None) -> int:
         peer_worker(a)
         return 0
     import kvrun
-    from kvrun.runtime.kv.config import parse_kv
-    from kvrun.runtime.pull import default_gguf_path, ensure_default_model
-    from kvrun.runtime.threads import configure as configure_threads
+    from kvrun.kv.config import parse_kv
+    from kvrun.engine.pull import default_gguf_path, ensure_default_model
+    from kvrun.threads import configure as configure_threads
     configure_threads(a.threads)   # the cap kvrun's forwards keep (runtime/threads.py)
     path = a.model
     if a.gguf is None:
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         ap.error("--gguf needs -m: the kvrun model directory converted from it (kvrun convert)")
     m = kvrun.load(path, ctx=8)
     specs = [parse_kv(x) for x in a.kv.split(",") if x]
-    from kvrun.runtime.bench import _label
+    from kvrun.eval.bench import _label
     a.kv_labels = [_label(s) for s in specs]
     cfg = m.cfg
     ctx = max([d + a.n for d in a.depths] + [a.p])
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(records, indent=1))
         return 0
-    from kvrun.runtime.bench import cpu_name
+    from kvrun.eval.bench import cpu_name
     print(f"{cpu_name()}, {a.threads} threads, GGUF {a.gguf}, kvrun model {m.path.name}, "
           f"{a.r} repetitions (median, min–max)\n")
     print(table(records, a, kv_bytes))

@@ -25,8 +25,8 @@ import argparse
 from kvrun.kernels import METHODS, make_codec
 from kvrun.kernels.triton.decode_attention import bytes_per_step
 from kvrun.kernels.triton.fused_compress import bytes_per_step as write_bytes_per_step
-from kvrun.runtime.bench import parse_count, parse_geometry
-from kvrun.runtime.kv.config import KVConfig
+from kvrun.eval.bench import parse_count, parse_geometry
+from kvrun.kv.config import KVConfig
 
 H100_TBS = 3.35                  # H100 SXM HBM3, TB/s
 

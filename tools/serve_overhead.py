@@ -27,10 +27,10 @@ def main() -> None:
     import uvicorn
 
     import kvrun
-    from kvrun.runtime.scheduler import Scheduler
-    from kvrun.runtime.server import create_app
+    from kvrun.engine.scheduler import Scheduler
+    from kvrun.cli.server import create_app
     if a.t:
-        from kvrun.runtime.threads import configure as configure_threads
+        from kvrun.threads import configure as configure_threads
         configure_threads(a.t)   # the cap kvrun's forwards keep (runtime/threads.py)
     m = kvrun.load(ctx=1024, kv="fp16")
     sched = Scheduler(m, parallel=4, ctx=1024, kv="fp16")

@@ -15,7 +15,7 @@ import time
 import torch
 
 import kvrun
-from kvrun.runtime.threads import configure as configure_threads
+from kvrun.threads import configure as configure_threads
 
 
 def main():

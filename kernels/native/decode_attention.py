@@ -12,10 +12,10 @@ import weakref
 
 import torch
 
-from ..codec_base import FpCodec, Int8Codec
-from ..codec_gear import GearCodec
-from ..codec_kivi import KiviCodec
-from ..codec_tada import TadaCodec
+from ..codecs.base import FpCodec, Int8Codec
+from ..codecs.gear import GearCodec
+from ..codecs.kivi import KiviCodec
+from ..codecs.tada import TadaCodec
 from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
 from . import load
 

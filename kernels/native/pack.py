@@ -9,9 +9,9 @@ import ctypes
 
 import torch
 
-from ..codec_base import Int8Codec
-from ..codec_kivi import KiviCodec
-from ..codec_tada import TadaCodec
+from ..codecs.base import Int8Codec
+from ..codecs.kivi import KiviCodec
+from ..codecs.tada import TadaCodec
 from . import load
 from .decode_attention import MAX_D
 

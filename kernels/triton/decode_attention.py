@@ -58,10 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec_base import FpCodec, Int8Codec
-from ..codec_gear import GearCodec
-from ..codec_kivi import KiviCodec
-from ..codec_tada import TadaCodec
+from ..codecs.base import FpCodec, Int8Codec
+from ..codecs.gear import GearCodec
+from ..codecs.kivi import KiviCodec
+from ..codecs.tada import TadaCodec
 from .dequant import FP, GEAR, INT8, KIVI, TADA, dequant_tile
 
 BLOCK_N = 32                    # split granularity and default token tile

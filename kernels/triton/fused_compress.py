@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec_kivi import KiviCodec
-from ..codec_tada import TadaCodec
+from ..codecs.kivi import KiviCodec
+from ..codecs.tada import TadaCodec
 from ..fused_compress import flush_count, supports  # supports: the codecs both backends fuse
 from .compress_units import _rows, _tada_mu, _unit_chan, _unit_chanpack, _unit_tok
 

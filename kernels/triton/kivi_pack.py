@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec_kivi import KiviCodec
-from ..codec_gear import GearCodec
+from ..codecs.kivi import KiviCodec
+from ..codecs.gear import GearCodec
 
 K_WARPS, V_WARPS = 4, 8                 # no register spills on sm_90 at D = 128 (sm90_check)
 

@@ -1,12 +1,13 @@
 """KV caches: the dense cache, the compressed arena (residual window + compressed tail), and
 the ring of sliding-window layers beside either (ring.py)."""
-from .arena import (KVArena, arena_layers, build_cache, check_kv, kv_bytes_at, kv_ratio_at,
-                    tail_capacity)
+from .arena import KVArena
+from .build import build_cache, check_kv, kv_bytes_at, kv_ratio_at, make_cache
+from .layout import arena_layers, tail_capacity
 from .cache import KV_DTYPES, DenseKVCache
 from .config import KVConfig, parse_kv
 from .profile import load_profile, save_profile
 from .ring import LayeredKVCache, SlidingWindowKV
 
 __all__ = ["KV_DTYPES", "DenseKVCache", "KVArena", "KVConfig", "LayeredKVCache", "SlidingWindowKV",
-           "arena_layers", "build_cache", "check_kv", "kv_bytes_at", "kv_ratio_at", "load_profile",
+           "arena_layers", "build_cache", "check_kv", "kv_bytes_at", "kv_ratio_at", "load_profile", "make_cache",
            "parse_kv", "save_profile", "tail_capacity"]

@@ -51,26 +51,21 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.codec_base import COMPONENTS
-from ...kernels.codecs import make_codec
-from ...kernels.dispatch import (attend_append, backend_for, decode_attention, pack,  # per backend
+from kvrun.kernels.codecs.base import COMPONENTS
+from kvrun.kernels.codecs import make_codec
+from kvrun.kernels.dispatch import (attend_append, backend_for, decode_attention, pack,  # per backend
                                  rope_compress_k, vproj_compress)
-from ...kernels.fused_compress import flush_count, supports as fused_supports
-from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
+from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
+from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
-from ..rope import apply_rope, inv_frequencies
+from kvrun.kernels.rope import apply_rope
 from .arena_evict import ArenaEviction, tail_sizes
-from .cache import KV_DTYPES, DenseKVCache, NewKV
-from .config import KVConfig, parse_kv
-from .ring import LayeredKVCache, SlidingWindowKV, ring_bits
+from .cache import KV_DTYPES, NewKV
+from .config import KVConfig
 
 # write_attend's largest step: decode steps and short chunks of up to 64 new tokens;
 # longer prefill chunks keep attend
 WRITE_ATTEND_MAX_T = 64
-
-
-def tail_capacity(max_ctx: int, R: int, G: int) -> int:
-    return max(0, max_ctx - R) // G * G
 
 
 def window_slots(kv: KVConfig, max_ctx: int) -> int:
@@ -85,7 +80,7 @@ def window_dtype(kv: KVConfig) -> torch.dtype:
     return KV_DTYPES[next(iter(ms))] if ms in ({"bf16"}, {"fp32"}) else torch.float16
 
 
-def _codec_factory(kv: KVConfig):
+def codec_factory(kv: KVConfig):
     cache: dict = {}
 
     def get(method: str, role: str):
@@ -112,7 +107,7 @@ class KVArena:
         self.S = max(self.S_l)
         self.inv_freq = inv_freq.to(torch.float64)                       # (D/2,)
         self.layer_methods = kv.layer_methods(n_layers)
-        get = _codec_factory(kv)
+        get = codec_factory(kv)
         self.k_codecs = [get(k, "k") for k, _ in self.layer_methods]
         self.v_codecs = [get(v, "v") for _, v in self.layer_methods]
         self.k_store = [c.alloc(n_kv_heads, head_dim, S, device) for c, S in zip(self.k_codecs, self.S_l)]
@@ -398,98 +393,3 @@ class KVArena:
         i0 = max(start, nt) - nt
         if i0 < w:
             self._append(l, rot(win_k[:, i0:].float()).to(wd), win_v[:, i0:])
-
-
-# -- construction and accounting -----------------------------------------------------------------
-
-def _as_config(kv) -> KVConfig:
-    return kv if isinstance(kv, KVConfig) else parse_kv(kv)
-
-
-def layer_windows(cfg) -> list[int]:
-    """Per model layer its attention window (0: full attention; ModelConfig.layer_windows)."""
-    return list(getattr(cfg, "layer_windows", None) or [0] * cfg.num_layers)
-
-
-def arena_layers(cfg) -> int:
-    """The layers a KV method applies to: the full-attention ones (a per-layer profile lists
-    these, in model order); sliding-window layers keep a ring of their window (ring.py)."""
-    return layer_windows(cfg).count(0)
-
-
-def check_kv(cfg, kv_config) -> KVConfig:
-    """The KV config for this model (`--kv auto`: its shipped profile), checked against the
-    model's geometry (one clear line if it does not fit)."""
-    kv = _as_config(kv_config).for_model(cfg)
-    kv.check_model(cfg.head_dim, arena_layers(cfg), cfg.num_kv_heads)
-    if any(layer_windows(cfg)) and kv.ctx_policy == "shift":
-        raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "
-                         "layers (a shift would cut the windows they attend to): raise -c instead")
-    return kv
-
-
-def _full_cache(cfg, n_layers: int, ctx: int, kv: KVConfig, device):
-    if kv.is_dense:
-        return DenseKVCache(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
-                            KV_DTYPES[kv.k_method], device=device)
-    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return KVArena(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
-                   n_heads=cfg.num_heads)
-
-
-def _ring_dtype(kv: KVConfig) -> torch.dtype:
-    return KV_DTYPES[kv.k_method] if kv.is_dense else window_dtype(kv)
-
-
-def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
-    """Bytes of the sliding-window layers' rings for a cache of n_tokens: per layer, K and
-    V of min(window, n) tokens at ring_bits(kv) (plus fp16 scale and min per kv.v_group
-    channels)."""
-    windows = layer_windows(cfg)
-    n_slide, bits = len(windows) - windows.count(0), ring_bits(kv)
-    if not n_slide:
-        return 0
-    per = (cfg.head_dim * _ring_dtype(kv).itemsize if bits == 16
-           else cfg.head_dim * bits // 8 + 2 * 2 * (cfg.head_dim // kv.v_group))
-    return 2 * n_slide * cfg.num_kv_heads * min(max(windows), n_tokens) * per
-
-
-def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
-    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
-    shift (the same tensors and read path as before), the KVArena otherwise; a model with
-    sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
-    kv = check_kv(cfg, kv_config)
-    windows = layer_windows(cfg)
-    full = _full_cache(cfg, windows.count(0), ctx, kv, device)
-    if not any(windows):
-        return full
-    ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
-                           max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           "v" in kv.rotate)
-    return LayeredKVCache(windows, full, ring)
-
-
-def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
-    """Bytes by component of the cache build_cache(cfg, n_tokens, kv_config) would allocate,
-    computed from the codecs' storage layouts without allocating. Sliding-window layers add
-    their rings as "ring" (ring_bytes)."""
-    kv = check_kv(cfg, kv_config)
-    windows = layer_windows(cfg)
-    L, Hkv, D = windows.count(0), cfg.num_kv_heads, cfg.head_dim
-    ring = {"ring": ring_bytes(cfg, kv, n_tokens)} if any(windows) else {}
-    if kv.is_dense:
-        return {"dense": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize, **ring}
-    out = dict.fromkeys(COMPONENTS, 0)
-    get = _codec_factory(kv)
-    for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):
-        for c in (get(km, "k"), get(vm, "v")):
-            for s in c.slots(Hkv, D, S):
-                out[s.component] += s.nbytes
-    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize
-    return {**out, **ring}
-
-
-def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
-    """Total KV bytes holding n_tokens (window included) / the fp16 cache of n_tokens (for a
-    model with sliding-window layers, their fp16 rings included)."""
-    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / sum(kv_bytes_at(cfg, "fp16", n_tokens).values())

@@ -54,12 +54,12 @@ from __future__ import annotations
 
 import torch
 
+from .layout import tail_capacity
 from .evict import group_scores, pyramid_budgets, resets_scores, select
 
 
 def tail_sizes(kv, n_layers: int, max_ctx: int) -> list[int]:
     """Tail capacity per layer: the usual capacity for max_ctx tokens, capped by the budget."""
-    from .arena import tail_capacity
     cap = tail_capacity(max_ctx, kv.residual, kv.group)
     if kv.evict == "none":
         return [cap] * n_layers

@@ -9,7 +9,7 @@ so the model code never changes:
     commit(T)                       after all layers ran: the T tokens are now cached
     truncate(n) -> kept / reset()   drop tokens after the first n (a cache may keep fewer)
     resume_point(n, chunk) -> m     how many of the first n tokens a new prompt may reuse
-                                    and still get what a fresh prefill gives (runtime/generate.py)
+                                    and still get what a fresh prefill gives (runtime/engine/generate.py)
     canonical_tail(s) -> n          tokens a fresh prefill of s tokens holds compressed
     can_shift                       whether a full context shifts (the arena's shift()) or errors
     nbytes() -> dict                exact bytes by component
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import dense_attention
-from ...kernels.codec_base import FpCodec
-from ...kernels.dispatch import backend_for
-from ...kernels.native.decode_attention import TILE
-from ...kernels.native.decode_attention import decode_attention as native_attention
+from kvrun.kernels import dense_attention
+from kvrun.kernels.codecs.base import FpCodec
+from kvrun.kernels.dispatch import backend_for
+from kvrun.kernels.native.decode_attention import TILE
+from kvrun.kernels.native.decode_attention import decode_attention as native_attention
 from ..errors import KvrunError
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -5,7 +5,7 @@
     parse_kv("fp16", k="kivi-4", v="kivi-2") --kv-k / --kv-v override the --kv method
     parse_kv("tada-4", profile="p.json")     per-layer methods from a profile (§6)
     parse_kv("profile:p.json")               the same as a spec (for method lists: kvrun ppl)
-    parse_kv("profile:smollm2-135m-0.25")    a shipped profile by name (runtime/profiles/)
+    parse_kv("profile:smollm2-135m-0.25")    a shipped profile by name (runtime/kv/profiles/)
     parse_kv("auto")                         the profile shipped for the embedded model
 
 Defaults follow the papers: residual window R = 128 and group G = 32 (KIVI, TaDA's
@@ -21,18 +21,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...kernels.codecs import METHODS, method_family
+from kvrun.kernels.codecs import method_family
 from ..errors import KvrunError
+from .evict import ANCHORS, POLICIES
+from .profile import NOT_KV_SETTINGS, check_method, read_profile, shipped_for
 
 CTX_POLICIES = ("error", "shift")
 DENSE = {"fp16", "bf16", "fp32"}          # uncompressed methods
 ROTATE = ("none", "k", "v", "kv")
-
-
-def check_method(m: str) -> str:
-    if m not in METHODS:
-        raise KvrunError(f"unknown KV method {m!r} (valid: {', '.join(METHODS)})")
-    return m
 
 
 @dataclass
@@ -100,7 +96,6 @@ class KVConfig:
         self._check_evict()
 
     def _check_evict(self) -> None:
-        from .evict import ANCHORS, POLICIES
         if self.evict not in POLICIES:
             raise KvrunError(f"unknown eviction policy {self.evict!r} ({', '.join(POLICIES)})")
         if self.crush_anchor not in ANCHORS:
@@ -157,7 +152,6 @@ class KVConfig:
         info = self.profile_info or {}
         if not info.get("auto"):
             return self
-        from .profile import shipped_for
         path = shipped_for(cfg)
         if path is None or str(path) == str(info.get("path")):
             return self
@@ -269,8 +263,12 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
         sk = sv = spec
     layers, info = None, None
     if profile is not None:
-        from .profile import read_profile
         p = read_profile(profile)
+        known = {f.name for f in dataclasses.fields(KVConfig)} - set(NOT_KV_SETTINGS)
+        unknown = sorted(set(p.kv) - known)
+        if unknown:
+            raise KvrunError(f"{p.path}: KV setting {unknown[0]!r} is not supported by this kvrun "
+                             f"(known: {', '.join(sorted(known))})")
         layers = p.layers
         info = {"path": p.path, "model": p.model, "auto": auto,
                 "fields": dict(fields)}             # as given: for_model re-reads with them

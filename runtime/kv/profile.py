@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrun.kernels.codecs import METHODS
 from ..errors import KvrunError
 from ..files import atomic_output
 
@@ -33,7 +34,7 @@ FORMAT = "kvrun-kv-profile"
 VERSION = 1
 SHIPPED_DEFAULT = "smollm2-135m-0.30.json"      # `--kv auto` for the embedded model
 # KVConfig fields that describe a cache, not a run: these travel with a profile
-_NOT_KV_SETTINGS = ("k_method", "v_method", "layers", "layer_rotate", "ctx_policy", "n_keep",
+NOT_KV_SETTINGS = ("k_method", "v_method", "layers", "layer_rotate", "ctx_policy", "n_keep",
                     "block", "profile_info")
 
 
@@ -59,7 +60,7 @@ class Profile:
 def model_record(cfg) -> dict:
     """What a profile records about the model it was searched on. num_layers counts the
     layers a profile lists: the full-attention ones (sliding-window layers keep a ring)."""
-    from .arena import arena_layers
+    from .layout import arena_layers
     src = cfg.source or {}
     name = src.get("name") or (Path(src["path"]).stem if src.get("path") else "")
     return {"name": name, "sha256": src.get("sha256", ""), "architecture": cfg.architecture,
@@ -69,15 +70,20 @@ def model_record(cfg) -> dict:
 def kv_settings(kv) -> dict:
     """The cache-shaping fields of a KVConfig (everything but methods and run policy)."""
     return {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)
-            if f.name not in _NOT_KV_SETTINGS}
+            if f.name not in NOT_KV_SETTINGS}
 
 
 def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def check_method(m: str) -> str:
+    if m not in METHODS:
+        raise KvrunError(f"unknown KV method {m!r} (valid: {', '.join(METHODS)})")
+    return m
+
+
 def _check_method(where: str, m) -> str:
-    from .config import check_method
     if not isinstance(m, str):
         raise KvrunError(f"{where}: KV method must be a string, got {m!r}")
     try:
@@ -121,12 +127,6 @@ def parse_profile(d, where: str = "profile") -> Profile:
     kv = d.get("kv", {})
     if not isinstance(kv, dict):
         raise KvrunError(f"{where}: 'kv' must be an object")
-    from .config import KVConfig
-    known = {f.name for f in dataclasses.fields(KVConfig)} - set(_NOT_KV_SETTINGS)
-    unknown = sorted(set(kv) - known)
-    if unknown:
-        raise KvrunError(f"{where}: KV setting {unknown[0]!r} is not supported by this kvrun "
-                         f"(known: {', '.join(sorted(known))})")
     meta = {k: x for k, x in d.items() if k not in ("format", "version", "layers", "model", "kv")}
     return Profile(out, model, kv, meta, rotate=rots)
 
@@ -211,9 +211,9 @@ def check_profile_model(profile: dict, cfg, auto: bool = False, where: str = "KV
 
 
 def shipped_profiles() -> list[Path]:
-    """Profiles that ship inside the package (runtime/profiles/*.json)."""
+    """Profiles that ship inside the package (runtime/kv/profiles/*.json)."""
     from importlib.resources import files
-    d = files("kvrun.runtime") / "profiles"
+    d = files("kvrun.kv") / "profiles"
     if not d.is_dir():
         return []
     return sorted(Path(str(p)) for p in d.iterdir() if p.name.endswith(".json"))

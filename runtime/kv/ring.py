@@ -55,10 +55,10 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import dense_attention
-from ...kernels.codecs import method_family
-from ...kernels.dispatch import ring_step
-from ...kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
+from kvrun.kernels import dense_attention
+from kvrun.kernels.codecs import method_family
+from kvrun.kernels.dispatch import ring_step
+from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 
 

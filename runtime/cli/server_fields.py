@@ -1,0 +1,288 @@
+"""The request body of `kvrun serve` (runtime/cli/server.py) checked field by field: every value a
+client sends is parsed here, before anything runs, and anything wrong is an `ApiError` with
+OpenAI's error shape and a 4xx status naming the parameter.
+
+What a body may hold: strict JSON (no NaN / Infinity, at most MAX_DEPTH levels, valid
+Unicode: a lone surrogate such as "\\ud800" is refused), the fields kvrun implements with their
+types, and the OpenAI fields kvrun does not implement only at their neutral values (`n: 1`,
+`frequency_penalty: 0`, `logprobs: false` ...). Any other field is refused by name, as
+OpenAI's API does, rather than silently ignored. The `kv` extension may name a KV method or
+a shipped profile; profile files are the operator's (`kvrun serve --kv`), never a client's.
+"""
+from __future__ import annotations
+
+import json
+
+from ..errors import KvrunError
+from ..engine.generate import check_ids
+from ..engine.sampling import SamplingParams
+
+MAX_DEPTH = 32                  # nesting of a body: OpenAI's own requests need 5
+MAX_STOPS, MAX_STOP_CHARS = 16, 256     # stop strings are matched at every token
+MAX_MESSAGE = 400               # characters of an error message (they quote the request)
+
+try:
+    from starlette.responses import JSONResponse
+except ImportError:                                 # the optional extra
+    JSONResponse = None
+
+
+class ApiError(Exception):
+    """An HTTP error reply in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        message = message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> "JSONResponse":
+        return JSONResponse(self.body(), self.status)
+
+
+# -- the body as a whole ----------------------------------------------------------------------
+def _no_constant(name: str):
+    raise ApiError(400, f"malformed JSON body: {name} is not a JSON value")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request's JSON object, or ApiError 400 saying what is wrong with it."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"malformed JSON body: nested deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError, over-long integers
+        raise ApiError(400, f"malformed JSON body: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    _check_values(body)
+    return body
+
+
+def _check_values(body: dict) -> None:
+    """Depth and Unicode of every value, iteratively (a recursive walk is what overflows)."""
+    stack = [(body, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"malformed JSON body: nested deeper than {MAX_DEPTH} levels")
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        for k, v in items:
+            for s in (k, v):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, "the body holds a string that is not valid Unicode "
+                                            "(a lone surrogate such as \\ud800)") from None
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
+
+
+# fields kvrun implements (both endpoints; chat adds messages and max_completion_tokens)
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+          "stream_options", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "kv"}
+IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key",
+           "safety_identifier", "parallel_tool_calls"}      # no effect on the output
+# OpenAI fields kvrun does not implement: accepted only at these neutral values
+NEUTRAL = {"n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
+           "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
+           "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+           "response_format": ({"type": "text"},), "modalities": (["text"],),
+           "echo": (False,), "best_of": (1,), "suffix": ("",), "reasoning_effort": (),
+           "audio": (), "prediction": (), "web_search_options": ()}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse fields kvrun does not implement (ApiError 400 naming the first)."""
+    own = COMMON | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
+    for k, v in body.items():
+        if k in own or k in IGNORED:
+            continue
+        if k in NEUTRAL:
+            if v is None or any(_same(v, n) for n in NEUTRAL[k]):
+                continue
+            raise ApiError(400, f"'{k}' is not supported by kvrun (got {_show(v)})", param=k,
+                           code="unsupported_parameter")
+        raise ApiError(400, f"unknown parameter '{k:.60}'", param=k[:60], code="unknown_parameter")
+    for k in ("user", "service_tier", "prompt_cache_key", "safety_identifier"):
+        field(body, k, str)
+
+
+def _same(v, n) -> bool:
+    """v is the neutral value n (0 and 0.0 alike; false is not 0)."""
+    if isinstance(n, bool) or isinstance(v, bool):
+        return v is n
+    if isinstance(n, (int, float)):
+        return isinstance(v, (int, float)) and v == n
+    return v == n
+
+
+def _show(x) -> str:
+    s = json.dumps(x)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+# -- one field --------------------------------------------------------------------------------
+def field(body: dict, name: str, kinds, default=None):
+    """body[name] checked against `kinds` (bool is not a number here); None is `default`."""
+    x = body.get(name)
+    if x is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if (isinstance(x, bool) and bool not in kinds) or not isinstance(x, kinds):
+        raise ApiError(400, f"'{name}' must be {_kind_names(kinds)}, got {_show(x)}", param=name)
+    return x
+
+
+def _kind_names(kinds: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+             list: "a list", dict: "an object"}
+    return " or ".join(dict.fromkeys(names[k] for k in kinds))
+
+
+# SamplingParams' names (and the CLI flags in its messages) as the request's field names
+_SAMPLING = (("temp", "--temp", "temperature"), ("top_p", "--top-p", "top_p"),
+             ("top_k", "--top-k", "top_k"), ("min_p", "--min-p", "min_p"),
+             ("repeat_penalty", "--repeat-penalty", "repeat_penalty"),
+             ("repeat_last_n", "--repeat-last-n", "repeat_last_n"), ("seed", "--seed", "seed"))
+
+
+def sampling_from(body: dict) -> SamplingParams:
+    """OpenAI's sampling fields (and llama.cpp's extensions) as SamplingParams, with OpenAI's
+    defaults (temperature 1, top_p 1, no top-k / min-p); SamplingParams checks the values."""
+    got = {"temp": float(field(body, "temperature", (int, float), 1.0)),
+           "top_p": float(field(body, "top_p", (int, float), 1.0)),
+           "top_k": field(body, "top_k", int, 0),
+           "min_p": float(field(body, "min_p", (int, float), 0.0)),
+           "repeat_penalty": float(field(body, "repeat_penalty", (int, float), 1.0)),
+           "repeat_last_n": field(body, "repeat_last_n", int, 64),
+           "seed": field(body, "seed", int)}
+    try:
+        return SamplingParams(**got)
+    except KvrunError as e:
+        msg, param = str(e), None
+        for _, flag, name in _SAMPLING:
+            if msg.startswith(flag + " "):
+                msg, param = f"'{name}'" + msg[len(flag):], name
+        raise ApiError(400, msg, param=param) from None
+
+
+def max_tokens_from(body: dict, chat: bool) -> int | None:
+    n = None
+    for k in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        n = field(body, k, int, n)
+        if n is not None and n < 0:
+            raise ApiError(400, f"'{k}' must be >= 0 (got {n})", param=k)
+    return n
+
+
+def stop_from(body: dict) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings of at most "
+                            f"{MAX_STOP_CHARS} characters", param="stop")
+    return stops or None
+
+
+def stream_from(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = field(body, "stream", bool, False)
+    opts = field(body, "stream_options", dict, {})
+    for k in opts:
+        if k != "include_usage":
+            raise ApiError(400, f"unknown parameter 'stream_options.{k:.60}'", param="stream_options")
+    usage = bool(field(opts, "include_usage", bool, False))
+    return stream, usage
+
+
+# -- prompts ----------------------------------------------------------------------------------
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def messages_from(body: dict) -> list[dict]:
+    """The chat messages as {"role", "content"} with text content (OpenAI's "developer" role
+    is the system role)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    return [_message(m, i) for i, m in enumerate(msgs)]
+
+
+def _message(m, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where} must be an object", param="messages")
+    for k in m:
+        if k not in ("role", "content", "name", "refusal"):
+            raise ApiError(400, f"{where}.{k:.60} is not supported by kvrun", param="messages")
+    role = m.get("role")
+    if role not in ROLE_NAMES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLE_NAMES)} "
+                            f"(got {_show(role)})", param="messages")
+    content = m.get("content")
+    if isinstance(content, list):                   # content parts: text only
+        texts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                kind = p.get("type") if isinstance(p, dict) else None
+                raise ApiError(400, f"{where}.content[{j}] must be a text part "
+                                    f"{{'type': 'text', 'text': ...}}"
+                               + (f" (kvrun reads text only, got type {_show(kind)})"
+                                  if isinstance(kind, str) and kind != "text" else ""),
+                               param="messages")
+            texts.append(p["text"])
+        content = "".join(texts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(400, f"{where}.content must be a string or a list of text parts",
+                       param="messages")
+    if not isinstance(m.get("name", ""), str):
+        raise ApiError(400, f"{where}.name must be a string", param="messages")
+    return {"role": ROLE_NAMES[role], "content": content}
+
+
+def prompt_from(body: dict, vocab_size: int) -> str | list[int]:
+    """A completion's prompt: text, or token ids in [0, vocab_size); one prompt per request."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]                                        # a batch of one
+    if isinstance(p, str) and p:
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        try:
+            check_ids(p, vocab_size)                    # the library's check of caller ids
+        except KvrunError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        return p
+    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids "
+                        "(one prompt per request)", param="prompt")
+
+
+# -- the kv extension -------------------------------------------------------------------------
+def request_kv(spec: str, shipped: dict) -> str:
+    """A request's `kv` field as a --kv spec that opens no file but a shipped profile:
+    `profile:NAME` must name one of `shipped` ({name: path}) and becomes its path; methods
+    ("kivi-4", "int8@64+rot", "auto") pass as they are. The error does not depend on what
+    exists on the server's disk."""
+    base = spec.partition("+")[0].partition("@")[0].strip()
+    if not base.startswith("profile:"):
+        return spec
+    name = base[len("profile:"):].strip()
+    name = name[:-len(".json")] if name.endswith(".json") else name
+    if name not in shipped:
+        raise ApiError(400, f"'kv': a request may name a KV method or a shipped profile "
+                            f"({', '.join('profile:' + n for n in sorted(shipped)) or 'none'}); "
+                            f"profile files are set by the server's operator (--kv)", param="kv")
+    return f"profile:{shipped[name]}" + spec.strip()[len(base):]
+

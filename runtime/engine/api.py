@@ -1,0 +1,191 @@
+"""The library API: `kvrun.load()` → `Model` with generate / stream / chat / logits.
+
+    import kvrun
+    m = kvrun.load()                         # the embedded SmolLM2-135M-Instruct
+    print(m.chat([{"role": "user", "content": "Name a prime."}], max_tokens=32, temp=0))
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from kvrun.kernels import native
+from ..model.chat_template import template_for
+from ..model.config import ModelConfig
+from ..errors import KvrunError
+from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, check_ids
+from ..kv import DenseKVCache
+from ..kv.build import make_cache
+from ..kv.config import KVConfig
+from ..model.loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
+from .sampling import sampling_params
+from .stops import with_stops
+from ..threads import MAX_THREADS, configure as configure_threads
+
+DEFAULT_CTX = 4096
+
+
+def check_count(what: str, n) -> None:
+    """An integer >= 1 (a float, a string or NaN raised TypeError deep inside torch)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KvrunError(f"{what} must be an integer >= 1 (got {n!r})")
+
+
+class Model:
+    """A loaded model with one KV cache (one conversation at a time).
+
+    Thread-safe by serialization: a generation holds the model from its first token to its
+    last (an open `stream()` iterator included), and a call from another thread waits for
+    it; a second generation started in the same thread while one is still open raises
+    KvrunError. For several sequences at once, use `generate_batch` (or `kvrun serve`)."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, transformer, tokenizer, cache,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        self.path, self.cfg, self.transformer, self.tokenizer = path, cfg, transformer, tokenizer
+        self.engine = Engine(transformer, tokenizer, cache, prefill_chunk)
+        self.template = template_for(cfg.chat_template, cfg.default_system)
+        self.stop_ids = set(cfg.eos_token_ids)
+        self.kv: "str | KVConfig" = "fp16"     # the cache's method (load() sets it)
+
+    # -- tokens --
+    def tokenize(self, text: str, bos: bool | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise KvrunError(f"text to tokenize must be a str, got {type(text).__name__}")
+        return self.tokenizer.encode(text, bos)
+
+    def detokenize(self, ids: list[int]) -> str:
+        ids = list(ids)
+        check_ids(ids, self.cfg.vocab_size)
+        return self.tokenizer.decode(ids)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """A raw prompt's ids: text is tokenized, a list or tuple of ids is taken as is."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise KvrunError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+
+    @property
+    def cache(self):
+        return self.engine.cache
+
+    @property
+    def ctx(self) -> int:
+        return self.engine.max_ctx
+
+    # -- generation --
+    def stream(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None,
+               **sampling) -> Iterator[StreamEvent]:
+        """Stream a continuation of a raw prompt (text or token ids). `stop`: a string or a
+        list of strings that end the generation (finish_reason "stop"); the stop string
+        itself is not part of the text (runtime/engine/stops.py)."""
+        ids = self._prompt_ids(prompt)
+        return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
+                                             self.stop_ids), stop)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None, **sampling) -> str:
+        return "".join(ev.text for ev in self.stream(prompt, max_tokens, stop=stop, **sampling))
+
+    def chat_stream(self, messages: list[dict], max_tokens: int = 256, *, stop=None,
+                    **sampling) -> Iterator[StreamEvent]:
+        """Reply to a conversation; earlier turns still in the cache are not recomputed.
+        Message contents are tokenized as plain text (special-token text in them stays
+        text); only the template's markers are control tokens. `stop` as in `stream`."""
+        ids = self.tokenizer.encode_parts(self.template.render_parts(messages))
+        return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
+                                             self.stop_ids), stop)
+
+    def chat(self, messages: list[dict], max_tokens: int = 256, *, stop=None, **sampling) -> str:
+        return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, stop=stop, **sampling))
+
+    def generate_batch(self, prompts: list, max_tokens: int = 128, *, stop=None,
+                       parallel: int | None = None, kv: "str | KVConfig | None" = None,
+                       kv_budget_mb: float | None = None, **sampling) -> list[str]:
+        """Continuations of many raw prompts (texts or token-id lists), decoded together:
+        one forward per step over all running sequences, each on its own KV cache of
+        prompt + max_tokens tokens (at most the model's context) with method `kv` (default:
+        the model's). `parallel` (default: all) and `kv_budget_mb` bound how many run at
+        once; the rest wait. Greedy outputs equal `generate`'s, prompt by prompt.
+        `stop` and the sampling options apply to every prompt (a seed gives each prompt the
+        stream `generate` with that seed gives it); runtime/engine/scheduler.py takes them per
+        request."""
+        from .scheduler import Scheduler
+        if not isinstance(prompts, (list, tuple)):
+            raise KvrunError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
+        ids = [self._prompt_ids(p) for p in prompts]
+        for x in ids:
+            check_ids(x, self.cfg.vocab_size)
+        sched = Scheduler(self, parallel=parallel or max(1, len(ids)), kv_budget_mb=kv_budget_mb,
+                          max_queue=len(ids), kv=kv)
+        params = sampling_params(sampling)
+        reqs = [sched.submit(x, max_tokens, params, stop) for x in ids]
+        with self.engine.exclusive():           # the batch shares the model's decode scratch
+            sched.run()
+        return [r.text for r in reqs]
+
+    # -- scoring --
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """(T, V) float32 next-token logits of a full forward over `ids` (fresh fp32 cache;
+        the conversation cache is left untouched)."""
+        if not ids:
+            raise KvrunError("logits() needs at least one token")
+        ids = list(ids)
+        check_ids(ids, self.cfg.vocab_size)
+        with self.engine.exclusive():
+            return self._logits(ids)
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
+        cache = DenseKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
+                             len(ids), torch.float32, windows=self.cfg.layer_windows)
+        chunk = self.engine.prefill_chunk
+        out = [self.transformer(torch.tensor([ids[s:s + chunk]]), cache)[0]
+               for s in range(0, len(ids), chunk)]
+        return torch.cat(out)
+
+    def reset(self) -> None:
+        with self.engine.exclusive():
+            self.engine.reset()
+
+    def kv_bytes(self) -> dict[str, int]:
+        return self.engine.cache.nbytes()
+
+
+def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT_CTX,
+         kv: "str | KVConfig" = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
+         progress=None) -> Model:
+    """Load a kvrun model directory, or a model `kvrun pull --list` names (pulled and
+    converted on first use; None → the embedded default model).
+
+    dtype: auto | fp32 | fp16 | bf16 (auto = fp32 prefill + fp16 decode weights on CPU).
+    ctx: KV cache size in tokens, allocated once. kv: "fp16" | "fp32" | a --kv spec
+    ("tada-4", "kivi-4/kivi-2" ...) or a KVConfig. threads: the most CPU threads the
+    compute uses, process-wide (None leaves the cap as it is; by default the CPUs this
+    process may run on); fewer while other processes keep cores busy (runtime/threads.py).
+    """
+    from .pull import resolve_model
+    check_count("context size", ctx)
+    check_count("prefill chunk", prefill_chunk)
+    if threads is not None:
+        check_count("threads", threads)
+        if threads > MAX_THREADS:
+            raise KvrunError(f"threads must be at most {MAX_THREADS} (got {threads})")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise KvrunError(f"a model is a directory path or a pullable name, got {type(path).__name__}")
+    if not isinstance(kv, (str, KVConfig)):
+        raise KvrunError(f"kv is a --kv spec string or a KVConfig, got {type(kv).__name__}")
+    path = check_model_dir(resolve_model(path, progress=progress))
+    cfg = load_config(path)
+    if threads is not None:
+        configure_threads(threads)
+    compute, gemv = parse_dtype(dtype)
+    native.load()                   # built once per machine here, not inside a timed prefill
+    transformer = load_transformer(path, cfg, compute, gemv)
+    tokenizer = load_tokenizer(path, cfg)
+    cache = make_cache(cfg, ctx, kv)
+    model = Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)
+    model.kv = kv
+    return model

@@ -1,0 +1,233 @@
+"""Batched decoding: many sequences, each on its own KV cache, one forward per step
+(continuous batching as in Orca / vLLM, llama.cpp's server slots; docs/architecture.md).
+
+A `Sequence` is one generation: its own `Engine` (its cache: window, tail, positions,
+codec and eviction state; the ids it holds), its sampling state and its text. A `Batch`
+holds the live sequences and advances them together, one `step()` at a time:
+
+1. one prefill chunk of the oldest sequence still reading its prompt (the engine's own
+   chunked prefill, on its own cache), so a long prompt delays the others by one chunk
+   per step, not by its whole prefill;
+2. every sequence with next-token logits samples a token, exactly as `Engine.tokens`
+   does (same order of checks: stop token, max_tokens, full context), and emits it;
+   finished sequences leave the batch at once;
+3. one forward of the rest, `batch_forward`: B rows through every norm and GEMV (each
+   weight read once per step), RoPE at each row's own position, attention per row on
+   its own cache.
+
+A sequence whose own step raises (its prefill chunk, its sampling, its row of the
+forward) finishes with reason "error"; the other sequences go on. When the batched forward
+raises, the rows are repaired and re-run one at a time, so only the row at fault fails.
+
+Greedy output of every sequence is identical to running it alone: each row of the native
+step is computed independently of the others (native_step.py), and where the native step
+does not cover a cache or a model (other weights, the torch backend) the rows run one by
+one through the model's own forward, which is what a lone sequence runs.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from kvrun.kernels.native.decode_layer import MAX_ROWS
+from ..errors import KvrunError
+from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
+from .sampling import SamplingParams, sample
+from .stops import StopStrings, check_stops
+
+
+def failure(e: Exception) -> str:
+    """One line for a sequence's failure: a user error as is, anything else as internal."""
+    return str(e) if isinstance(e, KvrunError) else f"internal error: {type(e).__name__}: {e}"
+
+
+def native_step(model, ids: torch.Tensor, cache):
+    """The model's native decode step when it covers a one-token step on `cache`, else None."""
+    return model._native_step(ids, cache)
+
+
+@torch.inference_mode()
+def batch_forward(model, tokens: list[int], caches: list) -> torch.Tensor:
+    """One decode step of B sequences: tokens[b] is appended to caches[b] (each cache one
+    sequence). Returns float32 next-token logits (B, V)."""
+    B = len(tokens)
+    assert B == len(caches) and B > 0, (B, len(caches))
+    ids = torch.tensor(tokens)[:, None]                                  # (B, 1)
+    out = torch.empty(B, model.cfg.vocab_size)
+    native = [b for b in range(B) if native_step(model, ids[b:b + 1], caches[b]) is not None]
+    for s in range(0, len(native), MAX_ROWS):                           # groups of MAX_ROWS rows
+        rows = native[s:s + MAX_ROWS]
+        out[rows] = model._step.rows(ids[rows], [caches[b] for b in rows])[:, 0]
+    for b in sorted(set(range(B)) - set(native)):                      # the eager forward, alone
+        out[b] = model(ids[b:b + 1], caches[b], last_only=True)[0, -1]
+    return out
+
+
+class Sequence:
+    """One generation in a batch. `on_event(StreamEvent)` receives its text pieces (stop
+    strings applied) and, last, an event with the finish reason: "stop" | "length" |
+    "context" | "cancelled" (cancel()) | "error" (`error` then says why)."""
+
+    def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
+                 params: SamplingParams, stop_ids: set[int], stop=None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 on_event: Callable[[StreamEvent], None] | None = None):
+        if max_tokens < 0:
+            raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
+        self.engine = Engine(model, tokenizer, cache, prefill_chunk)
+        self.prompt, self.max_tokens, self.params = list(prompt), max_tokens, params
+        self.stop_ids = stop_ids
+        self.stops = StopStrings(check_stops(stop))
+        self.on_event = on_event or (lambda ev: None)
+        self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.history = list(prompt)
+        self.timings = Timings()
+        self.chunks = self.engine.prefill_chunks(self.prompt)      # checks the prompt's length
+        self.logits: torch.Tensor | None = None     # next-token logits (V,) once prefilled
+        self.token: int | None = None               # the sampled token the next forward feeds
+        self.tokens: list[int] = []                 # generated ids
+        self.text = ""                              # emitted text
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cancelled = False
+        self.cancel_error: str | None = None
+        self._dec = tokenizer.stream(skip_special=True)
+        self._t0 = 0.0
+
+    @property
+    def cache(self):
+        return self.engine.cache
+
+    @property
+    def prefilling(self) -> bool:
+        return self.logits is None and self.finish_reason is None
+
+    def cancel(self, error: str | None = None) -> None:
+        """Ask the batch to drop this sequence at its next step (any thread may call it):
+        finish reason "cancelled", or "error" saying `error` (e.g. the server is stopping)."""
+        self.cancel_error = error
+        self.cancelled = True
+
+    # -- the steps, called by Batch ----------------------------------------------------------
+    def prefill_next(self) -> None:
+        """Prefill one chunk of the prompt."""
+        t0 = time.perf_counter()
+        logits, left = next(self.chunks)
+        self.timings.prompt_s += time.perf_counter() - t0
+        if left <= 0:                                               # the prompt's last chunk
+            self.logits = logits
+            self.timings.prompt_tokens = len(self.prompt)
+            self._t0 = time.perf_counter()
+            if self.max_tokens == 0:
+                self.finish("length")
+
+    def sample_next(self) -> bool:
+        """Sample the next token and emit it; True if the sequence goes on (its token is to
+        be fed by the next forward)."""
+        tok = sample(self.logits, self.params, self.history, self.gen)
+        self.history.append(tok)
+        self.tokens.append(tok)
+        self.timings.gen_tokens = len(self.tokens)
+        self.timings.gen_s = time.perf_counter() - self._t0
+        reason = None
+        if tok in self.stop_ids:
+            reason = "stop"
+        elif len(self.tokens) == self.max_tokens:
+            reason = "length"
+        elif len(self.engine.cached) >= self.engine.max_ctx and not self.engine.can_shift:
+            reason = "context"
+        text = "" if tok in self.stop_ids else self._dec.push(tok)
+        if reason is not None:
+            text += self._dec.flush()
+        out, matched = self.stops.push(text)
+        self._emit(StreamEvent(out, tok, self.timings, None))
+        if matched:
+            reason = "stop"
+        if reason is not None:
+            self.finish(reason)
+            return False
+        self.token, self.logits = tok, None
+        return True
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """End the sequence with `reason`: the last event carries it."""
+        if self.finish_reason is not None:
+            return
+        out = ""
+        if reason in ("stop", "length", "context") and self.stops.matched is None:
+            out, _ = self.stops.push(self._dec.flush(), last=True)
+        self.finish_reason, self.error = reason, error
+        self._emit(StreamEvent(out, None, self.timings, reason))
+
+    def _emit(self, ev: StreamEvent) -> None:
+        self.text += ev.text
+        self.on_event(ev)
+
+
+class Batch:
+    """The live sequences of one model, advanced together by `step()` (module docstring).
+    Single-threaded: one thread calls add / step (runtime/engine/scheduler.py serialises)."""
+
+    def __init__(self, model):
+        self.model = model                      # the Transformer
+        self.seqs: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+
+    def step(self) -> list[Sequence]:
+        """One step (module docstring); returns the sequences that finished in it."""
+        for s in self.seqs:
+            if s.cancelled:
+                s.finish("error", s.cancel_error) if s.cancel_error else s.finish("cancelled")
+        pre = next((s for s in self.seqs if s.prefilling), None)
+        if pre is not None:
+            self._guard(pre, pre.prefill_next)
+        feed = [s for s in self.seqs if s.logits is not None and s.finish_reason is None
+                and self._guard(s, s.sample_next)]
+        if feed:
+            self._decode(feed)
+        done = [s for s in self.seqs if s.finish_reason is not None]
+        self.seqs = [s for s in self.seqs if s.finish_reason is None]
+        return done
+
+    def _decode(self, feed: list[Sequence]) -> None:
+        states = []
+        for s in feed:
+            states.append(s.engine.decode_begin())
+            s.engine._make_room(1)                      # a context shift, where the cache can
+        try:
+            logits = batch_forward(self.model, [s.token for s in feed], [s.cache for s in feed])
+        except KeyboardInterrupt:
+            for s in feed:
+                s.engine.repair()
+            raise
+        except Exception as e:                          # noqa: BLE001 - find the row at fault
+            for s in feed:
+                s.engine.repair()
+            if len(feed) == 1:
+                feed[0].finish("error", failure(e))
+                return
+            for s in feed:                              # each row alone: the others go on
+                self._guard(s, lambda s=s: self._decode([s]))
+            return
+        for s, st, lg in zip(feed, states, logits):
+            s.engine.cached.append(s.token)
+            s.engine.decode_end(st)
+            s.logits = lg
+
+    @staticmethod
+    def _guard(seq: Sequence, fn):
+        """Run one sequence's step and return its result; if it raises, that sequence ends
+        with reason "error" (a user error's message, or the internal error's type), not the
+        batch, and the result is False."""
+        try:
+            return fn()
+        except Exception as e:                          # noqa: BLE001 - this sequence only
+            seq.finish("error", failure(e))
+            return False

@@ -1,0 +1,284 @@
+"""Generation, layered: `prefill` → `decode_step` → `tokens` (a token generator) → `stream`
+(text pieces as small dataclasses). The CLI and the library both sit on `stream`.
+
+An `Engine` owns one sequence: the model, its tokenizer and one KV cache, plus the ids
+whose K/V the cache holds.
+
+Prefix reuse is exact: a new prompt keeps the cached tokens only as far as the cache holds
+them in the form a fresh prefill of that prompt would (`cache.resume_point`): a compressed
+cache cannot bring a token back to full precision once it has left the window, so a prompt
+that a fresh prefill would keep in the window re-prefills from an earlier point (often 0).
+Prefill chunks are aligned to multiples of the chunk size, so a resumed prefill cuts the
+prompt where a fresh one does, and `canon` counts the leading tokens whose K/V were
+computed as a fresh prefill computes them (prompt tokens, and generated tokens whose step
+saw the same compressed tail). With `append=True` (a chat session's next turn) the
+prompt continues the cache as it stands: the turn is prefilled over the compressed past,
+which is how the conversation was built, so replaying the same turns after `reset()`
+gives the same replies.
+
+Context shift: with a cache that can shift (`--ctx-policy shift`), a step that would
+overflow the context first shifts it (keep the first n_keep tokens, drop half of the rest)
+and drops the same ids from `cached`, so generation and chat go on for ever.
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..errors import KvrunError
+from .sampling import SamplingParams, sample
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0          # tokens actually prefilled (cache hits excluded)
+    prompt_s: float = 0.0
+    gen_tokens: int = 0             # tokens sampled
+    gen_s: float = 0.0              # from the first sample to the last
+    decode_tokens: int = 0          # one-token forwards (the first token needs none: it is
+    decode_s: float = 0.0           # sampled from the prompt's logits)
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def gen_tok_s(self) -> float:
+        """Decode speed: one-token forwards per second (llama.cpp's eval rate); 0.0 when
+        none ran (-n 1), where a rate over one sample's microseconds meant nothing."""
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class StreamEvent:
+    """One step of a streamed generation."""
+    text: str                       # newly completed text ('' while a character is partial)
+    token_id: int | None            # the sampled token (None on the final event)
+    timings: Timings = field(default_factory=Timings)
+    finish_reason: str | None = None    # None while running; "stop" | "length" | "context"
+
+
+def check_ids(ids: list, vocab_size: int) -> None:
+    """Token ids given by a caller are integers in [0, vocab_size): a negative id indexed
+    the embedding from its end, a large one raised IndexError."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+            raise KvrunError(f"token id {t!r} is not in the vocabulary [0, {vocab_size})")
+
+
+class Engine:
+    def __init__(self, model, tokenizer, cache, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise KvrunError(f"prefill chunk must be >= 1 (got {prefill_chunk})")
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.prefill_chunk = prefill_chunk
+        self.cached: list[int] = []         # ids whose K/V are in the cache, in order
+        self.canon = 0                      # leading cached ids with a fresh prefill's K/V
+        self.n_shifts = 0                   # context shifts so far
+        self.n_dropped = 0                  # ids they dropped
+        self._busy = threading.Lock()       # held by the one generation using the cache
+        self._holder: int | None = None     # the thread that holds it
+
+    @contextmanager
+    def exclusive(self):
+        """Hold the cache (and the model's decode scratch) for one generation: another
+        thread waits until the generation ends; the same thread starting a second one while
+        the first is still open (two interleaved `stream()` iterators) gets a KvrunError,
+        since both would write one sequence's cache."""
+        me = threading.get_ident()
+        if not self._busy.acquire(blocking=False):
+            if self._holder == me:
+                raise KvrunError("this Model is already streaming a generation: finish that "
+                                 "iterator or call its .close() first (a Model holds one "
+                                 "sequence; generate_batch runs several)")
+            self._busy.acquire()
+        self._holder = me
+        try:
+            yield
+        finally:
+            self._holder = None
+            self._busy.release()
+
+    @property
+    def max_ctx(self) -> int:
+        return self.cache.max_ctx
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.cached = []
+        self.canon = 0
+
+    @property
+    def can_shift(self) -> bool:
+        return getattr(self.cache, "can_shift", False)
+
+    def reuse_prefix(self, ids: list[int], append: bool = False) -> int:
+        """Keep the longest cached prefix of `ids` that gives what a fresh prefill gives
+        (at least one id left to feed); with `append`, the longest common prefix as the
+        cache holds it. Returns how many ids are kept."""
+        n = 0
+        limit = min(len(self.cached), len(ids) - 1)
+        while n < limit and self.cached[n] == ids[n]:
+            n += 1
+        if not append:
+            n = self.cache.resume_point(min(n, self.canon), self.prefill_chunk)
+        if n < len(self.cached):
+            n = self.cache.truncate(n)      # a cache may keep fewer (block boundaries)
+            self.cached = self.cached[:n]
+            self.canon = min(self.canon, n)
+        return n
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Append `ids` to the cache in chunks aligned to multiples of the chunk size;
+        returns the last position's logits (V,)."""
+        logits = None
+        for logits, _ in self.prefill_chunks(ids):
+            pass
+        return logits
+
+    def prefill_chunks(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, int]]:
+        """`prefill` one chunk per `next()` (a batch interleaves them with the decode steps
+        of other sequences): yields (the chunk's last-position logits (V,), ids still to
+        prefill); the prompt is checked at the call, not at the first `next()`."""
+        if not ids:
+            raise KvrunError("empty prompt")
+        room = self.max_ctx - (self.cache.shift_keep() if self.can_shift else len(self.cached))
+        if len(ids) > room:
+            held = "" if self.can_shift else f"{len(self.cached)} cached + "
+            keep = (f" (a context shift keeps {self.cache.shift_keep()} tokens)"
+                    if self.can_shift else "")
+            raise KvrunError(f"prompt too long: {held}{len(ids)} new tokens > context size "
+                             f"{self.max_ctx}{keep} (raise -c/--ctx-size)")
+        return self._prefill_chunks(ids)
+
+    def _prefill_chunks(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, int]]:
+        exact = self.canon == len(self.cached)          # resumed where a fresh prefill would be
+        shifts = self.n_shifts
+        s, C = 0, self.prefill_chunk
+        while s < len(ids):
+            e = s + C - (len(self.cached) % C)          # the next multiple of C
+            logits = self._forward(ids[s:e])
+            s = e
+            if s >= len(ids) and exact and shifts == self.n_shifts:
+                self.canon = len(self.cached)
+            yield logits[0, -1], len(ids) - s
+
+    def decode_step(self, token: int) -> torch.Tensor:
+        """Feed one token; returns next-token logits (V,)."""
+        state = self.decode_begin()
+        logits = self._forward([token])[0, -1]
+        self.decode_end(state)
+        return logits
+
+    def decode_begin(self) -> tuple[int, int]:
+        """Before a one-token forward: the state decode_end needs (a batch runs the forward
+        of many engines in one call between the two; runtime/engine/batch.py)."""
+        return len(self.cached), self._tail()
+
+    def decode_end(self, state: tuple[int, int]) -> None:
+        """After the one-token forward that followed decode_begin (the token is in `cached`)."""
+        j, before = state
+        # the token's K/V are a fresh prefill's when its step saw the tail that prefill's
+        # chunk would have shown it (decode runs the same ops as a one-token chunk)
+        fresh_tail = self.cache.canonical_tail(j // self.prefill_chunk * self.prefill_chunk)
+        if self.canon == j and before == self._tail() == fresh_tail and len(self.cached) == j + 1:
+            self.canon = j + 1
+
+    def _tail(self) -> int:
+        """Tokens the cache holds compressed (the arena's tail; none in the dense cache)."""
+        return max(getattr(self.cache, "n_tail", [0]))
+
+    def _make_room(self, T: int) -> None:
+        """Shift the context (when the cache can) until T more tokens fit; the discarded
+        ids leave `cached` too."""
+        while len(self.cached) + T > self.max_ctx and self.can_shift:
+            a, nd = self.cache.shift_plan()
+            self.cache.shift()
+            del self.cached[a:a + nd]
+            self.canon = min(self.canon, a)
+            self.n_shifts += 1
+            self.n_dropped += nd
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """One forward that appends `ids` to the cache. A Ctrl-C in the middle (some layers
+        written, others not) is repaired before it propagates: the cache is truncated back
+        to the ids it fully holds (a compressed cache may keep fewer; they are dropped)."""
+        self._make_room(len(ids))
+        try:
+            logits = self.model(torch.tensor([ids]), self.cache, last_only=True)
+        except KeyboardInterrupt:
+            self.repair()
+            raise
+        self.cached.extend(ids)
+        return logits
+
+    def repair(self) -> None:
+        """Make the cache consistent with `cached` after an interrupted forward."""
+        kept = self.cache.truncate(min(len(self.cached), self.cache.seq_len))
+        del self.cached[kept:]
+        self.canon = min(self.canon, kept)
+
+    def tokens(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+               stop_ids: set[int], timings: Timings, append: bool = False
+               ) -> Iterator[tuple[int, str | None]]:
+        """Yield (token, finish_reason): finish_reason is set on the last item only.
+
+        A stop token is yielded (with reason "stop") but never fed to the model.
+        `append`: the prompt continues the cache as it stands (see reuse_prefix).
+        """
+        with self.exclusive():
+            yield from self._tokens(prompt, max_tokens, params, stop_ids, timings, append)
+
+    def _tokens(self, prompt, max_tokens, params, stop_ids, timings, append):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise KvrunError(f"-n must be an integer >= 0 (got {max_tokens!r})")
+        check_ids(prompt, self.model.cfg.vocab_size)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        t0 = time.perf_counter()
+        start = self.reuse_prefix(prompt, append)
+        logits = self.prefill(prompt[start:])
+        timings.prompt_tokens, timings.prompt_s = len(prompt) - start, time.perf_counter() - t0
+        history = list(prompt)
+        t0 = time.perf_counter()
+        for i in range(max_tokens):
+            tok = sample(logits, params, history, gen)
+            history.append(tok)
+            timings.gen_tokens, timings.gen_s = i + 1, time.perf_counter() - t0
+            if tok in stop_ids:
+                yield tok, "stop"
+                return
+            if i == max_tokens - 1:
+                yield tok, "length"
+                return
+            if len(self.cached) >= self.max_ctx and not self.can_shift:
+                yield tok, "context"
+                return
+            yield tok, None
+            t1 = time.perf_counter()
+            logits = self.decode_step(tok)
+            t2 = time.perf_counter()
+            timings.decode_tokens += 1
+            timings.decode_s += t2 - t1
+            timings.gen_s = t2 - t0
+
+    def stream(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+               stop_ids: set[int], append: bool = False) -> Iterator[StreamEvent]:
+        """Text pieces as they complete; the last event carries the finish reason."""
+        timings = Timings()
+        dec = self.tokenizer.stream(skip_special=True)
+        reason = "length"
+        for tok, reason_now in self.tokens(prompt, max_tokens, params, stop_ids, timings, append):
+            text = "" if tok in stop_ids else dec.push(tok)
+            if reason_now is not None:
+                reason = reason_now
+                text += dec.flush()
+            yield StreamEvent(text, tok, timings, None)
+        yield StreamEvent(dec.flush(), None, timings, reason)

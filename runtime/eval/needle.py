@@ -1,0 +1,134 @@
+"""`kvrun needle`: needle-in-a-haystack retrieval under KV compression and token eviction.
+
+A fact ("The secret number of <city> is <7 digits>.") is planted at a depth (fraction of
+the context) of a filler text, the context is cut to `ctx` tokens, and the prompt ends with
+a completion cue ("... The secret number of <city> is") so even a small model answers in
+a few greedy tokens. A trial passes when the generated continuation contains the digits.
+Accuracy is reported per depth and KV configuration (Kamradt's NIAH; the eviction papers
+use it as their long-context retrieval probe). Every trial uses a fresh random number and
+city, the same across configurations, so configurations differ only in their cache.
+"""
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+
+from ..errors import KvrunError, PartialResults
+from ..progress import format_duration
+
+CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito", "Dakar", "Tbilisi", "Perth",
+          "Montreal", "Valencia", "Gdansk", "Kyoto", "Accra", "Tartu", "Cusco")
+
+
+@dataclass
+class Needle:
+    city: str
+    number: str
+
+    @property
+    def fact(self) -> str:
+        return f" The secret number of {self.city} is {self.number}. "
+
+    @property
+    def cue(self) -> str:
+        return f"\n\nQuestion: what is the secret number of {self.city}?\nAnswer: The secret number of {self.city} is"
+
+    def found(self, answer: str) -> bool:
+        return self.number in re.sub(r"[\s,.]", "", answer)
+
+
+@dataclass
+class NeedleRecord:
+    method: str
+    depth: float
+    accuracy: float
+    trials: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_needle(rng: random.Random) -> Needle:
+    return Needle(rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000)))
+
+
+def build_prompt(tokenize, filler_ids: list[int], ctx: int, depth: float, needle: Needle,
+                 offset: int = 0) -> tuple[list[int], int]:
+    """Token ids of filler[offset:] with the needle at `depth` (0 = start, 1 = just before the
+    question), `ctx` tokens in all (question included). Returns (ids, needle token index)."""
+    if not 0.0 <= depth <= 1.0:
+        raise KvrunError(f"needle depth must be in [0, 1], got {depth}")
+    fact, cue = tokenize(needle.fact), tokenize(needle.cue)
+    n_fill = ctx - len(fact) - len(cue)
+    if n_fill < 1:
+        raise KvrunError(f"-c {ctx} is too small for the needle and the question")
+    if offset + n_fill > len(filler_ids):
+        raise KvrunError(f"filler text has {len(filler_ids)} tokens: need {offset + n_fill}")
+    fill = filler_ids[offset:offset + n_fill]
+    at = round(depth * n_fill)
+    return fill[:at] + fact + fill[at:] + cue, at
+
+
+def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, trials: int = 3,
+               max_tokens: int = 10, seed: int = 0, progress=None) -> list[NeedleRecord]:
+    """Accuracy per (spec label, depth). `specs`: label → KV spec (str or KVConfig).
+    Ctrl-C after at least one (label, depth) cell raises PartialResults with the cells done."""
+    from ..kv.build import make_cache
+    from ..engine.generate import Engine
+    from ..engine.sampling import SamplingParams
+    if trials < 1:
+        raise KvrunError(f"--trials must be >= 1 (got {trials})")
+    tokenize = lambda s: model.tokenizer.encode(s, bos=False)    # noqa: E731 (no BOS mid-text)
+    prefix = model.tokenizer.encode("")                          # the model's BOS, if any
+    filler_ids = tokenize(filler)
+    rng = random.Random(seed)
+    needles = [make_needle(rng) for _ in range(trials)]
+    offsets = [rng.randrange(0, max(1, len(filler_ids) - ctx)) for _ in range(trials)]
+    greedy = SamplingParams(temp=0.0)
+    out = []
+    cells, t_start = len(specs) * len(depths), time.perf_counter()
+    try:
+        for label, spec in specs.items():
+            eng = Engine(model.transformer, model.tokenizer, make_cache(model.cfg, ctx + max_tokens, spec),
+                         model.engine.prefill_chunk)
+            for depth in depths:
+                t0, ok = time.perf_counter(), 0
+                for nd, off in zip(needles, offsets):
+                    ids, _ = build_prompt(tokenize, filler_ids, ctx - len(prefix), depth, nd, off)
+                    eng.reset()
+                    answer = "".join(e.text for e in eng.stream(prefix + ids, max_tokens, greedy,
+                                                                model.stop_ids))
+                    ok += nd.found(answer)
+                out.append(NeedleRecord(label, depth, ok / trials, trials, time.perf_counter() - t0))
+                if progress:
+                    elapsed = time.perf_counter() - t_start
+                    eta = elapsed / len(out) * (cells - len(out))
+                    progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials} "
+                             f"| {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
+    except KeyboardInterrupt:
+        if not out:
+            raise
+        raise PartialResults(list(out), len(out), cells, "cells (method × depth)") from None
+    return out
+
+
+def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
+                 labels: list[str] | None = None) -> str:
+    """Accuracy by method (rows) and depth (columns); `depths`/`labels` give the full grid
+    of an interrupted run, whose missing cells show as "-"."""
+    depths = sorted(set(depths or []) | {r.depth for r in records})
+    labels = list(dict.fromkeys(list(labels or []) + [r.method for r in records]))
+    acc = {(r.method, r.depth): r.accuracy for r in records}
+    w = max([22] + [len(m) for m in labels])                 # profile:NAME labels are long
+    head = f"{'method':<{w}}" + "".join(f" {d:>6.2f}" for d in depths) + "   mean"
+    rows = [head, "-" * len(head)]
+    for m in labels:                      # a cell missing (interrupted run) shows as "-"
+        a = [acc.get((m, d)) for d in depths]
+        got = [x for x in a if x is not None]
+        mean = f" {sum(got) / len(got):6.2f}" if got else f" {'-':>6}"
+        rows.append(f"{m:<{w}}" + "".join(f" {'-':>6}" if x is None else f" {x:6.2f}" for x in a)
+                    + mean)
+    return "\n".join(rows)

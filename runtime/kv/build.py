@@ -1,0 +1,140 @@
+"""Making a model's KV cache, and its bytes before it is made.
+
+`make_cache` is the one entry point the engine and the evaluations use: it resolves the
+KV config for the model (`--kv auto` → its profile), refuses a cache larger than the
+machine's memory, and builds DenseKVCache (uniform fp16/bf16/fp32), the KVArena otherwise,
+with a ring for sliding-window layers beside either. `kv_bytes_at` gives the bytes of that
+cache by component from the codecs' storage layouts, without allocating.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvrun.kernels.codecs.base import COMPONENTS
+from kvrun.kernels.rope import inv_frequencies
+from ..errors import KvrunError
+from .arena import KVArena, codec_factory, window_dtype, window_slots
+from .arena_evict import tail_sizes
+from .cache import KV_DTYPES, DenseKVCache
+from .config import KVConfig, parse_kv
+from .layout import arena_layers, layer_windows
+from .ring import LayeredKVCache, SlidingWindowKV, ring_bits
+
+
+def _as_config(kv) -> KVConfig:
+    return kv if isinstance(kv, KVConfig) else parse_kv(kv)
+
+
+def check_kv(cfg, kv_config) -> KVConfig:
+    """The KV config for this model (`--kv auto`: its shipped profile), checked against the
+    model's geometry (one clear line if it does not fit)."""
+    kv = _as_config(kv_config).for_model(cfg)
+    kv.check_model(cfg.head_dim, arena_layers(cfg), cfg.num_kv_heads)
+    if any(layer_windows(cfg)) and kv.ctx_policy == "shift":
+        raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "
+                         "layers (a shift would cut the windows they attend to): raise -c instead")
+    return kv
+
+
+def _full_cache(cfg, n_layers: int, ctx: int, kv: KVConfig, device):
+    if kv.is_dense:
+        return DenseKVCache(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
+                            KV_DTYPES[kv.k_method], device=device)
+    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return KVArena(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
+                   n_heads=cfg.num_heads)
+
+
+def _ring_dtype(kv: KVConfig) -> torch.dtype:
+    return KV_DTYPES[kv.k_method] if kv.is_dense else window_dtype(kv)
+
+
+def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
+    """Bytes of the sliding-window layers' rings for a cache of n_tokens: per layer, K and
+    V of min(window, n) tokens at ring_bits(kv) (plus fp16 scale and min per kv.v_group
+    channels)."""
+    windows = layer_windows(cfg)
+    n_slide, bits = len(windows) - windows.count(0), ring_bits(kv)
+    if not n_slide:
+        return 0
+    per = (cfg.head_dim * _ring_dtype(kv).itemsize if bits == 16
+           else cfg.head_dim * bits // 8 + 2 * 2 * (cfg.head_dim // kv.v_group))
+    return 2 * n_slide * cfg.num_kv_heads * min(max(windows), n_tokens) * per
+
+
+def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
+    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
+    shift (the same tensors and read path as before), the KVArena otherwise; a model with
+    sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
+    kv = check_kv(cfg, kv_config)
+    windows = layer_windows(cfg)
+    full = _full_cache(cfg, windows.count(0), ctx, kv, device)
+    if not any(windows):
+        return full
+    ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
+                           max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv), kv.v_group,
+                           "v" in kv.rotate)
+    return LayeredKVCache(windows, full, ring)
+
+
+def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
+    """Bytes by component of the cache build_cache(cfg, n_tokens, kv_config) would allocate,
+    computed from the codecs' storage layouts without allocating. Sliding-window layers add
+    their rings as "ring" (ring_bytes)."""
+    kv = check_kv(cfg, kv_config)
+    windows = layer_windows(cfg)
+    L, Hkv, D = windows.count(0), cfg.num_kv_heads, cfg.head_dim
+    ring = {"ring": ring_bytes(cfg, kv, n_tokens)} if any(windows) else {}
+    if kv.is_dense:
+        return {"dense": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize, **ring}
+    out = dict.fromkeys(COMPONENTS, 0)
+    get = codec_factory(kv)
+    for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):
+        for c in (get(km, "k"), get(vm, "v")):
+            for s in c.slots(Hkv, D, S):
+                out[s.component] += s.nbytes
+    out["window"] += 2 * L * Hkv * window_slots(kv, n_tokens) * D * window_dtype(kv).itemsize
+    return {**out, **ring}
+
+
+def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
+    """Total KV bytes holding n_tokens (window included) / the fp16 cache of n_tokens (for a
+    model with sliding-window layers, their fp16 rings included)."""
+    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / sum(kv_bytes_at(cfg, "fp16", n_tokens).values())
+
+
+def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
+    """A KV cache for `ctx` tokens: the dense cache for plain fp16/bf16/fp32, otherwise the
+    compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig); sliding-window
+    layers (Gemma 3) keep a ring of their window beside either (ring.py)."""
+    kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
+    kv.check_profile(cfg)                   # a profile searched for another model is refused
+    need = sum(kv_bytes_at(cfg, kv, ctx).values())
+    have = physical_memory()
+    if have is not None and need > have:
+        raise KvrunError(f"context size {ctx}: the {kv.label()} KV cache would take "
+                         f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
+                         f"of memory (lower -c/--ctx-size or pick a smaller --kv)")
+    try:
+        return build_cache(cfg, ctx, kv)
+    except (MemoryError, RuntimeError) as e:        # torch's allocator raises RuntimeError
+        if isinstance(e, RuntimeError) and "allocate" not in str(e):
+            raise
+        raise KvrunError(f"context size {ctx}: cannot allocate the {kv.label()} KV cache "
+                         f"({need / 2**30:.1f} GiB): out of memory") from None
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def kv_bytes_per_token(cfg, kv: "str | KVConfig", n_tokens: int) -> float:
+    """Bytes per token of a cache sized for `n_tokens` (window and metadata included),
+    computed from the codec formulas without allocating."""
+    return sum(kv_bytes_at(cfg, kv, n_tokens).values()) / n_tokens

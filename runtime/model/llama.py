@@ -1,0 +1,158 @@
+"""kvrun's transformer for the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2.
+
+Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
+`input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
+writes K/V only through the cache object (`cache.attend`), which is either the dense
+cache or the compressed arena; the model does not know which. A cache that offers the
+fused-write step (`takes_new_kv` / `write_attend`, runtime/kv/cache.py: the arena on
+the torch and Triton backends) gets K before RoPE and V's projection operands instead, so
+its fused ops apply RoPE and run the V GEMM while compressing.
+
+Linear layers come from `make_linear`: dense `Linear`, or the weight-only quantized
+`Int8Linear` / `Int4Linear` when the config's `weights` says so (qlinear.py). Quantized
+models keep the token embedding as int8 rows; a tied lm_head then runs through the int8
+GEMV on the embedding's own buffers (llama.cpp keeps token_embd in Q8_0 for the same
+reason: the output projection is the most quantization-sensitive matrix).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvrun.kernels.dispatch import backend_for
+from .. import threads
+from .config import ModelConfig
+from .attention import Attention
+from .layers import MLP, Linear, RMSNorm
+from .qlinear import QUANT_MODULES, Int8Embedding, Int8Linear, make_linear
+from kvrun.kernels.rope import Rope
+
+
+class DecoderLayer(nn.Module):
+    sliding = False                     # full attention (Gemma 3 has sliding layers: gemma3.py)
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size,
+                       lambda i, o: make_linear(cfg.weights, cfg.weight_group, i, o))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _blocks(cfg: ModelConfig):
+    """(decoder layer class, norm class) of an architecture."""
+    if cfg.architecture == "gemma3":
+        from .gemma3 import Gemma3DecoderLayer, OffsetRMSNorm
+        return Gemma3DecoderLayer, OffsetRMSNorm
+    return DecoderLayer, RMSNorm
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        layer_cls, norm_cls = _blocks(cfg)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if cfg.weights == "float"
+                             else Int8Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        # the output projection stays int8 in int4 models (see the module docstring)
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size) if cfg.weights == "float"
+                        else Int8Linear(cfg.hidden_size, cfg.vocab_size))
+        self.tie_weights()
+        with torch.device("cpu"):       # tables stay real even when built on the meta device
+            self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+            # sliding-window layers (Gemma 3): their own base, no scaling (HF: rope_local_base_freq)
+            self.rope_local = (Rope(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position)
+                               if "sliding_attention" in cfg.layer_types else None)
+        # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as HF does
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.architecture == "gemma3" else None
+
+    def tie_weights(self) -> None:
+        """Make a tied lm_head share the embedding's tensors (again after `to_empty`)."""
+        if not self.cfg.tie_word_embeddings:
+            return
+        emb = self.model.embed_tokens
+        if isinstance(self.lm_head, Linear):
+            self.lm_head.weight = emb.weight
+        else:
+            self.lm_head.qweight, self.lm_head.scales = emb.qweight, emb.scales
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype        # norms are float in every weight format
+
+    def set_gemv_dtype(self, dtype: torch.dtype | None) -> None:
+        """Prepare the decode path: a second copy of every dense linear weight in `dtype`
+        for few-row inputs; quantized layers build their fused op's packed weights."""
+        self.__dict__.pop("_step", None)          # the native step points at the old buffers
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.set_gemv_dtype(dtype)
+            elif isinstance(m, QUANT_MODULES):
+                m.prepare()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """ids: (B, T) new tokens appended after the cache's contents.
+
+        Returns float32 logits (B, T, V), or (B, 1, V) for the last position only.
+        """
+        B, T = ids.shape
+        threads.tick()                              # fewer threads while cores are taken
+        step = self._native_step(ids, cache)
+        if step is not None:                        # decode on the native layer kernels
+            return step(ids, cache)
+        positions = cache.positions(T)                                  # (T,)
+        cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
+        local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
+        h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
+        if self.embed_scale is not None:
+            # HF keeps sqrt(hidden) as an fp32 buffer and casts it to the weights' dtype
+            h = h * torch.tensor(self.embed_scale, dtype=torch.float32).to(self.dtype)
+        for layer in self.model.layers:
+            h = layer(h, *(local if layer.sliding else (cos, sin)), cache)
+        cache.commit(T)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.model.norm(h)).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _native_step(self, ids: torch.Tensor, cache):
+        """The native decode step (runtime/model/native_step.py) when it covers this call: built
+        on first use, only where the attention backend is native (KVRUN_BACKEND=torch
+        keeps the eager forward, the oracle)."""
+        if ids.shape[1] != 1 or backend_for(ids) != "native":
+            return None
+        if not hasattr(self, "_step"):
+            from .native_step import NativeDecodeStep, supported
+            self._step = NativeDecodeStep(self) if supported(self) else None
+        return self._step if self._step is not None and self._step.applies(ids, cache) else None
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Strict load; a tied lm_head is the only key allowed to be absent."""
+        # quantized codes keep their integer dtype; their fp16 scales widen exactly
+        state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if self.cfg.tie_word_embeddings:
+            missing = [k for k in missing if not k.startswith("lm_head.")]
+        if missing or unexpected:
+            from ..errors import KvrunError
+            parts = []
+            if missing:
+                parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
+            if unexpected:
+                parts.append(f"unexpected {len(unexpected)} tensors (e.g. {unexpected[0]})")
+            raise KvrunError("weights do not match the config: " + "; ".join(parts))

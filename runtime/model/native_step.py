@@ -1,0 +1,175 @@
+"""The decode step on the native CPU kernels: per layer one C call before attention
+(RMSNorm, the stacked q/k/v GEMV, RoPE), the cache's own attention call (the arena's native
+attend_append, or the dense cache's read through the native attention kernel), and one C
+call after it (o_proj, residual,
+RMSNorm, gate+up, SwiGLU, down, residual); then one call for the final norm and lm_head.
+
+Why: the eager step ran ~1,300 torch ops (casts to and from bf16 around every int4 op,
+copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the weights they
+read. Here the activations stay fp32 in preallocated buffers and the weights are read in
+their stored bytes (kernels/native/decode_layer.c). The eager forward stays the oracle
+(tests/test_decode_layer.py) and serves everything this step does not cover.
+
+Covered: the Llama/Qwen2 and Gemma 3 `Transformer` (Gemma's extra norms, QK-norm, GeGLU,
+local RoPE tables and embedding scale are the C layer's optional fields) with int4 or int8
+linear layers (the weights
+`kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
+CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
+cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused-write
+step `write_attend` keeps the eager forward). The rows are a batch axis: `__call__` runs
+B rows on one cache (B = 1 in the engine); `rows` runs row b on its own cache `caches[b]`
+at that cache's position (batched decoding, runtime/engine/batch.py): the norms and GEMVs read
+every weight once for all rows, RoPE takes each row's position, and attention runs per row
+on its own cache, through the same call a lone sequence makes, so each row's logits are
+bit-identical to that sequence's own step (the C code computes every row independently).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvrun.kernels import native
+from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
+from .. import threads
+from .qlinear import Int4Linear, Int8Linear
+
+
+def _stored(lin) -> dict:
+    """A linear layer's weight in the form weight_desc takes."""
+    if isinstance(lin, Int4Linear):
+        return {"kind": "int4", "qweight": lin.qweight, "scales": lin.scales, "mins": lin.mins,
+                "group": lin.group, "bias": lin.bias}
+    return {"kind": "int8", "qweight": lin.qweight, "scales": lin.scales, "bias": lin.bias}
+
+
+def _stacked(lins) -> dict:
+    """q, k, v stacked along the output rows: one GEMV reads them in one pass."""
+    ws = [_stored(x) for x in lins]
+    out = {"kind": ws[0]["kind"], "group": ws[0].get("group")}
+    for key in ("qweight", "scales", "mins"):
+        if key in ws[0]:
+            out[key] = torch.cat([w[key] for w in ws])
+    biases = [w["bias"] for w in ws]
+    if any(b is not None for b in biases):
+        out["bias"] = torch.cat([b.detach().float() if b is not None else
+                                 torch.zeros(w["qweight"].shape[0]) for b, w in zip(biases, ws)])
+    return out
+
+
+def _offset(norm) -> torch.Tensor:
+    """A Gemma (1 + w) RMSNorm's weight as the multiplier the C norm takes."""
+    return 1.0 + norm.weight.detach().float()
+
+
+def supported(model) -> bool:
+    """Whether this step can run `model` (see the module docstring)."""
+    if model.cfg.architecture not in ("llama", "qwen2", "gemma3"):
+        return False
+    if native.load() is None:
+        return False
+    cfg = model.cfg
+    lins = [m for layer in model.model.layers for m in
+            (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    kinds = {type(m) for m in lins}
+    return (len(kinds) == 1 and kinds <= {Int4Linear, Int8Linear}
+            and isinstance(model.lm_head, Int8Linear)
+            and model.lm_head.qweight.device.type == "cpu"
+            and len({getattr(m, "group", 0) for m in lins[:3]}) == 1
+            and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
+            and cfg.head_dim % 2 == 0 and model.lm_head.bias is None)
+
+
+class NativeDecodeStep:
+    """Decode steps of `model` through the native layer kernels; build with `supported`."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.split = (H * D, (H + Hkv) * D)            # q | k | v columns of scratch.qkv
+        self.scratch = Scratch(cfg.hidden_size, H, Hkv, D, cfg.intermediate_size, cfg.vocab_size)
+        dims = dict(hidden=cfg.hidden_size, H=H, Hkv=Hkv, D=D, inter=cfg.intermediate_size)
+        self.plans = []
+        gemma = cfg.architecture == "gemma3"
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj),
+                 "gate": _stored(mlp.gate_proj), "up": _stored(mlp.up_proj),
+                 "down": _stored(mlp.down_proj)}
+            if gemma:                   # runtime/model/gemma3.py's layer, its (1 + w) norms folded
+                norms = (_offset(layer.input_layernorm), _offset(layer.pre_feedforward_layernorm))
+                extra = {"q_norm": _offset(a.q_norm), "k_norm": _offset(a.k_norm),
+                         "attn_out_norm": _offset(layer.post_attention_layernorm),
+                         "mlp_out_norm": _offset(layer.post_feedforward_layernorm),
+                         "act": "gelu_tanh", "q_scale": a.q_scale or 1.0}
+            else:
+                norms, extra = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), None
+            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, *norms, w, self.scratch, extra))
+        self.local = [getattr(layer, "sliding", False) for layer in model.model.layers]
+        self.keep: list = []
+        self.head = weight_desc(_stored(model.lm_head), self.keep)
+        self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
+        self.attn = torch.zeros(MAX_ROWS, H * D)          # rows(): each row's attention output
+
+    def applies(self, ids: torch.Tensor, cache) -> bool:
+        B, T = ids.shape
+        wants_new_kv = getattr(cache, "takes_new_kv", None)
+        return (T == 1 and B <= MAX_ROWS and ids.device.type == "cpu"
+                and (wants_new_kv is None or not any(wants_new_kv(i, T) for i in range(len(self.plans)))))
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """ids (B, 1) -> float32 logits (B, 1, V); appends the tokens to `cache`."""
+        B, HD = ids.shape[0], self.cfg.num_heads * self.cfg.head_dim
+        positions = cache.positions(1)                                   # (1,)
+        logits = self._run(ids, positions.expand(B),
+                           lambda i, q, k, v: cache.attend(i, q, k, v).reshape(B, HD).contiguous())
+        cache.commit(1)
+        return logits
+
+    @torch.inference_mode()
+    def rows(self, ids: torch.Tensor, caches: list) -> torch.Tensor:
+        """ids (B, 1), row b the next token of the sequence in caches[b] (B <= MAX_ROWS, each
+        cache one sequence) -> float32 logits (B, 1, V); appends each token to its cache."""
+        B = ids.shape[0]
+        assert len(caches) == B <= MAX_ROWS, (len(caches), B)
+        threads.tick()                                                   # as forward() does
+        H, D = self.cfg.num_heads, self.cfg.head_dim
+        positions = torch.cat([c.positions(1) for c in caches])         # (B,)
+        out = self.attn[:B]                                              # (B, H D)
+
+        def attend(i, q, k, v):
+            for b, c in enumerate(caches):
+                out[b] = c.attend(i, q[b:b + 1], k[b:b + 1], v[b:b + 1]).reshape(H * D)
+            return out
+        logits = self._run(ids, positions, attend)
+        for c in caches:
+            c.commit(1)
+        return logits
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The layers over B rows at `positions` (B,); attend(layer, q, k, v) -> (B, H D)
+        float32 rows. Returns float32 logits (B, 1, V)."""
+        B = ids.shape[0]
+        cfg, s = self.cfg, self.scratch
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nth = torch.get_num_threads()
+        cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
+        s.cos[:B] = cos
+        s.sin[:B] = sin
+        if self.model.rope_local is not None:                           # sliding layers' base
+            s.cos_local[:B], s.sin_local[:B] = self.model.rope_local.tables(positions, torch.float32)
+        s.x[:B] = self.model.model.embed_tokens(ids)[:, 0].float()     # (B, hidden)
+        if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
+            s.x[:B] *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
+        q_end, k_end = self.split
+        qkv = s.qkv[:B]
+        q = qkv[:, :q_end].view(B, 1, H, D).transpose(1, 2)              # (B, H, 1, D)
+        k = qkv[:, q_end:k_end].view(B, 1, Hkv, D).transpose(1, 2)       # (B, Hkv, 1, D)
+        v = qkv[:, k_end:].view(B, 1, Hkv, D).transpose(1, 2)
+        for i, plan in enumerate(self.plans):
+            plan.pre(B, nth, self.local[i])
+            plan.post(B, attend(i, q, k, v), nth)
+        logits = self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)
+        cap = cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,115 @@
+"""The package's layers import downward only, and no module imports itself round a circle.
+
+The allowed order is declared here, once (docs/architecture.md explains it): a module may
+import from its own layer and the layers before it, never after. Function-level imports count
+like module-level ones: an import moved into a function to dodge a circle is still a circle.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"runtime": "kvrun", "kernels": "kvrun.kernels", "convert": "kvrun.convert"}
+
+# lowest first; a module's layer is the first prefix that matches its name
+LAYERS = [
+    ("kernels", ("kvrun.kernels",)),
+    ("base", ("kvrun.errors", "kvrun.files", "kvrun.threads", "kvrun.progress")),
+    ("kv", ("kvrun.kv",)),
+    ("model", ("kvrun.model",)),
+    ("convert", ("kvrun.convert",)),
+    ("engine", ("kvrun.engine",)),
+    ("eval", ("kvrun.eval",)),
+    ("cli", ("kvrun.cli",)),
+    ("api", ("kvrun",)),                        # kvrun/__init__.py: the public re-exports
+]
+
+
+def layer_of(mod: str) -> int:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(mod == p or mod.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{mod} is in no layer: add it to LAYERS")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, pkg in FOLDERS.items():
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(f.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([pkg, *parts])] = f
+    return found
+
+
+def imports(mod: str, path: Path, known: dict) -> list[tuple[str, int]]:
+    """(imported kvrun module, line) of every import in the file, resolved to a module."""
+    is_pkg = path.name == "__init__.py"
+    pkg = mod if is_pkg else mod.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            # `from pkg import module` names the module itself
+            names = [f"{src}.{a.name}" if f"{src}.{a.name}" in known else src for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n == "kvrun" or n.startswith("kvrun."):
+                while n not in known and "." in n:
+                    n = n.rsplit(".", 1)[0]
+                out.append((n, node.lineno))
+    return out
+
+
+def graph():
+    known = modules()
+    return known, {m: imports(m, p, known) for m, p in known.items()}
+
+
+def test_every_import_runs_down_the_layers():
+    known, edges = graph()
+    up = []
+    for m, deps in edges.items():
+        for d, line in deps:
+            if d != m and layer_of(d) > layer_of(m) and not (m == "kvrun" or d.startswith(m + ".")):
+                up.append(f"{known[m].relative_to(ROOT)}:{line} ({LAYERS[layer_of(m)][0]}) imports "
+                          f"{d} ({LAYERS[layer_of(d)][0]})")
+    assert not up, "imports up the layers:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_circles():
+    known, edges = graph()
+    adj = {m: sorted({d for d, _ in deps if d != m and not m.startswith(d + ".")})
+           for m, deps in edges.items()}
+    # a package's __init__ re-exporting its modules is not a circle with them
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in adj[m]:
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+    for m in sorted(adj):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_the_layer_table_covers_every_module():
+    for m in modules():
+        layer_of(m)

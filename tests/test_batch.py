@@ -88,8 +88,7 @@ def test_rows_bit_identical(smol):
     T = smol.transformer
     from kvrun.kv.build import make_cache
     c = make_cache(smol.cfg, 8, "fp16")
-    T(torch.tensor([[1]]), c)                                     # builds the step
-    step = T._step
+    step = T.native_step(torch.tensor([[1]]), c)
     g = torch.Generator().manual_seed(0)
     xs = torch.randn(9, smol.cfg.hidden_size, generator=g)
     with torch.inference_mode():

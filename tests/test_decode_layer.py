@@ -40,7 +40,7 @@ def models(tmp_path_factory):
 def _eager(monkeypatch):
     """The oracle: the eager forward with every quantized layer dequantized to fp32 (the
     attention backend stays the same on both sides)."""
-    monkeypatch.setattr(Transformer, "_native_step", lambda self, ids, cache: None)
+    monkeypatch.setattr(Transformer, "native_step", lambda self, ids, cache: None)
     for cls in (qlinear.Int4Linear, qlinear.Int8Linear):
         monkeypatch.setattr(cls, "uses_fused_op", lambda self, rows: False)
 

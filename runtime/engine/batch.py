@@ -43,11 +43,6 @@ def failure(e: Exception) -> str:
     return str(e) if isinstance(e, KvrunError) else f"internal error: {type(e).__name__}: {e}"
 
 
-def native_step(model, ids: torch.Tensor, cache):
-    """The model's native decode step when it covers a one-token step on `cache`, else None."""
-    return model._native_step(ids, cache)
-
-
 @torch.inference_mode()
 def batch_forward(model, tokens: list[int], caches: list) -> torch.Tensor:
     """One decode step of B sequences: tokens[b] is appended to caches[b] (each cache one
@@ -56,10 +51,11 @@ def batch_forward(model, tokens: list[int], caches: list) -> torch.Tensor:
     assert B == len(caches) and B > 0, (B, len(caches))
     ids = torch.tensor(tokens)[:, None]                                  # (B, 1)
     out = torch.empty(B, model.cfg.vocab_size)
-    native = [b for b in range(B) if native_step(model, ids[b:b + 1], caches[b]) is not None]
+    steps = {b: model.native_step(ids[b:b + 1], caches[b]) for b in range(B)}
+    native = [b for b, step in steps.items() if step is not None]
     for s in range(0, len(native), MAX_ROWS):                           # groups of MAX_ROWS rows
         rows = native[s:s + MAX_ROWS]
-        out[rows] = model._step.rows(ids[rows], [caches[b] for b in rows])[:, 0]
+        out[rows] = steps[rows[0]].rows(ids[rows], [caches[b] for b in rows])[:, 0]
     for b in sorted(set(range(B)) - set(native)):                      # the eager forward, alone
         out[b] = model(ids[b:b + 1], caches[b], last_only=True)[0, -1]
     return out

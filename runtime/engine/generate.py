@@ -118,7 +118,7 @@ class Engine:
 
     @property
     def can_shift(self) -> bool:
-        return getattr(self.cache, "can_shift", False)
+        return self.cache.can_shift
 
     def reuse_prefix(self, ids: list[int], append: bool = False) -> int:
         """Keep the longest cached prefix of `ids` that gives what a fresh prefill gives
@@ -194,7 +194,7 @@ class Engine:
 
     def _tail(self) -> int:
         """Tokens the cache holds compressed (the arena's tail; none in the dense cache)."""
-        return max(getattr(self.cache, "n_tail", [0]))
+        return max(self.cache.n_tail)
 
     def _make_room(self, T: int) -> None:
         """Shift the context (when the cache can) until T more tokens fit; the discarded

@@ -62,6 +62,7 @@ from kvrun.kernels.rope import apply_rope
 from .arena_evict import ArenaEviction, tail_sizes
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
+from .contract import KVCache
 
 # write_attend's largest step: decode steps and short chunks of up to 64 new tokens;
 # longer prefill chunks keep attend
@@ -92,7 +93,7 @@ def codec_factory(kv: KVConfig):
     return get
 
 
-class KVArena:
+class KVArena(KVCache):
     """Preallocated window + compressed tail for `max_ctx` tokens, all layers."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
@@ -303,9 +304,15 @@ class KVArena:
         out["window"] += self.win_k.nbytes + self.win_v.nbytes
         return out
 
-    def bytes_per_token(self) -> float:
-        """Bytes one cached token costs across all layers (K and V), window included."""
-        return sum(self.nbytes().values()) / self.max_ctx
+    def label(self) -> str:
+        return self.kv.label()
+
+    def report(self) -> list[str]:
+        if self.ev is None:
+            return []
+        kept = [nt + w for nt, w in zip(self.n_tail, self.n_win)]
+        return [f"  eviction: {self.kv.evict}, budget {self.kv.budget} tokens/layer, "
+                f"holding {min(kept)}-{max(kept)} per layer, {sum(self.ev.n_drop)} evicted in all"]
 
     # -- window → tail ---------------------------------------------------------------------------
     def _append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:

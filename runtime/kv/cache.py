@@ -14,12 +14,9 @@ so the model code never changes:
     can_shift                       whether a full context shifts (the arena's shift()) or errors
     nbytes() -> dict                exact bytes by component
 
-A cache may also offer the fused-write step (docs/architecture.md; the compressed arena on the
-torch and Triton backends); the model asks with getattr, so this dense cache needs neither:
-
-    takes_new_kv(layer, T) -> bool  this step can be written from the fused ops' inputs
-    write_attend(layer, q, new: NewKV) -> o   write K/V (RoPE / V projection fused into the
-                                    window write), attend q over the cache, then flush
+The contract is declared in contract.py (`KVCache`); the fused-write step
+(`takes_new_kv` / `write_attend`: the compressed arena on the torch and Triton backends)
+has a default there that this dense cache keeps (never taken).
 """
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ from kvrun.kernels.dispatch import backend_for
 from kvrun.kernels.native.decode_attention import TILE
 from kvrun.kernels.native.decode_attention import decode_attention as native_attention
 from ..errors import KvrunError
+from .contract import KVCache
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -55,7 +53,7 @@ class NewKV:
         assert (self.v is None) != (self.v_weight is None), "V as rows or as x @ Wvᵀ, not both"
 
 
-class DenseKVCache:
+class DenseKVCache(KVCache):
     """Preallocated full-precision K/V for `max_ctx` tokens, all layers in one tensor.
 
     `windows[l]` > 0 makes layer l a sliding-window layer (Gemma 3's local layers,
@@ -139,11 +137,8 @@ class DenseKVCache:
         """Tokens a fresh prefill of s tokens holds compressed: none."""
         return 0
 
-    can_shift = False                   # a full dense cache is an error (shift runs in the arena)
-
     def nbytes(self) -> dict[str, int]:
         return {"dense": self.k.nbytes + self.v.nbytes}    # every token, full precision
 
-    def bytes_per_token(self) -> float:
-        """Bytes one cached token costs across all layers (K and V)."""
-        return (self.k.nbytes + self.v.nbytes) / self.max_ctx
+    def label(self) -> str:
+        return next(name for name, dt in KV_DTYPES.items() if dt == self.k.dtype)

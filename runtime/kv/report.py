@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import arena_layers, kv_bytes_at
-from .cache import KV_DTYPES
-
-DENSE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}
+from .build import kv_bytes_at
 
 
 def fp16_bytes_per_token(cfg) -> int:
@@ -21,16 +18,9 @@ def fp16_bytes(cfg, n_tokens: int) -> int:
     return sum(kv_bytes_at(cfg, "fp16", n_tokens).values())
 
 
-def kv_label(cache) -> str:
-    """The cache's method as --kv names it: the arena's KVConfig label (tada-4, kivi-4/kivi-2,
-    auto, profile:NAME, ...), or the dense cache's dtype (fp16, bf16, fp32)."""
-    kv = getattr(cache, "kv", None)
-    return kv.label() if kv is not None else DENSE_NAMES[getattr(cache, "inner", cache).k.dtype]
-
-
 @dataclass
 class KVSummary:
-    label: str                      # the method (kv_label)
+    label: str                      # the method (KVCache.label)
     tokens: int                     # tokens the conversation holds in the cache
     max_ctx: int                    # -c: tokens the cache was allocated for
     parts: dict[str, int]           # allocated bytes by component, empty ones left out
@@ -53,7 +43,7 @@ class KVSummary:
 def kv_summary(model) -> KVSummary:
     cache = model.cache
     parts = {k: v for k, v in cache.nbytes().items() if v > 0}
-    return KVSummary(kv_label(cache), len(model.engine.cached), cache.max_ctx, parts,
+    return KVSummary(cache.label(), len(model.engine.cached), cache.max_ctx, parts,
                      fp16_bytes(model.cfg, cache.max_ctx))
 
 
@@ -72,22 +62,10 @@ def format_kv(model) -> str:
     lines = [f"KV cache: {s.label}, {s.tokens} / {s.max_ctx} tokens held, {fmt_bytes(s.total)} "
              f"allocated ({s.ratio:.3f}x fp16 at {s.max_ctx} tokens)"]
     lines += [f"  {k:<16} {fmt_bytes(v):>12}" for k, v in s.parts.items()]
-    cache = model.cache
-    ring = getattr(cache, "ring", None)
-    if ring is not None:                # sliding-window layers: a ring of their window each
-        n, full = ring.n_layers, arena_layers(model.cfg)
-        width = "fp16" if ring.bits == 16 else f"{ring.bits}-bit per token"
-        lines.append(f"  ring: {n} sliding-window layers of {n + full}, {ring.W} tokens each, "
-                     f"{width}; the method applies to the {full} full-attention layers")
-        cache = cache.inner
+    lines += model.cache.report()       # rings, eviction
     if model.engine.can_shift:          # --ctx-policy shift: say what it did so far
         e = model.engine
-        lines.append(f"  context shift: keeps the first {cache.kv.n_keep} tokens, drops half of "
-                     f"the rest when full; {e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} "
+        lines.append(f"  context shift: keeps the first {model.cache.kv.n_keep} tokens, drops "
+                     f"half of the rest when full; {e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} "
                      f"so far, {e.n_dropped} tokens dropped")
-    ev = getattr(cache, "ev", None)
-    if ev is not None:                  # token eviction: what the bounded arena holds
-        kept = [nt + w for nt, w in zip(cache.n_tail, cache.n_win)]
-        lines.append(f"  eviction: {cache.kv.evict}, budget {cache.kv.budget} tokens/layer, "
-                     f"holding {min(kept)}-{max(kept)} per layer, {sum(ev.n_drop)} evicted in all")
     return "\n".join(lines)

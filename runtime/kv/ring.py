@@ -60,6 +60,7 @@ from kvrun.kernels.codecs import method_family
 from kvrun.kernels.dispatch import ring_step
 from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
+from .contract import KVCache
 
 
 QGROUP = 32                     # default channels per scale/min group of a quantized ring
@@ -227,10 +228,8 @@ class SlidingWindowKV:
         return self.k.nbytes() + self.v.nbytes()
 
 
-class LayeredKVCache:
+class LayeredKVCache(KVCache):
     """Sliding-window layers in a ring, full-attention layers in `inner` (module docstring)."""
-
-    can_shift = False
 
     def __init__(self, windows: list[int], inner, ring: SlidingWindowKV):
         self.windows = list(windows)
@@ -241,7 +240,7 @@ class LayeredKVCache:
         self.route = {i: (False, j) for j, i in enumerate(self.full)}
         self.route.update({i: (True, j) for j, i in enumerate(self.slide)})
         self.max_ctx = inner.max_ctx
-        self.kv = getattr(inner, "kv", None)
+        self.kv = inner.kv
 
     # -- the cache interface -------------------------------------------------------------------
     @property
@@ -250,7 +249,7 @@ class LayeredKVCache:
 
     @property
     def n_tail(self) -> list[int]:
-        return getattr(self.inner, "n_tail", [0])
+        return self.inner.n_tail
 
     def positions(self, T: int) -> torch.Tensor:
         return self.inner.positions(T)
@@ -261,8 +260,7 @@ class LayeredKVCache:
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
         sliding, j = self.route[layer]
-        takes = getattr(self.inner, "takes_new_kv", None)
-        return not sliding and takes is not None and takes(j, T)
+        return not sliding and self.inner.takes_new_kv(j, T)
 
     def write_attend(self, layer: int, q, new):
         return self.inner.write_attend(self.route[layer][1], q, new)
@@ -305,5 +303,12 @@ class LayeredKVCache:
     def nbytes(self) -> dict[str, int]:
         return {**self.inner.nbytes(), "ring": self.ring.nbytes()}
 
-    def bytes_per_token(self) -> float:
-        return sum(self.nbytes().values()) / self.max_ctx
+    def label(self) -> str:
+        return self.inner.label()
+
+    def report(self) -> list[str]:
+        r, full = self.ring, len(self.full)
+        width = "fp16" if r.bits == 16 else f"{r.bits}-bit per token"
+        return [f"  ring: {r.n_layers} sliding-window layers of {r.n_layers + full}, {r.W} tokens "
+                f"each, {width}; the method applies to the {full} full-attention layers",
+                *self.inner.report()]

@@ -35,8 +35,7 @@ class Attention(nn.Module):
         """q (B, H, T, D) after RoPE, k (B, Hkv, T, D) before it: the cache's attention, then
         o_proj. Every architecture's attention ends here (gemma3.py too)."""
         B, T = x.shape[:2]
-        takes_new_kv = getattr(cache, "takes_new_kv", None)
-        if takes_new_kv is not None and takes_new_kv(self.layer_idx, T):
+        if cache.takes_new_kv(self.layer_idx, T):
             # K's RoPE and the V projection run inside the cache's fused window writes
             # (kernels/fused_compress.py); same step contract as attend
             o = cache.write_attend(self.layer_idx, q, self._new_kv(x, k, cos, sin))

@@ -111,7 +111,7 @@ class Transformer(nn.Module):
         """
         B, T = ids.shape
         threads.tick()                              # fewer threads while cores are taken
-        step = self._native_step(ids, cache)
+        step = self.native_step(ids, cache)
         if step is not None:                        # decode on the native layer kernels
             return step(ids, cache)
         positions = cache.positions(T)                                  # (T,)
@@ -130,10 +130,11 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _native_step(self, ids: torch.Tensor, cache):
-        """The native decode step (runtime/model/native_step.py) when it covers this call: built
-        on first use, only where the attention backend is native (KVRUN_BACKEND=torch
-        keeps the eager forward, the oracle)."""
+    def native_step(self, ids: torch.Tensor, cache):
+        """The native decode step (native_step.py) when it covers a one-token step of `ids`
+        (B, 1) on `cache`, else None. Built on first use, only where the attention backend
+        is native (KVRUN_BACKEND=torch keeps the eager forward, the oracle). Calling it
+        runs the step; its `rows(ids, caches)` runs B rows, each on its own cache."""
         if ids.shape[1] != 1 or backend_for(ids) != "native":
             return None
         if not hasattr(self, "_step"):

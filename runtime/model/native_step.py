@@ -113,9 +113,8 @@ class NativeDecodeStep:
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
         B, T = ids.shape
-        wants_new_kv = getattr(cache, "takes_new_kv", None)
         return (T == 1 and B <= MAX_ROWS and ids.device.type == "cpu"
-                and (wants_new_kv is None or not any(wants_new_kv(i, T) for i in range(len(self.plans)))))
+                and not any(cache.takes_new_kv(i, T) for i in range(len(self.plans))))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""The KV-cache contract: what the model, the engine and the evaluations may ask of a cache.
+
+Every cache `make_cache` builds — `DenseKVCache` (cache.py), `KVArena` (arena.py) and
+`LayeredKVCache` (ring.py: sliding-window layers in a ring beside either) — subclasses
+`KVCache`. The abstract methods are what each must implement; the rest have the defaults a
+plain cache wants, so callers never probe with `getattr`.
+
+One step, for a decode token or a prefill chunk of T tokens, is
+`positions(T)` → per layer `attend(layer, q, k, v)` (or `write_attend`) → `commit(T)`.
+`attend` is the one write path: it appends k, v (K already RoPE-rotated) to the layer and
+attends q over everything the layer holds, causally among the new tokens; a compressed
+tail cannot be returned as (k, v), hence the inverted call.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+
+class KVCache(ABC):
+    """A sequence's KV cache: `max_ctx` tokens preallocated, `seq_len` of them cached."""
+
+    max_ctx: int                        # tokens the cache was allocated for (-c)
+    seq_len: int                        # tokens cached (evicted ones included: positions stay absolute)
+    kv = None                           # the KVConfig of a compressed cache; None when dense
+    can_shift = False                   # a full context shifts (the arena's shift()) or errors
+    n_tail: Sequence[int] = (0,)        # tokens each full-attention layer holds compressed
+
+    @abstractmethod
+    def positions(self, T: int) -> torch.Tensor:
+        """(T,) RoPE positions of T new tokens; KvrunError when the context is full."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, D); k, v (B, Hkv, T, D), K rotated → o (B, H, T, D)."""
+
+    @abstractmethod
+    def commit(self, T: int) -> None:
+        """After every layer ran: the T new tokens are cached."""
+
+    @abstractmethod
+    def truncate(self, n: int) -> int:
+        """Keep the first n tokens; returns how many were kept (a cache may keep fewer)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Empty the cache (its memory stays allocated)."""
+
+    @abstractmethod
+    def resume_point(self, n: int, chunk: int) -> int:
+        """How many of the first n cached tokens a new prompt may keep and still get what
+        a fresh prefill in chunks of `chunk` gives."""
+
+    @abstractmethod
+    def canonical_tail(self, s: int) -> int:
+        """Tokens a fresh prefill of s tokens holds compressed."""
+
+    @abstractmethod
+    def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append already-computed K/V of every model layer, (L, Hkv, n, D) each, K rotated
+        (benchmarks fill a cache to a depth without running the model)."""
+
+    @abstractmethod
+    def nbytes(self) -> dict[str, int]:
+        """Exact allocated bytes by component."""
+
+    @abstractmethod
+    def label(self) -> str:
+        """The method as --kv names it: fp16, kivi-4/kivi-2, auto, profile:NAME, …"""
+
+    # -- with defaults ------------------------------------------------------------------------
+    def bytes_per_token(self) -> float:
+        """Allocated bytes per token of context, all layers, K and V."""
+        return sum(self.nbytes().values()) / self.max_ctx
+
+    def takes_new_kv(self, layer: int, T: int) -> bool:
+        """Whether this step of `layer` goes through `write_attend` (the arena's fused-write
+        step on the torch and Triton backends) instead of `attend`."""
+        return False
+
+    def write_attend(self, layer: int, q: torch.Tensor, new) -> torch.Tensor:
+        """`attend` with K before RoPE and V as the projection's operands (kv/cache.py
+        NewKV): the fused ops rotate and project while writing the window."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused-write step")
+
+    def report(self) -> list[str]:
+        """Lines `/kv` adds about this cache's structure (rings, eviction)."""
+        return []

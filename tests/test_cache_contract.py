@@ -1,0 +1,47 @@
+"""Every cache make_cache builds declares the contract (kv/contract.py `KVCache`): the model,
+the engine and the reports ask it directly, never with getattr probes."""
+import pytest
+import torch
+
+from kvrun.kv import KVCache, make_cache, parse_kv
+from kvrun.kv.arena import KVArena
+from kvrun.kv.cache import DenseKVCache
+from kvrun.kv.ring import LayeredKVCache
+from tiny import tiny_config
+
+SPECS = [("fp16", DenseKVCache), ("fp32", DenseKVCache), ("kivi-4", KVArena), ("int8", KVArena),
+         ("kivi-4/kivi-2+rot", KVArena)]
+CASES = ([(a, s, k) for a in ("llama", "gemma3") for s, k in SPECS]
+         + [("llama", "tada-4", KVArena)])     # TaDA needs > 1 KV head: not the tiny Gemma
+
+
+@pytest.mark.parametrize("arch, spec, kind", CASES)
+def test_every_cache_is_a_kvcache(arch, spec, kind):
+    cfg = tiny_config(arch)
+    c = make_cache(cfg, 128, parse_kv(spec, residual=32, group=32, v_group=16))
+    assert isinstance(c, KVCache)
+    inner = c.inner if arch == "gemma3" else c
+    assert isinstance(c, LayeredKVCache) == (arch == "gemma3") and isinstance(inner, kind)
+    assert c.kv is inner.kv and c.label() == (spec if kind is DenseKVCache else c.kv.label())
+    assert c.label().split("@")[0].split("+")[0] == spec.split("+")[0]
+    assert (c.kv is None) == (kind is DenseKVCache)
+    assert max(c.n_tail) == 0 and c.seq_len == 0 and c.max_ctx == 128 and c.can_shift is False
+    assert c.takes_new_kv(0, 1) in (True, False)
+    assert c.bytes_per_token() == sum(c.nbytes().values()) / 128
+    lines = c.report()
+    assert any("ring:" in ln for ln in lines) == (arch == "gemma3")
+
+
+def test_evicting_cache_reports_its_policy():
+    cfg = tiny_config()
+    c = make_cache(cfg, 256, parse_kv("kivi-4", residual=32, group=32, v_group=16, evict="snapkv", budget=128))
+    assert isinstance(c, KVArena) and c.label().startswith("kivi-4")
+    assert any("eviction: snapkv" in ln for ln in c.report())
+
+
+def test_a_cache_missing_part_of_the_contract_cannot_be_made():
+    class Half(KVCache):
+        def positions(self, T):
+            return torch.arange(T)
+    with pytest.raises(TypeError, match="abstract"):
+        Half()

@@ -148,3 +148,82 @@ def test_dispatch_names_the_fused_write_route_only_off_native(monkeypatch):
     if HAS_NATIVE:
         monkeypatch.setenv("KVRUN_BACKEND", "native")
         assert not c.takes_new_kv(0, 1) and dispatch.backend_for(c.win_k) == "native"
+
+
+# -- every cache kind at the model's level: dense, and Gemma's rings beside an arena ---------
+
+GEMMA = tiny_config("gemma3", num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=128,
+                    max_position=1024)       # six layers: five sliding (window 16), one global
+
+
+def _state(c):
+    """Every byte a cache holds (dense tensors, ring codes, arena tail + window, counts)."""
+    inner = getattr(c, "inner", c)
+    parts = [c.seq_len]
+    if getattr(c, "ring", None) is not None:
+        parts += [t.clone() for s in (c.ring.k, c.ring.v) for t in s.parts]
+    if hasattr(inner, "k_store"):
+        parts += [list(inner.n_tail), list(inner.n_win), inner.win_k.clone(), inner.win_v.clone()]
+        parts += [t.clone() for st in inner.k_store + inner.v_store for t in st.values()]
+    else:
+        parts += [inner.k[:, :, :, :c.seq_len].clone(), inner.v[:, :, :, :c.seq_len].clone()]
+    return parts
+
+
+def _run_layers(backend, cfg, kv, monkeypatch):
+    """The steps of `STEPS` through every layer of a cache built for `cfg`: per step the
+    outputs of every layer and the cache's bytes after it."""
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
+    L, H, Hkv, Dh = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    c = build_cache(cfg, 256, kv)
+    g = torch.Generator().manual_seed(1)
+    c.ingest(*(torch.randn(L, Hkv, N0, Dh, generator=g) for _ in range(2)))
+    rope = Rope(Dh, cfg.rope_theta, None, 512)
+    out = []
+    for T in STEPS:
+        cos, sin = rope.tables(c.positions(T), torch.float32)
+        outs = []
+        for layer in range(L):
+            q = torch.randn(1, H, T, Dh, generator=g)
+            k, v = (torch.randn(1, Hkv, T, Dh, generator=g) for _ in range(2))
+            if c.takes_new_kv(layer, T):
+                outs.append(c.write_attend(layer, q, NewKV(k, cos, sin, v=v)))
+            else:
+                outs.append(c.attend(layer, q, apply_rope(k, cos, sin), v))
+        c.commit(T)
+        out.append((outs, _state(c)))
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("arch,method", [("llama", "fp16"), ("llama", "fp32"),
+                                         ("gemma3", "fp16"), ("gemma3", "kivi-4"),
+                                         ("gemma3", "int8")])
+def test_every_cache_kind_takes_the_same_steps_on_every_backend(monkeypatch, arch, method):
+    """Dense caches, and Gemma's 16-bit or quantized rings beside a dense cache or an arena:
+    the same bytes after every step on every backend (the rings' one-token steps run the
+    native ring kernel on the native backend), outputs within the backend's tolerance of
+    torch's (fp32 accumulation everywhere; torch multiplies packed tail codes in bf16)."""
+    cfg = GEMMA if arch == "gemma3" else CFG
+    kv = parse_kv(method, residual=R, group=G)
+    backends = ["torch"] + (["native"] if HAS_NATIVE else []) + \
+               (["triton"] if HAS_TRITON and method == "kivi-4" else [])
+    runs = {be: _run_layers(be, cfg, kv, monkeypatch) for be in backends}
+    ref = runs["torch"]
+    windows = cfg.layer_windows
+    for be, steps in runs.items():
+        for i, ((outs, state), (ref_outs, ref_state)) in enumerate(zip(steps, ref)):
+            assert len(state) == len(ref_state)
+            for j, (x, y) in enumerate(zip(state, ref_state)):
+                assert _same(x, y), f"{be} step {i}: cache part {j} differs from torch"
+            for layer, (o, r) in enumerate(zip(outs, ref_outs)):
+                # a quantized ring's rows are fp16 (the window dtype): its outputs agree to an
+                # fp16 ulp; dense layers to fp32 summation order; an arena layer as TOL says
+                tol = (dict(atol=2e-3, rtol=0) if windows[layer] and not kv.is_dense else
+                       dict(atol=2e-4, rtol=1e-3) if windows[layer] or kv.is_dense else TOL["torch"])
+                assert_close(o.float(), r.float(), **tol, msg=f"{be} step {i} layer {layer}")

@@ -98,7 +98,7 @@ class _RingStore:
     def write(self, layer: int, slots, rows: torch.Tensor) -> None:
         """rows (Hkv, n, D) into `slots` (an int or n indices) of `layer`."""
         if self.bits == 16:
-            self.x[layer][:, slots] = rows.to(self.dtype)
+            self.x[layer][:, slots] = (rows[:, 0] if isinstance(slots, int) else rows).to(self.dtype)
             return
         Hkv, n, D = rows.shape
         g = rows.float().reshape(Hkv, n, D // self.group, self.group)

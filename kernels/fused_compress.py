@@ -28,21 +28,14 @@ from __future__ import annotations
 
 import torch
 
-from .codecs.base import Int8Codec
-from .codecs.gear import GearCodec
-from .codecs.kivi import KiviCodec
-from .codecs.tada import TadaCodec
+from .table import covers
 
 
 def supports(codec) -> bool:
-    """The codecs the fused write ops cover on every backend (the Triton kernels' set):
-    KIVI (not GEAR), TaDA and int8, 2/4/8 bits, with a power-of-two G >= 32."""
+    """The codecs the fused write ops cover on every backend (the kernel table's
+    `fused_write` row: the Triton kernels' set), with a power-of-two G >= 32."""
     G = codec.G
-    if G < 32 or G & (G - 1):
-        return False
-    if isinstance(codec, KiviCodec):
-        return not isinstance(codec, GearCodec) and codec.bits in (2, 4, 8)
-    return isinstance(codec, TadaCodec) and codec.bits in (2, 4, 8) or type(codec) is Int8Codec
+    return G >= 32 and not G & (G - 1) and covers("fused_write", "torch", codec)
 
 
 def flush_count(w: int, T: int, R: int, G: int) -> int:

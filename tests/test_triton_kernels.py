@@ -159,7 +159,9 @@ def test_bad_shapes_are_refused():
 # -- dispatch --------------------------------------------------------------------------------
 
 class _OddCodec(FpCodec):
-    """A codec class the Triton kernel does not know (stands for a future codec)."""
+    """A codec kind the Triton kernel does not know (stands for a future codec: a new
+    storage format declares its own kind, kernels/table.py)."""
+    kind = "odd"
 
 
 def test_dispatch_backends(monkeypatch):

@@ -43,8 +43,11 @@ class Slot:
 
 
 class Codec:
-    """Base class. Subclasses set `method` and implement slots/pack/dequant/scores/mix."""
+    """Base class. Subclasses set `method`, declare what they are — `kind` and `bits`, which
+    the kernel table (kernels/table.py) reads — and implement slots/pack/dequant/scores/mix."""
     method = "?"
+    kind = "?"                  # fp | int8 | kivi | tada | gear
+    bits = 0                    # code width (fp: the dtype's)
 
     def __init__(self, role: str, G: int):
         assert role in ("k", "v"), role
@@ -110,11 +113,13 @@ class Codec:
 
 class FpCodec(Codec):
     """Uncompressed tail (fp16, bf16 or fp32): the lossless codec, used in per-layer mixes."""
+    kind = "fp"
 
     def __init__(self, role: str, G: int, dtype: torch.dtype = torch.float16):
         super().__init__(role, G)
         self.dtype = dtype
         self.method = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+        self.bits = dtype.itemsize * 8
 
     def slots(self, Hkv, D, S):
         return [Slot("x", "codes", (Hkv, S, D), self.dtype, 1, 1)]
@@ -143,6 +148,7 @@ class Int8Codec(Codec):
     (u = c + 128 in [1, 255]) as two nibble planes (nibble.py):
         q·k̂_t = s_t (q·u_t − 128 Σq),   p·V̂ = (p ⊙ s)·U − 128 Σ_t p_t s_t."""
     method = "int8"
+    kind, bits = "int8", 8
 
     def slots(self, Hkv, D, S):
         return [self._nib_slot(Hkv, D, S, 8),

@@ -42,6 +42,8 @@ def power_lowrank(X: torch.Tensor, B0: torch.Tensor, iters: int = POWER_ITERS):
 
 
 class GearCodec(KiviCodec):
+    kind = "gear"
+
     def __init__(self, role: str, G: int, bits: int, v_group: int, rank: int,
                  sparsity: float | None):
         super().__init__(role, G, bits, v_group)

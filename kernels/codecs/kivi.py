@@ -27,6 +27,8 @@ from ..quant import asym_params, dequantize_asym, quantize_asym
 
 
 class KiviCodec(Codec):
+    kind = "kivi"
+
     def __init__(self, role: str, G: int, bits: int, v_group: int):
         super().__init__(role, G)
         assert bits in (2, 4, 8), bits

@@ -27,6 +27,8 @@ from ..quant import (asym_params, dequantize_asym, pack_codes, plane_fold, quant
 
 
 class TadaCodec(Codec):
+    kind = "tada"
+
     def __init__(self, role: str, G: int, bits: int, mu: str = "fp16"):
         super().__init__(role, G)
         assert bits in (2, 4, 8) and mu in ("fp16", "int8"), (bits, mu)

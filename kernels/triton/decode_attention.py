@@ -50,7 +50,7 @@ the interpreter computes exact fp32.
 
 Codecs: fp16, bf16 (any FpCodec dtype), int8, kivi-{2,4,8}, tada-{2,4,8} (fp16 or int8 μ), gear-l / gear
 (KIVI backbone + rank-r term + sparse outliers, dequantized tile-wise in registers). Any
-other codec class makes `supports` false and kernels/dispatch.py runs the torch path.
+other codec kind (kernels/table.py) makes `supports` false and kernels/dispatch.py runs the torch path.
 """
 from __future__ import annotations
 
@@ -58,11 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs.base import FpCodec, Int8Codec
-from ..codecs.gear import GearCodec
-from ..codecs.kivi import KiviCodec
-from ..codecs.tada import TadaCodec
+from ..table import covers
 from .dequant import FP, GEAR, INT8, KIVI, TADA, dequant_tile
+
+_KINDS = {"fp": FP, "int8": INT8, "kivi": KIVI, "tada": TADA, "gear": GEAR}    # codec.kind → dequant_tile's KIND
 
 BLOCK_N = 32                    # split granularity and default token tile
 NUM_WARPS = 8
@@ -265,18 +264,12 @@ def _mass_kernel(S, LSE,                                                # (Hkv, 
 
 def supports(codec) -> bool:
     """True if the kernel reads this codec's storage (else the caller must use torch)."""
-    if isinstance(codec, GearCodec):
-        return codec.bits in (2, 4, 8) and codec.rank >= 1
-    if isinstance(codec, (KiviCodec, TadaCodec)):
-        return codec.bits in (2, 4, 8)
-    return type(codec) in (FpCodec, Int8Codec)
+    return covers("decode_attention", "triton", codec) and (codec.kind != "gear" or codec.rank >= 1)
 
 
 def _codec_args(codec, st: dict, D: int):
     """(9 tensors, 9 ints, (KIND, BITS, MU8, RANK, K2)) for dequant_tile."""
-    kind = (GEAR if isinstance(codec, GearCodec) else KIVI if isinstance(codec, KiviCodec)
-            else TADA if isinstance(codec, TadaCodec) else INT8 if isinstance(codec, Int8Codec)
-            else FP)
+    kind = _KINDS[codec.kind]
     if kind == FP:
         return _fp_args(st["x"])
     x = st["codes"]
@@ -408,8 +401,8 @@ def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split):
     vt, vi, vk = _codec_args(vc, vs, D) if n_tail else _fp_args(vn)
     # dequantization holds more tiles in registers than a plain fp16 read, and GEAR's
     # low-rank and outlier terms more again: smaller tiles keep sm_90 from spilling
-    gear = n_tail and (isinstance(kc, GearCodec) or isinstance(vc, GearCodec))
-    packed = n_tail and not (type(kc) is FpCodec and type(vc) is FpCodec)
+    gear = n_tail and "gear" in (kc.kind, vc.kind)
+    packed = n_tail and not (kc.kind == "fp" and vc.kind == "fp")
     block_r = min(32 if packed else 64, max(16, triton.next_power_of_2(R)))
     cx = dict(K_KIND=kk[0], K_BITS=kk[1], K_MU8=kk[2], K_RANK=kk[3], K_K2=kk[4],
               V_KIND=vk[0], V_BITS=vk[1], V_MU8=vk[2], V_RANK=vk[3], V_K2=vk[4],

@@ -50,8 +50,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs.kivi import KiviCodec
-from ..codecs.tada import TadaCodec
 from ..fused_compress import flush_count, supports  # supports: the codecs both backends fuse
 from .compress_units import _rows, _tada_mu, _unit_chan, _unit_chanpack, _unit_tok
 
@@ -132,7 +130,7 @@ def _unit(codec) -> int:
     """Tokens per unit: whole G groups and whole storage blocks (both powers of two)."""
     if codec.role == "v":
         blk = 64
-    elif isinstance(codec, KiviCodec):
+    elif codec.kind == "kivi":
         blk = 32 * (8 // codec.bits)
     else:
         blk = 128 if getattr(codec, "bits", 8) == 2 else 64
@@ -155,7 +153,7 @@ def _launch(SRC, rows_dtype, T, x, sx_h, sx_t, a, b, s_a, KH, has_bias,
     if not flush and w + T > R + G:
         raise ValueError(f"append without flush: {w} + {T} tokens > R+G={R + G} window slots")
     f = flush_count(w, T, R, G) if flush else 0
-    kind = KIVI if isinstance(codec, KiviCodec) else TADA if isinstance(codec, TadaCodec) else INT8
+    kind = {"kivi": KIVI, "tada": TADA, "int8": INT8}[codec.kind]
     V = codec.role == "v"
     assert all(t.is_contiguous() for t in st.values()), f"{codec}: storage must be contiguous"
     codes = st["codes"]

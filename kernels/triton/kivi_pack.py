@@ -32,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codecs.kivi import KiviCodec
-from ..codecs.gear import GearCodec
+from ..table import covers
 
 K_WARPS, V_WARPS = 4, 8                 # no register spills on sm_90 at D = 128 (sm90_check)
 
@@ -170,8 +169,7 @@ def _kivi_v_kernel(X, sx_h, sx_t,                     # (Hkv, n, D) new tokens [
 def supports(codec) -> bool:
     """KIVI codecs of 2 or 4 bits with G a multiple of 32 (not GEAR, whose pack also takes
     out outliers and fits the low-rank residual)."""
-    return (isinstance(codec, KiviCodec) and not isinstance(codec, GearCodec)
-            and codec.bits in (2, 4) and codec.G % 32 == 0)
+    return covers("pack", "triton", codec) and codec.G % 32 == 0
 
 
 def kivi_pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:

@@ -19,7 +19,15 @@ def test_every_package_dir_is_listed():
 
 
 def test_native_source_is_package_data():
+    """Every source and header the build compiles (and hashes) ships: the package-data
+    globs match them all and they live in kernels/native."""
+    from fnmatch import fnmatch
+    from kvrun.kernels import native
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "*.c" in cfg["package-data"]["kvrun.kernels.native"]
-    assert "*.h" in cfg["package-data"]["kvrun.kernels.native"]     # math_inline.h
-    assert (ROOT / "kernels" / "native" / "decode_attention.c").is_file()
+    globs = cfg["package-data"]["kvrun.kernels.native"]
+    assert "*.c" in globs and "*.h" in globs
+    names = {p.name for p in native.SRCS + native.HEADERS}
+    assert {"decode_attention.c", "pack.c", "codec_layout.h", "math_inline.h"} <= names
+    for p in native.SRCS + native.HEADERS:
+        assert (ROOT / "kernels" / "native" / p.name).is_file(), p.name
+        assert any(fnmatch(p.name, g) for g in globs), p.name

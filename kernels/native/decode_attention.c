@@ -28,6 +28,9 @@
  * once (TaDA's means once per chunk, the other heads hit cache), the window and the new
  * tokens once, q once; the logits (4*R*N bytes per head) are written and read twice in L2.
  * SmolLM2 at 4096 tokens, kivi-4: ~1.0 MB per layer, against 3.0 MB for the fp16 cache.
+ *
+ * The packed layouts are described and indexed in codec_layout.h; the flushes that write
+ * them are in pack.c.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,15 +38,14 @@
 #include <string.h>
 #include <omp.h>
 
+#include "codec_layout.h"
 #include "math_inline.h"
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)   /* each path's intrinsics */
 #include <immintrin.h>
 #endif
 
-typedef _Float16 f16;
-
 enum { C_FP16 = 0, C_BF16 = 1, C_FP32 = 2, C_INT8 = 3, C_KIVI = 4, C_TADA = 5 };
-enum { TILE = 32, MAXD = 256, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
+enum { TILE = 32, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
 
 /* One codec's storage for one layer: pointers into the preallocated tensors and their
  * element strides (see native/decode_attention.py, `describe`). */
@@ -149,28 +151,14 @@ static inline void codes32(const uint8_t *restrict b, int shift, int mask, float
 /* Where the 32 codes of tail tile t0 (t0 % 32 == 0) of head h live in a packed K layout:
  * channel d's bytes at *b + d * *ds, code = (byte >> *sh) & *mask; *b2 (8-bit tok layout)
  * the second nibble plane, or NULL. */
-static inline int tok_unit(int bits) { return bits == 2 ? 128 : 64; }
-
-static inline int tok_shift(int64_t t, int bits) {     /* token t's bits in its tok byte */
-    int64_t i = t % tok_unit(bits);
-    return 4 * (int)((i % 64) / 32) + 2 * (int)(i / 64);
-}
-
-static inline int64_t chan_row(int64_t t, int bits, int *sh) {   /* token t's chan row */
-    if (bits != 2) { *sh = 0; return t; }
-    *sh = 2 * (int)((t % 64) / 32);
-    return (t / 64) * 32 + t % 32;
-}
-
 static void k_layout(const Codec *c, int h, int64_t t0, const uint8_t **b, const uint8_t **b2,
                      int64_t *ds, int *sh, int *mask) {
     const int64_t *s = c->cs;
     *b2 = NULL;
     if (c->kind == C_KIVI) {
-        int U = 32 * (8 / c->bits);
-        *b = c->codes + h * s[0] + (t0 / U) * 32;
+        *b = c->codes + h * s[0] + chanpack_byte(t0, c->bits);
         *ds = s[1];
-        *sh = c->bits * (int)((t0 % U) / 32);
+        *sh = chanpack_shift(t0, c->bits);
         *mask = (1 << c->bits) - 1;
         return;
     }
@@ -181,11 +169,8 @@ static void k_layout(const Codec *c, int h, int64_t t0, const uint8_t **b, const
     if (c->bits == 8) *b2 = *b + s[1];
 }
 
-/* K tile (D, 32) of raw codes for tokens [t0, t0+32) of head h, t0 % 32 == 0.
- * tok layout (int8 / TaDA; nibble.py): (Hkv, P, S/U, D, 32), U = 64 (128 for 2 bits),
- *   token i of a superblock: byte i % 32, shift 4*((i%64)/32) + 2*(i/64); 8 bits = 2 planes.
- * chanpack (KIVI; chanpack.py): (Hkv, D, S/E), block of U = 32E tokens = 32 bytes per
- *   channel, run e of the block at bits [bits*e, bits*(e+1)). */
+/* K tile (D, 32) of raw codes for tokens [t0, t0+32) of head h (t0 % 32 == 0), from the
+ * tok (int8 / TaDA) or chanpack (KIVI) layout of codec_layout.h. */
 static void k_codes(const Codec *c, int h, int64_t t0, int D, float *restrict kt) {
     const uint8_t *b, *b2;
     int64_t ds;
@@ -556,14 +541,13 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
     int TT = R <= 3 ? 4 : R <= 6 ? 2 : 1;
     if (TT > avail) TT = avail >= 2 && R <= 6 ? 2 : 1;
     if (TT == 1) return 0;
-    int E = 8 / c->bits, U = 32 * E;
-    const uint8_t *b = c->codes + h * c->cs[0] + (t0 / U) * 32;
+    const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, c->bits);
     int off[4], sh[4];
     float qx[4 * 6 * MAXD], acc[4 * 6 * TILE], bias[4 * 6];
     for (int tt = 0; tt < TT; tt++) {
         int64_t t = t0 + 32 * tt;
-        off[tt] = (int)((t / U) * 32 - (t0 / U) * 32);
-        sh[tt] = c->bits * (int)((t % U) / 32);
+        off[tt] = (int)(chanpack_byte(t, c->bits) - chanpack_byte(t0, c->bits));
+        sh[tt] = chanpack_shift(t, c->bits);
         kivi_fold_q(c, h, t, q, R, D, qx + tt * R * D, bias + tt * R);
     }
     int mask = (1 << c->bits) - 1;
@@ -1091,243 +1075,3 @@ int kvrun_decode_attention(const Args *a) {
     }
     return 0;
 }
-
-/* -- KIVI pack (flushes): bit-identical to KiviCodec.pack / quant.asym_params ----------------
- * Every float op is a separate IEEE op as in torch (no contraction: zero + scale*qmax is
- * a rounded product then a rounded sum), fp16 conversions round to nearest even, codes
- * round half to even (rintf). */
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off", "no-associative-math")
-
-static inline void asym_params(float lo, float hi, int qmax, f16 *scale, f16 *zero) {
-    f16 z = (f16)lo;
-    float zf = (float)z;
-    float sv = (hi - zf) / (float)qmax;
-    if (!(sv >= 1e-6f)) sv = 1e-6f;
-    f16 s = (f16)sv;
-    volatile float prod = (float)s * (float)qmax;   /* rounded product, then the sum */
-    if (zf + prod < hi) {                            /* nudge up one fp16 ulp */
-        union { f16 h; uint16_t u; } b = { s };
-        if ((float)s < 65504.f) b.u += 1;
-        s = b.h;
-    }
-    *scale = s; *zero = z;
-}
-
-static inline uint8_t quant1(float x, float zf, float sf, int qmax) {
-    float c = rintf((x - zf) / sf);
-    c = c < 0.f ? 0.f : (c > (float)qmax ? (float)qmax : c);
-    return (uint8_t)c;
-}
-
-/* one token's codes c[0, 64 * ncb) (0 past D) into the channel-major nibble layout
- * (Hkv, P, Dp/64, rows, 32): byte j of a row = channel j | channel j + 32 << 4; 8 bits = two
- * planes (hi, lo nibbles); 2 bits = 32 rows per 64 tokens, the second 32 two bits up. */
-static void write_chan(uint8_t *codes, const int64_t *cs, int h, int64_t tok, const uint8_t *c,
-                       int bits, int ncb) {
-    for (int cb = 0; cb < ncb; cb++) {
-        const uint8_t *cc = c + cb * 64;
-        if (bits == 2) {
-            int sh;
-            int64_t row = chan_row(tok, bits, &sh);
-            uint8_t *b = codes + h * cs[0] + cb * cs[2] + row * cs[3];
-            uint8_t keep = (uint8_t)~(0x33 << sh);
-            for (int j = 0; j < 32; j++)
-                b[j] = (uint8_t)((b[j] & keep) | ((cc[j] | (cc[j + 32] << 4)) << sh));
-        } else if (bits == 4) {
-            uint8_t *b = codes + h * cs[0] + cb * cs[2] + tok * cs[3];
-            for (int j = 0; j < 32; j++) b[j] = (uint8_t)(cc[j] | (cc[j + 32] << 4));
-        } else {
-            uint8_t *b = codes + h * cs[0] + cb * cs[2] + tok * cs[3];
-            for (int j = 0; j < 32; j++) {
-                b[j] = (uint8_t)((cc[j] >> 4) | ((cc[j + 32] >> 4) << 4));
-                b[cs[1] + j] = (uint8_t)((cc[j] & 15) | ((cc[j + 32] & 15) << 4));
-            }
-        }
-    }
-}
-
-/* one token's codes c[0, D) into the token-major nibble layout (Hkv, P, S/U, D, 32),
- * U = 64 (128 for 2 bits): token i of a block in byte i % 32 at shift 4*((i%64)/32) +
- * 2*(i/64); 8 bits = two planes (c >> 4, c & 15). Read-modify-write of the token's bits. */
-static void write_tok(uint8_t *codes, const int64_t *cs, int h, int64_t tok, const uint8_t *c,
-                      int bits, int D) {
-    int sh = tok_shift(tok, bits);
-    int m = bits == 2 ? 3 : 15;
-    uint8_t keep = (uint8_t)~(m << sh);
-    uint8_t *b = codes + h * cs[0] + (tok / tok_unit(bits)) * cs[2] + tok % 32;
-    for (int d = 0; d < D; d++) {
-        uint8_t *p0 = b + d * cs[3];
-        if (bits == 8) {
-            uint8_t *p1 = p0 + cs[1];
-            *p0 = (uint8_t)((*p0 & keep) | ((c[d] >> 4) << sh));
-            *p1 = (uint8_t)((*p1 & keep) | ((c[d] & 15) << sh));
-        } else {
-            *p0 = (uint8_t)((*p0 & keep) | (c[d] << sh));
-        }
-    }
-}
-
-static inline f16 sym8_scale(float amax) {
-    float sv = amax / 127.0f;
-    if (!(sv >= 0x1p-24f)) sv = 0x1p-24f;
-    return (f16)sv;
-}
-
-static inline uint8_t sym8(float x, float sf) {
-    float q = rintf(x / sf);
-    q = q < -127.f ? -127.f : (q > 127.f ? 127.f : q);
-    return (uint8_t)((int)q + 128);
-}
-
-/* K: x (Hkv, n, D) fp32 contiguous for tokens [s0, s0+n), per (head, group of G tokens,
- * channel) params into scale/zero (Hkv, S/G, D) (strides ss), codes into the chanpack
- * layout (Hkv, D, M) (strides cs0, cs1). */
-int kvrun_kivi_pack_k(const float *x, int Hkv, int n, int D, int64_t s0, int G, int bits,
-                      uint8_t *codes, int64_t cs0, int64_t cs1, f16 *scale, f16 *zero,
-                      int64_t ss0, int64_t ss1) {
-    if (n % G || s0 % 32 || G % 32) return 1;
-    int qmax = (1 << bits) - 1, U = 32 * (8 / bits);
-    for (int h = 0; h < Hkv; h++)
-        for (int g0 = 0; g0 < n; g0 += G) {
-            int64_t grp = (s0 + g0) / G;
-            for (int d = 0; d < D; d++) {
-                const float *xs = x + ((int64_t)h * n + g0) * D + d;
-                float lo = xs[0], hi = xs[0];
-                for (int t = 1; t < G; t++) {
-                    float v = xs[(int64_t)t * D];
-                    lo = v < lo ? v : lo;
-                    hi = v > hi ? v : hi;
-                }
-                f16 s, z;
-                asym_params(lo, hi, qmax, &s, &z);
-                scale[h * ss0 + grp * ss1 + d] = s;
-                zero[h * ss0 + grp * ss1 + d] = z;
-                float zf = (float)z, sf = (float)s;
-                uint8_t *row = codes + h * cs0 + d * cs1;
-                for (int t = 0; t < G; t++) {
-                    int64_t tok = s0 + g0 + t;
-                    int sh = bits * (int)((tok % U) / 32);
-                    uint8_t *p = row + (tok / U) * 32 + tok % 32;
-                    uint8_t c = quant1(xs[(int64_t)t * D], zf, sf, qmax);
-                    *p = (uint8_t)((*p & ~(qmax << sh)) | (c << sh));
-                }
-            }
-        }
-    return 0;
-}
-
-/* V: per (head, token, group of g channels) params into scale/zero (Hkv, S, D/g), codes
- * into the channel-major nibble layout (Hkv, P, Dp/64, rows, 32) (strides cs[4]). */
-int kvrun_kivi_pack_v(const float *x, int Hkv, int n, int D, int64_t s0, int g, int bits,
-                      uint8_t *codes, const int64_t *cs, f16 *scale, f16 *zero,
-                      int64_t ss0, int64_t ss1) {
-    if (D % g || (bits == 2 && (s0 % 32 || n % 32))) return 1;
-    int qmax = (1 << bits) - 1, ncb = (D + 63) / 64;
-    uint8_t c[MAXD + 64];
-    for (int h = 0; h < Hkv; h++)
-        for (int t = 0; t < n; t++) {
-            const float *xr = x + ((int64_t)h * n + t) * D;
-            int64_t tok = s0 + t;
-            memset(c, 0, sizeof c);
-            for (int g0 = 0, gi = 0; g0 < D; g0 += g, gi++) {
-                float lo = xr[g0], hi = xr[g0];
-                for (int d = g0 + 1; d < g0 + g; d++) {
-                    lo = xr[d] < lo ? xr[d] : lo;
-                    hi = xr[d] > hi ? xr[d] : hi;
-                }
-                f16 s, z;
-                asym_params(lo, hi, qmax, &s, &z);
-                scale[h * ss0 + tok * ss1 + gi] = s;
-                zero[h * ss0 + tok * ss1 + gi] = z;
-                for (int d = g0; d < g0 + g; d++) c[d] = quant1(xr[d], (float)z, (float)s, qmax);
-            }
-            write_chan(codes, cs, h, tok, c, bits, ncb);
-        }
-    return 0;
-}
-
-/* int8: per (head, token) symmetric scale fp16(max(amax / 127, 2^-24)), codes
- * clamp(rint(x / s), -127, 127) + 128, as quant.sym_int8_params / quantize_sym_int8.
- * K codes go to the token-major nibble layout (Hkv, 2, S/64, D, 32) (two planes: c >> 4,
- * c & 15; token i of a 64-token block in byte i % 32 at shift 4 * (i / 32)), V codes to the
- * channel-major one (Hkv, 2, Dp/64, rows, 32). scale: (Hkv, S). */
-int kvrun_int8_pack(const float *x, int Hkv, int n, int D, int64_t s0, int role_v,
-                    uint8_t *codes, const int64_t *cs, f16 *scale, int64_t ss0, int64_t ss1) {
-    int ncb = (D + 63) / 64;
-    uint8_t c[MAXD + 64];
-    for (int h = 0; h < Hkv; h++)
-        for (int t = 0; t < n; t++) {
-            const float *xr = x + ((int64_t)h * n + t) * D;
-            int64_t tok = s0 + t;
-            float amax = 0.f;
-            for (int d = 0; d < D; d++) {
-                float a = fabsf(xr[d]);
-                amax = a > amax ? a : amax;
-            }
-            f16 s = sym8_scale(amax);
-            scale[h * ss0 + tok * ss1] = s;
-            memset(c, 0, sizeof c);                          /* V padding channels: 0 */
-            for (int d = 0; d < D; d++) c[d] = sym8(xr[d], (float)s);
-            if (role_v) write_chan(codes, cs, h, tok, c, 8, ncb);
-            else write_tok(codes, cs, h, tok, c, 8, D);
-        }
-    return 0;
-}
-
-/* TaDA: mu_t = (sum_h x_h in head order) / Hkv, stored fp16, or symmetric int8 with an fp16
- * scale per token in quant.pack_codes' words ((S/4, D) int32: per block of G tokens, word
- * row j holds tokens j + i*G/4 at bits 8i, the top plane stored as c ^ 128); deviations
- * d = mu_hat - x per (head, token), asymmetric over D, codes into the tok (K) or chan (V)
- * layout. As TadaCodec.pack (x.mean(0) is a head-ordered sum then a division). */
-int kvrun_tada_pack(const float *x, int Hkv, int n, int D, int64_t s0, int G, int bits, int role_v,
-                    uint8_t *codes, const int64_t *cs, f16 *scale, f16 *zero, int64_t ss0,
-                    int64_t ss1, void *mu, int64_t mus, f16 *mu_scale, int mu_int8) {
-    if (n % G || s0 % G || (mu_int8 && G % 4)) return 1;
-    int qmax = (1 << bits) - 1, ncb = (D + 63) / 64, J = G / 4;
-    uint8_t c[MAXD + 64];
-    float muh[MAXD];
-    for (int t = 0; t < n; t++) {
-        int64_t tok = s0 + t;
-        for (int d = 0; d < D; d++) {
-            float sm = 0.f;
-            for (int h = 0; h < Hkv; h++) sm += x[((int64_t)h * n + t) * D + d];
-            muh[d] = sm / (float)Hkv;
-        }
-        if (!mu_int8) {
-            f16 *m = (f16 *)mu + tok * mus;
-            for (int d = 0; d < D; d++) { m[d] = (f16)muh[d]; muh[d] = (float)m[d]; }
-        } else {
-            float amax = 0.f;
-            for (int d = 0; d < D; d++) { float a = fabsf(muh[d]); amax = a > amax ? a : amax; }
-            f16 ms = sym8_scale(amax);
-            mu_scale[tok] = ms;
-            int64_t w = tok % G;
-            int pl = (int)(w / J);
-            uint32_t *row = (uint32_t *)mu + ((tok / G) * J + w % J) * mus;
-            for (int d = 0; d < D; d++) {
-                uint8_t cm = sym8(muh[d], (float)ms);
-                uint32_t f = pl == 3 ? (uint32_t)(cm ^ 128u) : cm;
-                row[d] = (row[d] & ~(255u << (8 * pl))) | (f << (8 * pl));
-                muh[d] = ((float)cm - 128.f) * (float)ms;
-            }
-        }
-        for (int h = 0; h < Hkv; h++) {
-            const float *xr = x + ((int64_t)h * n + t) * D;
-            float dv[MAXD] = {0};
-            for (int d = 0; d < D; d++) dv[d] = muh[d] - xr[d];
-            float lo = dv[0], hi = dv[0];
-            for (int d = 1; d < D; d++) { lo = dv[d] < lo ? dv[d] : lo; hi = dv[d] > hi ? dv[d] : hi; }
-            f16 s, z;
-            asym_params(lo, hi, qmax, &s, &z);
-            scale[h * ss0 + tok * ss1] = s;
-            zero[h * ss0 + tok * ss1] = z;
-            memset(c, 0, sizeof c);
-            for (int d = 0; d < D; d++) c[d] = quant1(dv[d], (float)z, (float)s, qmax);
-            if (role_v) write_chan(codes, cs, h, tok, c, bits, ncb);
-            else write_tok(codes, cs, h, tok, c, bits, D);
-        }
-    }
-    return 0;
-}
-#pragma GCC pop_options

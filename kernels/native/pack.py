@@ -1,4 +1,4 @@
-"""KIVI, int8 and TaDA flushes on the native CPU kernel (decode_attention.c,
+"""KIVI, int8 and TaDA flushes on the native CPU kernel (pack.c,
 `kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`): the same storage as the codecs' torch pack, bit
 for bit (tests/test_native_kernels.py), in one C call per K or V instead of ~25 eager torch
 ops (a 32-token KIVI-4 flush of SmolLM2 K: ~1 ms → ~0.08 ms; every layer flushes once per

@@ -1,5 +1,5 @@
 """decode_attention: attention of T new queries over a compressed tail + a full-precision
-window + the new tokens themselves, torch implementation (routes: kernels/dispatch.py).
+window + the new tokens themselves, torch implementation (routes: kernels/table.py).
 
 The tail is read in blocks of `block` tokens straight from the codec's packed storage
 (codec.scores / codec.mix fold scales into q and p, so no dequantized K/V is built; a

@@ -1,35 +1,16 @@
-"""Backend choice for the decode-step ops: Triton on CUDA tensors; on CPU the native C
-kernel (kernels/native/, built with gcc at first use) when it builds, else torch (the
-path of a token through them: docs/architecture.md).
+"""The decode-step ops, each run on a backend: Triton on CUDA tensors; on CPU the native C
+kernel (kernels/native/, built with gcc at first use) when it builds, else torch.
 
-`KVRUN_BACKEND=triton|native|torch` forces one. Triton on CPU tensors runs only in Triton's
-interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are first imported —
-set it before anything imports kvrun.kernels.triton); without it, forcing triton on CPU is
-an error rather than a silent fallback. The Triton module is imported lazily, so the torch
-path never needs triton installed.
+The backend is chosen once: `select(device)` reads `KVRUN_BACKEND=triton|native|torch`
+(which forces one) when a cache is built, and the cache passes its choice to every op
+(`backend=`); an op called without one asks `backend_for(x)`. Triton on CPU tensors runs
+only in Triton's interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are
+first imported); without it, forcing triton on CPU is an error rather than a silent
+fallback. The Triton module is imported lazily, so the torch path never needs triton.
 
-Which kernel serves which codec — the one place this is written down (the arena's
-decode-step contract, the same order on every backend, is in runtime/kv/arena.py):
-
-| op | triton (CUDA) | native (CPU) | torch |
-|---|---|---|---|
-| `decode_attention` (tail + window + new) | `triton.supports`: KIVI / TaDA / GEAR of 2, 4, 8 bits, int8, fp (eviction's `mass=` too) | fp, int8, KIVI, TaDA, GEAR (`native.decode_attention.describe`), batch 1, D <= 256, whole 32-token tiles | every codec (the oracle) |
-| `attend_append` (window write fused into attention) | — (None: the caller writes first) | codecs `decode_attention` reads, rotation included | — |
-| `rope_compress_k` / `vproj_compress` (K RoPE / V projection fused into the window write) | KIVI, TaDA, int8 (`fused_compress.supports`) | torch | torch (the oracle) |
-| `ring_step` (a quantized sliding ring's one-token attend + slot write) | — (None: the torch step) | 4/8-bit rings, batch 1, D <= 256 (`native.ring_attention.supports`) | runtime/kv/ring.py (the oracle) |
-| `pack` (a flush: window → tail) | KIVI 2/4-bit (`kivi_pack`), else `codec.store` | KIVI, TaDA, int8 (`native.pack`), else `codec.store` | `codec.store` |
-
-The arena's step routes: torch and Triton take `write_attend` (`rope_compress_k` +
-`vproj_compress` with flush=False, `decode_attention`, then `pack`) for layers whose K and
-V codecs `fused_compress.supports` and steps of T <= min(R, 64) tokens that fit the
-window, not rotated, not evicting; everything else (GEAR, fp16/bf16/fp32 tails, rotation,
-eviction, long prefill chunks) and the native backend take `attend` (`attend_append` or
-`decode_attention`, then `pack`). The dense cache's one-token steps read K/V through
-native `decode_attention` as an uncompressed tail. Around attention, int4/int8 models run
-the rest of the layer natively too (runtime/model/native_step.py: `kvrun_layer_pre` /
-`kvrun_layer_post` in native/decode_layer.c). A request a kernel does not cover falls back
-to torch per call; `pack` storage is bit-identical on every backend, and the write ops'
-Triton kernels are bit-identical to their torch oracle.
+Which backend has a kernel for which codec, per op, and which route a cache's step takes:
+kernels/table.py, the one place that says so. A request a kernel declines for a reason of
+shape falls back to torch per call; `pack` storage is bit-identical on every backend.
 """
 from __future__ import annotations
 
@@ -47,28 +28,36 @@ class BackendError(RuntimeError):
     """The requested backend cannot run here (one-line message for the user)."""
 
 
-def backend_for(x: torch.Tensor) -> str:
-    """'triton', 'native' or 'torch' for an op on tensor x (honours KVRUN_BACKEND)."""
+def select(device="cpu") -> str:
+    """'triton', 'native' or 'torch' for ops on `device`, honouring KVRUN_BACKEND. Chosen
+    once: a cache calls this at construction and passes its answer to every op below
+    (`backend=`), so the environment is read when a model or cache is built, not per step."""
     want = os.environ.get("KVRUN_BACKEND", "").strip().lower()
     if want and want not in BACKENDS:
         raise BackendError(f"KVRUN_BACKEND={want!r}: expected one of {', '.join(BACKENDS)}")
+    cuda = torch.device(device).type == "cuda"
     if want == "torch":
         return "torch"
     if want == "native":
-        if x.is_cuda:
+        if cuda:
             raise BackendError("KVRUN_BACKEND=native runs on CPU tensors only")
         if native.load() is None:
             raise BackendError(f"KVRUN_BACKEND=native: the native kernels did not build ({native.error()})")
         return "native"
     if want == "triton":
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if not cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise BackendError("KVRUN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
                                "(Triton's interpreter); use a CUDA device or KVRUN_BACKEND=torch")
         _triton()
         return "triton"
-    if x.is_cuda:
+    if cuda:
         return "triton" if _triton(required=False) is not None else "torch"
     return "native" if native.load() is not None else "torch"
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """select(x.device): the backend for an op called without `backend=`."""
+    return select(x.device)
 
 
 def _triton(required: bool = True):
@@ -81,10 +70,10 @@ def _triton(required: bool = True):
     return tri
 
 
-def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw):
-    """kernels.decode_attention on the chosen backend (same arguments and result)."""
+def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, backend=None, **kw):
+    """kernels.decode_attention on `backend` (None: backend_for(q)); same arguments and result."""
     extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk", "mass", "mass_from")}
-    be = backend_for(q)
+    be = backend or backend_for(q)
     if be == "native":
         from .native.decode_attention import decode_attention as decode_attention_native
         out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
@@ -99,33 +88,34 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw
 
 
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                  rot_k=None, rot_v=None, **kw):
+                  rot_k=None, rot_v=None, backend=None, **kw):
     """The arena's decode step as one op where the backend has it fused (native CPU:
     rotate + round + window append + attention, kernels/native/decode_attention.py
     `attend_append`); None elsewhere, and the caller runs the steps one by one."""
-    if backend_for(q) != "native":
+    if (backend or backend_for(q)) != "native":
         return None
     from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
                  rot_k, rot_v, **kw)
 
 
-def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None):
+def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,
+              backend=None):
     """A quantized sliding ring's one-token step as one op where the backend has it (native
     CPU: attention over the codes in place + the new rows quantized into their slot, bit-
     identical storage; kernels/native/ring_attention.py `ring_step`); None elsewhere, and
     the caller runs the torch step (runtime/kv/ring.py)."""
-    if backend_for(q) != "native":
+    if (backend or backend_for(q)) != "native":
         return None
     from .native.ring_attention import ring_step as fused
     return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
 
 
-def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
+def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None) -> None:
     """codec.pack(st, x, s0) on the chosen backend: x (Hkv, n, D) into tail tokens
     [s0, s0+n). Writes the storage only (bit-identical on both backends); use codec.dequant
     for the reconstruction."""
-    be = backend_for(x)
+    be = backend or backend_for(x)
     if be == "native":
         from .native import pack as native_pack
         if native_pack.supports(codec) and native_pack.store(codec, st, x, s0):
@@ -138,10 +128,10 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int) -> None:
     codec.store(st, x, s0)
 
 
-def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush=True) -> int:
+def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush=True, backend=None) -> int:
     """kernels.fused_compress.rope_compress_k on the chosen backend (the Triton kernel for
     KIVI / TaDA / int8 codecs, bit-identical storage; torch otherwise and on CPU)."""
-    if backend_for(x) == "triton":
+    if (backend or backend_for(x)) == "triton":
         from .triton import fused_compress as tfc
         if tfc.supports(codec):
             return tfc.rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush)
@@ -149,10 +139,10 @@ def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush=True) -> in
     return rope_compress_k_torch(x, cos, sin, win, w, codec, st, n_tail, R, flush)
 
 
-def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush=True) -> int:
+def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush=True, backend=None) -> int:
     """kernels.fused_compress.vproj_compress on the chosen backend (as rope_compress_k);
     weight None: x is the V rows (Hkv, T, D), appended as given."""
-    if backend_for(x) == "triton":
+    if (backend or backend_for(x)) == "triton":
         from .triton import fused_compress as tfc
         if tfc.supports(codec):
             return tfc.vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush)

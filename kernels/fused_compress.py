@@ -4,14 +4,9 @@ arrive as rows when the model's v_proj is weight-quantized and ran its own op); 
 rounded to the window dtype and appended to the layer's residual window, and (flush=True)
 the tokens that leave the window in this call are packed into the codec's tail storage.
 
-Who calls them: the arena's fused-write step (runtime/kv/arena.py `write_attend`) on the
-torch and Triton backends — through kernels/dispatch.py, which runs these torch functions
-on the torch backend and the Triton kernels on the triton one — for the codecs `supports`
-accepts (the Triton kernels' set, so both backends take the same path), with flush=False:
-the step's contract attends before it flushes, so the arena packs the leaving blocks
-after dispatch.decode_attention has read tail + window. Every other layer and step, and
-the native CPU backend (whose fused C call does rotate + round + window write +
-attention), take `attend`.
+Who calls them: the arena's `write_attend` route (runtime/kv/arena.py; when it is taken:
+kernels/table.py), through kernels/dispatch.py, with flush=False: the step attends before
+it flushes, so the arena packs the leaving blocks after attention has read tail + window.
 
 The window is the arena's (runtime/kv/arena.py): (Hkv, R + G, D), oldest token first,
 compacted after a flush. Appending T tokens to a window holding w: while w + T < R + G

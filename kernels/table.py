@@ -1,20 +1,40 @@
-"""The kernel table: which codecs each backend's kernel serves, per op.
+"""The kernel table: which backend's kernel serves which codec, per op, and the routes a
+decode step takes through them — the one place this is written down.
 
 A codec declares what it is — `kind` ("fp", "int8", "kivi", "tada", "gear") and `bits`
-(kernels/codecs/) — and this table is the one place that says, from those two facts, which
-backend has a kernel for it. kernels/dispatch.py asks `covers(op, backend, codec)` before
-calling a kernel; a kernel may still decline a request for a reason of shape (batch,
-head dim, tile alignment, storage strides) by returning None, and the op then runs on
-torch, which covers every codec (it is the oracle).
+(kernels/codecs/) — and `COVERAGE` says, from those two facts, which backend has a kernel
+for it. kernels/dispatch.py asks `covers(op, backend, codec)` before calling a kernel; a
+kernel may still decline a request for a reason of shape (batch, head dim, tile alignment,
+storage strides) by returning None, and the op then runs on torch, which covers every
+codec (it is the oracle). The backend itself is chosen once per cache (dispatch.select).
 
-| op | native (CPU) | triton (CUDA) |
-|---|---|---|
-| `decode_attention` | fp, int8, KIVI, TaDA, GEAR | fp, int8, KIVI, TaDA, GEAR |
-| `pack` (window → tail) | int8, KIVI, TaDA | KIVI 2/4-bit |
-| `fused_write` (RoPE / V projection fused into the window write) | — | int8, KIVI, TaDA |
+| op | native (CPU) | triton (CUDA) | torch |
+|---|---|---|---|
+| `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c) | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
+| `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
+| `pack` (a flush: window → tail) | int8, KIVI, TaDA (native/pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
+| `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
+| `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | — | kv/ring.py |
 
-`ring_step` (Gemma's quantized sliding rings) is not codec-shaped — a ring stores 4- or
-8-bit per-token codes (kv/ring.py) — and its kernels check the ring's bits themselves.
+Routes, by cache (kv/):
+- dense (cache.py): a one-token step of one sequence on native reads the cache as an fp
+  tail through `decode_attention`; everything else (chunks, batches, sliding masks) runs
+  kernels/dense_attention.py (SDPA).
+- arena (arena.py): torch and Triton take `write_attend` — `fused_write` into the window's
+  free slots, `decode_attention`, then `pack` — when both codecs are in `fused_write`'s
+  set with a power-of-two G, for steps of T <= min(R, 64) tokens that fit the window, not
+  rotated, not evicting (`takes_new_kv`). Everything else, and every step on native, takes
+  `attend`: `attend_append` where it runs, else `decode_attention` over separate rows and
+  a window write, then `pack`.
+- evicting arena (arena_evict.py): `attend` with `decode_attention`'s attention-mass
+  output; re-packs through `pack`.
+- ring (ring.py, Gemma's sliding layers): one-token steps on 4/8-bit rings take
+  `ring_step`; chunks and 16-bit rings take the torch step.
+- the rest of a layer (norms, projections, MLP) runs natively for int4/int8 models on a
+  native cache (model/native_step.py, native/decode_layer.c), else in torch.
+
+`ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes — so its
+kernel checks the ring's bits itself instead of `COVERAGE`.
 """
 from __future__ import annotations
 

@@ -116,8 +116,8 @@ def test_portable_build_equals_the_eager_step(models, monkeypatch, portable, nam
 
 
 def test_backend_torch_keeps_the_eager_step(models, monkeypatch):
-    m = kvrun.load(models["int4-32"], ctx=64)
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    m = kvrun.load(models["int4-32"], ctx=64)
     m.engine.prefill([5, 6, 7])
     m.engine.decode_step(8)
     assert getattr(m.transformer, "_step", None) is None
@@ -130,11 +130,11 @@ def test_dense_cache_decode_reads_through_the_native_kernel(monkeypatch, dtype, 
     32-token tiles + a window, through the native kernel; equal to attention over the same
     stored values in fp32 (the kernel accumulates in fp32; SDPA's fp16 path would round q
     and the output to fp16)."""
-    import kvrun.kv.cache as kc
+    import kvrun.kernels.native.decode_attention as nda
     from kvrun.kernels import dense_attention
     calls = []
-    real = kc.native_attention
-    monkeypatch.setattr(kc, "native_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = nda.decode_attention
+    monkeypatch.setattr(nda, "decode_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     L, Hkv, H, D = 2, 2, 6, 32
     g = torch.Generator().manual_seed(S)
     c = DenseKVCache(L, Hkv, D, 128, dtype)

@@ -11,7 +11,6 @@ two wrap-arounds; on the default build and the portable one (-DKVRUN_NO_AVX512).
 """
 import copy
 import ctypes
-import os
 
 import pytest
 import torch
@@ -46,7 +45,7 @@ def counted(monkeypatch):
 
     def count(*a, **k):
         o = real(*a, **k)
-        if os.environ["KVRUN_BACKEND"] == "native":
+        if k["backend"] == "native":
             served.append(o is not None)
         return o
     monkeypatch.setattr(ring_mod, "ring_step", count)
@@ -56,11 +55,10 @@ def counted(monkeypatch):
 def _steps(a, b, layer, q, k, v, monkeypatch, atol, rtol):
     """Token by token: ring a on the native backend, ring b on torch; equal storage after
     every step, outputs within (atol, rtol)."""
+    a.backend, b.backend = "native", "torch"
     for t in range(q.shape[2]):
         x = [z[:, :, t:t + 1] for z in (q, k, v)]
-        monkeypatch.setenv("KVRUN_BACKEND", "native")
         got = a.attend(layer, *x)
-        monkeypatch.setenv("KVRUN_BACKEND", "torch")
         want = b.attend(layer, *x)
         a.commit(1)
         b.commit(1)
@@ -92,7 +90,7 @@ def test_native_step_equals_the_torch_step(build, counted, monkeypatch, bits, D,
     q, k, v = _data(2 * W + 11, H, Hkv, D, seed=bits + D + group + H)
     a = SlidingWindowKV(3, Hkv, D, W, max_ctx=256, dtype=torch.float32, bits=bits, group=group,
                         rotate_v=rotate_v)
-    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    a.backend = "torch"
     a.attend(2, q[:, :, :5], k[:, :, :5], v[:, :, :5])                 # a chunk: torch on both
     a.commit(5)
     b = copy.deepcopy(a)
@@ -136,11 +134,10 @@ def test_degenerate_and_tied_values_quantize_alike(build, monkeypatch, bits):
     a = SlidingWindowKV(1, 1, D, 8, max_ctx=64, dtype=torch.float32, bits=bits)
     a.rot_k = a.rot_v = None
     b = copy.deepcopy(a)
+    a.backend, b.backend = "native", "torch"
     for t in range(n):
         x = [z[:, :, t:t + 1] for z in (q, k, v)]
-        monkeypatch.setenv("KVRUN_BACKEND", "native")
         a.attend(0, *x)
-        monkeypatch.setenv("KVRUN_BACKEND", "torch")
         b.attend(0, *x)
         a.commit(1)
         b.commit(1)
@@ -174,13 +171,13 @@ def test_slots_split_over_threads(build, counted, monkeypatch, bits):
         q, k, v = _data(620, 4, 1, 64, seed=bits)
         a = SlidingWindowKV(1, 1, 64, 301, max_ctx=1024, dtype=torch.float32, bits=bits,
                             rotate_v=True)
-        monkeypatch.setenv("KVRUN_BACKEND", "torch")
+        a.backend = "torch"
         a.attend(0, q[:, :, :280], k[:, :, :280], v[:, :, :280])
         a.commit(280)
         b = copy.deepcopy(a)
         for t0, t1 in ((280, 300), (300, 620)):
             if t0 == 300:                   # the middle stretch on torch for both rings
-                monkeypatch.setenv("KVRUN_BACKEND", "torch")
+                a.backend = b.backend = "torch"
                 for r in (a, b):
                     r.attend(0, q[:, :, 300:590], k[:, :, 300:590], v[:, :, 300:590])
                     r.commit(290)

@@ -153,7 +153,7 @@ def test_takes_new_kv_only_where_the_fused_ops_cover_the_step(monkeypatch):
     assert not mixed.takes_new_kv(0, 1)                                     # V is GEAR
     if dispatch.native.load() is not None:
         monkeypatch.setenv("KVRUN_BACKEND", "native")                       # its own fused C step
-        assert not a.takes_new_kv(0, 1)
+        assert not build_cache(CFG, 256, parse_kv("kivi-4", residual=R, group=G)).takes_new_kv(0, 1)
 
 
 # -- the model's decode step ----------------------------------------------------------------
@@ -257,10 +257,10 @@ def test_smollm2_decodes_the_same_tokens_on_both_backends(monkeypatch):
     tokens, seconds = {}, {}
     for backend in ("torch", "triton"):
         m.reset()
-        monkeypatch.setenv("KVRUN_BACKEND", "torch")
+        m.engine.cache.backend = "torch"        # the prefill on torch, the steps on `backend`
         tok = int(m.engine.prefill(ids).argmax())
         assert m.engine.cache.n_tail[0] == 32 and m.engine.cache.n_win[0] == R + G - 1
-        monkeypatch.setenv("KVRUN_BACKEND", backend)
+        m.engine.cache.backend = backend
         t0, out = time.perf_counter(), [tok]
         for _ in range(STEPS):
             out.append(int(m.engine.decode_step(out[-1]).argmax()))

@@ -16,18 +16,10 @@ themselves), and only then are the oldest tokens flushed in whole blocks of G, s
 window holds R .. R+G-1 tokens (all of them while fewer than R + G). A flushed token is
 therefore attended in full precision at the step that flushes it, and compressed from the
 next step on; a prefill chunk longer than the window goes straight into the tail after
-its own attention. Routes (which kernel serves which codec: kernels/dispatch.py, the one
-place that says so):
-- `attend`: new tokens that fit the window's free slots are written there and attended
-  in one fused call where the backend has one (native: rotate + round + window write +
-  attention); otherwise attention reads them as separate rows and `_append` writes them.
-  Then `_flush` packs the leaving blocks with `dispatch.pack`.
-- `write_attend` (torch / Triton, `takes_new_kv`): the model hands over K before RoPE with
-  cos/sin and V as the projection's operands (or rows when v_proj is weight-quantized);
-  `dispatch.rope_compress_k` / `vproj_compress` (flush=False) write them into the free
-  window slots, `dispatch.decode_attention` reads tail + window, then `_flush`.
-Both routes give the same cache bytes and, on one backend, the same output bit for bit
-(tests/test_write_attend.py; tests/test_decode_contract.py across backends).
+its own attention. The step takes one of two routes, `attend` or `write_attend`
+(`takes_new_kv` picks; which kernels serve each: kernels/table.py). Both give the same
+cache bytes and, on one backend, the same output bit for bit (tests/test_write_attend.py;
+tests/test_decode_contract.py across backends).
 
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
 the first n_keep tokens — rounded up to a whole tail block, so the sink block is untouched
@@ -53,7 +45,7 @@ import torch
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
-from kvrun.kernels.dispatch import (attend_append, backend_for, decode_attention, pack,  # per backend
+from kvrun.kernels.dispatch import (attend_append, decode_attention, pack, select,  # per backend
                                  rope_compress_k, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
 from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
@@ -118,6 +110,7 @@ class KVArena(KVCache):
         wshape = (n_layers, n_kv_heads, window_slots(kv, max_ctx), head_dim)  # (L, Hkv, R+G, D)
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
+        self.backend = select(device)         # every kernel call below runs on it
         # Hadamard rotation (issue: rotated codecs): K and/or V are stored as x @ R; the read
         # path rotates q once and un-rotates the attention output once, never the cache.
         signs = random_signs(head_dim, kv.rotate_seed) if kv.rotate_seed is not None else None
@@ -159,7 +152,7 @@ class KVArena(KVCache):
                               (self.v_codecs[layer], self.v_store[layer]), nt,
                               self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                               k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
-                              rk, rv)
+                              rk, rv, backend=self.backend)
             if o is not None:
                 self.n_win[layer] = w + T
                 self._flush(layer)
@@ -173,7 +166,8 @@ class KVArena(KVCache):
         o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
                              (self.v_codecs[layer], self.v_store[layer]), nt,
                              self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
-                             k, v, block=self.kv.block, mass=mass, mass_from=mass_from)
+                             k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
+                             backend=self.backend)
         if self.ev:
             self.ev.after_attend(layer, mass, k.shape[2])
         self._append(layer, k[0], v[0])
@@ -186,7 +180,7 @@ class KVArena(KVCache):
         way the step follows the one contract, so this only picks the faster route."""
         return (self.fusable[layer] and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
                 and self.n_win[layer] + T <= self.win_k.shape[2]
-                and backend_for(self.win_k) != "native")
+                and self.backend != "native")
 
     def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """The decode step from the fused ops' inputs (only when takes_new_kv): q (1, H, T,
@@ -199,13 +193,15 @@ class KVArena(KVCache):
         kt = (self.k_codecs[layer], self.k_store[layer])
         vt = (self.v_codecs[layer], self.v_store[layer])
         wk, wv = self.win_k[layer], self.win_v[layer]                    # (Hkv, R+G, D)
-        rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R, flush=False)
+        rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R, flush=False,
+                        backend=self.backend)
         v_src = (new.v[0], None, None) if new.v is not None else (new.v_x, new.v_weight, new.v_bias)
-        vproj_compress(*v_src, wv, w, *vt, nt, self.R, flush=False)
+        vproj_compress(*v_src, wv, w, *vt, nt, self.R, flush=False, backend=self.backend)
         n = self.n_win[layer] = w + T
         # the new tokens are the window's last T, apart for the causal mask between them
         o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
-                             wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block)
+                             wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block,
+                             backend=self.backend)
         self._flush(layer)
         return o
 
@@ -344,8 +340,8 @@ class KVArena(KVCache):
         kc, vc = self.k_codecs[l], self.v_codecs[l]
         for c0 in range(0, f, self.kv.block):
             c1 = min(f, c0 + self.kv.block)
-            pack(kc, self.k_store[l], seq_k[:, c0:c1].float(), nt + c0)   # kernels.dispatch
-            pack(vc, self.v_store[l], seq_v[:, c0:c1].float(), nt + c0)
+            pack(kc, self.k_store[l], seq_k[:, c0:c1].float(), nt + c0, self.backend)
+            pack(vc, self.v_store[l], seq_v[:, c0:c1].float(), nt + c0, self.backend)
         # the kept tokens move to the front (a copy: seq may be the window itself)
         self.win_k[l, :, :n - f] = seq_k[:, f:].clone()
         self.win_v[l, :, :n - f] = seq_v[:, f:].clone()

@@ -1,23 +1,6 @@
-"""The KV-cache interface and the dense (uncompressed) cache.
-
-Every cache — this dense one and the compressed arena — offers the same small surface,
-so the model code never changes:
-
-    positions(T) -> (T,) RoPE positions for T new tokens (raises when the context is full)
-    attend(layer, q, k, v) -> o     the one write path: append k, v, then attend q over
-                                    everything cached in this layer (causal)
-    commit(T)                       after all layers ran: the T tokens are now cached
-    truncate(n) -> kept / reset()   drop tokens after the first n (a cache may keep fewer)
-    resume_point(n, chunk) -> m     how many of the first n tokens a new prompt may reuse
-                                    and still get what a fresh prefill gives (runtime/engine/generate.py)
-    canonical_tail(s) -> n          tokens a fresh prefill of s tokens holds compressed
-    can_shift                       whether a full context shifts (the arena's shift()) or errors
-    nbytes() -> dict                exact bytes by component
-
-The contract is declared in contract.py (`KVCache`); the fused-write step
-(`takes_new_kv` / `write_attend`: the compressed arena on the torch and Triton backends)
-has a default there that this dense cache keeps (never taken).
-"""
+"""The dense (uncompressed) cache: every token in full precision, one buffer per layer of
+`max_ctx` tokens, a KVCache (the contract: contract.py). Sliding-window layers read it
+through a mask (`windows`); Gemma's rings of the window's size only are ring.py's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,9 +9,8 @@ import torch
 
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs.base import FpCodec
-from kvrun.kernels.dispatch import backend_for
+from kvrun.kernels.dispatch import decode_attention, select
 from kvrun.kernels.native.decode_attention import TILE
-from kvrun.kernels.native.decode_attention import decode_attention as native_attention
 from ..errors import KvrunError
 from .contract import KVCache
 
@@ -74,6 +56,7 @@ class DenseKVCache(KVCache):
         # the native decode step's view of the cache: an uncompressed tail per layer
         self._tail = (FpCodec("k", TILE, dtype), FpCodec("v", TILE, dtype))
         self._tail_st = [({"x": self.k[l, 0]}, {"x": self.v[l, 0]}) for l in range(n_layers)]
+        self.backend = select(device)
 
     def positions(self, T: int) -> torch.Tensor:
         if self.seq_len + T > self.max_ctx:
@@ -97,14 +80,13 @@ class DenseKVCache(KVCache):
             lo = S + 1 - w if S + 1 > w else 0
             return dense_attention(q, self.k[layer, :, :, lo:S + T], self.v[layer, :, :, lo:S + T],
                                    S - lo, window=w)
-        if T == 1 and q.shape[0] == 1 and backend_for(q) == "native":
+        if T == 1 and q.shape[0] == 1 and self.backend == "native":
             nt = S // TILE * TILE
             kl, vl = self.k[layer], self.v[layer]                          # (1, Hkv, S, D)
-            o = native_attention(q, (self._tail[0], self._tail_st[layer][0]),
-                                 (self._tail[1], self._tail_st[layer][1]), nt,
-                                 kl[:, :, nt:S], vl[:, :, nt:S], kl[:, :, S:S + 1], vl[:, :, S:S + 1])
-            if o is not None:                   # None: a request the kernel does not cover
-                return o
+            return decode_attention(q, (self._tail[0], self._tail_st[layer][0]),
+                                    (self._tail[1], self._tail_st[layer][1]), nt,
+                                    kl[:, :, nt:S], vl[:, :, nt:S], kl[:, :, S:S + 1],
+                                    vl[:, :, S:S + 1], backend="native")
         return dense_attention(q, self.k[layer, :, :, :S + T], self.v[layer, :, :, :S + T], S)
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:

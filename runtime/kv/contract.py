@@ -27,6 +27,8 @@ class KVCache(ABC):
     kv = None                           # the KVConfig of a compressed cache; None when dense
     can_shift = False                   # a full context shifts (the arena's shift()) or errors
     n_tail: Sequence[int] = (0,)        # tokens each full-attention layer holds compressed
+    backend: str = "torch"              # the kernels' backend, chosen once at construction
+                                        # (kernels/dispatch.select); every op call passes it
 
     @abstractmethod
     def positions(self, T: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ import torch
 
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
-from kvrun.kernels.dispatch import ring_step
+from kvrun.kernels.dispatch import ring_step, select
 from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
 from ..errors import KvrunError
 from .contract import KVCache
@@ -145,6 +145,7 @@ class SlidingWindowKV:
         self.n_layers, self.dtype = n_layers, dtype
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
+        self.backend = select(device)
         # K always, V with rotate_v, stored as x @ R (module docstring); fp16 rings never
         self.rot_k = None if bits == 16 else \
             rotation_matrix(head_dim, random_signs(head_dim, RING_SIGNS_SEED)).to(device)
@@ -170,7 +171,7 @@ class SlidingWindowKV:
             # has one (kernels/dispatch.py), same storage as _attend's
             s, W = self.seq_len, self.W
             o = ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
-                          self.dtype, layer, s % W, min(s + 1, W), rv)
+                          self.dtype, layer, s % W, min(s + 1, W), rv, backend=self.backend)
             if o is not None:
                 return o
         o = self._attend(layer, q, k, v)
@@ -241,6 +242,7 @@ class LayeredKVCache(KVCache):
         self.route.update({i: (True, j) for j, i in enumerate(self.slide)})
         self.max_ctx = inner.max_ctx
         self.kv = inner.kv
+        self.backend = inner.backend
 
     # -- the cache interface -------------------------------------------------------------------
     @property

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvrun.kernels.dispatch import backend_for
 from .. import threads
 from .config import ModelConfig
 from .attention import Attention
@@ -132,10 +131,11 @@ class Transformer(nn.Module):
 
     def native_step(self, ids: torch.Tensor, cache):
         """The native decode step (native_step.py) when it covers a one-token step of `ids`
-        (B, 1) on `cache`, else None. Built on first use, only where the attention backend
-        is native (KVRUN_BACKEND=torch keeps the eager forward, the oracle). Calling it
-        runs the step; its `rows(ids, caches)` runs B rows, each on its own cache."""
-        if ids.shape[1] != 1 or backend_for(ids) != "native":
+        (B, 1) on `cache`, else None. Built on first use, only where the backend the cache
+        chose at construction is native (KVRUN_BACKEND=torch keeps the eager forward, the
+        oracle). Calling it runs the step; its `rows(ids, caches)` runs B rows, each on its
+        own cache."""
+        if ids.shape[1] != 1 or cache.backend != "native":
             return None
         if not hasattr(self, "_step"):
             from .native_step import NativeDecodeStep, supported

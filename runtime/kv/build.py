@@ -8,6 +8,7 @@ cache by component from the codecs' storage layouts, without allocating.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -20,7 +21,7 @@ from .arena_evict import tail_sizes
 from .cache import KV_DTYPES, DenseKVCache
 from .config import KVConfig, parse_kv
 from .layout import arena_layers, layer_windows
-from .ring import LayeredKVCache, SlidingWindowKV, ring_bits
+from .ring import LayeredKVCache, SlidingWindowKV, ring_bits, ring_layout
 
 
 def _as_config(kv) -> KVConfig:
@@ -52,16 +53,15 @@ def _ring_dtype(kv: KVConfig) -> torch.dtype:
 
 
 def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
-    """Bytes of the sliding-window layers' rings for a cache of n_tokens: per layer, K and
-    V of min(window, n) tokens at ring_bits(kv) (plus fp16 scale and min per kv.v_group
-    channels)."""
+    """Bytes of the sliding-window layers' rings for a cache of n_tokens, from the ring
+    store's own layout (min(window, n) slots per layer, K and V)."""
     windows = layer_windows(cfg)
-    n_slide, bits = len(windows) - windows.count(0), ring_bits(kv)
+    n_slide = len(windows) - windows.count(0)
     if not n_slide:
         return 0
-    per = (cfg.head_dim * _ring_dtype(kv).itemsize if bits == 16
-           else cfg.head_dim * bits // 8 + 2 * 2 * (cfg.head_dim // kv.v_group))
-    return 2 * n_slide * cfg.num_kv_heads * min(max(windows), n_tokens) * per
+    parts = ring_layout(n_slide, cfg.num_kv_heads, min(max(windows), n_tokens), cfg.head_dim,
+                        ring_bits(kv), _ring_dtype(kv), kv.v_group)
+    return 2 * sum(math.prod(shape) * dt.itemsize for shape, dt in parts)
 
 
 def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):

@@ -75,22 +75,30 @@ def ring_bits(kv) -> int:
     return 8 if min(method_family(m)[1] for m in kv.methods()) >= 8 else 4
 
 
+def ring_layout(n_layers, Hkv, W, D, bits, dtype, group) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each storage tensor of one role (K or V) of a ring: rows of the
+    window dtype, or per-token codes with an fp16 scale and min per `group` channels. The
+    allocation (_RingStore) and the byte count before it (build.ring_bytes) both read this."""
+    if bits == 16:
+        return [((n_layers, Hkv, W, D), dtype)]
+    meta = ((n_layers, Hkv, W, D // group), torch.float16)
+    return [((n_layers, Hkv, W, D * bits // 8), torch.uint8), meta, meta]
+
+
 class _RingStore:
     """One role's (K or V) storage for every sliding layer: rows of the window dtype, or
     per-token codes with fp16 scale and min per `group` channels."""
 
     def __init__(self, n_layers, Hkv, W, D, bits, dtype, device, group: int = QGROUP):
         self.bits, self.dtype, self.group = bits, dtype, group
-        if bits == 16:
-            self.x = torch.zeros(n_layers, Hkv, W, D, dtype=dtype, device=device)
-            self.parts = [self.x]
-            return
-        if group < 1 or D % group:
+        if bits != 16 and (group < 1 or D % group):
             raise KvrunError(f"a {bits}-bit ring needs a channel group dividing the head dim {D}, got {group}")
-        self.codes = torch.zeros(n_layers, Hkv, W, D * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(n_layers, Hkv, W, D // group, dtype=torch.float16, device=device)
-        self.min = torch.zeros_like(self.scale)
-        self.parts = [self.codes, self.scale, self.min]
+        self.parts = [torch.zeros(shape, dtype=dt, device=device)
+                      for shape, dt in ring_layout(n_layers, Hkv, W, D, bits, dtype, group)]
+        if bits == 16:
+            self.x, = self.parts
+        else:
+            self.codes, self.scale, self.min = self.parts
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.parts)

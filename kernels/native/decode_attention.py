@@ -12,11 +12,8 @@ import weakref
 
 import torch
 
-from ..codecs.base import FpCodec, Int8Codec
-from ..codecs.gear import GearCodec
-from ..codecs.kivi import KiviCodec
-from ..codecs.tada import TadaCodec
 from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
+from ..table import covers
 from . import load
 
 FP16, BF16, FP32, INT8, KIVI, TADA = range(6)
@@ -54,13 +51,17 @@ def _strides(dst, t: torch.Tensor, n: int):
 
 
 def describe(codec, st: dict) -> CodecDesc | None:
-    """The C descriptor of a codec's storage, or None when the kernel does not read it."""
+    """The C descriptor of a codec's storage, or None when the kernel does not read it (a
+    kind or width outside the kernel table's row, kernels/table.py, or a shape it declines)."""
+    if not covers("decode_attention", "native", codec):
+        return None
+    kind = codec.kind
     c = CodecDesc()
     c.role = 0 if codec.role == "k" else 1
     c.G = codec.G
-    if isinstance(codec, FpCodec):
+    if kind == "fp":
         x = st["x"]
-        if x.stride(2) != 1:
+        if x.stride(2) != 1 or x.dtype not in _FP:
             return None
         c.kind, c.x = _FP[x.dtype], x.data_ptr()
         _strides(c.xs, x, 2)
@@ -69,24 +70,22 @@ def describe(codec, st: dict) -> CodecDesc | None:
     c.codes = codes.data_ptr()
     _strides(c.cs, codes, min(4, codes.dim()))
     c.scale = st["scale"].data_ptr()
-    if isinstance(codec, Int8Codec):
+    if kind == "int8":
         c.kind, c.bits = INT8, 8
         _strides(c.ss, st["scale"], 2)
         return c
     c.zero = st["zero"].data_ptr()
     _strides(c.ss, st["scale"], st["scale"].dim())
     c.bits = codec.bits
-    if isinstance(codec, TadaCodec):
+    if kind == "tada":
         c.kind = TADA
         mu = st["mu"]
         c.mu, c.mus = mu.data_ptr(), mu.stride(0)
         if codec.mu == "int8":
             c.mu_int8, c.mu_scale = 1, st["mu_scale"].data_ptr()
         return c
-    if not isinstance(codec, KiviCodec):
-        return None
-    c.kind, c.g = KIVI, codec.g
-    if isinstance(codec, GearCodec):
+    c.kind, c.g = KIVI, codec.g                 # kivi, and gear: KIVI codes + its own terms
+    if kind == "gear":
         if codec.rank > MAX_RANK or codec.G > 256:
             return None
         c.rank = codec.rank

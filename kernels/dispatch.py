@@ -101,13 +101,18 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,
               backend=None):
-    """A quantized sliding ring's one-token step as one op where the backend has it (native
-    CPU: attention over the codes in place + the new rows quantized into their slot, bit-
-    identical storage; kernels/native/ring_attention.py `ring_step`); None elsewhere, and
-    the caller runs the torch step (runtime/kv/ring.py)."""
-    if (backend or backend_for(q)) != "native":
+    """A quantized sliding ring's one-token step as one op where the backend has it:
+    attention over the codes in place + the new rows quantized into their slot, bit-
+    identical storage (native CPU: kernels/native/ring_attention.py `ring_step`; Triton:
+    kernels/triton/ring_attention.py `ring_step`). None on torch and where the kernel
+    declines the shape, and the caller runs the torch step (runtime/kv/ring.py)."""
+    be = backend or backend_for(q)
+    if be == "native":
+        from .native.ring_attention import ring_step as fused
+    elif be == "triton":
+        fused = _triton().ring_step
+    else:
         return None
-    from .native.ring_attention import ring_step as fused
     return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
 
 

@@ -14,7 +14,7 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
 | `pack` (a flush: window → tail) | int8, KIVI, TaDA (native/pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
-| `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | — | kv/ring.py |
+| `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
 
 Routes, by cache (kv/):
 - dense (cache.py): a one-token step of one sequence on native reads the cache as an fp
@@ -34,7 +34,7 @@ Routes, by cache (kv/):
   native cache (model/native_step.py, native/decode_layer.c), else in torch.
 
 `ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes — so its
-kernel checks the ring's bits itself instead of `COVERAGE`.
+kernels check the ring's bits themselves instead of `COVERAGE`.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from .decode_attention import decode_attention, supports
 from .fused_compress import rope_compress_k, vproj_compress
 from .kivi_pack import kivi_pack
 from .kivi_pack import supports as kivi_pack_supports
+from .ring_attention import ring_step
 
-__all__ = ["decode_attention", "kivi_pack", "kivi_pack_supports", "rope_compress_k", "supports",
-           "vproj_compress"]
+__all__ = ["decode_attention", "kivi_pack", "kivi_pack_supports", "ring_step", "rope_compress_k",
+           "supports", "vproj_compress"]

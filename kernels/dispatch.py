@@ -116,11 +116,16 @@ def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot
     return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
 
 
-def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None) -> None:
+def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> None:
     """codec.pack(st, x, s0) on the chosen backend: x (Hkv, n, D) into tail tokens
-    [s0, s0+n). Writes the storage only (bit-identical on both backends); use codec.dequant
-    for the reconstruction."""
+    [s0, s0+n). Writes the storage only (bit-identical on every backend); use codec.dequant
+    for the reconstruction. mu: per-token means (n, D) to store instead of computing them
+    (NaN: computed), for codecs that keep one (TaDA: token eviction's shared-slot re-pack);
+    no kernel takes them, so that pack runs on torch (kernels/table.py, `pack_means`)."""
     be = backend or backend_for(x)
+    if mu is not None:                  # COVERAGE["pack_means"] lists no kernel
+        codec.pack(st, x, s0, mu=mu)
+        return
     if be == "native":
         from .native import pack as native_pack
         if native_pack.supports(codec) and native_pack.store(codec, st, x, s0):

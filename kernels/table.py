@@ -12,7 +12,8 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 |---|---|---|---|
 | `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c) | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
-| `pack` (a flush: window → tail) | int8, KIVI, TaDA (native/pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
+| `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
+| `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
 | `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
 
@@ -26,8 +27,10 @@ Routes, by cache (kv/):
   rotated, not evicting (`takes_new_kv`). Everything else, and every step on native, takes
   `attend`: `attend_append` where it runs, else `decode_attention` over separate rows and
   a window write, then `pack`.
-- evicting arena (arena_evict.py): `attend` with `decode_attention`'s attention-mass
-  output; re-packs through `pack`.
+- evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
+  layers without `attend_append`), with the attention-mass output; flushes and the
+  compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's
+  backend (`pack_means` for TaDA slots re-packed with their stored means).
 - ring (ring.py, Gemma's sliding layers): one-token steps on 4/8-bit rings take
   `ring_step`; chunks and 16-bit rings take the torch step.
 - the rest of a layer (norms, projections, MLP) runs natively for int4/int8 models on a
@@ -50,6 +53,7 @@ COVERAGE: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {
         "native": {"int8": ANY, "kivi": Q, "tada": Q},
         "triton": {"kivi": (2, 4)},
     },
+    "pack_means": {},       # no kernel takes given means: torch only
     "fused_write": {        # the torch implementation is the Triton kernels' oracle: same set
         "triton": {"int8": ANY, "kivi": Q, "tada": Q},
         "torch": {"int8": ANY, "kivi": Q, "tada": Q},

@@ -229,3 +229,128 @@ def test_every_cache_kind_takes_the_same_steps_on_every_backend(monkeypatch, arc
                 tol = (dict(atol=2e-3, rtol=0) if windows[layer] and not kv.is_dense else
                        dict(atol=2e-4, rtol=1e-3) if windows[layer] or kv.is_dense else TOL["torch"])
                 assert_close(o.float(), r.float(), **tol, msg=f"{be} step {i} layer {layer}")
+
+
+# -- evicting layers: compactions give the same bytes on every backend -------------------------
+
+# the ingest fills the tail's 3 blocks and 62 window slots; the window reaches R + G = 64
+# and the full tail compacts at steps 1 (a token), 15 (a token) and 27 (a 3-token chunk);
+# the Triton interpreter takes ~0.2 s a step
+EV_N0, EV_BUDGET = 158, R + G + 96
+EV_STEPS = [1] * 6 + [3] * 9 + [1] * 3 + [3] * 10
+
+
+def _evict_inputs(seed=2):
+    """Random K / V rows, and queries that put ±8 on one channel per query head: a score
+    is then one product (no summation order, nothing for torch's bf16 score ops to round),
+    so the backends' attention masses differ in the softmax's last bits only and the
+    policy keeps the same tokens on all of them. (With random queries torch's bf16 scores
+    of int8 keys reorder near-equal scores, and the kept sets differ.)"""
+    g = torch.Generator().manual_seed(seed)
+    k0, v0 = (torch.randn(1, Hkv, EV_N0, D, generator=g) for _ in range(2))
+    steps = []
+    for T in EV_STEPS:
+        d = torch.randint(0, D, (1, H, T, 1), generator=g)
+        sign = torch.randint(0, 2, (1, H, T, 1), generator=g).float() * 16 - 8
+        q = torch.zeros(1, H, T, D).scatter_(3, d, sign)
+        steps.append((q, *(torch.randn(1, Hkv, T, D, generator=g) for _ in range(2))))
+    return k0, v0, steps
+
+
+def _run_evicting(backend, kv, monkeypatch):
+    """Per step: (q, output, state before, state after, new K, new V); K rows as given."""
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
+    c = build_cache(CFG, 512, kv)
+    k0, v0, steps = _evict_inputs()
+    c.ingest(k0, v0)
+    out = []
+    for q, k, v in steps:
+        T = q.shape[2]
+        before = _snapshot(c) + (c.ev.pos_tail[0][:, :c.n_tail[0]].clone(), c.ev.n_drop[0])
+        c.positions(T)
+        assert not c.takes_new_kv(0, T)
+        o = c.attend(0, q, k, v)
+        c.commit(T)
+        out.append((q, o, before, _snapshot(c) + (c.ev.pos_tail[0][:, :c.n_tail[0]].clone(),
+                                                  c.ev.n_drop[0]), k, v))
+    return c, out
+
+
+# the interpreter evaluates the masked rows of the Triton kernel's log-sum-exp store too
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
+@pytest.mark.parametrize("method,policy", [("kivi-4", "snapkv"), ("int8", "h2o")])
+def test_evicting_layers_compact_the_same_bytes_on_every_backend(monkeypatch, method, policy):
+    """With eviction the flush of a full tail is a compaction (the policy's selection from
+    the attention mass, dirty blocks re-packed through dispatch.pack on the cache's
+    backend): after every step the tail, the window, the counts and the kept positions are
+    equal on every backend, and every output is attention over the state the step started
+    from plus its new rows (the reference reads that state's own tail bytes)."""
+    kv = parse_kv(method, residual=R, group=G, evict=policy, budget=EV_BUDGET)
+    backends = ["torch"] + (["native"] if HAS_NATIVE else []) + (["triton"] if HAS_TRITON else [])
+    runs = {be: _run_evicting(be, kv, monkeypatch) for be in backends}
+    ref = runs["torch"][1]
+    compactions = [i for i, st in enumerate(ref) if st[3][-1] > st[2][-1]]
+    assert compactions == [1, 15, 27] and EV_STEPS[27] == 3
+    for be, (c, steps) in runs.items():
+        assert c.ev.n_compactions == runs["torch"][0].ev.n_compactions
+        for i, ((q, o, before, after, kn, vn), ref_step) in enumerate(zip(steps, ref)):
+            (na, sa, ka, va, pa, da), (nb, sb, kb, vb, pb, db) = after, ref_step[3]
+            _assert_same_state((na, sa, ka, va), (nb, sb, kb, vb))
+            assert torch.equal(pa, pb) and da == db, f"{be} step {i}: kept positions differ"
+            (nt, _), st0, kw0, vw0 = before[:4]
+            kt, vt = (c.k_codecs[0], st0[0]), (c.v_codecs[0], st0[1])
+            exp = dequantized_reference(q, kt, vt, nt, kw0[None], vw0[None], kn.to(c.wdtype),
+                                        vn.to(c.wdtype))
+            assert_close(o.float(), exp, **TOL[be],
+                         msg=f"{be} step {i} (compaction: {i in compactions})")
+
+
+# -- the interface between the arena and its eviction policy --------------------------------
+
+def test_eviction_writes_the_arena_only_through_its_methods():
+    """ArenaEviction never assigns an arena field (win_k, n_win, n_tail, k_store, seq_len …,
+    nor an element of one): it calls the arena's methods and returns counts."""
+    import ast
+    import inspect
+    from kvrun.kv import arena_evict
+
+    def base(t):            # what a target's chain of attributes / subscripts starts from
+        while isinstance(t, (ast.Subscript, ast.Attribute)):
+            if ast.unparse(t.value) == "self.a":
+                return "arena"
+            t = t.value
+        return t.id if isinstance(t, ast.Name) else None
+
+    tree = ast.parse(inspect.getsource(arena_evict))
+    writes = [(node.lineno, ast.unparse(t)) for node in ast.walk(tree)
+              if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+              for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+              for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+              if isinstance(t, (ast.Attribute, ast.Subscript)) and base(t) in ("a", "arena")]
+    assert writes == []
+
+
+@pytest.mark.parametrize("method", ["kivi-4", "int8"])
+def test_compactions_pack_through_the_native_kernel(monkeypatch, method):
+    """On the native backend eviction's flushes and compactions' re-packs go through the C
+    kernel (dispatch.pack → native/pack.c), never through the codecs' torch pack."""
+    from kvrun.kernels.codecs.base import Codec
+    from kvrun.kernels.native import pack as native_pack
+    if not HAS_NATIVE:
+        pytest.skip("the native kernels did not build")
+    monkeypatch.setenv("KVRUN_BACKEND", "native")
+    calls = []
+    real = native_pack.store
+    monkeypatch.setattr(native_pack, "store", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(Codec, "pack", lambda *a, **k: pytest.fail("torch pack"))
+    cfg = tiny_config(num_layers=1, num_heads=4, num_kv_heads=2, hidden_size=256)
+    c = build_cache(cfg, 1024, parse_kv(method, residual=32, group=32, evict="h2o", budget=160))
+    assert c.backend == "native"
+    g = torch.Generator().manual_seed(0)
+    c.ingest(*(torch.randn(1, 2, 200, 64, generator=g) for _ in range(2)))
+    for _ in range(40):
+        c.positions(1)
+        c.attend(0, torch.randn(1, 4, 1, 64, generator=g),
+                 *(torch.randn(1, 2, 1, 64, generator=g) for _ in range(2)))
+        c.commit(1)
+    assert c.ev.n_compactions >= 2 and c.ev.n_repacked > 0 and calls

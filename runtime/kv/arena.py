@@ -31,8 +31,11 @@ own reconstruction, which for RTN min-max per token is nearly idempotent), once 
 ~ctx/2 generated tokens.
 
 Token eviction (`KVConfig.evict`, evict.py) is the third policy: the tail is allocated for
-the budget instead of max_ctx and arena_evict.ArenaEviction takes over the append path
-(per-KV-head token sets, dirty blocks re-packed in place; see that module). Positions stay
+the budget instead of max_ctx, and arena_evict.ArenaEviction is a policy the arena calls
+around each step's attention (scores: the attention mass) and when blocks leave the
+window (`flush`: pack them or compact the full tail; see that module). It writes the tail
+only through `pack_tail` (dispatch.pack on the cache's backend, as every flush), reads it
+through `tail_rows` / `tail_means`, and returns the counts the arena sets. Positions stay
 absolute (`seq_len`), so n_tail + n_win + evicted == seq_len.
 
 Interrupted forwards (Ctrl-C between layers) leave layers at different lengths;
@@ -147,13 +150,18 @@ class KVArena(KVCache):
         assert nt + w + k.shape[2] <= self.max_ctx, "positions() must run before attend()"
         rk, rv = self.rot_k[layer], self.rot_v[layer]
         T = k.shape[2]
-        if self.ev is None and w + T <= self.win_k.shape[2]:        # fits: the fused op
+        # eviction's scores: this step's attention mass is added into a buffer (None: unused)
+        mass, mass_from = self.ev.mass_buffer(layer, T) if self.ev else (None, 0)
+        # fits: the fused op (evicting layers not rotated: their rows stay torch's rotation)
+        if w + T <= self.win_k.shape[2] and (self.ev is None or rk is None and rv is None):
             o = attend_append(q, (self.k_codecs[layer], self.k_store[layer]),
                               (self.v_codecs[layer], self.v_store[layer]), nt,
                               self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                               k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
-                              rk, rv, backend=self.backend)
+                              rk, rv, backend=self.backend, mass=mass, mass_from=mass_from)
             if o is not None:
+                if self.ev:
+                    self.ev.observe(layer, mass, T)
                 self.n_win[layer] = w + T
                 self._flush(layer)
                 return o
@@ -162,14 +170,13 @@ class KVArena(KVCache):
         if rv is not None:                          # P·V = (P·(VR))·Rᵀ
             v = rotate(v.float(), rv)
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
-        mass, mass_from = self.ev.mass_buffer(layer, k.shape[2]) if self.ev else (None, 0)
         o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
                              (self.v_codecs[layer], self.v_store[layer]), nt,
                              self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
                              backend=self.backend)
         if self.ev:
-            self.ev.after_attend(layer, mass, k.shape[2])
+            self.ev.observe(layer, mass, T)
         self._append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
@@ -217,6 +224,8 @@ class KVArena(KVCache):
                 kb, vb = k[l, :, s:e], v[l, :, s:e]
                 kb = kb if rk is None else rotate(kb.float(), rk)
                 vb = vb if rv is None else rotate(vb.float(), rv)
+                if self.ev:
+                    self.ev.observe(l, None, e - s)                 # not attended: no scores
                 self._append(l, kb.to(self.wdtype), vb.to(self.wdtype))
         self.seq_len += n
 
@@ -230,8 +239,13 @@ class KVArena(KVCache):
         """Keep the first n tokens if possible; returns how many were kept (a multiple of G
         when a layer had already flushed past n). Also repairs layers left inconsistent."""
         assert 0 <= n <= self.seq_len, (n, self.seq_len)
-        if self.ev:
-            return self.ev.truncate(n)
+        if self.ev:             # window tokens only: evicted history cannot come back
+            wins = self.ev.truncate(n)
+            if wins is None:
+                self.reset()
+                return 0
+            self.n_win, self.seq_len = wins, n
+            return n
         kept = n
         for nt in self.n_tail:
             if n < nt:
@@ -313,8 +327,6 @@ class KVArena(KVCache):
     # -- window → tail ---------------------------------------------------------------------------
     def _append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append k, v: (Hkv, T, D) (window dtype) to layer l, flushing whole blocks of G."""
-        if self.ev:
-            return self.ev.append(l, k, v)
         w, T = self.n_win[l], k.shape[1]
         if w + T <= self.win_k.shape[2]:
             self.win_k[l, :, w:w + T] = k
@@ -334,18 +346,55 @@ class KVArena(KVCache):
 
     def _pack(self, l: int, seq_k: torch.Tensor, seq_v: torch.Tensor, f: int) -> None:
         """seq_k, seq_v (Hkv, n, D): layer l's window tokens followed by new ones. The first
-        f go to the tail (kernels.dispatch.pack, whole blocks), the rest to the window."""
+        f go to the tail (whole blocks; with eviction the policy makes room first and says
+        how many tail tokens remain), the rest to the window."""
         nt, n = self.n_tail[l], seq_k.shape[1]
-        assert nt + f <= self.S_l[l] and n - f <= self.win_k.shape[2], (nt, f, n, self.S_l[l])
-        kc, vc = self.k_codecs[l], self.v_codecs[l]
-        for c0 in range(0, f, self.kv.block):
-            c1 = min(f, c0 + self.kv.block)
-            pack(kc, self.k_store[l], seq_k[:, c0:c1].float(), nt + c0, self.backend)
-            pack(vc, self.v_store[l], seq_v[:, c0:c1].float(), nt + c0, self.backend)
+        assert n - f <= self.win_k.shape[2], (f, n)
+        if self.ev is not None and f:
+            nt_after = self.ev.flush(l, seq_k[:, :f], seq_v[:, :f])
+        else:
+            assert nt + f <= self.S_l[l], (nt, f, self.S_l[l])
+            self.pack_tail(l, seq_k[:, :f], seq_v[:, :f], nt)
+            nt_after = nt + f
         # the kept tokens move to the front (a copy: seq may be the window itself)
         self.win_k[l, :, :n - f] = seq_k[:, f:].clone()
         self.win_v[l, :, :n - f] = seq_v[:, f:].clone()
-        self.n_tail[l], self.n_win[l] = nt + f, n - f
+        self.n_tail[l], self.n_win[l] = nt_after, n - f
+
+    # -- the tail as the eviction policy sees it (arena_evict.ArenaEviction) ----------------------
+    def pack_tail(self, l: int, k: torch.Tensor, v: torch.Tensor, s0: int, head: int | None = None,
+                  means=(None, None)) -> None:
+        """Pack k, v (Hkv, n, D), n a multiple of G, into layer l's tail slots [s0, s0+n)
+        with dispatch.pack on the cache's backend (counts untouched). head: k, v (1, n, D)
+        into that KV head's storage only; means: per-token means (n, D) for the K / V codec
+        when it stores them (TaDA), else None."""
+        kst, vst = self.k_store[l], self.v_store[l]
+        if head is not None:
+            kst = {name: t[head:head + 1] for name, t in kst.items()}
+            vst = {name: t[head:head + 1] for name, t in vst.items()}
+        for c0 in range(0, k.shape[1], self.kv.block):
+            c1 = min(k.shape[1], c0 + self.kv.block)
+            for c, st, x, m in ((self.k_codecs[l], kst, k, means[0]),
+                                (self.v_codecs[l], vst, v, means[1])):
+                pack(c, st, x[:, c0:c1].float(), s0 + c0, self.backend,
+                     mu=None if m is None else m[c0:c1])
+
+    def tail_rows(self, l: int, runs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's tail tokens in the slot runs [(s0, s1), ...] (whole blocks), dequantized:
+        K and V (Hkv, n, D) float32, the runs concatenated in order."""
+        none = self.win_k.new_empty((self.Hkv, 0, self.D), dtype=torch.float32)
+        return tuple(torch.cat([c.dequant(st, r0, r1) for r0, r1 in runs] + [none], 1)
+                     for c, st in ((self.k_codecs[l], self.k_store[l]),
+                                   (self.v_codecs[l], self.v_store[l])))
+
+    def tail_means(self, l: int, runs) -> list:
+        """The stored per-token means (n, D) float32 of the tail slot runs, for the K and V
+        codecs that store them (TaDA); None for the others."""
+        none = self.win_k.new_empty((0, self.D), dtype=torch.float32)
+        return [torch.cat([c.means(st, r0, r1) for r0, r1 in runs] + [none])
+                if hasattr(c, "means") else None
+                for c, st in ((self.k_codecs[l], self.k_store[l]),
+                              (self.v_codecs[l], self.v_store[l]))]
 
     # -- context shift -----------------------------------------------------------------------------
     def shift_plan(self) -> tuple[int, int]:

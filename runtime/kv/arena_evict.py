@@ -44,15 +44,18 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   block eviction with no re-pack at all: 37.1 / 88.8, coarser selection); streaming
   42.9 → 29.6 with the sink block.
 - Scores: decode_attention's `mass` output (exact probabilities, per query head) is
-  accumulated per slot (`acc_tail` (H, S), `acc_win` (H, R+G)) and moves with its token.
-  H2O-style policies accumulate every query. SnapKV-style ones use an observation window:
-  a prefill chunk resets the scores and adds only its last W queries (exactly SnapKV when
+  accumulated per slot in `acc` (H, n_tail + n_win), laid out as the mass is (tail slots,
+  then the window), so a flush into free slots moves nothing and a decode token's mass is
+  added in place by the kernel; a compaction moves each score with its token. H2O-style
+  policies accumulate every query. SnapKV-style ones use an observation window: a prefill
+  chunk resets the scores and adds only its last W queries (exactly SnapKV when
   the prompt fits one chunk — raise -b for long prompts); during decoding the scores
   restart after every compaction, so the window is the queries since the last one.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .layout import tail_capacity
 from .evict import group_scores, pyramid_budgets, resets_scores, select
@@ -81,7 +84,11 @@ def _runs(slots: torch.Tensor, G: int) -> list[tuple[int, int]]:
 
 
 class ArenaEviction:
-    """Per-layer eviction state of one KVArena (positions and scores of every slot)."""
+    """Per-layer eviction state of one KVArena: positions and scores of every slot. A
+    policy object the arena calls (mass_buffer / observe around each step's attention,
+    flush when blocks leave the window, truncate, reset); it changes the arena's storage
+    only through the arena's methods (pack_tail; tail_rows / tail_means to read) and
+    returns the counts for the arena to set."""
 
     def __init__(self, arena, n_heads: int):
         a, kv = arena, arena.kv
@@ -91,10 +98,11 @@ class ArenaEviction:
         self.resets = resets_scores(kv.evict)
         dev = self.dev = a.win_k.device
         self.pos_tail = [torch.zeros(a.Hkv, S, dtype=torch.long, device=dev) for S in a.S_l]  # (Hkv, S)
-        self.acc_tail = [torch.zeros(n_heads, S, device=dev) for S in a.S_l]                  # (H, S)
-        self.acc_win = torch.zeros(a.L, n_heads, a.R + a.G, device=dev)                       # (L, H, R+G)
+        # (H, n_tail + n_win): each slot's score, tail then window, the layout of the mass
+        # decode_attention reports, so a flush moves no score and a decode step adds in place
+        self.acc = [torch.zeros(n_heads, 0, device=dev) for _ in range(a.L)]
+        self.zero_col = torch.zeros(n_heads, 1, device=dev)
         self.n_drop = [0] * a.L               # tokens evicted per layer
-        self.pending = [None] * a.L           # (H, T) mass of the tokens being appended
         self.n_compactions = 0
         self.n_repacked = 0                   # kept tail tokens re-packed (per head, summed)
         self.token_groups = [token_groups(c, a.Hkv, a.D, S) for c, S in zip(a.k_codecs, a.S_l)]
@@ -108,79 +116,61 @@ class ArenaEviction:
         """H2O's even split: half the budget goes to recent tokens; the window counts."""
         return min(self.a.S_l[l] // 2, max(0, self.kv.budget // 2 - self.a.R))
 
-    # -- hooks called by KVArena -------------------------------------------------------------
+    # -- what KVArena calls --------------------------------------------------------------------
     def mass_buffer(self, l: int, T: int):
-        """(buffer, mass_from) for decode_attention, or (None, 0) when scores are unused."""
+        """(buffer, mass_from) for this step's attention (decode_attention's `mass`), or
+        (None, 0) when the policy uses no scores. One decode token: the layer's scores
+        plus a zero column, which the kernel adds the query's probabilities into (acc + p,
+        as adding p separately would round); a chunk: zeros (observe adds the scores)."""
         if not self.needs_mass:
             return None, 0
-        n = self.a.n_tail[l] + self.a.n_win[l] + T
-        return (torch.zeros(self.H, n, device=self.dev),
-                max(0, T - self.kv.snap_window) if self.resets else 0)
+        acc = self.acc[l]
+        mass_from = max(0, T - self.kv.snap_window) if self.resets else 0
+        if T == 1:
+            return torch.cat([acc, self.zero_col], 1), mass_from
+        return acc.new_zeros(self.H, acc.shape[1] + T), mass_from
 
-    def after_attend(self, l: int, mass, T: int) -> None:
+    def observe(self, l: int, mass, T: int) -> None:
+        """T tokens are being appended to layer l after attending with `mass` (the buffer
+        mass_buffer gave; None: no scores, e.g. ingested without attention)."""
+        acc = self.acc[l]
         if mass is None:
+            self.acc[l] = F.pad(acc, (0, T))
             return
-        nt, w = self.a.n_tail[l], self.a.n_win[l]
-        if self.resets and T > 1:              # a prefill chunk: a fresh observation window
-            self.acc_tail[l].zero_()
-            self.acc_win[l].zero_()
-        self.acc_tail[l][:, :nt] += mass[:, :nt]
-        self.acc_win[l][:, :w] += mass[:, nt:nt + w]
-        self.pending[l] = mass[:, nt + w:]
+        if T > 1 and not self.resets:            # resets: a chunk opens a fresh observation window
+            mass[:, :acc.shape[1]] += acc
+        self.acc[l] = mass
 
-    def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """KVArena._append with eviction: k, v (Hkv, T, D) in the window dtype."""
+    def flush(self, l: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """The f oldest window tokens k, v (Hkv, f, D) leave layer l's window: packed into
+        the free tail slots, or, when the tail lacks room, a compaction. Returns how many
+        tail tokens the layer then holds (the arena sets its counts)."""
         a = self.a
-        w, T, nt = a.n_win[l], k.shape[1], a.n_tail[l]
-        acc_new = self.pending[l] if self.pending[l] is not None else torch.zeros(self.H, T, device=self.dev)
-        self.pending[l] = None
-        total = w + T
-        if total < a.R + a.G:
-            a.win_k[l, :, w:total] = k
-            a.win_v[l, :, w:total] = v
-            self.acc_win[l][:, w:total] = acc_new
-            a.n_win[l] = total
-            return
-        f = (total - a.R) // a.G * a.G                                   # tokens to flush
-        seq_k = torch.cat([a.win_k[l, :, :w], k], 1)                     # (Hkv, w+T, D)
-        seq_v = torch.cat([a.win_v[l, :, :w], v], 1)
-        seq_a = torch.cat([self.acc_win[l][:, :w], acc_new], 1)         # (H, w+T)
-        p0 = nt + self.n_drop[l]                                         # position of seq[0]
-        seq_pos = torch.arange(p0, p0 + total, device=self.dev)
+        nt, f = a.n_tail[l], k.shape[1]
+        assert self.acc[l].shape[1] >= nt + f, "observe() must run before the tokens are appended"
+        p0 = nt + self.n_drop[l]                         # the window's first position
+        pos = torch.arange(p0, p0 + f, device=self.dev)
         if nt + f <= a.S_l[l]:
-            self._pack(l, seq_k[:, :f], seq_v[:, :f], nt)
-            self.pos_tail[l][:, nt:nt + f] = seq_pos[:f]
-            self.acc_tail[l][:, nt:nt + f] = seq_a[:, :f]
-            a.n_tail[l] = nt + f
-        else:
-            self._compact(l, seq_k[:, :f], seq_v[:, :f], seq_a[:, :f], seq_pos[:f])
-            if self.resets:                      # the next selection observes fresh queries
-                seq_a.zero_()
-        a.win_k[l, :, :total - f] = seq_k[:, f:]
-        a.win_v[l, :, :total - f] = seq_v[:, f:]
-        self.acc_win[l][:, :total - f] = seq_a[:, f:]
-        a.n_win[l] = total - f
+            a.pack_tail(l, k, v, nt)
+            self.pos_tail[l][:, nt:nt + f] = pos
+            return nt + f
+        return self._compact(l, k, v, pos)
 
-    def truncate(self, n: int) -> int:
-        """Keep the first n tokens when only window tokens go (every layer's tail lies below
-        n); otherwise evicted history cannot be restored: empty the cache (returns 0)."""
+    def truncate(self, n: int) -> list[int] | None:
+        """Keeping the first n tokens is possible when only window tokens go (every layer's
+        tail lies below n): the window length per layer, else None (evicted history cannot
+        be restored: the arena empties itself)."""
         a = self.a
-        self.pending = [None] * a.L            # an interrupted forward may leave one behind
         starts = [nt + d for nt, d in zip(a.n_tail, self.n_drop)]        # window start per layer
-        if all(s <= n for s in starts):
-            for l, s in enumerate(starts):
-                a.n_win[l] = n - s
-            a.seq_len = n
-            return n
-        a.reset()
-        return 0
+        if any(s > n for s in starts):
+            return None
+        wins = [n - s for s in starts]
+        self.acc = [x[:, :nt + w].clone() for x, nt, w in zip(self.acc, a.n_tail, wins)]
+        return wins
 
     def reset(self) -> None:
         self.n_drop = [0] * self.a.L
-        self.pending = [None] * self.a.L
-        for t in self.acc_tail:
-            t.zero_()
-        self.acc_win.zero_()
+        self.acc = [x.new_zeros(self.H, 0) for x in self.acc]
 
     def kept_positions(self, l: int) -> torch.Tensor:
         """(Hkv, n_kept) sorted absolute positions of the tokens layer l holds, per KV head."""
@@ -190,27 +180,10 @@ class ArenaEviction:
         return torch.cat([self.pos_tail[l][:, :nt], win.expand(a.Hkv, w)], 1).sort(-1).values
 
     # -- internals -----------------------------------------------------------------------------
-    def _pack(self, l: int, k: torch.Tensor, v: torch.Tensor, s0: int, means=None,
-              stores=None) -> None:
-        """Pack k, v (Hkv, n, D) into tail slots [s0, s0+n), n a multiple of G. means: for
-        codecs with per-token means (TaDA), (K means, V means), each (n, D) or None.
-        stores: (K, V) storage dicts to write instead of the layer's (one head's views)."""
-        a = self.a
-        kc, vc = a.k_codecs[l], a.v_codecs[l]
-        mk, mv = means if means is not None else (None, None)
-        kst, vst = stores if stores is not None else (a.k_store[l], a.v_store[l])
-        for c0 in range(0, k.shape[1], a.kv.block):
-            c1 = min(k.shape[1], c0 + a.kv.block)
-            for c, st, x, m in ((kc, kst, k, mk), (vc, vst, v, mv)):
-                if m is None:
-                    c.store(st, x[:, c0:c1].float(), s0 + c0)
-                else:
-                    c.pack(st, x[:, c0:c1].float(), s0 + c0, mu=m[c0:c1])
-
-    def _compact(self, l, xk, xv, xa, xpos) -> None:
+    def _compact(self, l, xk, xv, xpos) -> int:
         """The tail is full: keep K = S - slack of the n_tail + f candidates per head (the
-        tail, then the f flushing tokens xk, xv (Hkv, f, D) with scores xa (H, f), positions
-        xpos (f,)). The kept tokens end up in slots [0, K).
+        tail, then the f flushing tokens xk, xv (Hkv, f, D) at positions xpos (f,)), in
+        slots [0, K); returns K.
 
         A block is clean for head h when h keeps all its G tokens; with per-head storage
         (every codec but TaDA, whose mean is shared by the heads of a slot) each head keeps
@@ -223,7 +196,7 @@ class ArenaEviction:
         K = S if groups else S - min(self.kv.evict_slack // G * G, S - G)
         n = nt + f
         pos = torch.cat([self.pos_tail[l][:, :nt], xpos[None].expand(Hkv, f)], 1)   # (Hkv, n)
-        score = torch.cat([self.acc_tail[l][:, :nt], xa], 1)                        # (H, n)
+        score = self.acc[l][:, :n]                                                  # (H, n)
         keep = select(self.policy, score, pos, K, sinks=self.sinks[l], n_recent=self.n_recent(l),
                       crush_fraction=self.kv.crush_fraction, crush_anchor=self.kv.crush_anchor)
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
@@ -248,9 +221,8 @@ class ArenaEviction:
             blocks[s[s < nt] // G] = True
         old_slots = torch.nonzero(blocks.repeat_interleave(G))[:, 0]
         runs = _runs(old_slots, G)
-        kc, vc = a.k_codecs[l], a.v_codecs[l]
-        kd = torch.cat([kc.dequant(a.k_store[l], r0, r1) for r0, r1 in runs] + [xk.float()], 1)
-        vd = torch.cat([vc.dequant(a.v_store[l], r0, r1) for r0, r1 in runs] + [xv.float()], 1)
+        kd, vd = a.tail_rows(l, runs)
+        kd, vd = torch.cat([kd, xk.float()], 1), torch.cat([vd, xv.float()], 1)
         n_old = old_slots.numel()
         row = torch.full((n,), -1, dtype=torch.long)     # candidate → row of kd / vd
         row[old_slots] = torch.arange(n_old)
@@ -266,16 +238,23 @@ class ArenaEviction:
             r = torch.stack(rows)                                                    # (Hkv, nd)
             idx = r[..., None].expand(-1, -1, D)
             self._pack_runs(l, dirty[0], kd.gather(1, idx), vd.gather(1, idx),
-                            means=self._slot_means(l, runs, r, n_old, f))
-        g = self.H // Hkv
+                            means=self._slot_means(l, runs, r, f))
+        # -- positions and scores follow their tokens ------------------------------------------
         for h in range(Hkv):
             self.pos_tail[l][h, dirty[h]] = pos[h, src[h]]
-            self.acc_tail[l][h * g:(h + 1) * g][:, dirty[h]] = score[h * g:(h + 1) * g][:, src[h]]
-        if self.resets:
-            self.acc_tail[l].zero_()
-        a.n_tail[l] = K
+        win = self.acc[l][:, n:]                             # the tokens staying in the window
+        if self.resets:                         # the next selection observes fresh queries
+            self.acc[l] = score.new_zeros(self.H, K + win.shape[1])
+        else:
+            g = self.H // Hkv
+            tail = score.new_zeros(self.H, K)
+            tail[:, :min(nt, K)] = score[:, :min(nt, K)]                            # clean slots
+            for h in range(Hkv):
+                tail[h * g:(h + 1) * g][:, dirty[h]] = score[h * g:(h + 1) * g][:, src[h]]
+            self.acc[l] = torch.cat([tail, win], 1)
         self.n_drop[l] += n - K
         self.n_compactions += 1
+        return K
 
     def _value(self, score, pos):
         """(Hkv, n): one_dirty_block's order within the policy's kept / evicted tokens: the
@@ -296,38 +275,25 @@ class ArenaEviction:
         v = self._value(score, pos)
         return v.masked_fill(pos < self.sinks[l], float("inf")) if self.policy == "streaming" else v
 
-    def _slot_means(self, l, runs, rows, n_old, f):
+    def _slot_means(self, l, runs, rows, f):
         """Per-token means for a shared-slot re-pack (TaDA), one list entry per K and V codec
         (None: the codec has none): slot j takes the stored mean of the token most heads
         hold there if that token was packed before (exact for those heads), else NaN (the
         pack computes the mean of the slot's rows)."""
-        a = self.a
-        Hkv, nd = rows.shape
         same = (rows[None] == rows[:, None]).sum(0)                       # (Hkv, nd) votes
         major = rows.gather(0, same.argmax(0)[None])[0]                   # (nd,) first max
-        out = []
-        for c, st in ((a.k_codecs[l], a.k_store[l]), (a.v_codecs[l], a.v_store[l])):
-            if not hasattr(c, "means"):
-                out.append(None)
-                continue
-            stored = torch.cat([c.means(st, r0, r1) for r0, r1 in runs]
-                               + [torch.full((f, a.D), float("nan"))], 0)     # (rows, D)
-            out.append(stored[major])
-        return out
+        nan = torch.full((f, self.a.D), float("nan"))
+        return [None if m is None else torch.cat([m, nan], 0)[major]      # (rows, D) → (nd, D)
+                for m in self.a.tail_means(l, runs)]
 
     def _pack_runs(self, l, slots, k, v, head=None, means=(None, None)) -> None:
         """Pack k, v (h, nd, D) into the tail slots `slots` (nd,), sorted whole blocks; head:
         write only that KV head's storage (per-head codecs), else all heads."""
-        a = self.a
-        kst, vst = a.k_store[l], a.v_store[l]
-        if head is not None:
-            kst = {name: t[head:head + 1] for name, t in kst.items()}
-            vst = {name: t[head:head + 1] for name, t in vst.items()}
         o = 0
-        for r0, r1 in _runs(slots, a.G):
+        for r0, r1 in _runs(slots, self.a.G):
             sl = slice(o, o + r1 - r0)
-            self._pack(l, k[:, sl], v[:, sl], r0, [m[sl] if m is not None else None for m in means],
-                       stores=(kst, vst))
+            self.a.pack_tail(l, k[:, sl], v[:, sl], r0, head=head,
+                             means=[m[sl] if m is not None else None for m in means])
             o += r1 - r0
 
 

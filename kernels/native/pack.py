@@ -9,9 +9,7 @@ import ctypes
 
 import torch
 
-from ..codecs.base import Int8Codec
-from ..codecs.kivi import KiviCodec
-from ..codecs.tada import TadaCodec
+from ..table import covers
 from . import load
 from .decode_attention import MAX_D
 
@@ -19,9 +17,9 @@ _i64 = ctypes.c_int64
 
 
 def supports(codec) -> bool:
-    """Plain KIVI, int8 and TaDA (GEAR subclasses KIVI but adds terms the C pack does not
-    write)."""
-    return type(codec) in (KiviCodec, Int8Codec, TadaCodec) and load() is not None
+    """The kinds the kernel table's native `pack` row lists (KIVI, int8, TaDA; not GEAR,
+    whose outliers and low-rank terms the C pack does not write), once the library built."""
+    return covers("pack", "native", codec) and load() is not None
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -39,10 +37,10 @@ def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
     cs = (_i64 * 4)(*codes.stride()[:4])                    # tok / chan layouts: 5-d
     ss0, ss1 = _i64(scale.stride(0)), _i64(scale.stride(1))
     v = int(codec.role == "v")
-    if type(codec) is Int8Codec:
+    if codec.kind == "int8":
         rc = lib.kvrun_int8_pack(_ptr(x), Hkv, n, D, _i64(s0), v, _ptr(codes), cs, _ptr(scale),
                                  ss0, ss1)
-    elif type(codec) is TadaCodec:
+    elif codec.kind == "tada":
         mu8 = codec.mu == "int8"
         rc = lib.kvrun_tada_pack(_ptr(x), Hkv, n, D, _i64(s0), codec.G, codec.bits, v,
                                  _ptr(codes), cs, _ptr(scale), _ptr(zero), ss0, ss1,

@@ -43,12 +43,19 @@ def atomic_output(path, suffix: str = ""):
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())        # as open() would create it, not mkstemp's 0600
         os.replace(tmp, p)
     except OSError as e:
         raise KvrunError(f"{path}: {e.strerror or e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def file_sha256(*paths) -> str:

@@ -17,6 +17,20 @@ def test_written_whole_on_success(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_mode_follows_the_umask_like_open(tmp_path, mask):
+    """A written file gets the mode open() would give it under the umask, not the 0600 of
+    the temporary file it was written as (a profile or plot others could not read)."""
+    import os
+    old = os.umask(mask)
+    try:
+        with atomic_output(tmp_path / "p.json") as tmp:
+            tmp.write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_nothing_left_on_error_or_interrupt(tmp_path, exc):
     out = tmp_path / "p.json"

@@ -239,7 +239,7 @@ def test_v_group_must_divide_head_dim():
 
 def test_group_suffix_sets_both_groups_and_labels():
     kv = parse_kv("kivi-4@64+rot")
-    assert (kv.group, kv.v_group, kv.rotate) == (64, 64, "kv")
+    assert (kv.group, kv.v_group, kv.rotation.which) == (64, 64, "kv")
     assert kv.label() == "kivi-4@64+rot"
     assert parse_kv("kivi-2").label() == "kivi-2"
     assert parse_kv("kivi-2", group=64).label() == "kivi-2@64/32"
@@ -283,3 +283,23 @@ def test_fp32_is_a_method_like_the_others():
     assert kt.dtype == torch.float32 and a.n_tail[0] == 150 - 64 - (150 - 64) % 32
     with pytest.raises(KvrunError, match="valid"):
         parse_kv("fp64")
+
+
+def test_config_parts_and_flat_settings_round_trip():
+    """KVConfig is its format plus three parts (context, rotation, eviction), made from flat
+    setting names and written back as the same names (a profile's "kv" object)."""
+    from kvrun.kv.config import SETTINGS, ContextPolicy, Eviction, KVConfig, Rotation
+    kv = parse_kv("kivi-4+rot-k", residual=64, evict="h2o", budget=512, sinks=8,
+                  evict_slack=32, rotate_seed=3)
+    assert kv.context == ContextPolicy("error", 4)
+    assert kv.rotation == Rotation("k", 3, None)
+    assert kv.eviction == Eviction("h2o", 512, sinks=8, slack=32)
+    assert kv.evict_tail() == (512 - 64 - 32) // 32 * 32
+    flat = kv.settings()
+    assert set(flat) == set(SETTINGS) and flat["evict_slack"] == 32 and flat["rotate"] == "k"
+    assert KVConfig.from_settings(**flat) == kv
+    again = kv.replace(evict="none", budget=None, ctx_policy="shift", n_keep=2)
+    assert not again.eviction.on and again.context == ContextPolicy("shift", 2)
+    assert again.rotation == kv.rotation and again.residual == 64     # the rest kept
+    with pytest.raises(KvrunError, match="unknown KV setting 'window'"):
+        KVConfig.from_settings(window=64)

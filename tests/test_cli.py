@@ -233,12 +233,11 @@ def test_chat_message_longer_than_context_is_one_error_line(tiny_dir):
 def test_kv_flags_table_drives_the_options_and_parse_kv():
     """Each KV_FLAGS row is one click option on the commands that take the KV flags, under the
     keyword its row maps, and lands on a KVConfig field or a parse_kv argument."""
-    import dataclasses
     import inspect
 
     from kvrun.cli.kv_flags import EVICT_FLAGS, KV_FLAGS, PARSE_ARGS, kv_config
-    from kvrun.kv.config import KVConfig, parse_kv
-    fields = {f.name for f in dataclasses.fields(KVConfig)}
+    from kvrun.kv.config import SETTINGS, parse_kv
+    fields = set(SETTINGS)
     assert set(PARSE_ARGS) <= set(inspect.signature(parse_kv).parameters)
     for r in KV_FLAGS:
         assert r.dest is None or r.dest in fields | set(PARSE_ARGS), r
@@ -251,4 +250,4 @@ def test_kv_flags_table_drives_the_options_and_parse_kv():
                                               "kv_budget": 512, "keep": 2, "other": 1}
     cfg = kv_config(kw)
     assert kw == {"other": 1}                   # the KV flags consumed, nothing else
-    assert (cfg.k_method, cfg.rotate, cfg.evict, cfg.budget, cfg.n_keep) == ("kivi-4", "k", "h2o", 512, 2)
+    assert (cfg.k_method, cfg.rotation.which, cfg.eviction.policy, cfg.eviction.budget, cfg.context.n_keep) == ("kivi-4", "k", "h2o", 512, 2)

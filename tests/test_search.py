@@ -135,7 +135,7 @@ def test_fit_budget(tiny_model, tmp_path, monkeypatch):
     kv, desc = fit_budget(cfg, ctx, mib("fp16"))
     assert kv.is_dense and desc.startswith("fp16")
     kv, desc = fit_budget(cfg, ctx, mib("kivi-4") + 1e-6)
-    assert (kv.k_method, kv.v_method, kv.layers, kv.rotate) == ("kivi-4", "kivi-4", None, "kv")
+    assert (kv.k_method, kv.v_method, kv.layers, kv.rotation.which) == ("kivi-4", "kivi-4", None, "kv")
     # a searched profile between kivi-2 and kivi-4 in size is preferred to kivi-2
     p = tmp_path / "mid.json"
     save_profile(p, [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")], model=model_record(cfg))

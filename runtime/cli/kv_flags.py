@@ -1,6 +1,6 @@
 """The --kv* and --evict* flags, declared once in KV_FLAGS: each row gives a flag's name, where
-its value goes (a KVConfig field of runtime/kv/config.py, or one of parse_kv's own arguments),
-its click type, default and help. Both the click options (`kv_options`, `eviction_options`)
+its value goes (a KVConfig setting name, kv/config.py SETTINGS, or one of parse_kv's own
+arguments), its click type, default and help. Both the click options (`kv_options`, `eviction_options`)
 and the mapping of their values onto parse_kv (`kv_config`, `eviction_fields`) are generated
 from it, so adding a flag is adding a row."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Flag(NamedTuple):
     """One row of KV_FLAGS. `default` is click's, shown in --help when set; None leaves the
     flag unset, so parse_kv's or KVConfig's own default applies (the help text says which)."""
     flag: str               # the option's name, e.g. "--kv-group"
-    dest: str | None        # a KVConfig field or a PARSE_ARGS entry; None: the command reads it
+    dest: str | None        # a SETTINGS name or a PARSE_ARGS entry; None: the command reads it
     type: object            # click type: str, int, float, click.Choice(...), click.Path()
     default: object
     help: str

@@ -61,7 +61,7 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     check_writable(out)                         # before the search, not after it
     fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("v_group", kv_vgroup),
                                 ("rotate", kv_rotate), ("tada_mu", tada_mu)) if x is not None}
-    base = KVConfig(**fields)
+    base = KVConfig.from_settings(**fields)
     bl = _bits(bits)
     m = load(model, dtype=dtype, ctx=8, threads=threads, progress=eprint)
     kw = dict(budget=budget, ctx=ctx, trials=trials, seed=seed, bits=bl, family=family,

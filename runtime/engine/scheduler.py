@@ -195,7 +195,7 @@ class Scheduler:
             max_tokens = self.ctx - n_prompt
         if max_tokens < 0:
             raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
-        n_ctx = self.ctx if kv.ctx_policy == "shift" else min(self.ctx, n_prompt + max_tokens)
+        n_ctx = self.ctx if kv.context.on_full == "shift" else min(self.ctx, n_prompt + max_tokens)
         nbytes = sum(kv_bytes_at(self.model.cfg, kv, n_ctx).values())
         if self.budget is not None and nbytes > self.budget:
             raise KvrunError(f"request needs {nbytes / MiB:.1f} MiB of KV cache ({n_ctx} tokens, "

@@ -30,7 +30,7 @@ double quantization of those tokens (K rotated and re-quantized; V re-quantized 
 own reconstruction, which for RTN min-max per token is nearly idempotent), once every
 ~ctx/2 generated tokens.
 
-Token eviction (`KVConfig.evict`, evict.py) is the third policy: the tail is allocated for
+Token eviction (`KVConfig.eviction`, evict.py) is the third policy: the tail is allocated for
 the budget instead of max_ctx, and arena_evict.ArenaEviction is a policy the arena calls
 around each step's attention (scores: the attention mass) and when blocks leave the
 window (`flush`: pack them or compact the full tail; see that module). It writes the tail
@@ -94,8 +94,8 @@ class KVArena(KVCache):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
                  kv: KVConfig, inv_freq: torch.Tensor, device="cpu", n_heads: int | None = None):
         kv.check_model(head_dim, n_layers)
-        if kv.ctx_policy == "shift" and kv.n_keep >= max_ctx:
-            raise KvrunError(f"--keep {kv.n_keep} leaves nothing to shift in a context of "
+        if kv.context.on_full == "shift" and kv.context.n_keep >= max_ctx:
+            raise KvrunError(f"--keep {kv.context.n_keep} leaves nothing to shift in a context of "
                              f"{max_ctx} tokens: it must be smaller than -c/--ctx-size")
         self.L, self.Hkv, self.D, self.max_ctx, self.kv = n_layers, n_kv_heads, head_dim, max_ctx, kv
         self.R, self.G = kv.residual, kv.group
@@ -116,16 +116,16 @@ class KVArena(KVCache):
         self.backend = select(device)         # every kernel call below runs on it
         # Hadamard rotation (issue: rotated codecs): K and/or V are stored as x @ R; the read
         # path rotates q once and un-rotates the attention output once, never the cache.
-        signs = random_signs(head_dim, kv.rotate_seed) if kv.rotate_seed is not None else None
+        signs = random_signs(head_dim, kv.rotation.seed) if kv.rotation.seed is not None else None
         rmat = rotation_matrix(head_dim, signs).to(device)                # (D, D) orthogonal
-        rots = kv.layer_rotations(n_layers)
+        rots = kv.rotation.layers(n_layers)
         self.rot_k = [rmat if "k" in r else None for r in rots]
         self.rot_v = [rmat if "v" in r else None for r in rots]
         self.n_tail = [0] * n_layers          # flushed tokens per layer (multiple of G)
         self.n_win = [0] * n_layers           # window tokens per layer
         self.seq_len = 0
         self.n_shifts = 0
-        self.ev = (ArenaEviction(self, n_heads or n_kv_heads) if kv.evict != "none" else None)
+        self.ev = (ArenaEviction(self, n_heads or n_kv_heads) if kv.eviction.on else None)
         # layers whose decode steps write_attend can take (see the module docstring)
         self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)
                         and fused_supports(vc) for rk, rv, kc, vc in
@@ -134,7 +134,7 @@ class KVArena(KVCache):
     # -- the cache interface -----------------------------------------------------------------
     def positions(self, T: int) -> torch.Tensor:
         if self.seq_len + T > self.max_ctx:
-            if self.kv.ctx_policy != "shift" or T > self.max_ctx:
+            if self.kv.context.on_full != "shift" or T > self.max_ctx:
                 raise KvrunError(f"context full: {self.seq_len} + {T} tokens > context size "
                                  f"{self.max_ctx} (raise -c/--ctx-size or use --ctx-policy shift)")
             while self.seq_len + T > self.max_ctx:
@@ -288,14 +288,14 @@ class KVArena(KVCache):
     @property
     def can_shift(self) -> bool:
         """Whether a full context shifts (llama.cpp's context shift) instead of erroring."""
-        return self.kv.ctx_policy == "shift"
+        return self.kv.context.on_full == "shift"
 
     def shift_keep(self) -> int:
         """The most tokens a shift keeps at the start: the sinks, rounded up to a tail block
         once they are in the tail (shift_plan); a block that would fill the context means
         they never reach the tail, and they stay as given."""
-        a = -(-self.kv.n_keep // self.G) * self.G
-        return a if a < self.max_ctx else self.kv.n_keep
+        a = -(-self.kv.context.n_keep // self.G) * self.G
+        return a if a < self.max_ctx else self.kv.context.n_keep
 
     def reset(self) -> None:
         self.n_tail = [0] * self.L
@@ -321,7 +321,7 @@ class KVArena(KVCache):
         if self.ev is None:
             return []
         kept = [nt + w for nt, w in zip(self.n_tail, self.n_win)]
-        return [f"  eviction: {self.kv.evict}, budget {self.kv.budget} tokens/layer, "
+        return [f"  eviction: {self.kv.eviction.policy}, budget {self.kv.eviction.budget} tokens/layer, "
                 f"holding {min(kept)}-{max(kept)} per layer, {sum(self.ev.n_drop)} evicted in all"]
 
     # -- window → tail ---------------------------------------------------------------------------
@@ -399,7 +399,7 @@ class KVArena(KVCache):
     # -- context shift -----------------------------------------------------------------------------
     def shift_plan(self) -> tuple[int, int]:
         """(a, nd): keep tokens [0, a), drop [a, a + nd), keep the rest (re-rotated by -nd)."""
-        nk, G, nt = self.kv.n_keep, self.G, self.n_tail[0]
+        nk, G, nt = self.kv.context.n_keep, self.G, self.n_tail[0]
         a = -(-nk // G) * G if nk <= nt else nk
         return a, (self.seq_len - a) // 2
 

@@ -64,10 +64,10 @@ from .evict import group_scores, pyramid_budgets, resets_scores, select
 def tail_sizes(kv, n_layers: int, max_ctx: int) -> list[int]:
     """Tail capacity per layer: the usual capacity for max_ctx tokens, capped by the budget."""
     cap = tail_capacity(max_ctx, kv.residual, kv.group)
-    if kv.evict == "none":
+    if not kv.eviction.on:
         return [cap] * n_layers
     S = kv.evict_tail()
-    sizes = pyramid_budgets(S * n_layers, n_layers, kv.group) if kv.evict == "pyramidkv" \
+    sizes = pyramid_budgets(S * n_layers, n_layers, kv.group) if kv.eviction.policy == "pyramidkv" \
         else [S] * n_layers
     return [min(cap, s) for s in sizes]
 
@@ -92,10 +92,10 @@ class ArenaEviction:
 
     def __init__(self, arena, n_heads: int):
         a, kv = arena, arena.kv
-        self.a, self.kv, self.policy, self.H = arena, kv, kv.evict, n_heads
+        self.a, self.kv, self.policy, self.H = arena, kv, kv.eviction.policy, n_heads
         assert n_heads % a.Hkv == 0, (n_heads, a.Hkv)
-        self.needs_mass = kv.evict != "streaming"
-        self.resets = resets_scores(kv.evict)
+        self.needs_mass = kv.eviction.policy != "streaming"
+        self.resets = resets_scores(kv.eviction.policy)
         dev = self.dev = a.win_k.device
         self.pos_tail = [torch.zeros(a.Hkv, S, dtype=torch.long, device=dev) for S in a.S_l]  # (Hkv, S)
         # (H, n_tail + n_win): each slot's score, tail then window, the layout of the mass
@@ -107,14 +107,14 @@ class ArenaEviction:
         self.n_repacked = 0                   # kept tail tokens re-packed (per head, summed)
         self.token_groups = [token_groups(c, a.Hkv, a.D, S) for c, S in zip(a.k_codecs, a.S_l)]
         # a sink block of per-channel keys is kept whole, so it is never re-quantized
-        self.sinks = [-(-kv.sinks // a.G) * a.G if tg and kv.sinks else kv.sinks
-                      for tg in self.token_groups]
+        sinks = kv.eviction.sinks
+        self.sinks = [-(-sinks // a.G) * a.G if tg and sinks else sinks for tg in self.token_groups]
         self.per_head = [per_head_storage(kc, a.Hkv, a.D, S) and per_head_storage(vc, a.Hkv, a.D, S)
                          for kc, vc, S in zip(a.k_codecs, a.v_codecs, a.S_l)]
 
     def n_recent(self, l: int) -> int:
         """H2O's even split: half the budget goes to recent tokens; the window counts."""
-        return min(self.a.S_l[l] // 2, max(0, self.kv.budget // 2 - self.a.R))
+        return min(self.a.S_l[l] // 2, max(0, self.kv.eviction.budget // 2 - self.a.R))
 
     # -- what KVArena calls --------------------------------------------------------------------
     def mass_buffer(self, l: int, T: int):
@@ -125,7 +125,7 @@ class ArenaEviction:
         if not self.needs_mass:
             return None, 0
         acc = self.acc[l]
-        mass_from = max(0, T - self.kv.snap_window) if self.resets else 0
+        mass_from = max(0, T - self.kv.eviction.snap_window) if self.resets else 0
         if T == 1:
             return torch.cat([acc, self.zero_col], 1), mass_from
         return acc.new_zeros(self.H, acc.shape[1] + T), mass_from
@@ -193,12 +193,13 @@ class ArenaEviction:
         a = self.a
         S, nt, f, G, Hkv, D = a.S_l[l], a.n_tail[l], xk.shape[1], a.G, a.Hkv, a.D
         groups = self.token_groups[l]
-        K = S if groups else S - min(self.kv.evict_slack // G * G, S - G)
+        K = S if groups else S - min(self.kv.eviction.slack // G * G, S - G)
         n = nt + f
         pos = torch.cat([self.pos_tail[l][:, :nt], xpos[None].expand(Hkv, f)], 1)   # (Hkv, n)
         score = self.acc[l][:, :n]                                                  # (H, n)
         keep = select(self.policy, score, pos, K, sinks=self.sinks[l], n_recent=self.n_recent(l),
-                      crush_fraction=self.kv.crush_fraction, crush_anchor=self.kv.crush_anchor)
+                      crush_fraction=self.kv.eviction.crush_fraction,
+                      crush_anchor=self.kv.eviction.crush_anchor)
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
         per_head = self.per_head[l]
         if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block

@@ -33,7 +33,7 @@ def check_kv(cfg, kv_config) -> KVConfig:
     model's geometry (one clear line if it does not fit)."""
     kv = _as_config(kv_config).for_model(cfg)
     kv.check_model(cfg.head_dim, arena_layers(cfg), cfg.num_kv_heads)
-    if any(layer_windows(cfg)) and kv.ctx_policy == "shift":
+    if any(layer_windows(cfg)) and kv.context.on_full == "shift":
         raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "
                          "layers (a shift would cut the windows they attend to): raise -c instead")
     return kv
@@ -75,7 +75,7 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
                            max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           "v" in kv.rotate)
+                           "v" in kv.rotation.which)
     return LayeredKVCache(windows, full, ring)
 
 

@@ -1,9 +1,12 @@
-"""KV-cache configuration: which codec for K and V, window, groups, and the context policy.
+"""KV-cache configuration in its parts: the cache's format (codecs for K and V per layer,
+window, groups), what a full context does (ContextPolicy), Hadamard rotation (Rotation) and
+token eviction (Eviction). Flat setting names (SETTINGS) are how a config is given — parse_kv's
+keywords, the CLI's KV flags, a profile's "kv" object — and KVConfig.from_settings assembles them.
 
     parse_kv("tada-4")                       K and V both tada-4
     parse_kv("kivi-4/kivi-2")                K kivi-4, V kivi-2 (same as k=..., v=...)
     parse_kv("fp16", k="kivi-4", v="kivi-2") --kv-k / --kv-v override the --kv method
-    parse_kv("tada-4", profile="p.json")     per-layer methods from a profile (§6)
+    parse_kv("tada-4", profile="p.json")     per-layer methods from a profile
     parse_kv("profile:p.json")               the same as a spec (for method lists: kvrun ppl)
     parse_kv("profile:smollm2-135m-0.25")    a shipped profile by name (runtime/kv/profiles/)
     parse_kv("auto")                         the profile shipped for the embedded model
@@ -16,7 +19,6 @@ granularity of every codec: tokens leave the window in whole blocks of G.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,125 @@ ROTATE = ("none", "k", "v", "kv")
 
 
 @dataclass
+class ContextPolicy:
+    """What a full context does: "error", or "shift" (llama.cpp's context shift: keep the
+    first `n_keep` tokens, drop half of the rest; kv/arena.py)."""
+    on_full: str = "error"
+    n_keep: int = 4                 # sink tokens kept by a shift
+
+    def __post_init__(self):
+        if self.on_full not in CTX_POLICIES:
+            raise KvrunError(f"unknown context policy {self.on_full!r} ({', '.join(CTX_POLICIES)})")
+        if self.n_keep < 0:
+            raise KvrunError(f"--keep must be >= 0, got {self.n_keep}")
+
+
+@dataclass
+class Rotation:
+    """Hadamard rotation along the head dim before quantizing: "none", "k", "v" or "kv",
+    with optional random ±1 signs (`seed`) and per-layer values from a profile."""
+    which: str = "none"
+    seed: int | None = None
+    per_layer: list | None = None
+
+    def __post_init__(self):
+        if self.which not in ROTATE:
+            raise KvrunError(f"unknown rotation {self.which!r} (none, k, v, kv)")
+        if self.per_layer is not None and any(r not in ROTATE for r in self.per_layer):
+            raise KvrunError(f"unknown per-layer rotation in {self.per_layer!r} (none, k, v, kv)")
+
+    def layers(self, n_layers: int) -> list[str]:
+        if self.per_layer is None:
+            return [self.which] * n_layers
+        if len(self.per_layer) != n_layers:
+            raise KvrunError(f"KV profile has {len(self.per_layer)} rotation entries, "
+                             f"the model has {n_layers} layers")
+        return list(self.per_layer)
+
+    @property
+    def off(self) -> bool:
+        return self.which == "none" and self.per_layer is None
+
+
+@dataclass
+class Eviction:
+    """Token eviction (evict.py, arena_evict.py): a policy keeps at most `budget` tokens per
+    layer, the window included (the mean over layers for pyramidkv)."""
+    policy: str = "none"            # none | streaming | h2o | snapkv | pyramidkv | kvcrush | kvcrush-h2o
+    budget: int | None = None
+    sinks: int = 4                  # streaming: first tokens always kept
+    snap_window: int = 32           # snapkv/pyramidkv/kvcrush: observation queries of a prefill chunk
+    crush_fraction: float = 0.25    # kvcrush: share of the budget for representatives
+    crush_anchor: str = "random"    # kvcrush: random | mean | alternate
+    slack: int = 0                  # tail tokens freed beyond need per compaction (whole G blocks)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise KvrunError(f"unknown eviction policy {self.policy!r} ({', '.join(POLICIES)})")
+        if self.crush_anchor not in ANCHORS:
+            raise KvrunError(f"unknown KVCrush anchor {self.crush_anchor!r} ({', '.join(ANCHORS)})")
+        if not 0 < self.crush_fraction < 1:
+            raise KvrunError(f"--crush-fraction must be in (0, 1), got {self.crush_fraction}")
+        if self.slack < 0:
+            raise KvrunError(f"--evict-slack must be >= 0, got {self.slack}")
+        if self.snap_window < 1 or self.sinks < 0:
+            raise KvrunError(f"--snap-window must be >= 1 and --sinks >= 0 "
+                             f"(got {self.snap_window}, {self.sinks})")
+        if self.policy == "none" and self.budget is not None:
+            raise KvrunError("--kv-budget needs an eviction policy (--evict)")
+        if self.policy != "none" and self.budget is None:
+            raise KvrunError(f"--evict {self.policy} needs --kv-budget N (tokens per layer)")
+
+    @property
+    def on(self) -> bool:
+        return self.policy != "none"
+
+    def tail(self, residual: int, group: int) -> int:
+        """Tail tokens per layer (mean for pyramidkv): the budget minus the R + G window
+        slots, in whole blocks of G, so tail + window never exceed the budget."""
+        return max(0, self.budget - residual - group) // group * group
+
+    def check_fits(self, residual: int, group: int, context: ContextPolicy) -> None:
+        """Checks against the window and the context policy."""
+        if not self.on:
+            return
+        if context.on_full != "error":
+            raise KvrunError("--evict and --ctx-policy shift are alternatives: give one")
+        G = group                     # smallest budget: R + G window slots + tail blocks
+        streaming = self.policy == "streaming"
+        need = residual + G + G * (self.sinks // G + 1 if streaming else 1)
+        tail = self.tail(residual, group)
+        if tail < group or (streaming and tail <= self.sinks):
+            raise KvrunError(f"--kv-budget {self.budget} is too small: the window takes "
+                             f"R + G = {residual + group} tokens, the evictable tail "
+                             f"needs at least one block of G = {group}"
+                             + (f" beyond the {self.sinks} sinks" if streaming else "")
+                             + f" (use >= {need})")
+
+
+# The flat setting names KVConfig is made from and written back as (parse_kv's keywords,
+# the CLI's KV flags, a profile's "kv" object): name -> (part, attribute); part None is a
+# field of KVConfig itself.
+SETTINGS = {
+    **{n: (None, n) for n in ("k_method", "v_method", "residual", "group", "v_group", "rank",
+                              "sparsity", "tada_mu", "layers", "block", "profile_info")},
+    "ctx_policy": ("context", "on_full"), "n_keep": ("context", "n_keep"),
+    "rotate": ("rotation", "which"), "rotate_seed": ("rotation", "seed"),
+    "layer_rotate": ("rotation", "per_layer"),
+    "evict": ("eviction", "policy"), "budget": ("eviction", "budget"),
+    "sinks": ("eviction", "sinks"), "snap_window": ("eviction", "snap_window"),
+    "crush_fraction": ("eviction", "crush_fraction"), "crush_anchor": ("eviction", "crush_anchor"),
+    "evict_slack": ("eviction", "slack"),
+}
+_PARTS = {"context": ContextPolicy, "rotation": Rotation, "eviction": Eviction}
+
+
+@dataclass
 class KVConfig:
+    """A KV cache's configuration in its parts: the format (methods per layer, window R,
+    groups and the codecs' own settings, below), what a full context does (`context`),
+    rotation (`rotation`), token eviction (`eviction`), and where per-layer methods came
+    from (`profile_info`). Made from flat setting names by `from_settings` / parse_kv."""
     k_method: str = "fp16"
     v_method: str = "fp16"
     residual: int = 128             # R: newest tokens kept in full precision
@@ -41,23 +161,29 @@ class KVConfig:
     rank: int = 4                   # r: GEAR low-rank rank per head per block
     sparsity: float = 2.0           # s: GEAR outlier percent (top s/2 % + bottom s/2 %)
     tada_mu: str = "fp16"           # storage of TaDA's per-token mean: fp16 | int8
-    ctx_policy: str = "error"       # when the context is full: error | shift
-    n_keep: int = 4                 # sink tokens kept by a shift
     layers: list | None = None      # per-layer [(k_method, v_method), ...] from a profile
     block: int = 4096               # read-path block size in tokens (rounded to G)
+    context: ContextPolicy = field(default_factory=ContextPolicy)
+    rotation: Rotation = field(default_factory=Rotation)
+    eviction: Eviction = field(default_factory=Eviction)
     # where `layers` came from: {"path", "model", "auto"} (model identity checks, messages)
     profile_info: dict | None = field(default=None, compare=False, repr=False)
-    rotate: str = "none"            # Hadamard rotation along D before quantizing: none | k | v | kv
-    rotate_seed: int | None = None  # random ±1 signs on top of the Hadamard matrix (None: no signs)
-    layer_rotate: list | None = None    # per-layer rotate values from a profile
-    # token eviction (evict.py, arena_evict.py): a policy keeps at most `budget` tokens per layer
-    evict: str = "none"             # none | streaming | h2o | snapkv | pyramidkv | kvcrush | kvcrush-h2o
-    budget: int | None = None       # tokens per layer incl. the window (mean over layers for pyramidkv)
-    sinks: int = 4                  # streaming: first tokens always kept
-    snap_window: int = 32           # snapkv/pyramidkv/kvcrush: observation queries of a prefill chunk
-    crush_fraction: float = 0.25    # kvcrush: share of the budget for representatives
-    crush_anchor: str = "random"    # kvcrush: random | mean | alternate
-    evict_slack: int = 0            # tail tokens freed beyond need per compaction (whole G blocks)
+
+    @classmethod
+    def from_settings(cls, **settings) -> "KVConfig":
+        """A KVConfig from flat setting names (SETTINGS: residual=…, evict=…, rotate=…)."""
+        own, parts = {}, {p: {} for p in _PARTS}
+        for name, x in settings.items():
+            if name not in SETTINGS:
+                raise KvrunError(f"unknown KV setting {name!r}")
+            part, attr = SETTINGS[name]
+            (own if part is None else parts[part])[attr] = x
+        return cls(**own, **{p: _PARTS[p](**kw) for p, kw in parts.items()})
+
+    def settings(self) -> dict:
+        """The flat setting names and values this config is made of (from_settings' inverse)."""
+        return {name: getattr(self if part is None else getattr(self, part), attr)
+                for name, (part, attr) in SETTINGS.items()}
 
     def __post_init__(self):
         check_method(self.k_method)
@@ -68,16 +194,8 @@ class KVConfig:
             x, lo = getattr(self, name), 0 if name == "residual" else 1
             if not isinstance(x, int) or x < lo:
                 raise KvrunError(f"KV {name} must be an integer >= {lo}, got {x!r}")
-        if self.rotate not in ROTATE:
-            raise KvrunError(f"unknown rotation {self.rotate!r} (none, k, v, kv)")
-        if self.layer_rotate is not None and any(r not in ROTATE for r in self.layer_rotate):
-            raise KvrunError(f"unknown per-layer rotation in {self.layer_rotate!r} (none, k, v, kv)")
         if self.tada_mu not in ("fp16", "int8"):
             raise KvrunError(f"tada_mu must be fp16 or int8, got {self.tada_mu!r}")
-        if self.ctx_policy not in CTX_POLICIES:
-            raise KvrunError(f"unknown context policy {self.ctx_policy!r} ({', '.join(CTX_POLICIES)})")
-        if self.n_keep < 0:
-            raise KvrunError(f"--keep must be >= 0, got {self.n_keep}")
         fams = {method_family(m)[0] for m in self.methods()}
         if not 0 < self.sparsity < 50:
             raise KvrunError(f"GEAR sparsity must be in (0, 50) percent, got {self.sparsity}")
@@ -93,42 +211,11 @@ class KVConfig:
             raise KvrunError(f"GEAR rank {self.rank} must be smaller than the group {self.group}")
         unit = math.lcm(self.group, 128)     # whole packed blocks of every layout (chanpack: 128)
         self.block = max(unit, self.block // unit * unit)
-        self._check_evict()
-
-    def _check_evict(self) -> None:
-        if self.evict not in POLICIES:
-            raise KvrunError(f"unknown eviction policy {self.evict!r} ({', '.join(POLICIES)})")
-        if self.crush_anchor not in ANCHORS:
-            raise KvrunError(f"unknown KVCrush anchor {self.crush_anchor!r} ({', '.join(ANCHORS)})")
-        if not 0 < self.crush_fraction < 1:
-            raise KvrunError(f"--crush-fraction must be in (0, 1), got {self.crush_fraction}")
-        if self.evict_slack < 0:
-            raise KvrunError(f"--evict-slack must be >= 0, got {self.evict_slack}")
-        if self.snap_window < 1 or self.sinks < 0:
-            raise KvrunError(f"--snap-window must be >= 1 and --sinks >= 0 "
-                             f"(got {self.snap_window}, {self.sinks})")
-        if self.evict == "none":
-            if self.budget is not None:
-                raise KvrunError("--kv-budget needs an eviction policy (--evict)")
-            return
-        if self.budget is None:
-            raise KvrunError(f"--evict {self.evict} needs --kv-budget N (tokens per layer)")
-        if self.ctx_policy != "error":
-            raise KvrunError("--evict and --ctx-policy shift are alternatives: give one")
-        G = self.group                # smallest budget: R + G window slots + tail blocks
-        need = self.residual + G + G * (self.sinks // G + 1 if self.evict == "streaming" else 1)
-        if self.evict_tail() < self.group or (self.evict == "streaming"
-                                              and self.evict_tail() <= self.sinks):
-            raise KvrunError(f"--kv-budget {self.budget} is too small: the window takes "
-                             f"R + G = {self.residual + self.group} tokens, the evictable tail "
-                             f"needs at least one block of G = {self.group}"
-                             + (f" beyond the {self.sinks} sinks" if self.evict == "streaming" else "")
-                             + f" (use >= {need})")
+        self.eviction.check_fits(self.residual, self.group, self.context)
 
     def evict_tail(self) -> int:
-        """Tail tokens per layer under eviction (mean for pyramidkv): the budget minus the
-        R + G window slots, in whole blocks of G, so tail + window never exceed the budget."""
-        return max(0, self.budget - self.residual - self.group) // self.group * self.group
+        """Tail tokens per layer under eviction (Eviction.tail for this window)."""
+        return self.eviction.tail(self.residual, self.group)
 
     def methods(self) -> set[str]:
         ms = {self.k_method, self.v_method}
@@ -166,14 +253,6 @@ class KVConfig:
             check_profile_model(self.profile_info["model"], cfg, self.profile_info.get("auto", False),
                                 f"KV profile {self.profile_info.get('path', '')}".rstrip())
 
-    def layer_rotations(self, n_layers: int) -> list[str]:
-        if self.layer_rotate is None:
-            return [self.rotate] * n_layers
-        if len(self.layer_rotate) != n_layers:
-            raise KvrunError(f"KV profile has {len(self.layer_rotate)} rotation entries, "
-                             f"the model has {n_layers} layers")
-        return list(self.layer_rotate)
-
     def check_model(self, head_dim: int, n_layers: int, n_kv_heads: int = 0) -> None:
         """Checks that need the model's geometry (n_layers: the layers the arena holds)."""
         self.layer_methods(n_layers)
@@ -185,7 +264,7 @@ class KVConfig:
             # would cost more than fp16 and compress nothing
             raise KvrunError(f"{tada[0]} needs more than one KV head (its mean over KV heads "
                              f"is the key itself with one); use kivi-4, int8 or gear")
-        if any(r != "none" for r in self.layer_rotations(n_layers)) and D % 2:
+        if any(r != "none" for r in self.rotation.layers(n_layers)) and D % 2:
             raise KvrunError(f"Hadamard rotation needs an even head dim, got {D}")
         fams = {method_family(m)[0] for m in self.methods()}
         if fams & {"kivi", "gear-l", "gear"} and D % self.v_group:
@@ -199,36 +278,43 @@ class KVConfig:
     def is_dense(self) -> bool:
         """Uniform fp16 (bf16, fp32) K and V with no context shift: DenseKVCache serves it."""
         ms = self.methods()
-        return (len(ms) == 1 and ms <= DENSE and self.ctx_policy == "error"
-                and self.rotate == "none" and self.layer_rotate is None and self.evict == "none")
+        return (len(ms) == 1 and ms <= DENSE and self.context.on_full == "error"
+                and self.rotation.off and not self.eviction.on)
 
     def label(self) -> str:
         if self.layers is not None:               # named as given: auto, profile:NAME
             info = self.profile_info or {}
             base = ("auto" if info.get("auto") else
                     f"profile:{Path(info['path']).stem}" if info.get("path") else "profile")
-            return base + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
+            return base + self._evict_label()
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
         if (self.group, self.v_group) != (32, 32):
             base += f"@{self.group}" if self.group == self.v_group else f"@{self.group}/{self.v_group}"
-        base += "" if self.rotate == "none" else f"+rot{'' if self.rotate == 'kv' else '-' + self.rotate}"
-        return base + ("" if self.evict == "none" else f"+{self.evict}@{self.budget}")
+        rot = self.rotation.which
+        base += "" if rot == "none" else f"+rot{'' if rot == 'kv' else '-' + rot}"
+        return base + self._evict_label()
 
-    def replace(self, **kw) -> "KVConfig":
-        return dataclasses.replace(self, **kw)
+    def _evict_label(self) -> str:
+        ev = self.eviction
+        return f"+{ev.policy}@{ev.budget}" if ev.on else ""
+
+    def replace(self, **settings) -> "KVConfig":
+        """A copy with some flat settings changed (SETTINGS names)."""
+        return KVConfig.from_settings(**{**self.settings(), **settings})
 
 
 def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = None,
              profile=None, **fields) -> KVConfig:
     """KVConfig from a --kv spec ("tada-4", or "K/V" like "kivi-4/kivi-2"), optional
-    --kv-k / --kv-v overrides, an optional per-layer profile file, and any KVConfig field.
+    --kv-k / --kv-v overrides, an optional per-layer profile file, and any SETTINGS name.
     A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one);
     an "@N" suffix sets both quantization groups to N ("kivi-4@64+rot": K scales per 64
     tokens, V scales per 64 channels), so methods with different groups can be compared
     side by side in one `kvrun ppl` / `kvrun bench` run.
 
     The specs "auto" (the shipped profile for the embedded model) and "profile:NAME" (a
-    shipped profile's name or a file path) name a profile; its "kv" settings (window, groups …) apply unless given in `fields`."""
+    shipped profile's name or a file path) name a profile; its "kv" settings (window,
+    groups …) apply unless given in `fields`."""
     spec = (spec or "fp16").strip()
     base, plus, rot = spec.partition("+")
     if plus:
@@ -264,7 +350,7 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
     layers, info = None, None
     if profile is not None:
         p = read_profile(profile)
-        known = {f.name for f in dataclasses.fields(KVConfig)} - set(NOT_KV_SETTINGS)
+        known = set(SETTINGS) - set(NOT_KV_SETTINGS)
         unknown = sorted(set(p.kv) - known)
         if unknown:
             raise KvrunError(f"{p.path}: KV setting {unknown[0]!r} is not supported by this kvrun "
@@ -273,5 +359,5 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
         info = {"path": p.path, "model": p.model, "auto": auto,
                 "fields": dict(fields)}             # as given: for_model re-reads with them
         fields = {**p.kv, **({"layer_rotate": p.rotate} if p.rotate else {}), **fields}
-    return KVConfig(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers,
-                    profile_info=info, **fields)
+    return KVConfig.from_settings(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers,
+                                  profile_info=info, **fields)

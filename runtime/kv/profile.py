@@ -19,7 +19,6 @@ sensitivities; any other model must run `kvrun search`).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -68,9 +67,8 @@ def model_record(cfg) -> dict:
 
 
 def kv_settings(kv) -> dict:
-    """The cache-shaping fields of a KVConfig (everything but methods and run policy)."""
-    return {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)
-            if f.name not in NOT_KV_SETTINGS}
+    """The cache-shaping settings of a KVConfig (everything but methods and run policy)."""
+    return {name: x for name, x in kv.settings().items() if name not in NOT_KV_SETTINGS}
 
 
 def text_sha256(text: str) -> str:

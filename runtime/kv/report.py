@@ -65,7 +65,7 @@ def format_kv(model) -> str:
     lines += model.cache.report()       # rings, eviction
     if model.engine.can_shift:          # --ctx-policy shift: say what it did so far
         e = model.engine
-        lines.append(f"  context shift: keeps the first {model.cache.kv.n_keep} tokens, drops "
+        lines.append(f"  context shift: keeps the first {model.cache.kv.context.n_keep} tokens, drops "
                      f"half of the rest when full; {e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} "
                      f"so far, {e.n_dropped} tokens dropped")
     return "\n".join(lines)

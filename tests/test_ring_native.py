@@ -2,7 +2,7 @@
 ring_attention.c) against the torch step (runtime/kv/ring.py `_attend`), its oracle.
 
 Two rings start from the same state and take the same tokens, one through each backend
-(KVRUN_BACKEND=native / torch): after every step their codes, scales and mins are equal
+(each ring's `backend`: native / torch): after every step their codes, scales and mins are equal
 bit for bit, and their outputs agree to fp32 summation order. Parametrized over 4 and 8
 bits, channel groups of 32 and 64 (head dims 64 and 256; and 16, which the vector path
 serves on AVX2 but not with AVX-512's wider blocks), GQA (4 query heads over 1 KV head, 6
@@ -14,12 +14,11 @@ import ctypes
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 import kvrun.kernels.native.ring_attention as nra
-import kvrun.kv.ring as ring_mod
 from kvrun.kernels import native
 from kvrun.kv.ring import SlidingWindowKV
+from ring_cases import corner_rows, count_ring_steps, ring_data, steps_agree
 
 W = 37                      # odd: the filled-slot count min(s + 1, W) takes odd and even values
 
@@ -38,41 +37,8 @@ def build(request, monkeypatch):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Per one-token step on the native backend: whether the native kernel served it
-    (ring.py's route, counted)."""
-    served = []
-    real = ring_mod.ring_step
-
-    def count(*a, **k):
-        o = real(*a, **k)
-        if k["backend"] == "native":
-            served.append(o is not None)
-        return o
-    monkeypatch.setattr(ring_mod, "ring_step", count)
-    return served
-
-
-def _steps(a, b, layer, q, k, v, monkeypatch, atol, rtol):
-    """Token by token: ring a on the native backend, ring b on torch; equal storage after
-    every step, outputs within (atol, rtol)."""
-    a.backend, b.backend = "native", "torch"
-    for t in range(q.shape[2]):
-        x = [z[:, :, t:t + 1] for z in (q, k, v)]
-        got = a.attend(layer, *x)
-        want = b.attend(layer, *x)
-        a.commit(1)
-        b.commit(1)
-        for role in ("k", "v"):
-            for pa, pb in zip(getattr(a, role).parts, getattr(b, role).parts):
-                assert torch.equal(pa, pb), f"step {t}: {role} storage differs"
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert_close(got, want, atol=atol, rtol=rtol)
-
-
-def _data(n, H, Hkv, D, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, H, n, D, generator=g), torch.randn(1, Hkv, n, D, generator=g),
-            torch.randn(1, Hkv, n, D, generator=g))
+    """Per one-token step on the native backend: whether the native kernel served it."""
+    return count_ring_steps(monkeypatch, "native")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -87,14 +53,14 @@ def test_native_step_equals_the_torch_step(build, counted, monkeypatch, bits, D,
     output a convex mix of O(1) V rows over <= 37 slots (|error| ~ 37 * 2^-24 * 4 < 1e-5),
     the exp polynomial adds 2e-7 relative: 1e-4 absolute and relative (values of scale ~1-4)
     leaves 5x margin; a wrong slot, scale or row moves outputs by O(0.1)."""
-    q, k, v = _data(2 * W + 11, H, Hkv, D, seed=bits + D + group + H)
+    q, k, v = ring_data(2 * W + 11, H, Hkv, D, seed=bits + D + group + H)
     a = SlidingWindowKV(3, Hkv, D, W, max_ctx=256, dtype=torch.float32, bits=bits, group=group,
                         rotate_v=rotate_v)
     a.backend = "torch"
     a.attend(2, q[:, :, :5], k[:, :, :5], v[:, :, :5])                 # a chunk: torch on both
     a.commit(5)
     b = copy.deepcopy(a)
-    _steps(a, b, 2, q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], monkeypatch, atol=1e-4, rtol=1e-4)
+    steps_agree(a, b, "native", 2, q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], dict(atol=1e-4, rtol=1e-4))
     assert counted and all(counted), "the native kernel did not serve every step"
     assert a.seq_len > 2 * W                                             # wrapped twice
 
@@ -105,10 +71,10 @@ def test_fp16_ring_the_models_dtype(build, counted, monkeypatch, bits):
     they are quantized or attended, on both sides (storage equal). The torch step then runs
     SDPA in fp16 (q, the dequantized rows and the output rounded to fp16, 2^-11 relative,
     on values up to ~4): 4e-3 absolute; the kernel stays in fp32."""
-    q, k, v = _data(W + 20, 4, 1, 256, seed=bits)
+    q, k, v = ring_data(W + 20, 4, 1, 256, seed=bits)
     a = SlidingWindowKV(1, 1, 256, W, max_ctx=256, dtype=torch.float16, bits=bits, rotate_v=True)
     b = copy.deepcopy(a)
-    _steps(a, b, 0, q, k, v, monkeypatch, atol=4e-3, rtol=0)
+    steps_agree(a, b, "native", 0, q, k, v, dict(atol=4e-3, rtol=0))
     assert counted and all(counted)
 
 
@@ -119,30 +85,11 @@ def test_degenerate_and_tied_values_quantize_alike(build, monkeypatch, bits):
     0), an all-zero row, exact half-steps (round half to even), values at the top of the
     fp16 range and a range below fp16's subnormals (scale underflows, codes x/0 = inf ->
     clamped). Storage equal to the torch step's after every step."""
-    D, n = 64, 12
-    rows = torch.randn(n, D, generator=torch.Generator().manual_seed(bits))
-    rows[0, :32] = 3.0                                           # constant group
-    rows[1] = 0.0                                                # zero row
-    top = (1 << bits) - 1
-    rows[2, :32] = torch.arange(32).float() % (top + 1) * 0.5    # halves of a scale-0.5 grid
-    rows[2, 0], rows[2, 1] = 0.0, top * 1.0                      # scale exactly 1: x.5 ties
-    rows[3, 32:] = torch.linspace(-60000, 60000, 32)             # near fp16's max
-    rows[4, :32] = 1e-3 + torch.arange(32) * 1e-9                 # scale below fp16: 0
-    k = rows[None, None].clone()
-    v = rows.flip(0)[None, None].clone()
-    q = torch.randn(1, 2, n, D, generator=torch.Generator().manual_seed(9))
-    a = SlidingWindowKV(1, 1, D, 8, max_ctx=64, dtype=torch.float32, bits=bits)
+    q, k, v = corner_rows(bits)
+    a = SlidingWindowKV(1, 1, 64, 8, max_ctx=64, dtype=torch.float32, bits=bits)
     a.rot_k = a.rot_v = None
     b = copy.deepcopy(a)
-    a.backend, b.backend = "native", "torch"
-    for t in range(n):
-        x = [z[:, :, t:t + 1] for z in (q, k, v)]
-        a.attend(0, *x)
-        b.attend(0, *x)
-        a.commit(1)
-        b.commit(1)
-        for pa, pb in zip(a.k.parts + a.v.parts, b.k.parts + b.v.parts):
-            assert torch.equal(pa, pb), f"step {t}"
+    steps_agree(a, b, "native", 0, q, k, v)
 
 
 def test_torch_backend_and_fp16_rings_keep_the_torch_step(monkeypatch):
@@ -150,7 +97,7 @@ def test_torch_backend_and_fp16_rings_keep_the_torch_step(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("native ring kernel called")
     monkeypatch.setattr(nra, "ring_step", refuse)
-    q, k, v = _data(3, 4, 1, 64, seed=0)
+    q, k, v = ring_data(3, 4, 1, 64, seed=0)
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     r = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=4)
     for t in range(3):
@@ -168,7 +115,7 @@ def test_slots_split_over_threads(build, counted, monkeypatch, bits):
     nth = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        q, k, v = _data(620, 4, 1, 64, seed=bits)
+        q, k, v = ring_data(620, 4, 1, 64, seed=bits)
         a = SlidingWindowKV(1, 1, 64, 301, max_ctx=1024, dtype=torch.float32, bits=bits,
                             rotate_v=True)
         a.backend = "torch"
@@ -182,8 +129,8 @@ def test_slots_split_over_threads(build, counted, monkeypatch, bits):
                     r.attend(0, q[:, :, 300:590], k[:, :, 300:590], v[:, :, 300:590])
                     r.commit(290)
                 t0 = 590
-            _steps(a, b, 0, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], monkeypatch,
-                   atol=1e-4, rtol=1e-4)
+            steps_agree(a, b, "native", 0, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1],
+                        dict(atol=1e-4, rtol=1e-4))
         assert sum(counted) == 20 + 30
     finally:
         torch.set_num_threads(nth)

@@ -29,18 +29,18 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch.testing import assert_close  # noqa: E402
 
 pytest.importorskip("triton")
 
-import kvrun.kv.ring as ring_mod  # noqa: E402
 from kvrun.kernels import dispatch  # noqa: E402
 from kvrun.kernels.triton import ring_attention as tra  # noqa: E402
 from kvrun.kv.ring import SlidingWindowKV  # noqa: E402
+from ring_cases import corner_rows, count_ring_steps, ring_data, steps_agree  # noqa: E402
 
 pytestmark = pytest.mark.interpret
 
@@ -66,21 +66,7 @@ CASES = [
 @pytest.fixture
 def counted(monkeypatch):
     """Per one-token step on the Triton backend: whether the Triton kernel served it."""
-    served = []
-    real = ring_mod.ring_step
-
-    def count(*a, **k):
-        o = real(*a, **k)
-        if k["backend"] == "triton":
-            served.append(o is not None)
-        return o
-    monkeypatch.setattr(ring_mod, "ring_step", count)
-    return served
-
-
-def _data(n, H, Hkv, D, seed, dtype=F32):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(1, h, n, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    return count_ring_steps(monkeypatch, "triton")
 
 
 def _rings(bits, D, group, Hkv, W, rotate_v, dtype, q, k, v, pre):
@@ -93,29 +79,12 @@ def _rings(bits, D, group, Hkv, W, rotate_v, dtype, q, k, v, pre):
     return a, copy.deepcopy(a)
 
 
-def _steps(a, b, layer, q, k, v, tol):
-    """Token by token: ring a on Triton, ring b on torch; equal storage after every step,
-    outputs within tol."""
-    a.backend, b.backend = "triton", "torch"
-    for t in range(q.shape[2]):
-        x = [z[:, :, t:t + 1] for z in (q, k, v)]
-        got = a.attend(layer, *x)
-        want = b.attend(layer, *x)
-        a.commit(1)
-        b.commit(1)
-        for role in ("k", "v"):
-            for i, (pa, pb) in enumerate(zip(getattr(a, role).parts, getattr(b, role).parts)):
-                assert torch.equal(pa, pb), f"step {t}: {role} part {i} differs"
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert_close(got, want, **tol, msg=lambda m: f"step {t}: {m}")
-
-
 @pytest.mark.parametrize("bits,D,group,Hkv,H,W,rotate_v,dtype", CASES)
 def test_triton_step_equals_the_torch_step(counted, bits, D, group, Hkv, H, W, rotate_v, dtype):
     pre = W - 8                     # the steps fill the ring, wrap, and overwrite 12 slots
-    q, k, v = _data(W + 12, H, Hkv, D, seed=bits + D + group + W, dtype=dtype)
+    q, k, v = ring_data(W + 12, H, Hkv, D, seed=bits + D + group + W, dtype=dtype)
     a, b = _rings(bits, D, group, Hkv, W, rotate_v, dtype, q, k, v, pre)
-    _steps(a, b, 1, q[:, :, pre:], k[:, :, pre:], v[:, :, pre:], TOL[dtype])
+    steps_agree(a, b, "triton", 1, q[:, :, pre:], k[:, :, pre:], v[:, :, pre:], TOL[dtype])
     assert len(counted) == 20 and all(counted), "the Triton kernel did not serve every step"
     assert a.seq_len > W and a.k.codes[1].any() and not a.k.codes[0].any()   # wrapped; layer 1
 
@@ -127,9 +96,9 @@ def test_slots_split_over_parts(counted, monkeypatch, bits):
     monkeypatch.setattr(tra, "BLOCK_N", 16)
     monkeypatch.setattr(tra, "SPLIT_MIN", 16)
     assert tra.n_splits(37, 2) == (3, 16)
-    q, k, v = _data(50, 4, 2, 64, seed=bits)
+    q, k, v = ring_data(50, 4, 2, 64, seed=bits)
     a, b = _rings(bits, 64, 32, 2, 37, True, F32, q, k, v, 10)
-    _steps(a, b, 1, q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], TOL[F32])
+    steps_agree(a, b, "triton", 1, q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], TOL[F32])
     assert len(counted) == 40 and all(counted)
 
 
@@ -139,43 +108,26 @@ def test_degenerate_and_tied_values_quantize_alike(bits):
     group (scale 1e-8 → fp16 0, codes 0/0 = NaN → 0), an all-zero row, exact half-steps
     (round half to even), values near fp16's max, and a range below fp16's subnormals
     (scale 0, codes x/0 = ±inf → clamped). Storage equal to the torch step's every step."""
-    D, n = 64, 12
-    rows = torch.randn(n, D, generator=torch.Generator().manual_seed(bits))
-    rows[0, :32] = 3.0                                           # constant group
-    rows[1] = 0.0                                                # zero row
-    top = (1 << bits) - 1
-    rows[2, :32] = torch.arange(32).float() % (top + 1) * 0.5    # halves of a scale-0.5 grid
-    rows[2, 0], rows[2, 1] = 0.0, top * 1.0                      # scale exactly 1: x.5 ties
-    rows[3, 32:] = torch.linspace(-60000, 60000, 32)             # near fp16's max
-    rows[4, :32] = 1e-3 + torch.arange(32) * 1e-9                # scale below fp16: 0
-    k, v = rows[None, None].clone(), rows.flip(0)[None, None].clone()
-    q = torch.randn(1, 2, n, D, generator=torch.Generator().manual_seed(9))
-    a = SlidingWindowKV(1, 1, D, 8, max_ctx=64, dtype=F32, bits=bits)
+    q, k, v = corner_rows(bits)
+    a = SlidingWindowKV(1, 1, 64, 8, max_ctx=64, dtype=F32, bits=bits)
     a.rot_k = a.rot_v = None
     b = copy.deepcopy(a)
-    a.backend, b.backend = "triton", "torch"
-    for t in range(n):
-        x = [z[:, :, t:t + 1] for z in (q, k, v)]
-        with torch.no_grad(), _quiet():
-            a.attend(0, *x)
-        b.attend(0, *x)
-        a.commit(1)
-        b.commit(1)
-        for pa, pb in zip(a.k.parts + a.v.parts, b.k.parts + b.v.parts):
-            assert torch.equal(pa, pb), f"step {t}"
+    steps_agree(a, b, "triton", 0, q, k, v, around=_quiet)
 
 
+@contextlib.contextmanager
 def _quiet():
     """numpy's warnings for the interpreter's 0/0 and x/0 (the cases under test)."""
     import numpy as np
-    return np.errstate(divide="ignore", invalid="ignore", over="ignore")
+    with torch.no_grad(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        yield
 
 
 def test_dispatch_routes_and_declines():
     """dispatch.ring_step: the Triton kernel on backend "triton" (None on torch); the kernel
     declines what it does not cover (a chunk, D > 256, Gq > 16, 2-bit codes) with None."""
     r = SlidingWindowKV(1, 1, 64, 16, max_ctx=64, dtype=F32, bits=4)
-    q, k, v = _data(2, 4, 1, 64, seed=0)
+    q, k, v = ring_data(2, 4, 1, 64, seed=0)
     args = (r.k.parts, r.v.parts, 4, 32, F32, 0, 0, 1)
     one = [z[:, :, :1] for z in (q, k, v)]
     assert dispatch.ring_step(*one, *args, backend="torch") is None

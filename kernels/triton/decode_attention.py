@@ -198,6 +198,17 @@ def _stage1_kernel(
 
 
 @triton.jit
+def merge_part(m, l, acc, lse, o):
+    """One split-K part folded into a running log-sum-exp merge (base 2): m the running max,
+    l the running sum of weights, acc the weighted sum of the parts' outputs o, lse each
+    row's log-sum-exp in that part (-inf where the row has none). Returns (m, l, acc)."""
+    m_new = tl.maximum(m, lse)
+    a = tl.exp2(m - m_new)
+    w = tl.exp2(lse - m_new)
+    return m_new, l * a + w, acc * a[:, None] + o * w[:, None]
+
+
+@triton.jit
 def _stage2_kernel(MID_O, MID_L,                                        # (P, Hkv, R, D), (P, Hkv, R)
                    O, so_h, so_t, so_d,                                 # (1, H, T, D)
                    n_parts, T, Gq, R, D,
@@ -220,12 +231,7 @@ def _stage2_kernel(MID_O, MID_L,                                        # (P, Hk
         part = p * Hkv + h
         lse = tl.load(MID_L + part * R + rows, mask=row_ok, other=float("-inf"))
         o = tl.load(MID_O + (part * R + rows)[:, None] * D + d[None, :], mask=msk, other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a[:, None] + o * w[:, None]
-        l = l * a + w
-        m = m_new
+        m, l, acc = merge_part(m, l, acc, lse, o)
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     if WRITE_LSE:
         tl.store(MID_L + (n_parts * Hkv + h) * R + rows, m + tl.log2(l), mask=row_ok)

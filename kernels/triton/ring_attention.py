@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from .compress_units import _rhe, _rnd
+from .decode_attention import merge_part
 
 _XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # compress_units._rnd's codes
 MAX_D, MAX_GQ = 256, 16         # Gq 32 at D 256 would spill registers on sm_90
@@ -244,12 +245,7 @@ def _stage2_kernel(MID_O, MID_L, RV, sr_0, sr_1, O, so_h, n_parts, Gq, D,
         lse = tl.load(MID_L + row, mask=r_ok, other=float("-inf"))
         o = tl.load(MID_O + row[:, None] * D + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a[:, None] + o * w[:, None]
-        l = l * a + w
-        m = m_new
+        m, l, acc = merge_part(m, l, acc, lse, o)
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     orow = O + (h * Gq + r)[:, None] * so_h
     if ROT:

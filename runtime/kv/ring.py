@@ -250,9 +250,12 @@ class LayeredKVCache(KVCache):
         self.route.update({i: (True, j) for j, i in enumerate(self.slide)})
         self.max_ctx = inner.max_ctx
         self.kv = inner.kv
-        self.backend = inner.backend
 
     # -- the cache interface -------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self.inner.backend
+
     @property
     def seq_len(self) -> int:
         return self.inner.seq_len

@@ -122,10 +122,10 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> No
     for the reconstruction. mu: per-token means (n, D) to store instead of computing them
     (NaN: computed), for codecs that keep one (TaDA: token eviction's shared-slot re-pack);
     no kernel takes them, so that pack runs on torch (kernels/table.py, `pack_means`)."""
-    be = backend or backend_for(x)
-    if mu is not None:                  # COVERAGE["pack_means"] lists no kernel
+    if mu is not None:                  # `pack_means`: no kernel takes given means
         codec.pack(st, x, s0, mu=mu)
         return
+    be = backend or backend_for(x)
     if be == "native":
         from .native import pack as native_pack
         if native_pack.supports(codec) and native_pack.store(codec, st, x, s0):

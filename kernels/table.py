@@ -53,7 +53,6 @@ COVERAGE: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {
         "native": {"int8": ANY, "kivi": Q, "tada": Q},
         "triton": {"kivi": (2, 4)},
     },
-    "pack_means": {},       # no kernel takes given means: torch only
     "fused_write": {        # the torch implementation is the Triton kernels' oracle: same set
         "triton": {"int8": ANY, "kivi": Q, "tada": Q},
         "torch": {"int8": ANY, "kivi": Q, "tada": Q},

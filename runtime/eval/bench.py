@@ -105,9 +105,8 @@ def cpu_name() -> str:
 
 def run_info(model: str) -> dict:
     """The BenchRecord fields that say where a run happened."""
-    from kvrun.kernels.dispatch import backend_for
-    return dict(model=model, threads=torch.get_num_threads(),
-                backend=backend_for(torch.zeros(1)), cpu=cpu_name())
+    from kvrun.kernels.dispatch import select
+    return dict(model=model, threads=torch.get_num_threads(), backend=select(), cpu=cpu_name())
 
 
 def _stats(times: list[float], n: int) -> tuple[float, float, float, float]:

@@ -392,7 +392,7 @@ class KVArena(KVCache):
         codecs that store them (TaDA); None for the others."""
         none = self.win_k.new_empty((0, self.D), dtype=torch.float32)
         return [torch.cat([c.means(st, r0, r1) for r0, r1 in runs] + [none])
-                if hasattr(c, "means") else None
+                if c.kind == "tada" else None
                 for c, st in ((self.k_codecs[l], self.k_store[l]),
                               (self.v_codecs[l], self.v_store[l]))]
 

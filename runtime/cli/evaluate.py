@@ -4,6 +4,8 @@ over a comma list of KV methods. Registered on the main group by runtime/cli/mai
 `main.add_command(ppl_cmd)` and so on."""
 from __future__ import annotations
 
+import importlib.util
+
 import click
 
 from .common import eprint
@@ -171,10 +173,8 @@ def bench_cmd(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, a
     if reps < 1:
         raise KvrunError(f"-r must be >= 1 (got {reps})")
     if plot_path is not None:
-        try:
-            __import__("matplotlib")       # only whether it is installed
-        except ImportError:
-            raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'") from None
+        if importlib.util.find_spec("matplotlib") is None:      # installed? (not imported yet)
+            raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'")
         from ..files import check_writable
         check_writable(plot_path)               # before the run, not after minutes of it
     if threads is not None:

@@ -34,9 +34,9 @@ def count_ring_steps(monkeypatch, backend: str) -> list[bool]:
 
 def corner_rows(bits: int, D: int = 64, n: int = 12):
     """q (1, 2, n, D) and unrotated k, v (1, 1, n, D) at the quantizer's corners: a constant
-    group (scale 1e-8 → fp16 0, codes 0/0 = NaN → 0), an all-zero row, exact half-steps
-    (round half to even), values near fp16's max, and a range below fp16's subnormals
-    (scale 0, codes x/0 = ±inf → clamped)."""
+    group (scale floored at 1e-6, codes 0), an all-zero row, exact half-steps (round half
+    to even), values near fp16's max, a range below fp16's subnormals (scale floored), and
+    a group whose fp16 scale falls short of its max (nudged up one ulp: asym_params)."""
     rows = torch.randn(n, D, generator=torch.Generator().manual_seed(bits))
     rows[0, :32] = 3.0                                           # constant group
     rows[1] = 0.0                                                # zero row
@@ -44,7 +44,8 @@ def corner_rows(bits: int, D: int = 64, n: int = 12):
     rows[2, :32] = torch.arange(32).float() % (top + 1) * 0.5    # halves of a scale-0.5 grid
     rows[2, 0], rows[2, 1] = 0.0, top * 1.0                      # scale exactly 1: x.5 ties
     rows[3, 32:] = torch.linspace(-60000, 60000, 32)             # near fp16's max
-    rows[4, :32] = 1e-3 + torch.arange(32) * 1e-9                # scale below fp16: 0
+    rows[4, :32] = 1e-3 + torch.arange(32) * 1e-9                # scale below fp16: floored
+    rows[5, :32] = torch.linspace(0, 15 * (1 + 2 ** -11), 32)     # 4 bits: fp16 scale 1.0 short
     q = torch.randn(1, 2, n, D, generator=torch.Generator().manual_seed(9))
     return q, rows[None, None].clone(), rows.flip(0)[None, None].clone()
 

@@ -81,10 +81,8 @@ def test_fp16_ring_the_models_dtype(build, counted, monkeypatch, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_degenerate_and_tied_values_quantize_alike(build, monkeypatch, bits):
     """Unrotated rows (a ring with its rotation removed, as tests/test_ring.py does) that hit
-    the corners of the quantizer: a constant group (scale 1e-8 -> fp16 0, codes 0/0 = NaN ->
-    0), an all-zero row, exact half-steps (round half to even), values at the top of the
-    fp16 range and a range below fp16's subnormals (scale underflows, codes x/0 = inf ->
-    clamped). Storage equal to the torch step's after every step."""
+    the corners of the quantizer (ring_cases.corner_rows). Storage equal to the torch
+    step's after every step."""
     q, k, v = corner_rows(bits)
     a = SlidingWindowKV(1, 1, 64, 8, max_ctx=64, dtype=torch.float32, bits=bits)
     a.rot_k = a.rot_v = None

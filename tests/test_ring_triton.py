@@ -104,10 +104,8 @@ def test_slots_split_over_parts(counted, monkeypatch, bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_degenerate_and_tied_values_quantize_alike(bits):
-    """Unrotated rows (the ring's rotation removed) at the quantizer's corners: a constant
-    group (scale 1e-8 → fp16 0, codes 0/0 = NaN → 0), an all-zero row, exact half-steps
-    (round half to even), values near fp16's max, and a range below fp16's subnormals
-    (scale 0, codes x/0 = ±inf → clamped). Storage equal to the torch step's every step."""
+    """Unrotated rows (the ring's rotation removed) at the quantizer's corners
+    (ring_cases.corner_rows). Storage equal to the torch step's every step."""
     q, k, v = corner_rows(bits)
     a = SlidingWindowKV(1, 1, 64, 8, max_ctx=64, dtype=F32, bits=bits)
     a.rot_k = a.rot_v = None

@@ -28,8 +28,9 @@ from pathlib import Path
 # the quantized sliding ring's step (ring_attention.c)
 SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "pack.c", "decode_layer.c",
                                               "ring_attention.c")]
-# included by the sources above: the packed layouts attention and pack share, fp32 helpers
-HEADERS = [Path(__file__).with_name(n) for n in ("codec_layout.h", "math_inline.h")]
+# included by the sources above: the packed layouts attention and pack share, fp32 helpers,
+# the asymmetric quantizer of the flushes and the ring
+HEADERS = [Path(__file__).with_name(n) for n in ("codec_layout.h", "math_inline.h", "quant_inline.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 

@@ -4,7 +4,7 @@
  * tensors in the layouts of codec_layout.h, which decode_attention.c reads in place.
  *
  * Bit-identical to the codecs' torch pack (KiviCodec / Int8Codec / TadaCodec.pack,
- * quant.asym_params, quant.sym_int8_params): every float op is a separate IEEE op as in
+ * quant_inline.h's asym_params, quant.sym_int8_params): every float op is a separate IEEE op as in
  * torch (no contraction: zero + scale*qmax is a rounded product then a rounded sum, and
  * no reassociation although the build passes -fassociative-math), fp16 conversions round
  * to nearest even, codes round half to even (rintf). tests/test_native_kernels.py
@@ -15,35 +15,12 @@
 #include <string.h>
 
 #include "codec_layout.h"
+#include "quant_inline.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 
 /* -- quantization helpers ---------------------------------------------------------------- */
-
-/* as quant.asym_params: zero fp16(lo), scale fp16(max((hi - zero) / qmax, 1e-6)) nudged up
- * one fp16 ulp when zero + scale * qmax < hi */
-static inline void asym_params(float lo, float hi, int qmax, f16 *scale, f16 *zero) {
-    f16 z = (f16)lo;
-    float zf = (float)z;
-    float sv = (hi - zf) / (float)qmax;
-    if (!(sv >= 1e-6f)) sv = 1e-6f;
-    f16 s = (f16)sv;
-    volatile float prod = (float)s * (float)qmax;   /* rounded product, then the sum */
-    if (zf + prod < hi) {                            /* nudge up one fp16 ulp */
-        union { f16 h; uint16_t u; } b = { s };
-        if ((float)s < 65504.f) b.u += 1;
-        s = b.h;
-    }
-    *scale = s; *zero = z;
-}
-
-/* asymmetric code clamp(rint((x - zero) / scale), 0, qmax) */
-static inline uint8_t quant1(float x, float zf, float sf, int qmax) {
-    float c = rintf((x - zf) / sf);
-    c = c < 0.f ? 0.f : (c > (float)qmax ? (float)qmax : c);
-    return (uint8_t)c;
-}
 
 /* as quant.sym_int8_params / quantize_sym_int8: scale fp16(max(amax / 127, 2^-24)), code
  * clamp(rint(x / scale), -127, 127) + 128 */

@@ -7,9 +7,9 @@
  * rotated (the caller's one GEMM rotates q, k and v together). One call per layer:
  *
  *   phase 0  round the new K / V rows to the ring dtype, quantize them into slot `slot`
- *            (bit-identical to _RingStore.write: fp32 min/max, scale fp16((hi-lo)/top,
- *            clamped to 1e-8), min fp16(lo), codes clamp(rint((x-min)/scale), 0, top) with
- *            NaN -> 0, as torch's uint8 cast gives), and keep the rounded rows in fp32.
+ *            (bit-identical to _RingStore.write: per group quant_inline.h's asym_params
+ *            over the fp32 min/max and quant1's codes, the quantizer kernels/quant.py and
+ *            the flushes share), and keep the rounded rows in fp32.
  *   phase 1  logits of the Gq query rows of each KV head over the n filled slots: every slot
  *            dequantized from its codes in registers (c s + m), except slot `slot`, which
  *            uses the new row in full precision (SlidingWindowKV._attend's T == 1 step).
@@ -41,6 +41,7 @@
 #include <omp.h>
 
 #include "math_inline.h"
+#include "quant_inline.h"
 #if !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
 #else
@@ -126,8 +127,8 @@ static inline int64_t param_off(const RingStore *s, int layer, int h, int64_t t)
 }
 
 /* -- phase 0: the new row's codes, bit-identical to _RingStore.write ----------------------------
- * Every float op is a separate IEEE op as in torch (no contraction or reassociation), fp16
- * conversions round to nearest even, codes round half to even (rintf). */
+ * Per group of `group` channels: quant_inline.h's asym_params over the fp32 min / max, codes
+ * quant1 (the shared quantizer of kernels/quant.py). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 
@@ -141,16 +142,12 @@ static void quant_row(const float *x, int D, int bits, int group, uint8_t *codes
             lo = x[d] < lo ? x[d] : lo;
             hi = x[d] > hi ? x[d] : hi;
         }
-        float sv = (hi - lo) / (float)top;
-        if (sv < 1e-8f) sv = 1e-8f;                  /* clamp_min (fp16 rounds it to 0) */
-        f16 s = (f16)sv, m = (f16)lo;
+        f16 s, m;
+        asym_params(lo, hi, top, &s, &m);
         float sf = (float)s, mf = (float)m;
         scale[gi] = s;
         mn[gi] = m;
-        for (int d = g0; d < g0 + group; d++) {
-            float q = rintf((x[d] - mf) / sf);         /* 0/0 (scale 0) is NaN: code 0 */
-            c[d] = q != q ? 0 : q < 0.f ? 0 : q > (float)top ? (uint8_t)top : (uint8_t)q;
-        }
+        for (int d = g0; d < g0 + group; d++) c[d] = quant1(x[d], mf, sf, top);
     }
     if (bits == 8) {
         memcpy(codes, c, D);

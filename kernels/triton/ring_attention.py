@@ -6,9 +6,9 @@ torch step, `SlidingWindowKV._attend` with T == 1 followed by `unrotate`.
 
 Storage (`_RingStore`): per role, codes (L, Hkv, W, D·bits/8) uint8 — 8 bits one byte per
 channel, 4 bits the channel pair (2i, 2i+1) in byte i (low nibble 2i) — and fp16 scale and
-min (L, Hkv, W, D/group). Row x of a slot: per group of `group` channels, lo/hi = fp32
-min/max, scale = fp16(max((hi − lo)/top, 1e-8)), min = fp16(lo), code =
-clamp(round_half_even((x − min)/scale), 0, top), NaN → 0 (torch's uint8 cast of a 0/0).
+min (L, Hkv, W, D/group). Row x of a slot: per group of `group` channels, scale and min
+from the fp32 min/max by kernels/quant.py's asym_params (kivi_pack._asym_params), code =
+clamp(round_half_even((x − min)/scale), 0, top), NaN → 0 (torch's uint8 cast of a NaN).
 
 Two launches:
 - `_stage1_kernel`, grid (Hkv, n_split): program (h, sp) takes the Gq query heads of KV
@@ -65,6 +65,7 @@ import triton.language as tl
 
 from .compress_units import _rhe, _rnd
 from .decode_attention import merge_part
+from .kivi_pack import _asym_params
 
 _XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # compress_units._rnd's codes
 MAX_D, MAX_GQ = 256, 16         # Gq 32 at D 256 would spill registers on sm_90
@@ -94,9 +95,7 @@ def _quant_store(xa, xb, j, da, db, ok, CODES, SC, MN, NG,
             ib = ok & (db // GROUP == gi)
             lo = tl.minimum(lo, tl.min(tl.where(ib, xb, float("inf")), 0))
             hi = tl.maximum(hi, tl.max(tl.where(ib, xb, float("-inf")), 0))
-        sv = tl.math.div_rn(hi - lo, TOP * 1.0)
-        sc = tl.where(sv < 1e-8, 1e-8, sv).to(tl.float16)      # clamp_min (NaN stays NaN)
-        mn = lo.to(tl.float16)
+        sc, mn = _asym_params(lo, hi, TOP)
         tl.store(SC + gi, sc)
         tl.store(MN + gi, mn)
         sa = tl.where(da // GROUP == gi, sc.to(tl.float32), sa)
@@ -112,7 +111,7 @@ def _quant_store(xa, xb, j, da, db, ok, CODES, SC, MN, NG,
 
 @triton.jit
 def _code(x, s, m, TOP: tl.constexpr):
-    """clamp(round_half_even((x − m) / s), 0, TOP) as int32; NaN (0/0) → 0."""
+    """clamp(round_half_even((x − m) / s), 0, TOP) as int32; NaN → 0."""
     r = _rhe(tl.math.div_rn(x - m, s))
     r = tl.where(r != r, 0.0, tl.minimum(tl.maximum(r, 0.0), TOP * 1.0))
     return r.to(tl.int32)

@@ -16,8 +16,8 @@ Compression: a ring has no full-precision window and no tail — its tokens are 
 in place, one at a time — so it is quantized per token: `bits` 16 keeps the window dtype;
 8 and 4 store each token's K and V as asymmetric min/scale codes over groups of
 `group` channels (the KV config's V group, `v_group`, 32 unless set, e.g. "kivi-4@64";
-fp16 scale and min per group; 4-bit codes two to a byte), the per-token
-scheme KIVI uses for V. Per-token 4-bit K loses more than KIVI's per-channel K would, but
+fp16 scale and min per group from kernels/quant.py's asym_params, the quantizer of every
+codec; 4-bit codes two to a byte), the per-token scheme KIVI uses for V. Per-token 4-bit K loses more than KIVI's per-channel K would, but
 a ring cannot hold KIVI's G-token channel groups, and Gemma's QK-norm keeps K free of the
 outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks the
 width from the KV method (build_cache: 16 for the dense methods, 8 when every method
@@ -59,6 +59,7 @@ from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
 from kvrun.kernels.dispatch import ring_step, select
 from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
+from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
 from .contract import KVCache
 
@@ -110,12 +111,9 @@ class _RingStore:
             return
         Hkv, n, D = rows.shape
         g = rows.float().reshape(Hkv, n, D // self.group, self.group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        top = (1 << self.bits) - 1
-        sc = ((hi - lo) / top).clamp_min(1e-8).half()      # fp16, as the reader sees them
-        mn = lo.half()
-        c = ((g - mn.float()[..., None]) / sc.float()[..., None]).round_().clamp_(0, top).to(torch.uint8)
-        c = c.reshape(Hkv, n, D)
+        sc, mn = asym_params(g, -1, self.bits)             # fp16, as the reader sees them
+        c = quantize_asym(g, sc, mn, self.bits).reshape(Hkv, n, D)
+        sc, mn = sc[..., 0], mn[..., 0]
         if self.bits == 4:                                  # channel pairs (2i, 2i+1) per byte
             c = c[..., 0::2] | (c[..., 1::2] << 4)
         if isinstance(slots, int):

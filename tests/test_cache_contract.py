@@ -24,7 +24,7 @@ def test_every_cache_is_a_kvcache(arch, spec, kind):
     assert isinstance(c, LayeredKVCache) == (arch == "gemma3") and isinstance(inner, kind)
     assert c.kv is inner.kv and c.label() == (spec if kind is DenseKVCache else c.kv.label())
     assert c.label().split("@")[0].split("+")[0] == spec.split("+")[0]
-    assert (c.kv is None) == (kind is DenseKVCache)
+    assert (c.kv is None) == (kind is DenseKVCache) and c.n_layers == cfg.num_layers
     assert max(c.n_tail) == 0 and c.seq_len == 0 and c.max_ctx == 128 and c.can_shift is False
     assert c.takes_new_kv(0, 1) in (True, False)
     assert c.bytes_per_token() == sum(c.nbytes().values()) / 128

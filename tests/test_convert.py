@@ -115,14 +115,14 @@ def test_hf_qwen2_bias_and_bf16(tiny_qwen2, tmp_path):
 def test_hf_logits_match_transformers(tiny_qwen2, tmp_path):
     """End to end: converted weights in kvrun's Transformer give the HF model's logits."""
     import transformers
-    from kvrun.kv import DenseKVCache
+    from ref_cache import RefCache
     from kvrun.model.llama import Transformer
     src, _ = tiny_qwen2
     cfg = convert_hf(src, tmp_path / "out", dtype="fp32")
     model = Transformer(cfg).float()
     model.load_weights(load_file(str(tmp_path / "out" / "model.safetensors")))
     ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 33, 34, 35]])
-    cache = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, dtype=torch.float32)
+    cache = RefCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, dtype=torch.float32)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
         want = hf(ids).logits

@@ -52,7 +52,7 @@ def _step(m, cache, tok, monkeypatch, native_step):
         return m.transformer(tok, cache)[:, -1]                         # (B, V)
 
 
-def _compare(m, cache, prompt, steps, monkeypatch, rows=1, tol=TOL):
+def _compare(m, cache, prompt, steps, monkeypatch, tol=TOL):
     """Prefill eagerly, then `steps` greedy steps, each run twice from the same cache state
     (a deep copy): natively, then eagerly. Comparing step by step keeps the two from
     drifting apart: their K/V are stored in fp16, and a value that the two fp32 paths put
@@ -60,13 +60,13 @@ def _compare(m, cache, prompt, steps, monkeypatch, rows=1, tol=TOL):
     one path differ from the other's by far more than one step's summation-order error."""
     with monkeypatch.context() as mp:
         _eager(mp)
-        logits = m.transformer(torch.as_tensor(prompt).view(rows, -1), cache)[:, -1]
+        logits = m.transformer(torch.as_tensor(prompt).view(1, -1), cache)[:, -1]
     ran = []
     from kvrun.kernels.native.decode_layer import LayerPlan
     pre = LayerPlan.pre
     monkeypatch.setattr(LayerPlan, "pre", lambda self, *a: (ran.append(1), pre(self, *a))[1])
     for _ in range(steps):
-        tok = logits.argmax(-1)[:, None]                                # (B, 1)
+        tok = logits.argmax(-1)[:, None]                                # (1, 1)
         twin = copy.deepcopy(cache)
         got = _step(m, cache, tok, monkeypatch, True)
         logits = _step(m, twin, tok, monkeypatch, False)
@@ -92,13 +92,26 @@ def test_native_step_equals_the_dequantized_eager_step(models, monkeypatch, name
 
 
 def test_rows_are_a_batch_axis(models, monkeypatch):
-    """B rows, each its own token over its own cache row, in one call."""
+    """B rows, each the next token of its own sequence on its own cache, in one call (the
+    batched decode, engine/batch.py): each row's logits equal its sequence's eager step."""
     m = kvrun.load(models["int4-32"], ctx=64)
-    cfg = m.cfg
-    B = 3
+    cfg, B = m.cfg, 3
     prompts = torch.randint(3, 200, (B, 10), generator=torch.Generator().manual_seed(0))
-    c = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, batch=B)
-    _compare(m, c, prompts, 6, monkeypatch, rows=B)
+    caches = [kvrun.kv.make_cache(cfg, 64, "fp32") for _ in range(B)]
+    with monkeypatch.context() as mp:
+        _eager(mp)
+        logits = torch.stack([m.transformer(p[None], c)[0, -1] for p, c in zip(prompts, caches)])
+    for _ in range(6):
+        tok = logits.argmax(-1)[:, None]                                # (B, 1)
+        twins = copy.deepcopy(caches)
+        step = m.transformer.native_step(tok[:1], caches[0])
+        assert step is not None
+        got = step.rows(tok, caches)[:, 0]
+        with monkeypatch.context() as mp:
+            _eager(mp)
+            logits = torch.stack([m.transformer(t[None], c)[0, -1] for t, c in zip(tok, twins)])
+        assert_close(got, logits, **TOL)
+        caches = twins                                                  # go on from the oracle
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ import kvrun
 from kvrun.kernels.dense_attention import causal_mask, dense_attention
 from kvrun.model.chat_template import template_for
 from kvrun.errors import KvrunError
-from kvrun.kv.cache import DenseKVCache
 from hf_oracle import greedy_pair
+from ref_cache import RefCache
 from tiny import tiny_config
 
 # -- the real checkpoint ----------------------------------------------------------------------
@@ -129,7 +129,7 @@ def test_logits_match_transformers_past_the_window(gemma, hf_gemma, long_ids, lo
     assert (out - ref).abs().max().item() <= 1e-3
     # the window matters: the same model attending over everything is far off past 512
     cfg = gemma.cfg
-    full = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(long_ids), torch.float32)
+    full = RefCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(long_ids), torch.float32)
     t = torch.tensor([long_ids])
     nowin = torch.cat([gemma.transformer(t[:, s:s + 512], full)[0] for s in range(0, len(long_ids), 512)])
     assert (nowin[:512] - ref[:512]).abs().max().item() <= 1e-3
@@ -233,13 +233,13 @@ def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.2)
     ids = torch.randint(0, cfg.vocab_size, (1, 50))
-    new = lambda: DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32,  # noqa: E731
-                               windows=cfg.layer_windows)
+    new = lambda: RefCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32,  # noqa: E731
+                           windows=cfg.layer_windows)
     full = m(ids, new())[0]
     c = new()
     got = [m(ids[:, :7], c)[0], m(ids[:, 7:30], c)[0]] + [m(ids[:, i:i + 1], c)[0] for i in range(30, 50)]
     torch.testing.assert_close(torch.cat(got), full, atol=1e-4, rtol=1e-4)
-    nowin = m(ids, DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32))[0]
+    nowin = m(ids, RefCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32))[0]
     assert (nowin[16:] - full[16:]).abs().max() > 1e-2 and torch.allclose(nowin[:16], full[:16], atol=1e-5)
     assert supported(Transformer(tiny_config("gemma3", weights="int8")))   # test_decode_layer.py
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers
 
-from kvrun.kv import DenseKVCache
 from kvrun.model.llama import Transformer
+from ref_cache import RefCache
 from tiny import tiny_config
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -45,7 +45,7 @@ def test_logits_match_transformers(arch, tie, scaling):
     ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits.float()
-    out = m(ids, DenseKVCache(2, 2, 16, 150, torch.float32))
+    out = m(ids, RefCache(2, 2, 16, 150, torch.float32))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -53,8 +53,8 @@ def test_logits_match_transformers(arch, tie, scaling):
 def test_prefill_decode_equals_full_forward(chunks):
     _, m, cfg = hf_pair("llama", True, None)
     ids = torch.randint(0, 256, (1, sum(chunks)), generator=torch.Generator().manual_seed(2))
-    full = m(ids, DenseKVCache(2, 2, 16, 64, torch.float32))
-    cache = DenseKVCache(2, 2, 16, 64, torch.float32)
+    full = m(ids, RefCache(2, 2, 16, 64, torch.float32))
+    cache = RefCache(2, 2, 16, 64, torch.float32)
     outs, s = [], 0
     for c in chunks:
         outs.append(m(ids[:, s:s + c], cache))
@@ -67,7 +67,7 @@ def test_gemv_copy_only_changes_precision():
     """The fp16 decode copy gives the same logits as fp32 up to fp16 weight rounding."""
     _, m, cfg = hf_pair("llama", True, None)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
-    cache = DenseKVCache(2, 2, 16, 64, torch.float32)
+    cache = RefCache(2, 2, 16, 64, torch.float32)
     ref = [m(ids[:, i:i + 1], cache) for i in range(20)]
     m.set_gemv_dtype(torch.float16)
     cache.reset()

@@ -19,6 +19,7 @@ from torch.testing import assert_close
 from kvrun.kernels import dense_attention
 from kvrun.errors import KvrunError
 from kvrun.kv import build_cache, kv_bytes_at, parse_kv
+from kvrun.kv.build import fp16_bytes
 from kvrun.kv.ring import LayeredKVCache, SlidingWindowKV
 from tiny import tiny_config
 
@@ -139,7 +140,7 @@ def test_bytes_the_ring_never_grows_and_accounting_is_exact(kv, ctx):
     assert kv_bytes_at(cfg, kv, ctx) == c.nbytes()
     assert c.nbytes()["ring"] == 2 * 5 * 1 * min(W, ctx) * RING_BYTES[kv]   # 5 sliding layers
     if kv == "fp16":                    # the formula docs/measurements.md states
-        assert sum(c.nbytes().values()) == 2 * 1 * 32 * 2 * (1 * ctx + 5 * min(W, ctx))
+        assert sum(c.nbytes().values()) == fp16_bytes(cfg, ctx) == 2 * 1 * 32 * 2 * (1 * ctx + 5 * min(W, ctx))
 
 
 @pytest.mark.parametrize("v_group,per", [(16, 16 + 8), (32, 16 + 4)])
@@ -213,11 +214,11 @@ def _tiny_gemma():
 @pytest.mark.parametrize("kv,tol", [("fp16", 5e-3), ("int8", 0.2), ("kivi-4", 2.0)])
 def test_tiny_gemma_on_the_layered_cache(kv, tol):
     from kvrun.kv.build import make_cache
-    from kvrun.kv import DenseKVCache
+    from ref_cache import RefCache
     cfg, m = _tiny_gemma()
     ids = torch.randint(0, cfg.vocab_size, (1, 120))
-    ref_cache = DenseKVCache(cfg.num_layers, 1, cfg.head_dim, 128, torch.float16,
-                             windows=cfg.layer_windows)
+    ref_cache = RefCache(cfg.num_layers, 1, cfg.head_dim, 128, torch.float16,
+                         windows=cfg.layer_windows)
     c = make_cache(cfg, 128, parse_kv(kv, residual=32, group=32))
     assert isinstance(c, LayeredKVCache) and c.ring.W == W
     with torch.inference_mode():

@@ -17,7 +17,7 @@ from ..model.chat_template import template_for
 from ..model.config import ModelConfig
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, check_ids
-from ..kv import DenseKVCache
+from ..kv import build_cache
 from ..kv.build import make_cache
 from ..kv.config import KVConfig
 from ..model.loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
@@ -139,8 +139,7 @@ class Model:
             return self._logits(ids)
 
     def _logits(self, ids: list[int]) -> torch.Tensor:
-        cache = DenseKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
-                             len(ids), torch.float32, windows=self.cfg.layer_windows)
+        cache = build_cache(self.cfg, len(ids), "fp32")
         chunk = self.engine.prefill_chunk
         out = [self.transformer(torch.tensor([ids[s:s + chunk]]), cache)[0]
                for s in range(0, len(ids), chunk)]

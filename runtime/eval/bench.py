@@ -27,7 +27,8 @@ import torch
 
 from ..errors import KvrunError
 from ..files import atomic_output
-from ..kv.report import fp16_bytes
+from ..kv.build import build_cache, fp16_bytes
+from ..kv.layout import layer_windows
 
 GEOMETRIES = {                      # (query heads, KV heads, head dim)
     "llama-2-7b": (32, 32, 128),
@@ -122,24 +123,24 @@ def _stats(times: list[float], n: int) -> tuple[float, float, float, float]:
 # -- model mode ----------------------------------------------------------------------------------
 
 def _capture_kv(model, ids: list[int], chunk: int):
-    """Prefill `ids` into an fp16 cache; returns its K, V: (L, Hkv, n, D) each."""
-    from ..kv import DenseKVCache
-    cfg = model.cfg
-    cache = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float16,
-                         windows=cfg.layer_windows)
+    """Prefill `ids` into an fp16 cache; returns its K, V: (L, Hkv, n, D) fp16 each (a
+    sliding layer's positions before its window zero: KVCache.all_rows)."""
+    cache = build_cache(model.cfg, len(ids), "fp16")
     t = torch.tensor([ids])
     for s in range(0, len(ids), chunk):
         model.transformer(t[:, s:s + chunk], cache, last_only=True)
-    return cache.k[:, 0], cache.v[:, 0]
+    return tuple(x.half() for x in cache.all_rows())
 
 
 def _synthetic_kv(model, depth: int, probe_ids: list[int], chunk: int, seed: int):
-    """K/V for `depth` tokens drawn per (layer, head, channel) from a real prefill's statistics."""
+    """K/V for `depth` tokens drawn per (layer, head, channel) from a real prefill's statistics
+    (over the probe's last tokens every layer holds: a sliding layer holds its window)."""
     k, v = _capture_kv(model, probe_ids, chunk)                      # (L, Hkv, p, D)
+    held = min([w for w in layer_windows(model.cfg) if w] + [k.shape[2]])
     g = torch.Generator().manual_seed(seed)
 
     def draw(x):
-        xf = x.float()
+        xf = x[:, :, -held:].float()
         mean, std = xf.mean(2, keepdim=True), xf.std(2, keepdim=True)  # (L, Hkv, 1, D)
         L, H, _, D = x.shape
         out = torch.empty(L, H, depth, D, dtype=torch.float16)

@@ -149,9 +149,8 @@ def _score_methods(model, caches: dict, win: list[int], chunk: int, tell=None) -
 
 
 def _records(model, specs: dict, stats: dict, ctx: int) -> list[PplRecord]:
-    from ..kv.build import kv_bytes_per_token
+    from ..kv.build import kv_bytes_per_token, kv_ratio_at
     base_ppl = math.exp(stats[BASELINE]["nll"] / stats[BASELINE]["n"])
-    fp16_bpt = kv_bytes_per_token(model.cfg, BASELINE, ctx)
     out = []
     for m, spec in specs.items():
         st = stats[m]
@@ -161,10 +160,9 @@ def _records(model, specs: dict, stats: dict, ctx: int) -> list[PplRecord]:
             method=m, ppl=ppl, dppl=100.0 * (ppl / base_ppl - 1.0),
             kld=st["kld"] / st["n"] if m != BASELINE else 0.0,
             top1=st["top1"] / st["n"] if m != BASELINE else 1.0,
-            bytes_per_token=bpt, ratio=bpt / fp16_bpt,
+            bytes_per_token=bpt, ratio=kv_ratio_at(model.cfg, spec, ctx),
             # per 32k tokens against fp16 at 32k (not linear in n with sliding-window rings)
-            ratio_32k=kv_bytes_per_token(model.cfg, spec, 32768)
-            / kv_bytes_per_token(model.cfg, BASELINE, 32768),
+            ratio_32k=kv_ratio_at(model.cfg, spec, 32768),
             n_scored=st["n"], seconds=st["t"]))
     return out
 

@@ -34,8 +34,7 @@ import torch
 from ..errors import KvrunError
 from ..progress import format_duration
 from ..kv.layout import arena_layers
-from ..kv.build import build_cache, check_kv, kv_bytes_at
-from ..kv.cache import DenseKVCache
+from ..kv.build import build_cache, check_kv, fp16_bytes, kv_bytes_at
 from ..kv.config import KVConfig
 
 # bits -> methods per codec family; 8-bit KIVI is the per-token int8 codec
@@ -90,10 +89,9 @@ class Objective:
     def _prepare(self, win: list[int]) -> _Window:
         cfg, P = self.cfg, self.prefix
         ids = torch.tensor([win])
-        dense = DenseKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(win), torch.float16,
-                             windows=cfg.layer_windows)
+        dense = build_cache(cfg, len(win), "fp16")
         self.model.transformer(ids[:, :P], dense, last_only=True)        # one chunk: see docstring
-        k, v = dense.k[:, 0, :, :P].clone(), dense.v[:, 0, :, :P].clone()  # (L, Hkv, P, D)
+        k, v = (x.half() for x in dense.all_rows())                       # (L, Hkv, P, D)
         w = _Window(ids, k, v, None, None)
         lp = self._logprobs(dense, w)
         w.p = lp.exp()
@@ -144,7 +142,7 @@ class Search:
         self.rng = random.Random(seed)
         self.progress = progress or (lambda s: None)
         self.L = arena_layers(cfg)          # sliding-window layers keep their fp16 ring
-        fp16 = sum(kv_bytes_at(cfg, "fp16", ctx).values())
+        fp16 = fp16_bytes(cfg, ctx)
         self.limit = int(math.floor(budget * fp16 + 1e-6))
         self.fp16_bytes = fp16
         # methods sorted by bytes (cheapest first); per-slot costs relative to the cheapest

@@ -1,5 +1,5 @@
 """KV caches: the dense cache, the compressed arena (residual window + compressed tail), and
-the ring of sliding-window layers beside either (ring.py)."""
+the ring of sliding-window layers beside either (ring.py), behind one contract (contract.py)."""
 from .arena import KVArena
 from .build import build_cache, check_kv, kv_bytes_at, kv_ratio_at, make_cache
 from .layout import arena_layers, tail_capacity

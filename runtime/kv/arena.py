@@ -1,6 +1,6 @@
 """The compressed KV arena: a full-precision residual window + a compressed tail per layer
-(docs/architecture.md), behind the same interface as DenseKVCache (positions / attend / commit /
-truncate / reset / nbytes).
+(docs/architecture.md), a KVCache (contract.py): every --kv but plain fp16/bf16/fp32, which
+DenseKVCache holds (cache.py).
 
 Per layer (codecs may differ per layer and between K and V):
 - window: the newest tokens, fp16 (bf16 if every method is bf16), R + G slots (fewer when
@@ -22,13 +22,10 @@ cache bytes and, on one backend, the same output bit for bit (tests/test_write_a
 tests/test_decode_contract.py across backends).
 
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
-the first n_keep tokens — rounded up to a whole tail block, so the sink block is untouched
-(bit-exact) — drop half of the rest, and re-rotate every later key by -n_discard so the
-cache is as if the kept tokens sat at positions 0..n-1. Kept tokens after the sinks are
-dequantized, re-rotated (K) and re-packed through the normal append path: a one-off
-double quantization of those tokens (K rotated and re-quantized; V re-quantized from its
-own reconstruction, which for RTN min-max per token is nearly idempotent), once every
-~ctx/2 generated tokens.
+the first n_keep tokens (rounded up to a whole tail block, untouched), drop half of the
+rest, and re-rotate every later key by -n_discard. Kept tokens after the sinks are
+dequantized, re-rotated (K) and re-packed through the normal append path: a one-off double
+quantization, once every ~ctx/2 generated tokens.
 
 Token eviction (`KVConfig.eviction`, evict.py) is the third policy: the tail is allocated for
 the budget instead of max_ctx, and arena_evict.ArenaEviction is a policy the arena calls
@@ -39,8 +36,7 @@ through `tail_rows` / `tail_means`, and returns the counts the arena sets. Posit
 absolute (`seq_len`), so n_tail + n_win + evicted == seq_len.
 
 Interrupted forwards (Ctrl-C between layers) leave layers at different lengths;
-`truncate(seq_len)` makes them consistent again (it may have to keep fewer tokens if a
-layer already flushed: it falls back to the last whole tail block and returns the count).
+`truncate(seq_len)` makes them consistent again (keeping fewer tokens if a layer flushed).
 """
 from __future__ import annotations
 
@@ -97,7 +93,8 @@ class KVArena(KVCache):
         if kv.context.on_full == "shift" and kv.context.n_keep >= max_ctx:
             raise KvrunError(f"--keep {kv.context.n_keep} leaves nothing to shift in a context of "
                              f"{max_ctx} tokens: it must be smaller than -c/--ctx-size")
-        self.L, self.Hkv, self.D, self.max_ctx, self.kv = n_layers, n_kv_heads, head_dim, max_ctx, kv
+        self.L = self.n_layers = n_layers
+        self.Hkv, self.D, self.max_ctx, self.kv = n_kv_heads, head_dim, max_ctx, kv
         self.R, self.G = kv.residual, kv.group
         self.S_l = tail_sizes(kv, n_layers, max_ctx)      # per-layer tail (eviction: budget)
         self.S = max(self.S_l)
@@ -386,6 +383,13 @@ class KVArena(KVCache):
         return tuple(torch.cat([c.dequant(st, r0, r1) for r0, r1 in runs] + [none], 1)
                      for c, st in ((self.k_codecs[l], self.k_store[l]),
                                    (self.v_codecs[l], self.v_store[l])))
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nt, w = self.n_tail[layer], self.n_win[layer]
+        tail = self.tail_rows(layer, [(0, nt)] if nt else [])
+        return tuple(x if r is None else unrotate(x, r) for x, r in zip(
+            (torch.cat([t, win[layer][:, :w].float()], 1) for t, win in zip(tail, (self.win_k, self.win_v))),
+            (self.rot_k[layer], self.rot_v[layer])))
 
     def tail_means(self, l: int, runs) -> list:
         """The stored per-token means (n, D) float32 of the tail slot runs, for the K and V

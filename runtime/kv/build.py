@@ -3,7 +3,7 @@
 `make_cache` is the one entry point the engine and the evaluations use: it resolves the
 KV config for the model (`--kv auto` → its profile), refuses a cache larger than the
 machine's memory, and builds DenseKVCache (uniform fp16/bf16/fp32), the KVArena otherwise,
-with a ring for sliding-window layers beside either. `kv_bytes_at` gives the bytes of that
+with a ring for sliding-window layers beside either (the one sliding-window implementation). `kv_bytes_at` gives the bytes of that
 cache by component from the codecs' storage layouts, without allocating.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 
-import torch
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.rope import inv_frequencies
@@ -39,18 +38,6 @@ def check_kv(cfg, kv_config) -> KVConfig:
     return kv
 
 
-def _full_cache(cfg, n_layers: int, ctx: int, kv: KVConfig, device):
-    if kv.is_dense:
-        return DenseKVCache(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
-                            KV_DTYPES[kv.k_method], device=device)
-    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return KVArena(n_layers, cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
-                   n_heads=cfg.num_heads)
-
-
-def _ring_dtype(kv: KVConfig) -> torch.dtype:
-    return KV_DTYPES[kv.k_method] if kv.is_dense else window_dtype(kv)
-
 
 def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
     """Bytes of the sliding-window layers' rings for a cache of n_tokens, from the ring
@@ -60,21 +47,27 @@ def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
     if not n_slide:
         return 0
     parts = ring_layout(n_slide, cfg.num_kv_heads, min(max(windows), n_tokens), cfg.head_dim,
-                        ring_bits(kv), _ring_dtype(kv), kv.v_group)
+                        ring_bits(kv), window_dtype(kv), kv.v_group)
     return 2 * sum(math.prod(shape) * dt.itemsize for shape, dt in parts)
 
 
 def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
-    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16 without context
-    shift (the same tensors and read path as before), the KVArena otherwise; a model with
+    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16/fp32 without
+    context shift, the KVArena otherwise, for its full-attention layers; a model with
     sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
     kv = check_kv(cfg, kv_config)
     windows = layer_windows(cfg)
-    full = _full_cache(cfg, windows.count(0), ctx, kv, device)
+    if kv.is_dense:
+        full = DenseKVCache(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx,
+                            KV_DTYPES[kv.k_method], device)
+    else:
+        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
+                       n_heads=cfg.num_heads)
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
-                           max(windows), ctx, _ring_dtype(kv), device, ring_bits(kv), kv.v_group,
+                           max(windows), ctx, window_dtype(kv), device, ring_bits(kv), kv.v_group,
                            "v" in kv.rotation.which)
     return LayeredKVCache(windows, full, ring)
 
@@ -99,15 +92,22 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
     return {**out, **ring}
 
 
+def fp16_bytes(cfg, n_tokens: int) -> int:
+    """K and V of n_tokens as fp16 rows, nothing more (llama.cpp's f16 cache of n_tokens):
+    the full-attention layers hold every token, the sliding layers min(window, n) of them.
+    The denominator of every ratio kvrun reports."""
+    per_row = 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    return sum(per_row * (min(w, n_tokens) if w else n_tokens) for w in layer_windows(cfg))
+
+
 def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
-    """Total KV bytes holding n_tokens (window included) / the fp16 cache of n_tokens (for a
-    model with sliding-window layers, their fp16 rings included)."""
-    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / sum(kv_bytes_at(cfg, "fp16", n_tokens).values())
+    """Total KV bytes holding n_tokens (window included) / fp16_bytes(n_tokens)."""
+    return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / fp16_bytes(cfg, n_tokens)
 
 
 def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
-    """A KV cache for `ctx` tokens: the dense cache for plain fp16/bf16/fp32, otherwise the
-    compressed arena (`kv` is a --kv spec such as "tada-4" or a KVConfig); sliding-window
+    """A KV cache for `ctx` tokens (`kv` is a --kv spec such as "fp16" or "tada-4", or a
+    KVConfig): the dense cache for plain fp16/bf16/fp32, the arena otherwise; sliding-window
     layers (Gemma 3) keep a ring of their window beside either (ring.py)."""
     kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
     kv.check_profile(cfg)                   # a profile searched for another model is refused

@@ -1,6 +1,6 @@
 """The dense (uncompressed) cache: every token in full precision, one buffer per layer of
-`max_ctx` tokens, a KVCache (the contract: contract.py). Sliding-window layers read it
-through a mask (`windows`); Gemma's rings of the window's size only are ring.py's."""
+`max_ctx` tokens, a KVCache (the contract: contract.py). It holds the full-attention
+layers; a model's sliding-window layers keep their window in a ring beside it (ring.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,23 +36,17 @@ class NewKV:
 
 
 class DenseKVCache(KVCache):
-    """Preallocated full-precision K/V for `max_ctx` tokens, all layers in one tensor.
-
-    `windows[l]` > 0 makes layer l a sliding-window layer (Gemma 3's local layers,
-    ModelConfig.layer_windows): each query attends only to the last `windows[l]` tokens, its
-    own included. The window is a mask over the full-length buffer; a ring of the window's
-    size only is ring.py's SlidingWindowKV."""
+    """Preallocated full-precision K/V of one sequence for `max_ctx` tokens, all layers in
+    one tensor. Its rows never move, so a new prompt may keep any common prefix
+    (resume_point); the arena's fp16 tails are for layers of mixed profiles."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-                 dtype: torch.dtype = torch.float16, batch: int = 1, device="cpu",
-                 windows: list[int] | None = None):
-        shape = (n_layers, batch, n_kv_heads, max_ctx, head_dim)        # (L, B, Hkv, S, D)
+                 dtype: torch.dtype = torch.float16, device="cpu"):
+        shape = (n_layers, 1, n_kv_heads, max_ctx, head_dim)            # (L, 1, Hkv, S, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_ctx = max_ctx
+        self.n_layers, self.max_ctx = n_layers, max_ctx
         self.seq_len = 0
-        self.windows = list(windows) if windows else [0] * n_layers
-        assert len(self.windows) == n_layers, (len(self.windows), n_layers)
         # the native decode step's view of the cache: an uncompressed tail per layer
         self._tail = (FpCodec("k", TILE, dtype), FpCodec("v", TILE, dtype))
         self._tail_st = [({"x": self.k[l, 0]}, {"x": self.v[l, 0]}) for l in range(n_layers)]
@@ -65,7 +59,7 @@ class DenseKVCache(KVCache):
         return torch.arange(self.seq_len, self.seq_len + T)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (B, H, T, D); k, v: (B, Hkv, T, D), K already rotated. Returns (B, H, T, D).
+        """q: (1, H, T, D); k, v: (1, Hkv, T, D), K already rotated. Returns (1, H, T, D).
 
         A decode step of one sequence on the native backend reads the cache through the
         native attention kernel (the cached tokens as an uncompressed tail of whole
@@ -74,13 +68,7 @@ class DenseKVCache(KVCache):
         S, T = self.seq_len, k.shape[2]
         self.k[layer, :, :, S:S + T] = k
         self.v[layer, :, :, S:S + T] = v
-        w = self.windows[layer]
-        if w and S + T > w:
-            # sliding layer past its window: keys from the first query's window start on
-            lo = S + 1 - w if S + 1 > w else 0
-            return dense_attention(q, self.k[layer, :, :, lo:S + T], self.v[layer, :, :, lo:S + T],
-                                   S - lo, window=w)
-        if T == 1 and q.shape[0] == 1 and self.backend == "native":
+        if T == 1 and self.backend == "native":
             nt = S // TILE * TILE
             kl, vl = self.k[layer], self.v[layer]                          # (1, Hkv, S, D)
             return decode_attention(q, (self._tail[0], self._tail_st[layer][0]),
@@ -97,6 +85,9 @@ class DenseKVCache(KVCache):
         self.k[:, :, :, S:S + n] = k[:, None]
         self.v[:, :, :, S:S + n] = v[:, None]
         self.seq_len += n
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, 0, :, :self.seq_len].float(), self.v[layer, 0, :, :self.seq_len].float()
 
     def commit(self, T: int) -> None:
         self.seq_len += T

@@ -275,10 +275,15 @@ class KVConfig:
             raise KvrunError(f"GEAR outliers need head dim <= 256, got {D}")
 
     @property
+    def uncompressed(self) -> bool:
+        """Every layer's K and V kept in a float dtype (fp16, bf16, fp32): no codes."""
+        return self.methods() <= DENSE
+
+    @property
     def is_dense(self) -> bool:
-        """Uniform fp16 (bf16, fp32) K and V with no context shift: DenseKVCache serves it."""
-        ms = self.methods()
-        return (len(ms) == 1 and ms <= DENSE and self.context.on_full == "error"
+        """Uniform fp16 (bf16, fp32) K and V with no context shift, rotation or eviction:
+        DenseKVCache serves it."""
+        return (len(self.methods()) == 1 and self.uncompressed and self.context.on_full == "error"
                 and self.rotation.off and not self.eviction.on)
 
     def label(self) -> str:

@@ -23,6 +23,7 @@ class KVCache(ABC):
     """A sequence's KV cache: `max_ctx` tokens preallocated, `seq_len` of them cached."""
 
     max_ctx: int                        # tokens the cache was allocated for (-c)
+    n_layers: int                       # model layers it holds
     seq_len: int                        # tokens cached (evicted ones included: positions stay absolute)
     kv = None                           # the KVConfig of a compressed cache; None when dense
     can_shift = False                   # a full context shifts (the arena's shift()) or errors
@@ -65,6 +66,12 @@ class KVCache(ABC):
         (benchmarks fill a cache to a depth without running the model)."""
 
     @abstractmethod
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V rows `layer` holds, (Hkv, n, D) float32 each, oldest first, in the
+        model's space (K after RoPE, stored rotations undone, codes dequantized): all
+        seq_len tokens, a sliding layer its last min(seq_len, window)."""
+
+    @abstractmethod
     def nbytes(self) -> dict[str, int]:
         """Exact allocated bytes by component."""
 
@@ -73,6 +80,17 @@ class KVCache(ABC):
         """The method as --kv names it: fp16, kivi-4/kivi-2, auto, profile:NAME, …"""
 
     # -- with defaults ------------------------------------------------------------------------
+    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer, (L, Hkv, seq_len, D) float32: `rows` stacked, the
+        positions a sliding layer no longer holds zero. What `ingest` takes back (it reads
+        a sliding layer's last window only)."""
+        out = []
+        for layer in range(self.n_layers):
+            k, v = self.rows(layer)
+            pad = k.new_zeros(k.shape[0], self.seq_len - k.shape[1], k.shape[2])
+            out.append((torch.cat([pad, k], 1), torch.cat([pad, v], 1)))
+        return torch.stack([k for k, _ in out]), torch.stack([v for _, v in out])
+
     def bytes_per_token(self) -> float:
         """Allocated bytes per token of context, all layers, K and V."""
         return sum(self.nbytes().values()) / self.max_ctx

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .build import kv_bytes_at
+from .build import fp16_bytes
 
 
 def fp16_bytes_per_token(cfg) -> int:
     """Bytes one token costs in an uncompressed fp16 cache (K and V, all layers)."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-
-
-def fp16_bytes(cfg, n_tokens: int) -> int:
-    """Bytes of the fp16 cache of n_tokens: the baseline every "x fp16" ratio divides by
-    (a model with sliding-window layers holds only their window: kv_bytes_at)."""
-    return sum(kv_bytes_at(cfg, "fp16", n_tokens).values())
 
 
 @dataclass

@@ -20,7 +20,7 @@ fp16 scale and min per group from kernels/quant.py's asym_params, the quantizer 
 codec; 4-bit codes two to a byte), the per-token scheme KIVI uses for V. Per-token 4-bit K loses more than KIVI's per-channel K would, but
 a ring cannot hold KIVI's G-token channel groups, and Gemma's QK-norm keeps K free of the
 outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks the
-width from the KV method (build_cache: 16 for the dense methods, 8 when every method
+width from the KV method (build_cache: 16 when nothing is compressed, 8 when every method
 keeps >= 8 bits, else 4). As in the arena, the step's own new rows are attended in full
 precision and quantized when they are written. A one-token step on codes is one op where the
 backend has it (kernels/dispatch.py `ring_step`: the native kernel reads the codes in place
@@ -41,8 +41,8 @@ rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes (
 0.0160).
 
 `LayeredKVCache` puts the two kinds behind the one cache interface the model and engine
-use (runtime/kv/cache.py): sliding layers go to the ring, full-attention layers to `inner`
-(DenseKVCache or the compressed KVArena, built for the full layers only, which it indexes
+use (runtime/kv/contract.py): sliding layers go to the ring, full-attention layers to `inner`
+(DenseKVCache or the KVArena, built for the full layers only, which it indexes
 0 .. n_full − 1 in model order: a per-layer profile for such a model lists its full layers).
 Limits, each refused with one clear line where it is asked for:
 - context shift: the ring would have to drop and re-rotate the middle of a window that
@@ -69,9 +69,9 @@ RING_SIGNS_SEED = 0             # the quantized ring's rotation signs (part of i
 
 
 def ring_bits(kv) -> int:
-    """The ring's width for a KV config: 16 (the window dtype) for the dense methods, 8 when
-    every method keeps >= 8 bits (int8, tada-8, fp16 profiles), else 4."""
-    if kv.is_dense:
+    """The ring's width for a KV config: 16 (the window dtype) when no layer is compressed,
+    8 when every method keeps >= 8 bits (int8, tada-8, profiles mixing fp16), else 4."""
+    if kv.uncompressed:
         return 16
     return 8 if min(method_family(m)[1] for m in kv.methods()) >= 8 else 4
 
@@ -215,6 +215,13 @@ class SlidingWindowKV:
         self.seq_len += T
         self.torn = False
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's last min(seq_len, W) K and V rows, oldest first, float32, un-rotated."""
+        idx = torch.arange(max(0, self.seq_len - self.W), self.seq_len) % self.W
+        k, v = self.k.read(layer, idx).float(), self.v.read(layer, idx).float()
+        return (k if self.rot_k is None else unrotate(k, self.rot_k),
+                v if self.rot_v is None else unrotate(v, self.rot_v))
+
     def keeps(self, n: int) -> bool:
         """Whether truncating to n tokens leaves every key position n's query needs."""
         if n == 0:
@@ -246,7 +253,7 @@ class LayeredKVCache(KVCache):
         self.slide = [i for i, w in enumerate(self.windows) if w]
         self.route = {i: (False, j) for j, i in enumerate(self.full)}
         self.route.update({i: (True, j) for j, i in enumerate(self.slide)})
-        self.max_ctx = inner.max_ctx
+        self.max_ctx, self.n_layers = inner.max_ctx, len(self.windows)
         self.kv = inner.kv
 
     # -- the cache interface -------------------------------------------------------------------
@@ -310,6 +317,10 @@ class LayeredKVCache(KVCache):
         for j, i in enumerate(self.slide):
             r.store(j, slots, k[i, :, n - m:].to(r.dtype), v[i, :, n - m:].to(r.dtype))
         r.commit(n)
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sliding, j = self.route[layer]
+        return (self.ring if sliding else self.inner).rows(j)
 
     def nbytes(self) -> dict[str, int]:
         return {**self.inner.nbytes(), "ring": self.ring.nbytes()}

@@ -112,17 +112,17 @@ class NativeDecodeStep:
         self.attn = torch.zeros(MAX_ROWS, H * D)          # rows(): each row's attention output
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
-        B, T = ids.shape
-        return (T == 1 and B <= MAX_ROWS and ids.device.type == "cpu"
-                and not any(cache.takes_new_kv(i, T) for i in range(len(self.plans))))
+        """One token of one sequence (B rows of B sequences: `rows`)."""
+        return (ids.shape == (1, 1) and ids.device.type == "cpu"
+                and not any(cache.takes_new_kv(i, 1) for i in range(len(self.plans))))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """ids (B, 1) -> float32 logits (B, 1, V); appends the tokens to `cache`."""
-        B, HD = ids.shape[0], self.cfg.num_heads * self.cfg.head_dim
+        """ids (1, 1) -> float32 logits (1, 1, V); appends the token to `cache`."""
+        HD = self.cfg.num_heads * self.cfg.head_dim
         positions = cache.positions(1)                                   # (1,)
-        logits = self._run(ids, positions.expand(B),
-                           lambda i, q, k, v: cache.attend(i, q, k, v).reshape(B, HD).contiguous())
+        logits = self._run(ids, positions,
+                           lambda i, q, k, v: cache.attend(i, q, k, v).reshape(1, HD).contiguous())
         cache.commit(1)
         return logits
 

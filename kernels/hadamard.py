@@ -75,3 +75,17 @@ def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """x @ Rᵀ, the inverse of `rotate`."""
     return (x.float() @ r.T).to(x.dtype) if x.dtype != torch.float32 else x @ r.T
+
+
+def rotate_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rk: torch.Tensor | None,
+                rv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's inputs into a cache's rotated storage space: q and k by rk, v by rv (None:
+    left as is). A rotated q keeps its dtype; rotated k and v come back float32, to be
+    rounded to the storage dtype once. The torch route of every rotated cache (the arena's
+    layers, the quantized ring) calls this; the native attention kernel applies the same
+    x @ R inside its call. The step's output is then `unrotate(o, rv)`."""
+    if rk is not None:
+        q, k = rotate(q, rk), rotate(k.float(), rk)
+    if rv is not None:
+        v = rotate(v.float(), rv)
+    return q, k, v

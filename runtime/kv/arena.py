@@ -47,7 +47,7 @@ from kvrun.kernels.codecs import make_codec
 from kvrun.kernels.dispatch import (attend_append, decode_attention, pack, select,  # per backend
                                  rope_compress_k, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
-from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
+from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
 from ..errors import KvrunError
 from kvrun.kernels.rope import apply_rope
 from .arena_evict import ArenaEviction, tail_sizes
@@ -162,10 +162,7 @@ class KVArena(KVCache):
                 self.n_win[layer] = w + T
                 self._flush(layer)
                 return o
-        if rk is not None:                          # q·k = (qR)·(kR)
-            q, k = rotate(q, rk), rotate(k.float(), rk)
-        if rv is not None:                          # P·V = (P·(VR))·Rᵀ
-            v = rotate(v.float(), rv)
+        q, k, v = rotate_step(q, k, v, rk, rv)    # q·k = (qR)·(kR), P·V = (P·(VR))·Rᵀ
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
         o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
                              (self.v_codecs[layer], self.v_store[layer]), nt,

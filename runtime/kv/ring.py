@@ -28,15 +28,16 @@ and writes the new slot bit-identical to `_RingStore.write`); `_attend` is its t
 and serves everything else (fp16 rings, chunks, the torch backend).
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
 too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
-the switch the arena uses for the global layers): rows are kept as x @ R, and attention runs in the rotated space — q is
-rotated with K once per call, the output un-rotated once if V is rotated, never the ring —
+the switch the arena uses for the global layers): rows are kept as x @ R, and attention runs
+in the rotated space (hadamard.rotate_step, as the arena's layers) — q is rotated with K
+once per call, the output un-rotated once if V is rotated, never the ring —
 which is exact in full precision (q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a
 channel's large values over all D channels, so each channel group's min/max range fits the
 bulk of its values. Measured on Gemma 3 270M (WikiText-2, one 4096-token window, 4-bit
 rings with fp32 global layers): KLD to the fp16 cache 0.0066 → 0.0039 with K and V
 rotated. K is where it matters (per-token K groups lose the most; kivi-4's KLD 0.0157 →
-0.0102 with ring K and V rotated, 0.0148 with V alone), and K alone costs one small GEMM
-per layer and call (q and k together); V's adds a second, for the output. The arena's K
+0.0102 with ring K and V rotated, 0.0148 with V alone), and K costs two small GEMMs per
+layer and call (q, k); V's adds two more (v, the output). The arena's K
 rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes (kivi-4+rot
 0.0160).
 
@@ -58,7 +59,7 @@ import torch
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
 from kvrun.kernels.dispatch import ring_step, select
-from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
+from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
 from .contract import KVCache
@@ -165,13 +166,8 @@ class SlidingWindowKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
-        R, rv = self.rot_k, self.rot_v          # rv is R or None; R is None for an fp16 ring
-        if R is not None:
-            parts = [q, k] + ([v] if rv is not None else [])              # one GEMM
-            x = (torch.cat([p.float() for p in parts], 1) @ R).split([p.shape[1] for p in parts], 1)
-            q, k = x[0].to(q.dtype), x[1]
-            if rv is not None:
-                v = x[2]
+        rv = self.rot_v                         # rot_k or None; rot_k is None for an fp16 ring
+        q, k, v = rotate_step(q, k, v, self.rot_k, rv)
         if self.bits != 16 and k.shape[2] == 1:
             # one token on codes: the backend's fused step (attend + slot write) where it
             # has one (kernels/dispatch.py), same storage as _attend's

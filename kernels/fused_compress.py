@@ -12,7 +12,7 @@ The window is the arena's (runtime/kv/arena.py): (Hkv, R + G, D), oldest token f
 compacted after a flush. Appending T tokens to a window holding w: while w + T < R + G
 they are just written at [w, w + T); otherwise the oldest f = ⌊(w + T − R)/G⌋·G tokens of
 [window, new] are packed into tail tokens [n_tail, n_tail + f) and the rest move to the
-front of the window — exactly KVArena._append, so a caller can swap this in for it.
+front of the window — exactly KVArena.append, so a caller can swap this in for it.
 
 This module is the Triton kernels' oracle (kernels/triton/fused_compress.py: bit-identical
 packed storage) and the CPU path. Kernels must not import the runtime, so RoPE's cos/sin
@@ -53,7 +53,7 @@ def append_window(rows: torch.Tensor, win: torch.Tensor, w: int, codec, st: dict
         win[:, w:w + T] = rows
         return 0
     seq = torch.cat([win[:, :w], rows], 1)                              # (Hkv, w+T, D)
-    codec.store(st, seq[:, :f].float(), n_tail)          # storage only, as KVArena._append
+    codec.store(st, seq[:, :f].float(), n_tail)          # storage only, as KVArena.append
     win[:, :w + T - f] = seq[:, f:]
     return f
 

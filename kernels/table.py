@@ -18,9 +18,6 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
 
 Routes, by cache (kv/):
-- dense (cache.py): a one-token step of one sequence on native reads the cache as an fp
-  tail through `decode_attention`; everything else (chunks, batches, sliding masks) runs
-  kernels/dense_attention.py (SDPA).
 - arena (arena.py): torch and Triton take `write_attend` — `fused_write` into the window's
   free slots, `decode_attention`, then `pack` — when both codecs are in `fused_write`'s
   set with a power-of-two G, for steps of T <= min(R, 64) tokens that fit the window, not

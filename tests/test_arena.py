@@ -8,10 +8,11 @@ from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
 from kvrun.errors import KvrunError
-from kvrun.kv import (DenseKVCache, KVArena, build_cache, kv_bytes_at, load_profile,
+from kvrun.kv import (KVArena, build_cache, kv_bytes_at, load_profile,
                               parse_kv, save_profile)
 from kvrun.model.llama import Transformer
 from kvrun.kernels.rope import Rope, apply_rope
+from ref_cache import RefCache
 from tiny import tiny_config
 
 CFG = tiny_config(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
@@ -106,7 +107,7 @@ def test_fp16_arena_equals_dense_cache_on_a_model():
         for p in m.parameters():
             p.normal_(0, 0.1)
     ids = torch.randint(0, CFG.vocab_size, (1, 230))
-    dense = DenseKVCache(L, Hkv, D, 300)
+    dense = RefCache(L, Hkv, D, 300, torch.float16)
     arena = build_cache(CFG, 300, parse_kv("fp16", residual=64, ctx_policy="shift"))
     assert isinstance(arena, KVArena)
     ref = torch.cat([m(ids[:, :150], dense)] + [m(ids[:, t:t + 1], dense) for t in range(150, 230)], 1)
@@ -270,12 +271,13 @@ def test_larger_groups_read_path_matches_reference(spec):
 
 
 def test_fp32_is_a_method_like_the_others():
-    """fp32 is the uncompressed dense cache when uniform, and a lossless per-layer codec in
-    mixes; byte accounting covers both."""
+    """fp32 is an arena of fp32 rows when uniform, and a lossless per-layer codec in mixes;
+    byte accounting covers both."""
     kv = parse_kv("fp32")
     c = build_cache(CFG, 200, kv)
-    assert isinstance(c, DenseKVCache) and c.k.dtype == torch.float32
-    assert sum(kv_bytes_at(CFG, kv, 200).values()) == 2 * L * Hkv * 200 * D * 4
+    assert isinstance(c, KVArena) and c.lossless and c.win_k.dtype == torch.float32
+    assert c.k_codecs[0].method == "fp32" and c.bytes_per_token() >= 2 * L * Hkv * D * 4
+    assert sum(kv_bytes_at(CFG, kv, 200).values()) == sum(c.nbytes().values())
     a = build_cache(CFG, 400, parse_kv("fp32/kivi-4", residual=64))
     assert isinstance(a, KVArena) and a.k_codecs[0].method == "fp32"
     _feed(a, 150, torch.Generator().manual_seed(0))
@@ -303,3 +305,23 @@ def test_config_parts_and_flat_settings_round_trip():
     assert again.rotation == kv.rotation and again.residual == 64     # the rest kept
     with pytest.raises(KvrunError, match="unknown KV setting 'window'"):
         KVConfig.from_settings(window=64)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "fp32"])
+def test_an_uncompressed_arena_keeps_any_prefix(spec):
+    """fp16 (bf16, fp32) is an arena whose tail holds rows as they are: truncating inside the
+    tail keeps exactly n tokens (the cut block's rows go back to the window), so a new prompt
+    may reuse its whole common prefix, as it may with nothing compressed."""
+    a = build_cache(CFG, 400, parse_kv(spec, residual=64, group=32))
+    assert a.lossless and a.canonical_tail(300) == 0
+    _feed(a, 230, torch.Generator().manual_seed(0))
+    assert a.n_tail[0] == 160 and a.n_compressed() == 0
+    before = [a.rows(l) for l in range(L)]
+    assert a.resume_point(200, 48) == 200
+    assert a.truncate(45) == 45 and a.n_tail == [32] * L and a.n_win == [13] * L
+    for l in range(L):
+        for x, y in zip(a.rows(l), before[l]):
+            assert torch.equal(x, y[:, :45])
+    _feed(a, 120, torch.Generator().manual_seed(1))                  # and it goes on from there
+    assert a.seq_len == 165 and all(nt + w == 165 for nt, w in zip(a.n_tail, a.n_win))
+    assert not build_cache(CFG, 400, parse_kv("fp16/kivi-4", residual=64)).lossless

@@ -40,11 +40,13 @@ def test_tiny_bench_json_has_every_column(tiny_dir):
         assert x["tok_s"] > 0 and x["ms_per_token"] > 0 and x["reps"] == 2
         assert x["kv_bytes"] == sum(x["kv_bytes_by_component"].values()) > 0
         # where it ran, as llama-bench records it
-        assert x["model"] == tiny_dir.name and x["threads"] == torch.get_num_threads() >= 1
+        # threads: the cap; the thread governor may have run fewer on a busy machine
+        assert x["model"] == tiny_dir.name and x["threads"] >= torch.get_num_threads() >= 1
         assert x["backend"] in ("native", "torch", "triton") and x["cpu"] == B.cpu_name() != ""
         assert x["ms_per_token_sd"] >= 0
     fp16, kivi = recs[2], recs[3]
-    assert fp16["kv_ratio"] == pytest.approx(1.0) and kivi["kv_ratio"] < 1.0
+    # fp16's arena holds at most one block (G = 32 tokens) more than the context
+    assert 1.0 <= fp16["kv_ratio"] <= 1.0 + 32 / 400 and kivi["kv_ratio"] < 1.0
 
 
 def test_bench_bytes_equal_arena_accounting(tiny_dir):

@@ -5,26 +5,25 @@ import torch
 
 from kvrun.kv import KVCache, make_cache, parse_kv
 from kvrun.kv.arena import KVArena
-from kvrun.kv.cache import DenseKVCache
 from kvrun.kv.ring import LayeredKVCache
 from tiny import tiny_config
 
-SPECS = [("fp16", DenseKVCache), ("fp32", DenseKVCache), ("kivi-4", KVArena), ("int8", KVArena),
-         ("kivi-4/kivi-2+rot", KVArena)]
-CASES = ([(a, s, k) for a in ("llama", "gemma3") for s, k in SPECS]
-         + [("llama", "tada-4", KVArena)])     # TaDA needs > 1 KV head: not the tiny Gemma
+SPECS = ["fp16", "fp32", "kivi-4", "int8", "kivi-4/kivi-2+rot"]
+CASES = ([(a, s) for a in ("llama", "gemma3") for s in SPECS]
+         + [("llama", "tada-4")])             # TaDA needs > 1 KV head: not the tiny Gemma
 
 
-@pytest.mark.parametrize("arch, spec, kind", CASES)
-def test_every_cache_is_a_kvcache(arch, spec, kind):
+@pytest.mark.parametrize("arch, spec", CASES)
+def test_every_cache_is_a_kvcache(arch, spec):
     cfg = tiny_config(arch)
     c = make_cache(cfg, 128, parse_kv(spec, residual=32, group=32, v_group=16))
     assert isinstance(c, KVCache)
     inner = c.inner if arch == "gemma3" else c
-    assert isinstance(c, LayeredKVCache) == (arch == "gemma3") and isinstance(inner, kind)
-    assert c.kv is inner.kv and c.label() == (spec if kind is DenseKVCache else c.kv.label())
+    assert isinstance(c, LayeredKVCache) == (arch == "gemma3") and isinstance(inner, KVArena)
+    assert c.kv is inner.kv and c.label() == c.kv.label()
     assert c.label().split("@")[0].split("+")[0] == spec.split("+")[0]
-    assert (c.kv is None) == (kind is DenseKVCache) and c.n_layers == cfg.num_layers
+    assert c.n_layers == cfg.num_layers
+    assert inner.lossless == (spec in ("fp16", "fp32")) and c.n_compressed() == 0
     assert max(c.n_tail) == 0 and c.seq_len == 0 and c.max_ctx == 128 and c.can_shift is False
     assert c.takes_new_kv(0, 1) in (True, False)
     assert c.bytes_per_token() == sum(c.nbytes().values()) / 128

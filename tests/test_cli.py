@@ -194,7 +194,8 @@ def test_generate_stats_line_names_kv_bytes_ratio(tiny_dir, kv):
     ratio = total / (fp16_bytes_per_token(cfg) * 512)
     stats = r.stderr.strip().splitlines()[-1]
     assert f"| KV {kv} {fmt_bytes(total)} ({ratio:.3f}x fp16) |" in stats, stats
-    assert (ratio == 1.0) == (kv == "fp16")
+    # fp16's arena: at most one block (G = 32 tokens) beyond the context
+    assert (1.0 <= ratio <= 1.0 + 32 / 512) == (kv == "fp16")
 
 
 def test_chat_history_file(monkeypatch, tmp_path):

@@ -207,7 +207,7 @@ def _same(a, b):
                                          ("gemma3", "fp16"), ("gemma3", "kivi-4"),
                                          ("gemma3", "int8")])
 def test_every_cache_kind_takes_the_same_steps_on_every_backend(monkeypatch, arch, method):
-    """Dense caches, and Gemma's 16-bit or quantized rings beside a dense cache or an arena:
+    """fp16 and fp32 arenas, and Gemma's 16-bit or quantized rings beside an arena:
     the same bytes after every step on every backend (the rings' one-token steps run the
     native ring kernel on the native backend), outputs within the backend's tolerance of
     torch's (fp32 accumulation everywhere; torch multiplies packed tail codes in bf16)."""
@@ -226,8 +226,8 @@ def test_every_cache_kind_takes_the_same_steps_on_every_backend(monkeypatch, arc
             for layer, (o, r) in enumerate(zip(outs, ref_outs)):
                 # a quantized ring's rows are fp16 (the window dtype): its outputs agree to an
                 # fp16 ulp; dense layers to fp32 summation order; an arena layer as TOL says
-                tol = (dict(atol=2e-3, rtol=0) if windows[layer] and not kv.is_dense else
-                       dict(atol=2e-4, rtol=1e-3) if windows[layer] or kv.is_dense else TOL["torch"])
+                tol = (dict(atol=2e-3, rtol=0) if windows[layer] and not kv.uncompressed else
+                       dict(atol=2e-4, rtol=1e-3) if windows[layer] or kv.uncompressed else TOL["torch"])
                 assert_close(o.float(), r.float(), **tol, msg=f"{be} step {i} layer {layer}")
 
 

@@ -13,7 +13,6 @@ import kvrun
 from kvrun.convert import convert_hf
 from kvrun.kernels import native
 from kvrun.model import qlinear
-from kvrun.kv import DenseKVCache
 from kvrun.kv.config import parse_kv
 from kvrun.model.llama import Transformer
 from tiny import write_tiny_hf
@@ -134,31 +133,6 @@ def test_backend_torch_keeps_the_eager_step(models, monkeypatch):
     m.engine.prefill([5, 6, 7])
     m.engine.decode_step(8)
     assert getattr(m.transformer, "_step", None) is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("S", [0, 5, 31, 32, 77])
-def test_dense_cache_decode_reads_through_the_native_kernel(monkeypatch, dtype, S):
-    """The dense cache's one-token step: the cached tokens as an uncompressed tail of whole
-    32-token tiles + a window, through the native kernel; equal to attention over the same
-    stored values in fp32 (the kernel accumulates in fp32; SDPA's fp16 path would round q
-    and the output to fp16)."""
-    import kvrun.kernels.native.decode_attention as nda
-    from kvrun.kernels import dense_attention
-    calls = []
-    real = nda.decode_attention
-    monkeypatch.setattr(nda, "decode_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    L, Hkv, H, D = 2, 2, 6, 32
-    g = torch.Generator().manual_seed(S)
-    c = DenseKVCache(L, Hkv, D, 128, dtype)
-    if S:
-        c.ingest(torch.randn(L, Hkv, S, D, generator=g), torch.randn(L, Hkv, S, D, generator=g))
-    q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g), \
-        torch.randn(1, Hkv, 1, D, generator=g)
-    out = c.attend(1, q, k, v)
-    assert calls, "the native kernel was not used"
-    ref = dense_attention(q, c.k[1, :, :, :S + 1].float(), c.v[1, :, :, :S + 1].float(), S)
-    assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def _quantized_copy(src, dest, weights: str, group: int = 32):

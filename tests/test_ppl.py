@@ -22,7 +22,8 @@ def test_ppl_json_records(tiny_dir, tmp_path):
                                   "--kv", "kivi-2,fp16", "--json", "--dtype", "fp32"])
     assert r.exit_code == 0, r.stderr
     base, kivi = json.loads(r.stdout)
-    assert base["method"] == "fp16" and base["kld"] == 0 and base["top1"] == 1 and base["ratio"] == 1
+    assert base["method"] == "fp16" and base["kld"] == 0 and base["top1"] == 1
+    assert 1 <= base["ratio"] <= 1 + 32 / 512             # fp16's arena: one block of slack at most
     assert base["n_scored"] == kivi["n_scored"] == 2 * 255
     assert kivi["kld"] > 0 and kivi["ratio_32k"] < 0.3
     assert kivi["dppl"] == pytest.approx(100 * (kivi["ppl"] / base["ppl"] - 1))

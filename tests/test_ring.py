@@ -140,7 +140,10 @@ def test_bytes_the_ring_never_grows_and_accounting_is_exact(kv, ctx):
     assert kv_bytes_at(cfg, kv, ctx) == c.nbytes()
     assert c.nbytes()["ring"] == 2 * 5 * 1 * min(W, ctx) * RING_BYTES[kv]   # 5 sliding layers
     if kv == "fp16":                    # the formula docs/measurements.md states
-        assert sum(c.nbytes().values()) == fp16_bytes(cfg, ctx) == 2 * 1 * 32 * 2 * (1 * ctx + 5 * min(W, ctx))
+        ideal = 2 * 1 * 32 * 2 * (1 * ctx + 5 * min(W, ctx))
+        assert fp16_bytes(cfg, ctx) == ideal
+        # what the global layer's arena adds: its window's spare slots, at most one block
+        assert 0 <= sum(c.nbytes().values()) - ideal <= 2 * 1 * 32 * 2 * 32
 
 
 @pytest.mark.parametrize("v_group,per", [(16, 16 + 8), (32, 16 + 4)])

@@ -18,6 +18,16 @@ CALIB = ("The quick brown fox jumps over the lazy dog near the river bank. "
 KW = dict(ctx=512, trials=3, seed=3, bits=(2, 4, 8), family="kivi", windows=2, prefix=160, n_score=32)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fixed_threads():
+    """The thread count the cap says, whatever else runs: a KLD summed over 1 or 2 threads
+    differs in its last bits, and the reproducibility test compares two searches exactly."""
+    from kvrun import threads
+    adapt, threads.governor.adapt = threads.governor.adapt, False
+    yield
+    threads.governor.adapt = adapt
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     d = make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", hidden_size=128, num_heads=4,
@@ -133,7 +143,7 @@ def test_fit_budget(tiny_model, tmp_path, monkeypatch):
     cfg, ctx = tiny_model.cfg, 1024
     mib = lambda spec: sum(kv_bytes_at(cfg, parse_kv(spec), ctx).values()) / 2**20
     kv, desc = fit_budget(cfg, ctx, mib("fp16"))
-    assert kv.is_dense and desc.startswith("fp16")
+    assert kv.methods() == {"fp16"} and desc.startswith("fp16")
     kv, desc = fit_budget(cfg, ctx, mib("kivi-4") + 1e-6)
     assert (kv.k_method, kv.v_method, kv.layers, kv.rotation.which) == ("kivi-4", "kivi-4", None, "kv")
     # a searched profile between kivi-2 and kivi-4 in size is preferred to kivi-2

@@ -9,7 +9,7 @@ Checked on the torch backend and on Triton under TRITON_INTERPRET=1, against `at
   full precision, matching dense attention over the explicitly dequantized older tail,
   attention_cases.dequantized_reference) and then pack the same bytes;
 - a model's decode step calls the fused ops and decode_attention once per layer, `pack`
-  only at a flush, and no other K/V write (`_append`, `attend`); a dense v_proj is not run
+  only at a flush, and no other K/V write (`append`, `attend`); a dense v_proj is not run
   by the model;
 - the real SmolLM2 (int4, the default model) decodes the same tokens on both backends.
 
@@ -174,7 +174,7 @@ def _int8_v_proj(lin):
 @pytest.mark.parametrize("v_proj", ["dense", "int8"])
 def test_model_decode_step_calls_only_the_fused_ops(tmp_path, monkeypatch, backend, v_proj):
     """Per layer and decode step: rope_compress_k, vproj_compress and decode_attention once,
-    pack (K and V) after the attention of a flush step; no _append or attend; the model runs
+    pack (K and V) after the attention of a flush step; no append or attend; the model runs
     a dense v_proj only through vproj_compress's operands."""
     import kvrun
     from tiny import make_tiny_model_dir
@@ -197,7 +197,7 @@ def test_model_decode_step_calls_only_the_fused_ops(tmp_path, monkeypatch, backe
         return wrapped
     for name in ("rope_compress_k", "vproj_compress", "decode_attention", "pack", "attend_append"):
         monkeypatch.setattr(arena_mod, name, count(name, getattr(arena_mod, name)))
-    for name in ("_append", "attend"):
+    for name in ("append", "attend"):
         monkeypatch.setattr(arena_mod.KVArena, name, count(name, getattr(arena_mod.KVArena, name)))
     for layer in layers:
         monkeypatch.setattr(layer.self_attn.v_proj, "forward",

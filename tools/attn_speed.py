@@ -4,11 +4,9 @@ each codec, side by side, for 1 and 2 threads.
     python tools/attn_speed.py --depth 4096 8192 --threads 1 2 --kv fp16 int8 kivi-4 tada-4
 
 SmolLM2-135M geometry by default (30 layers, H=9, Hkv=3, D=64), fp32 queries as the model
-runs on CPU. The fp16 row is kvrun's DenseKVCache (what `--kv fp16` uses, torch SDPA); the
-others are the KVArena read path on the backend dispatch picks (native C on CPU when it
-builds; KVRUN_BACKEND=torch for the torch path). `arena:fp16` is an arena whose tail is
-uncompressed fp16 (the native kernel's fp16 path, to compare with SDPA). Caches are filled
-through their own write path (`ingest`). The methods are timed round-robin (one step each,
+runs on CPU. Every row is the KVArena read path (`--kv fp16`: an arena whose tail holds fp16
+rows) on the backend dispatch picks (native C on CPU when it builds; KVRUN_BACKEND=torch for
+the torch path). Caches are filled through their own write path (`ingest`). The methods are timed round-robin (one step each,
 repeated --steps times) so that load drift on a shared machine hits all of them alike; the
 table shows the median ms per step and fp16 time / method time (> 1: faster than fp16).
 On a shared 2-core box, trust the 1-thread columns: with 2 OpenMP threads every parallel
@@ -24,16 +22,7 @@ import time
 import torch
 
 from kvrun.model.config import ModelConfig
-from kvrun.kv import KVArena, build_cache, kv_ratio_at, parse_kv
-from kvrun.kernels.rope import inv_frequencies
-
-
-def make_cache(cfg, ctx, spec):
-    if spec.startswith("arena:"):            # force the arena even for an uncompressed method
-        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ctx,
-                       parse_kv(spec.split(":", 1)[1]), inv, n_heads=cfg.num_heads)
-    return build_cache(cfg, ctx, parse_kv(spec))
+from kvrun.kv import build_cache, kv_ratio_at, parse_kv
 
 
 def fill(cache, cfg, depth, chunk=1024):
@@ -72,7 +61,7 @@ def main():
     for depth in args.depth:
         caches = {}
         for spec in args.kv:
-            caches[spec] = make_cache(cfg, depth + len(args.threads) * (args.steps + 3), spec)
+            caches[spec] = build_cache(cfg, depth + len(args.threads) * (args.steps + 3), parse_kv(spec))
             fill(caches[spec], cfg, depth)
         for th in args.threads:
             torch.set_num_threads(th)
@@ -92,7 +81,7 @@ def main():
     print("|" + "---|" * (2 + len(cols)))
     for spec in args.kv:
         cells = [f"{res[spec, d, t]:7.2f} ({res[base, d, t] / res[spec, d, t]:4.2f}x)" for d, t in cols]
-        ratio = kv_ratio_at(cfg, parse_kv(spec.split(":")[-1]), args.depth[0])
+        ratio = kv_ratio_at(cfg, parse_kv(spec), args.depth[0])
         print(f"| {spec:8s} | {ratio:.3f} | " + " | ".join(cells) + " |")
 
 

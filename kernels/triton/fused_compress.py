@@ -3,7 +3,7 @@ call computes the new K rows with RoPE (or the new V rows with the V projection,
 V rows as given when the model's v_proj is weight-quantized), appends them to the residual
 window, and packs the tokens that leave the window into the codec's tail storage straight
 from registers — bit-identical to `codec.pack` of the same rows (the torch oracle:
-kernels/fused_compress.py; window semantics of KVArena._append). The arena's decode step
+kernels/fused_compress.py; window semantics of KVArena.append). The arena's decode step
 calls them through kernels/dispatch.py (runtime/kv/arena.py `write_attend`) with
 flush=False: its contract attends before it flushes, so there the launch only writes the
 new rows and the flush follows the attention as a `pack` (`kivi_pack` for KIVI). The

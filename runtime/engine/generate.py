@@ -193,8 +193,8 @@ class Engine:
             self.canon = j + 1
 
     def _tail(self) -> int:
-        """Tokens the cache holds compressed (the arena's tail; none in the dense cache)."""
-        return max(self.cache.n_tail)
+        """Tokens the cache holds compressed (the arena's compressed tail)."""
+        return self.cache.n_compressed()
 
     def _make_room(self, T: int) -> None:
         """Shift the context (when the cache can) until T more tokens fit; the discarded

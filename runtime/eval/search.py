@@ -187,9 +187,8 @@ class Search:
             return self.seen[a]
         layers = self.layers_of(a)
         nbytes = self._bytes(layers)
-        # the additive per-slot costs must agree with the arena (an all-fp16 profile is the
-        # dense cache, which has no window: the only case they may not)
-        assert nbytes == self.predicted_bytes(a) or self._kv(layers).is_dense, \
+        # the additive per-slot costs must agree with the arena
+        assert nbytes == self.predicted_bytes(a), \
             "arena bytes are not additive over layers"
         assert nbytes <= self.limit, (nbytes, self.limit)
         kld = self.obj.kld(self._kv(layers))

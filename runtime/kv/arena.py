@@ -1,6 +1,6 @@
 """The compressed KV arena: a full-precision residual window + a compressed tail per layer
-(docs/architecture.md), a KVCache (contract.py): every --kv but plain fp16/bf16/fp32, which
-DenseKVCache holds (cache.py).
+(docs/architecture.md), a KVCache (contract.py). Every --kv is one: fp16 (bf16, fp32) is an
+arena whose tail holds rows as they are (`lossless`: any prefix can be kept).
 
 Per layer (codecs may differ per layer and between K and V):
 - window: the newest tokens, fp16 (bf16 if every method is bf16), R + G slots (fewer when
@@ -49,8 +49,8 @@ from kvrun.kernels.dispatch import (attend_append, decode_attention, pack, selec
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
 from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
 from ..errors import KvrunError
-from kvrun.kernels.rope import apply_rope
 from .arena_evict import ArenaEviction, tail_sizes
+from .arena_shift import shift_layer
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
 from .contract import KVCache
@@ -123,6 +123,10 @@ class KVArena(KVCache):
         self.seq_len = 0
         self.n_shifts = 0
         self.ev = (ArenaEviction(self, n_heads or n_kv_heads) if kv.eviction.on else None)
+        # every tail holds rows as the window does (fp16 / bf16 / fp32): nothing is lost to a
+        # flush, so any prefix can be kept (truncate moves a cut block back to the window)
+        self.lossless = self.ev is None and all(c.kind == "fp" and c.dtype == self.wdtype
+                                                for c in self.k_codecs + self.v_codecs)
         # layers whose decode steps write_attend can take (see the module docstring)
         self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)
                         and fused_supports(vc) for rk, rv, kc, vc in
@@ -171,7 +175,7 @@ class KVArena(KVCache):
                              backend=self.backend)
         if self.ev:
             self.ev.observe(layer, mass, T)
-        self._append(layer, k[0], v[0])
+        self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
@@ -220,7 +224,7 @@ class KVArena(KVCache):
                 vb = vb if rv is None else rotate(vb.float(), rv)
                 if self.ev:
                     self.ev.observe(l, None, e - s)                 # not attended: no scores
-                self._append(l, kb.to(self.wdtype), vb.to(self.wdtype))
+                self.append(l, kb.to(self.wdtype), vb.to(self.wdtype))
         self.seq_len += n
 
     def commit(self, T: int) -> None:
@@ -242,21 +246,30 @@ class KVArena(KVCache):
             return n
         kept = n
         for nt in self.n_tail:
-            if n < nt:
+            if n < nt and not self.lossless:
                 kept = min(kept, n // self.G * self.G)
         for l in range(self.L):
-            if kept >= self.n_tail[l]:
-                self.n_win[l] = kept - self.n_tail[l]
-            else:
-                self.n_tail[l], self.n_win[l] = kept, 0
+            nt = self.n_tail[l]
+            if kept >= nt:
+                self.n_win[l] = kept - nt
+            else:               # lossless: the rows of the cut block go back to the window
+                a = kept // self.G * self.G
+                k, v = self.tail_rows(l, [(a, a + self.G)] if kept > a else [])
+                self.n_tail[l], self.n_win[l] = a, kept - a
+                self.win_k[l, :, :kept - a] = k[:, :kept - a]
+                self.win_v[l, :, :kept - a] = v[:, :kept - a]
         self.seq_len = kept
         return kept
 
     # -- prefix reuse ------------------------------------------------------------------------------
     def canonical_tail(self, s: int) -> int:
-        """Tokens a fresh prefill of s tokens leaves in the tail: flushes keep the window at
-        R .. R+G-1 tokens, whatever the chunking (every chunk attends, then appends)."""
-        return max(0, s - self.R) // self.G * self.G
+        """Tokens a fresh prefill of s tokens holds compressed: flushes keep the window at
+        R .. R+G-1 tokens, whatever the chunking (every chunk attends, then appends); none
+        when the tail is lossless."""
+        return 0 if self.lossless else max(0, s - self.R) // self.G * self.G
+
+    def n_compressed(self) -> int:
+        return 0 if self.lossless else max(self.n_tail)
 
     def resume_point(self, n: int, chunk: int) -> int:
         """The most tokens m <= n to keep so that prefilling the rest in chunks aligned to
@@ -265,9 +278,11 @@ class KVArena(KVCache):
         canonical tail at the chunk's start), and tokens [tail, m) in the full-precision
         window. Tokens already compressed cannot come back to full precision, so a longer
         match is cut back, often to 0 (a full prefill). Evicting arenas return 0: their
-        policy's scores depend on the whole history."""
+        policy's scores depend on the whole history. A lossless tail keeps all n."""
         if self.ev is not None:
             return 0
+        if self.lossless:
+            return min(n, self.seq_len)
         nt = max(self.n_tail)
         if nt != min(self.n_tail):
             return 0                                      # an interrupted forward
@@ -319,7 +334,7 @@ class KVArena(KVCache):
                 f"holding {min(kept)}-{max(kept)} per layer, {sum(self.ev.n_drop)} evicted in all"]
 
     # -- window → tail ---------------------------------------------------------------------------
-    def _append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append k, v: (Hkv, T, D) (window dtype) to layer l, flushing whole blocks of G."""
         w, T = self.n_win[l], k.shape[1]
         if w + T <= self.win_k.shape[2]:
@@ -414,35 +429,7 @@ class KVArena(KVCache):
         emb = torch.cat([ang, ang])[None]                                # (1, D)
         cos, sin = emb.cos().float(), emb.sin().float()
         for l in range(self.L):
-            self._shift_layer(l, a, nd, cos, sin)
+            shift_layer(self, l, a, nd, cos, sin)
         self.seq_len -= nd
         self.n_shifts += 1
         return nd
-
-    def _shift_layer(self, l, a, nd, cos, sin):
-        nt, w = self.n_tail[l], self.n_win[l]
-        G, wd = self.G, self.wdtype
-        rk = self.rot_k[l]
-
-        def rot(x):                                                      # (Hkv, n, D)
-            if rk is None:
-                return apply_rope(x[None], cos, sin)[0]
-            return rotate(apply_rope(unrotate(x.float(), rk)[None], cos, sin)[0], rk)
-        win_k = self.win_k[l, :, :w].clone()                             # sources survive the rewrite
-        win_v = self.win_v[l, :, :w].clone()
-        self.n_tail[l], self.n_win[l] = min(a, nt), 0                    # untouched prefix
-        if a > nt:                                                       # sinks still in the window
-            self._append(l, win_k[:, :a - nt], win_v[:, :a - nt])
-        start = a + nd
-        kc, vc = self.k_codecs[l], self.v_codecs[l]
-        # reads run ahead of writes: chunk [c0, c1) is dequantized before appending it writes
-        # tail tokens below c1 - nd, so no unread block is ever overwritten
-        for c0 in range(start // G * G, nt, self.kv.block):
-            c1 = min(nt, c0 + self.kv.block)
-            off = max(0, start - c0)
-            kx = kc.dequant(self.k_store[l], c0, c1)[:, off:]
-            vx = vc.dequant(self.v_store[l], c0, c1)[:, off:]
-            self._append(l, rot(kx).to(wd), vx.to(wd))
-        i0 = max(start, nt) - nt
-        if i0 < w:
-            self._append(l, rot(win_k[:, i0:].float()).to(wd), win_v[:, i0:])

@@ -2,9 +2,10 @@
 
 `make_cache` is the one entry point the engine and the evaluations use: it resolves the
 KV config for the model (`--kv auto` → its profile), refuses a cache larger than the
-machine's memory, and builds DenseKVCache (uniform fp16/bf16/fp32), the KVArena otherwise,
-with a ring for sliding-window layers beside either (the one sliding-window implementation). `kv_bytes_at` gives the bytes of that
-cache by component from the codecs' storage layouts, without allocating.
+machine's memory, and builds the KVArena (every method: fp16 is an arena whose tail holds
+rows as they are), with a ring for sliding-window layers beside it (the one sliding-window
+implementation). `kv_bytes_at` gives the bytes of that cache by component from the codecs'
+storage layouts, without allocating.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from kvrun.kernels.rope import inv_frequencies
 from ..errors import KvrunError
 from .arena import KVArena, codec_factory, window_dtype, window_slots
 from .arena_evict import tail_sizes
-from .cache import KV_DTYPES, DenseKVCache
 from .config import KVConfig, parse_kv
 from .layout import arena_layers, layer_windows
 from .ring import LayeredKVCache, SlidingWindowKV, ring_bits, ring_layout
@@ -52,18 +52,13 @@ def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
 
 
 def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
-    """The KV cache for a model config: DenseKVCache for uniform fp16/bf16/fp32 without
-    context shift, the KVArena otherwise, for its full-attention layers; a model with
-    sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
+    """The KV cache for a model config: the KVArena of its full-attention layers; a model
+    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
     kv = check_kv(cfg, kv_config)
     windows = layer_windows(cfg)
-    if kv.is_dense:
-        full = DenseKVCache(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx,
-                            KV_DTYPES[kv.k_method], device)
-    else:
-        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
-                       n_heads=cfg.num_heads)
+    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
+                   n_heads=cfg.num_heads)
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
@@ -80,8 +75,6 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
     windows = layer_windows(cfg)
     L, Hkv, D = windows.count(0), cfg.num_kv_heads, cfg.head_dim
     ring = {"ring": ring_bytes(cfg, kv, n_tokens)} if any(windows) else {}
-    if kv.is_dense:
-        return {"dense": 2 * L * Hkv * n_tokens * D * KV_DTYPES[kv.k_method].itemsize, **ring}
     out = dict.fromkeys(COMPONENTS, 0)
     get = codec_factory(kv)
     for (km, vm), S in zip(kv.layer_methods(L), tail_sizes(kv, L, n_tokens)):
@@ -95,7 +88,8 @@ def kv_bytes_at(cfg, kv_config, n_tokens: int) -> dict[str, int]:
 def fp16_bytes(cfg, n_tokens: int) -> int:
     """K and V of n_tokens as fp16 rows, nothing more (llama.cpp's f16 cache of n_tokens):
     the full-attention layers hold every token, the sliding layers min(window, n) of them.
-    The denominator of every ratio kvrun reports."""
+    The denominator of every ratio kvrun reports (the fp16 arena's spare window slots, at
+    most one block of G tokens per layer, are not in it)."""
     per_row = 2 * cfg.num_kv_heads * cfg.head_dim * 2
     return sum(per_row * (min(w, n_tokens) if w else n_tokens) for w in layer_windows(cfg))
 
@@ -107,8 +101,8 @@ def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
 
 def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
     """A KV cache for `ctx` tokens (`kv` is a --kv spec such as "fp16" or "tada-4", or a
-    KVConfig): the dense cache for plain fp16/bf16/fp32, the arena otherwise; sliding-window
-    layers (Gemma 3) keep a ring of their window beside either (ring.py)."""
+    KVConfig): the arena; sliding-window layers (Gemma 3) keep a ring of their window beside
+    it (ring.py)."""
     kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
     kv.check_profile(cfg)                   # a profile searched for another model is refused
     need = sum(kv_bytes_at(cfg, kv, ctx).values())

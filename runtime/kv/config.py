@@ -279,13 +279,6 @@ class KVConfig:
         """Every layer's K and V kept in a float dtype (fp16, bf16, fp32): no codes."""
         return self.methods() <= DENSE
 
-    @property
-    def is_dense(self) -> bool:
-        """Uniform fp16 (bf16, fp32) K and V with no context shift, rotation or eviction:
-        DenseKVCache serves it."""
-        return (len(self.methods()) == 1 and self.uncompressed and self.context.on_full == "error"
-                and self.rotation.off and not self.eviction.on)
-
     def label(self) -> str:
         if self.layers is not None:               # named as given: auto, profile:NAME
             info = self.profile_info or {}

@@ -1,7 +1,7 @@
 """The KV-cache contract: what the model, the engine and the evaluations may ask of a cache.
 
-Every cache `make_cache` builds — `DenseKVCache` (cache.py), `KVArena` (arena.py) and
-`LayeredKVCache` (ring.py: sliding-window layers in a ring beside either) — subclasses
+Every cache `make_cache` builds — `KVArena` (arena.py) and `LayeredKVCache` (ring.py:
+sliding-window layers in a ring beside an arena) — subclasses
 `KVCache`. The abstract methods are what each must implement; the rest have the defaults a
 plain cache wants, so callers never probe with `getattr`.
 
@@ -25,9 +25,9 @@ class KVCache(ABC):
     max_ctx: int                        # tokens the cache was allocated for (-c)
     n_layers: int                       # model layers it holds
     seq_len: int                        # tokens cached (evicted ones included: positions stay absolute)
-    kv = None                           # the KVConfig of a compressed cache; None when dense
+    kv = None                           # the KVConfig it was built for
     can_shift = False                   # a full context shifts (the arena's shift()) or errors
-    n_tail: Sequence[int] = (0,)        # tokens each full-attention layer holds compressed
+    n_tail: Sequence[int] = (0,)        # tokens each full-attention layer holds in its tail
     backend: str = "torch"              # the kernels' backend, chosen once at construction
                                         # (kernels/dispatch.select); every op call passes it
 
@@ -94,6 +94,11 @@ class KVCache(ABC):
     def bytes_per_token(self) -> float:
         """Allocated bytes per token of context, all layers, K and V."""
         return sum(self.nbytes().values()) / self.max_ctx
+
+    def n_compressed(self) -> int:
+        """Tokens held compressed (the most over layers): the ones a new prompt's prefix
+        reuse must find where a fresh prefill would have put them (resume_point)."""
+        return max(self.n_tail)
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
         """Whether this step of `layer` goes through `write_attend` (the arena's fused-write

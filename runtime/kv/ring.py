@@ -43,7 +43,7 @@ rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes (
 
 `LayeredKVCache` puts the two kinds behind the one cache interface the model and engine
 use (runtime/kv/contract.py): sliding layers go to the ring, full-attention layers to `inner`
-(DenseKVCache or the KVArena, built for the full layers only, which it indexes
+(the KVArena, built for the full layers only, which it indexes
 0 .. n_full − 1 in model order: a per-layer profile for such a model lists its full layers).
 Limits, each refused with one clear line where it is asked for:
 - context shift: the ring would have to drop and re-rotate the middle of a window that
@@ -302,6 +302,9 @@ class LayeredKVCache(KVCache):
 
     def canonical_tail(self, s: int) -> int:
         return self.inner.canonical_tail(s)
+
+    def n_compressed(self) -> int:
+        return self.inner.n_compressed()
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (L, Hkv, n, D), all model layers: full layers' rows go to `inner`, the

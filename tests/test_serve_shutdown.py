@@ -1,0 +1,114 @@
+"""`kvrun serve`'s exit (issue 23): SIGINT / SIGTERM end a real `kvrun serve` process with
+status 0 and no traceback (IPv6 too), and a shutdown drains the running requests for a
+while, then ends what still runs with a 503 or a stream error event.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a test's do
+
+import kvrun  # noqa: E402
+from hostile_serving import CTX, call, chat, openai_error, start  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_m(tiny_dir):
+    return kvrun.load(tiny_dir, dtype="fp32", ctx=CTX, kv="fp32")
+
+
+def _serve(tiny_dir, host="127.0.0.1"):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "serve", "-m", str(tiny_dir),
+                          "-t", "1", "-c", "128", "--dtype", "fp32", "--port", str(port),
+                          "--host", host], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while True:
+        assert p.poll() is None, p.stderr.read()
+        assert time.monotonic() < deadline, "kvrun serve did not start"
+        try:
+            if call(port, "GET", "/health", timeout=2, host=host)[0] == 200:
+                return p, port
+        except OSError:
+            time.sleep(0.2)
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_shutdown_exits_0(tiny_dir, sig):
+    host = "::1" if sig == signal.SIGTERM and _has_ipv6() else "127.0.0.1"
+    p, port = _serve(tiny_dir, host)
+    try:
+        assert call(port, "POST", "/v1/chat/completions", chat(seed=1 << 70), host=host)[0] == 400
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        assert p.wait(30) == 0
+        assert time.monotonic() - t0 < 10
+        err = p.stderr.read()
+        assert "Traceback" not in err, err
+        if host == "::1":                               # the banner's URL can be pasted
+            assert f"http://[::1]:{port}/v1" in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
+    from kvrun.engine import batch as batch_mod
+    real = batch_mod.batch_forward
+
+    def slow(*a):                                       # 100 tokens take 5 s
+        time.sleep(0.05)
+        return real(*a)
+    monkeypatch.setattr(batch_mod, "batch_forward", slow)
+    port, sched, stop = start(tiny_m, drain=1.0, parallel=3)
+    got = {}
+
+    def ask(key, body, path="/v1/completions"):
+        got[key] = call(port, "POST", path, body, timeout=30)
+    # greedy from these prompts, the tiny model samples no stop token in 100 tokens
+    short = threading.Thread(target=ask, args=("short", {"prompt": list(range(3, 20)),
+                                                         "max_tokens": 3, "temperature": 0}))
+    long = threading.Thread(target=ask, args=("long", {"prompt": list(range(3, 20)),
+                                                       "max_tokens": 100, "temperature": 0}))
+    streamed = threading.Thread(target=ask, args=("stream", {"prompt": list(range(4, 20)),
+                                                             "max_tokens": 100, "temperature": 0,
+                                                             "stream": True}))
+    for t in (short, long, streamed):
+        t.start()
+    deadline = time.monotonic() + 20                    # all three admitted, however slow the machine
+    while len(sched.running) + ("short" in got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)                                     # the short one has finished by now or during the drain
+    t0 = time.monotonic()
+    stop()                                              # as SIGINT does: should_exit
+    for t in (short, long, streamed):
+        t.join(30)
+    assert time.monotonic() - t0 < 5
+    assert got["short"][0] == 200 and got["short"][2]["choices"][0]["finish_reason"] == "length"
+    openai_error(got["long"][0], got["long"][2], 503)
+    events = [json.loads(ln[6:]) for ln in got["stream"][2].decode().splitlines()
+              if ln.startswith("data: {")]
+    assert events[-1]["error"]["message"] == "the server is shutting down"
+    assert not sched.busy() and sched.kv_used == 0

@@ -21,7 +21,7 @@ import torch
 from .. import nibble
 from ..quant import Workspace, quantize_sym_int8, sym_int8_params
 
-COMPONENTS = ("codes", "scales_zeros", "means", "lowrank", "outliers", "window")
+COMPONENTS = ("rows", "codes", "scales_zeros", "means", "lowrank", "outliers", "window")
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class FpCodec(Codec):
         self.bits = dtype.itemsize * 8
 
     def slots(self, Hkv, D, S):
-        return [Slot("x", "codes", (Hkv, S, D), self.dtype, 1, 1)]
+        return [Slot("x", "rows", (Hkv, S, D), self.dtype, 1, 1)]
 
     def pack(self, st, x, s0):
         st["x"][:, s0:s0 + x.shape[1]] = x

@@ -34,7 +34,7 @@ import torch
 from kvrun.kernels.native.decode_layer import MAX_ROWS
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
-from .sampling import SamplingParams, sample
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, sample, token_logprob
 from .stops import StopStrings, check_stops
 
 
@@ -64,14 +64,20 @@ def batch_forward(model, tokens: list[int], caches: list) -> torch.Tensor:
 class Sequence:
     """One generation in a batch. `on_event(StreamEvent)` receives its text pieces (stop
     strings applied) and, last, an event with the finish reason: "stop" | "length" |
-    "context" | "cancelled" (cancel()) | "error" (`error` then says why)."""
+    "context" | "cancelled" (cancel()) | "error" (`error` then says why). With `logprobs`
+    = k (0..MAX_TOP_LOGPROBS), each event of a sampled token carries its TokenLogprob with
+    the k best alternatives, except a stop token's (EOS is not part of the text)."""
 
     def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int], stop=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 on_event: Callable[[StreamEvent], None] | None = None):
+                 on_event: Callable[[StreamEvent], None] | None = None,
+                 logprobs: int | None = None):
         if max_tokens < 0:
             raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {logprobs})")
+        self.logprobs = logprobs
         self.engine = Engine(model, tokenizer, cache, prefill_chunk)
         self.prompt, self.max_tokens, self.params = list(prompt), max_tokens, params
         self.stop_ids = stop_ids
@@ -123,6 +129,8 @@ class Sequence:
         """Sample the next token and emit it; True if the sequence goes on (its token is to
         be fed by the next forward)."""
         tok = sample(self.logits, self.params, self.history, self.gen)
+        lp = None if self.logprobs is None or tok in self.stop_ids else \
+            token_logprob(self.logits, tok, self.logprobs)
         self.history.append(tok)
         self.tokens.append(tok)
         self.timings.gen_tokens = len(self.tokens)
@@ -138,7 +146,7 @@ class Sequence:
         if reason is not None:
             text += self._dec.flush()
         out, matched = self.stops.push(text)
-        self._emit(StreamEvent(out, tok, self.timings, None))
+        self._emit(StreamEvent(out, tok, self.timings, None, lp))
         if matched:
             reason = "stop"
         if reason is not None:

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 
 from ..errors import KvrunError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenLogprob, sample
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -64,6 +64,7 @@ class StreamEvent:
     token_id: int | None            # the sampled token (None on the final event)
     timings: Timings = field(default_factory=Timings)
     finish_reason: str | None = None    # None while running; "stop" | "length" | "context"
+    logprob: TokenLogprob | None = None   # the token's, when asked for (runtime/engine/batch.py)
 
 
 def check_ids(ids: list, vocab_size: int) -> None:

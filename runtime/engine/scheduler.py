@@ -38,7 +38,7 @@ from ..errors import KvrunError
 from .generate import StreamEvent, Timings
 from ..kv.build import kv_bytes_at
 from ..kv.config import KVConfig, parse_kv
-from .sampling import SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .stops import check_stops
 
 MiB = 1 << 20
@@ -68,8 +68,10 @@ class Request:
     for the whole text."""
 
     def __init__(self, rid: int, prompt: list[int], max_tokens: int, params: SamplingParams,
-                 stop: list[str], kv: KVConfig, n_ctx: int, kv_bytes: int):
+                 stop: list[str], kv: KVConfig, n_ctx: int, kv_bytes: int,
+                 logprobs: int | None = None):
         self.id, self.prompt, self.max_tokens, self.params = rid, prompt, max_tokens, params
+        self.logprobs = logprobs                    # top alternatives per token; None: off
         self.stop, self.kv, self.n_ctx, self.kv_bytes = stop, kv, n_ctx, kv_bytes
         self.seq: Sequence | None = None            # set at admission
         self.text = ""
@@ -205,14 +207,18 @@ class Scheduler:
 
     def submit(self, prompt: list[int], max_tokens: int | None = None,
                params: SamplingParams | None = None, stop=None,
-               kv: "str | KVConfig | None" = None) -> Request:
+               kv: "str | KVConfig | None" = None, logprobs: int | None = None) -> Request:
         """Queue a generation of up to max_tokens tokens (None: until the context is full)
-        after the token ids `prompt`. Raises KvrunError for a request that cannot run, and
-        QueueFull when the queue is full. Any thread may call it."""
+        after the token ids `prompt`; `logprobs` = k: each token's event carries its
+        log-probability and the k best alternatives (runtime/engine/batch.py). Raises
+        KvrunError for a request that cannot run, and QueueFull when the queue is full.
+        Any thread may call it."""
         kv = self.kv if kv is None else self.parse_kv(kv)
         max_tokens, n_ctx, nbytes = self.plan(len(prompt), max_tokens, kv)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {logprobs})")
         req = Request(next(self._ids), list(prompt), max_tokens, params or SamplingParams(),
-                      check_stops(stop), kv, n_ctx, nbytes)
+                      check_stops(stop), kv, n_ctx, nbytes, logprobs)
         with self._lock:
             if self._closing:
                 raise Closed(SHUTTING_DOWN)
@@ -242,7 +248,8 @@ class Scheduler:
                     cache = make_cache(self.model.cfg, r.n_ctx, r.kv)
                     r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                      r.max_tokens, r.params, self.model.stop_ids, r.stop,
-                                     self.model.engine.prefill_chunk, on_event=r._push)
+                                     self.model.engine.prefill_chunk, on_event=r._push,
+                                     logprobs=r.logprobs)
                 except Exception as e:                  # noqa: BLE001 - this request only
                     r._fail("error", failure(e))
                     continue

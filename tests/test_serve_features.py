@@ -162,3 +162,49 @@ def test_bad_logprobs_are_400(server, path, body, param):
     base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     status, _, got = call(server[0], "POST", path, {**base, "max_tokens": 2, **body})
     openai_error(status, got, 400, param)
+
+
+def test_n_choices_equal_separate_requests(client):
+    p = "Once upon a time"
+    kw = dict(model=NAME, prompt=p, max_tokens=12, temperature=1.0, top_p=0.9)
+    r = client.completions.create(n=3, seed=7, **kw)
+    alone = [client.completions.create(n=1, seed=7 + i, **kw) for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) > 1                 # three different samples
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    chunks = list(client.completions.create(n=3, seed=7, stream=True, **kw))
+    texts, reasons = ["", "", ""], [None] * 3
+    for c in chunks:
+        (ch,) = c.choices
+        texts[ch.index] += ch.text
+        reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+    assert texts == [c.text for c in r.choices] and None not in reasons
+
+
+def test_n_chat_stream_with_logprobs_and_usage(client):
+    msgs = [{"role": "user", "content": "Say something short."}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=8, temperature=0.8, seed=11, logprobs=True,
+              top_logprobs=2)
+    whole = client.chat.completions.create(n=2, **kw)
+    chunks = list(client.chat.completions.create(n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    texts, lps = ["", ""], [[], []]
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        texts[ch.index] += ch.delta.content or ""
+        lps[ch.index] += ch.logprobs.content if ch.logprobs else []
+    assert texts == [c.message.content for c in whole.choices]
+    for i, c in enumerate(whole.choices):
+        assert [e.token for e in lps[i]] == [e.token for e in c.logprobs.content]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("body,param", [({"n": 5}, "n"), ({"n": 0}, "n"), ({"n": "2"}, "n"),
+                                        ({"n": 2.0}, "n"), ({"n": 2, "seed": (1 << 64) - 1}, "seed")])
+def test_bad_n_is_400(server, body, param):
+    status, _, got = call(server[0], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
+    openai_error(status, got, 400, param)

@@ -10,14 +10,16 @@ context is full), `temperature` (default 1), `top_p` (default 1), `seed`, `stop`
 or a list), `stream`, `stream_options.include_usage`, `logprobs` (chat: a boolean with
 `top_logprobs` 0..20; completions: 0..5, the legacy format; runtime/cli/server_format.py:
 the model's own log-softmax, before penalty, truncation and temperature, as vLLM reports
-it; a stop token has none); llama.cpp-style extensions `top_k`,
+it; a stop token has none), `n` (1..min(16, --parallel) choices, each its own sequence;
+choice i samples with `seed` + i; usage counts every choice's tokens; stream chunks carry
+their choice's index); llama.cpp-style extensions `top_k`,
 `min_p`, `repeat_penalty`, `repeat_last_n` (penalty off unless given). Extension `kv`: the
 KV method of this request's cache, a method spec ("fp16", "kivi-4", "int8@64+rot", "auto")
 or a shipped profile by name ("profile:smollm2-135m-0.25"); profile files are the
 operator's `--kv`, never a request's. Every sequence has its own cache, so methods mix
 freely in one batch; the request's cache bytes count against `--kv-budget-mb` like any
 other (a cheaper method is admitted sooner). Default: `--kv`. Fields kvrun does not
-implement (`tools`, `n` > 1, `echo` ...) are refused by name unless neutral
+implement (`tools`, `echo`, `response_format` ...) are refused by name unless neutral
 (runtime/cli/server_fields.py). Chat message text is tokenized as text: it cannot forge the
 template's control tokens; a completion's `prompt` string is the model's raw input, where
 special-token text is read as those tokens (as llama-server reads it).
@@ -49,8 +51,8 @@ from ..kv.profile import shipped_profiles
 from ..engine.scheduler import SHUTTING_DOWN, Closed, QueueFull, Request, Scheduler
 from . import server_format as fmt
 from .server_fields import (ApiError, check_fields, field, logprobs_from, max_tokens_from,
-                            messages_from, parse_body, prompt_from, request_kv, sampling_from,
-                            stop_from, stream_from)
+                            messages_from, n_from, parse_body, prompt_from, request_kv,
+                            sampling_from, stop_from, stream_from)
 
 try:
     from starlette.applications import Starlette
@@ -90,7 +92,7 @@ class App:
         check_fields(body, chat)
         stream, usage = stream_from(body)
         params = sampling_from(body)
-        n = 1
+        n = n_from(body, self.sched.parallel, params.seed)
         max_tokens = max_tokens_from(body, chat)
         stop = stop_from(body)
         logprobs = logprobs_from(body, chat)

@@ -4,8 +4,8 @@ OpenAI's error shape and a 4xx status naming the parameter.
 
 What a body may hold: strict JSON (no NaN / Infinity, at most MAX_DEPTH levels, valid
 Unicode: a lone surrogate such as "\\ud800" is refused), the fields kvrun implements with their
-types, and the OpenAI fields kvrun does not implement only at their neutral values (`n: 1`,
-`frequency_penalty: 0`, `echo: false` ...). Any other field is refused by name, as
+types, and the OpenAI fields kvrun does not implement only at their neutral values
+(`frequency_penalty: 0`, `echo: false` ...). Any other field is refused by name, as
 OpenAI's API does, rather than silently ignored. The `kv` extension may name a KV method or
 a shipped profile; profile files are the operator's (`kvrun serve --kv`), never a client's.
 """
@@ -86,11 +86,11 @@ def _check_values(body: dict) -> None:
 # fields kvrun implements (both endpoints; chat adds messages and max_completion_tokens)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
           "stream_options", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "kv",
-          "logprobs"}
+          "logprobs", "n"}
 IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key",
            "safety_identifier", "parallel_tool_calls"}      # no effect on the output
 # OpenAI fields kvrun does not implement: accepted only at these neutral values
-NEUTRAL = {"n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
+NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,),
            "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
            "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
            "response_format": ({"type": "text"},), "modalities": (["text"],),
@@ -193,6 +193,23 @@ def stop_from(body: dict) -> list[str] | None:
         raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings of at most "
                             f"{MAX_STOP_CHARS} characters", param="stop")
     return stops or None
+
+
+MAX_N = 16                      # choices per request, whatever --parallel is
+
+
+def n_from(body: dict, parallel: int, seed: int | None) -> int:
+    """`n`: choices per request, 1..min(MAX_N, parallel) (choice i is its own sequence, so
+    n never waits for itself); with a seed, seed + n - 1 must still be a seed."""
+    n = field(body, "n", int, 1)
+    most = min(MAX_N, parallel)
+    if not 1 <= n <= most:
+        raise ApiError(400, f"'n' must be in [1, {most}] on this server (--parallel "
+                            f"{parallel}; got {n})", param="n")
+    if seed is not None and seed + n - 1 >= 1 << 64:
+        raise ApiError(400, f"'seed' + 'n' - 1 must be < 2^64 (choice i samples with seed + i)",
+                       param="seed")
+    return n
 
 
 MAX_LEGACY_LOGPROBS = 5         # the completions endpoint's bound (OpenAI's)

@@ -208,3 +208,18 @@ def test_n_chat_stream_with_logprobs_and_usage(client):
 def test_bad_n_is_400(server, body, param):
     status, _, got = call(server[0], "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
     openai_error(status, got, 400, param)
+
+
+def test_include_usage(client, server):
+    kw = dict(model=NAME, prompt="One, two,", max_tokens=6, temperature=0.5, seed=1, n=2)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    whole = client.completions.create(**kw)
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    assert whole.usage.completion_tokens > 6                   # both choices counted
+    assert all(c.choices and c.usage is None for c in chunks[:-1])
+    plain = list(client.completions.create(stream=True, stream_options={"include_usage": False}, **kw))
+    assert all(c.choices and c.usage is None for c in plain)
+    status, _, got = call(server[0], "POST", "/v1/completions",
+                          {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
+    openai_error(status, got, 400, "stream_options")

@@ -238,13 +238,17 @@ def logprobs_from(body: dict, chat: bool) -> int | None:
 
 
 def stream_from(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+    """(stream, include_usage): with include_usage the stream ends with a chunk holding no
+    choices and the usage of them all (before `data: [DONE]`)."""
     stream = field(body, "stream", bool, False)
     opts = field(body, "stream_options", dict, {})
     for k in opts:
         if k != "include_usage":
             raise ApiError(400, f"unknown parameter 'stream_options.{k:.60}'", param="stream_options")
     usage = bool(field(opts, "include_usage", bool, False))
+    if opts and not stream:          # as OpenAI and vLLM: it would be silently ignored
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
+                       param="stream_options")
     return stream, usage
 
 

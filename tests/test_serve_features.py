@@ -223,3 +223,42 @@ def test_include_usage(client, server):
     status, _, got = call(server[0], "POST", "/v1/completions",
                           {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}})
     openai_error(status, got, 400, "stream_options")
+
+
+def test_tokenize_round_trip(server, model):
+    port = server[0]
+    text = "Héllo wörld, <|im_end|> 1234 €"
+    status, _, got = call(port, "POST", "/tokenize", {"content": text})
+    assert status == 200 and got["tokens"] == model.tokenize(text)
+    assert model.tokenizer.token_id("<|im_end|>") in got["tokens"]      # read as a raw prompt
+    status, _, back = call(port, "POST", "/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and back == {"content": text}
+    assert call(port, "POST", "/tokenize", {"content": ""})[2] == {"tokens": []}
+    V = model.cfg.vocab_size
+    for path, body, param in (("/detokenize", {"tokens": [1, V]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": [1.5]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/detokenize", {}, "tokens"),
+                              ("/tokenize", {"content": 5}, "content"),
+                              ("/tokenize", {}, "content"),
+                              ("/tokenize", {"content": "x", "with_pieces": True}, "with_pieces"),
+                              ("/tokenize", {"content": "x", "add_special": "yes"}, "add_special")):
+        status, _, got = call(port, "POST", path, body)
+        openai_error(status, got, 400, param)
+
+
+def test_tokenize_has_the_other_routes_limits(model):
+    from hostile_serving import start
+    port, _, stop = start(model, api_key="k3y", max_body=1000)
+    try:
+        auth = {"Authorization": "Bearer k3y"}
+        for path, body in (("/tokenize", {"content": "hi"}), ("/detokenize", {"tokens": [1]})):
+            openai_error(*call(port, "POST", path, body)[::2], 401)
+            assert call(port, "POST", path, body, headers=auth)[0] == 200
+            openai_error(*call(port, "POST", path, b"{}", headers={**auth, "Content-Type":
+                                                                      "text/plain"})[::2], 415)
+        big = {"content": "x" * 2000}
+        openai_error(*call(port, "POST", "/tokenize", big, headers=auth)[::2], 413)
+    finally:
+        stop()

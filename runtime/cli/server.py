@@ -2,7 +2,8 @@
 on starlette + uvicorn (the optional extra `kvrun[server]`).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (server-sent events with
-`"stream": true`, one JSON body otherwise), GET /v1/models, GET /health.
+`"stream": true`, one JSON body otherwise), GET /v1/models, GET /health, POST /tokenize and
+/detokenize (llama-server's shape: runtime/cli/server_tokens.py).
 
 Request fields: `model` (the served name, or omitted), `messages` / `prompt` (a string or
 token ids), `max_tokens` (chat also `max_completion_tokens`; default: until the sequence's
@@ -49,7 +50,7 @@ from dataclasses import dataclass, replace
 from ..errors import KvrunError
 from ..kv.profile import shipped_profiles
 from ..engine.scheduler import SHUTTING_DOWN, Closed, QueueFull, Request, Scheduler
-from . import server_format as fmt
+from . import server_format as fmt, server_tokens
 from .server_fields import (ApiError, check_fields, field, logprobs_from, max_tokens_from,
                             messages_from, n_from, parse_body, prompt_from, request_kv,
                             sampling_from, stop_from, stream_from)
@@ -267,6 +268,19 @@ class App:
             yield f"data: {json.dumps(d)}\n\n"
         yield "data: [DONE]\n\n"
 
+    async def tokenize(self, http):
+        return await self._tokens(http, server_tokens.tokenize)
+
+    async def detokenize(self, http):
+        return await self._tokens(http, server_tokens.detokenize)
+
+    async def _tokens(self, http, fn):
+        try:
+            raw = await read_body(http, self.max_body)
+            return JSONResponse(await asyncio.to_thread(fn, self.model, raw))
+        except ApiError as e:
+            return e.response()
+
     async def models(self, http):
         return JSONResponse({"object": "list", "data": [
             {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvrun"}]})
@@ -339,6 +353,8 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
     routes = [Route("/v1/chat/completions", app.chat_completions, methods=["POST"]),
               Route("/v1/completions", app.completions, methods=["POST"]),
               Route("/v1/models", app.models, methods=["GET"]),
+              Route("/tokenize", app.tokenize, methods=["POST"]),
+              Route("/detokenize", app.detokenize, methods=["POST"]),
               Route("/health", app.health, methods=["GET"])]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                              allow_methods=["GET", "POST"],

@@ -11,6 +11,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a test's do
 
 import kvrun  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
@@ -248,7 +249,7 @@ def test_tokenize_round_trip(server, model):
         openai_error(status, got, 400, param)
 
 
-def test_tokenize_has_the_other_routes_limits(model):
+def test_tokenize_and_metrics_have_the_other_routes_limits(model):
     from hostile_serving import start
     port, _, stop = start(model, api_key="k3y", max_body=1000)
     try:
@@ -258,7 +259,52 @@ def test_tokenize_has_the_other_routes_limits(model):
             assert call(port, "POST", path, body, headers=auth)[0] == 200
             openai_error(*call(port, "POST", path, b"{}", headers={**auth, "Content-Type":
                                                                       "text/plain"})[::2], 415)
+        openai_error(*call(port, "GET", "/metrics")[::2], 401)            # as llama-server
+        assert call(port, "GET", "/metrics", headers=auth)[0] == 200
         big = {"content": "x" * 2000}
         openai_error(*call(port, "POST", "/tokenize", big, headers=auth)[::2], 413)
     finally:
         stop()
+
+
+def scrape(port: int, headers=None) -> dict:
+    """{(name, labels as a sorted tuple): value} of every sample /metrics exposes."""
+    from prometheus_client.parser import text_string_to_metric_families
+    status, hdrs, raw = call(port, "GET", "/metrics", headers=headers)
+    assert status == 200 and hdrs["content-type"].startswith("text/plain"), raw
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(raw.decode()) for s in fam.samples}
+
+
+def test_metrics_move(client, server):
+    import time
+    port, sched = server
+    before = scrape(port)
+    ok = (("endpoint", "/v1/chat/completions"), ("status", "200"))
+    bad = (("endpoint", "/v1/chat/completions"), ("status", "400"))
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0, n=2)
+    call(port, "POST", "/v1/chat/completions", {"messages": [], "max_tokens": 1})
+    call(port, "GET", "/nowhere")
+    deadline = time.monotonic() + 10                # the loop counts a sequence after its step
+    while (after := scrape(port)).get(("kvrun_time_to_first_token_seconds_count", ()), 0) < \
+            before.get(("kvrun_time_to_first_token_seconds_count", ()), 0) + 2:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+    assert moved("kvrun_requests_total", ok) == 1 and moved("kvrun_requests_total", bad) == 1
+    assert moved("kvrun_requests_total", (("endpoint", "other"), ("status", "404"))) == 1
+    assert moved("kvrun_generation_tokens_total") == r.usage.completion_tokens
+    assert moved("kvrun_prompt_tokens_total") == 2 * r.usage.prompt_tokens     # one per choice
+    assert after[("kvrun_requests_running", ())] == 0 == after[("kvrun_kv_cache_used_bytes", ())]
+    assert ("kvrun_requests_waiting", ()) in after
+
+    stream = client.completions.create(model=NAME, prompt="Count: 1, 2,", max_tokens=200,
+                                       temperature=0, stream=True)
+    next(iter(stream))                              # it runs now
+    during = scrape(port)
+    stream.close()
+    assert during[("kvrun_requests_running", ())] == 1
+    assert during[("kvrun_kv_cache_used_bytes", ())] > 0

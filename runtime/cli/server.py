@@ -1,9 +1,10 @@
 """`kvrun serve`: an OpenAI-compatible HTTP API over the serving loop (runtime/engine/scheduler.py),
-on starlette + uvicorn (the optional extra `kvrun[server]`).
+on starlette + uvicorn + prometheus_client (the optional extra `kvrun[server]`).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (server-sent events with
 `"stream": true`, one JSON body otherwise), GET /v1/models, GET /health, POST /tokenize and
-/detokenize (llama-server's shape: runtime/cli/server_tokens.py).
+/detokenize (llama-server's shape: runtime/cli/server_tokens.py), GET /metrics (Prometheus:
+runtime/cli/server_metrics.py).
 
 Request fields: `model` (the served name, or omitted), `messages` / `prompt` (a string or
 token ids), `max_tokens` (chat also `max_completion_tokens`; default: until the sequence's
@@ -59,10 +60,11 @@ try:
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.middleware.cors import CORSMiddleware
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     from .server_http import Guard, read_body
+    from .server_metrics import Metrics
 except ImportError:                                 # the optional extra
     Starlette = None
 
@@ -281,6 +283,10 @@ class App:
         except ApiError as e:
             return e.response()
 
+    async def metrics(self, http):
+        body, ctype = self.prom.exposition()
+        return Response(body, media_type=ctype)
+
     async def models(self, http):
         return JSONResponse({"object": "list", "data": [
             {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvrun"}]})
@@ -327,7 +333,8 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
     key); cors_origins: origins a browser page may call from (none: no CORS headers at all);
     max_body: most bytes of a request body."""
     if Starlette is None:
-        raise KvrunError("kvrun serve needs starlette and uvicorn: pip install 'kvrun[server]'")
+        raise KvrunError("kvrun serve needs starlette, uvicorn and prometheus_client: "
+                         "pip install 'kvrun[server]'")
     from contextlib import asynccontextmanager
     app = App(model, scheduler, name, max_body)
 
@@ -355,10 +362,14 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
               Route("/v1/models", app.models, methods=["GET"]),
               Route("/tokenize", app.tokenize, methods=["POST"]),
               Route("/detokenize", app.detokenize, methods=["POST"]),
-              Route("/health", app.health, methods=["GET"])]
+              Route("/health", app.health, methods=["GET"]),
+              Route("/metrics", app.metrics, methods=["GET"])]
+    app.prom = Metrics(scheduler, {r.path for r in routes})
+    scheduler.on_done = app.prom.done
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                              allow_methods=["GET", "POST"],
                              allow_headers=["Authorization", "Content-Type"])] if cors_origins else []
     middleware.append(Middleware(Guard, api_key=api_key))
+    middleware.insert(0, Middleware(app.prom.middleware))       # outermost: counts 401s too
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={404: not_found, 405: bad_method, Exception: internal})

@@ -30,7 +30,8 @@ import collections
 import itertools
 import sys
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 from ..kv.build import make_cache
 from .batch import Batch, Sequence, failure
@@ -79,6 +80,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timings = Timings()
+        self.t_submit = time.monotonic()
+        self.ttft: float | None = None              # seconds from submit to the first token
         self._events: collections.deque[StreamEvent] = collections.deque()
         self._cond = threading.Condition()
         self._cancelled = False
@@ -89,6 +92,8 @@ class Request:
         with self._cond:
             self.text += ev.text
             self.n_tokens += ev.token_id is not None
+            if self.ttft is None and ev.token_id is not None:
+                self.ttft = time.monotonic() - self.t_submit
             self.timings = ev.timings
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
@@ -177,6 +182,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closing = False                       # no new requests
         self._stop = False                          # the loop exits
+        # called in the loop's thread with each request whose sequence left the batch
+        self.on_done: Callable[[Request], None] | None = None
 
     # -- requests --------------------------------------------------------------------------
     def parse_kv(self, kv: "str | KVConfig") -> KVConfig:
@@ -268,9 +275,13 @@ class Scheduler:
             except KvrunError as e:                     # a step the batch could not run
                 self._fail_running(str(e))
             with self._lock:
-                for r in [r for r in self.running if r.seq.finish_reason is not None]:
+                done = [r for r in self.running if r.seq.finish_reason is not None]
+                for r in done:
                     self.running.remove(r)
                     self.kv_used -= r.kv_bytes
+            if self.on_done is not None:
+                for r in done:
+                    self.on_done(r)
         return self.busy()
 
     def _fail_running(self, why: str) -> None:

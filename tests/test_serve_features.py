@@ -147,6 +147,36 @@ def test_logprobs_are_the_models_not_the_samplers(client, model):
     assert lp.top_logprobs == [{}] * len(gen)
 
 
+def test_echo_scores_the_prompt(client, model):
+    """lm-eval-harness' loglikelihood request: echo + logprobs + max_tokens 0."""
+    p = "The capital of France is Paris."
+    ids = model.tokenize(p)
+    ref = torch.log_softmax(model.logits(ids).float(), dim=-1)         # (T, V)
+    r = client.completions.create(model=NAME, prompt=p, max_tokens=0, echo=True, logprobs=2)
+    c, lp = r.choices[0], r.choices[0].logprobs
+    toks = [model.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in ids]
+    assert c.text == p and lp.tokens == toks and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]     # the same prefill: exact
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-3, rtol=0)
+    for j in range(1, len(ids)):
+        torch.testing.assert_close(torch.tensor(sorted(lp.top_logprobs[j].values(), reverse=True)),
+                                   torch.topk(ref[j - 1], 2).values, atol=1e-3, rtol=0)
+    assert lp.text_offset == [sum(map(len, toks[:j])) for j in range(len(toks))]
+
+    kw = dict(model=NAME, prompt=ids, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    whole = client.completions.create(**kw)
+    wl = whole.choices[0].logprobs
+    assert whole.choices[0].text.startswith(p) and len(whole.choices[0].text) > len(p)
+    assert wl.tokens[:len(ids)] == toks and len(ids) < len(wl.tokens) <= len(ids) + 4
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    streamed = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == wl.token_logprobs
+    plain = client.completions.create(model=NAME, prompt=p, max_tokens=0, echo=True)
+    assert plain.choices[0].text == p and plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
@@ -156,7 +186,8 @@ def test_logprobs_are_the_models_not_the_samplers(client, model):
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("/v1/completions", {"logprobs": 1, "echo": "yes"}, "echo"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_logprobs_are_400(server, path, body, param):

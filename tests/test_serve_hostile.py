@@ -98,7 +98,7 @@ def test_bad_chat_request_is_one_400(server, raw, param):
     ({"prompt": ""}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [True]}, "prompt"), ({"prompt": [10 ** 9]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "messages": []}, "messages"),
-    ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "max_completion_tokens": 3}, "max_completion_tokens"),
 ])
 def test_bad_completion_request_is_one_400(server, body, param):

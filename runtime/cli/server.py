@@ -12,7 +12,9 @@ context is full), `temperature` (default 1), `top_p` (default 1), `seed`, `stop`
 or a list), `stream`, `stream_options.include_usage`, `logprobs` (chat: a boolean with
 `top_logprobs` 0..20; completions: 0..5, the legacy format; runtime/cli/server_format.py:
 the model's own log-softmax, before penalty, truncation and temperature, as vLLM reports
-it; a stop token has none), `n` (1..min(16, --parallel) choices, each its own sequence;
+it; a stop token has none), completions' `echo` (the prompt before the text; with
+`logprobs`, the prompt's tokens scored too, the first one null: `max_tokens: 0` scores a
+text, as lm-eval-harness asks), `n` (1..min(16, --parallel) choices, each its own sequence;
 choice i samples with `seed` + i; usage counts every choice's tokens; stream chunks carry
 their choice's index); llama.cpp-style extensions `top_k`,
 `min_p`, `repeat_penalty`, `repeat_last_n` (penalty off unless given). Extension `kv`: the
@@ -21,7 +23,7 @@ or a shipped profile by name ("profile:smollm2-135m-0.25"); profile files are th
 operator's `--kv`, never a request's. Every sequence has its own cache, so methods mix
 freely in one batch; the request's cache bytes count against `--kv-budget-mb` like any
 other (a cheaper method is admitted sooner). Default: `--kv`. Fields kvrun does not
-implement (`tools`, `echo`, `response_format` ...) are refused by name unless neutral
+implement (`tools`, `response_format`, `best_of` ...) are refused by name unless neutral
 (runtime/cli/server_fields.py). Chat message text is tokenized as text: it cannot forge the
 template's control tokens; a completion's `prompt` string is the model's raw input, where
 special-token text is read as those tokens (as llama-server reads it).
@@ -101,12 +103,14 @@ class App:
         logprobs = logprobs_from(body, chat)
         kv = field(body, "kv", str)
         kv = None if kv is None else request_kv(kv, self.shipped)
+        echo = False if chat else field(body, "echo", bool, False)
         ids = self._chat_ids(body) if chat else self._prompt_ids(body)     # the heavy part last
         reqs = []
         try:
             for i in range(n):          # choice i samples with seed + i: n requests reproduce it
                 p = params if params.seed is None else replace(params, seed=params.seed + i)
-                reqs.append(self.sched.submit(ids, max_tokens, p, stop, kv, logprobs))
+                reqs.append(self.sched.submit(ids, max_tokens, p, stop, kv, logprobs,
+                                              logprobs if echo else None))
         except (KvrunError, ApiError) as e:
             for r in reqs:
                 r.cancel()
@@ -115,7 +119,12 @@ class App:
             if isinstance(e, Closed):
                 raise ApiError(503, str(e), "server_error", code="shutting_down") from None
             raise ApiError(400, str(e)) from None
-        return Job(chat, stream, usage, logprobs is not None, reqs)
+        text = None
+        if echo:                        # the prompt as given, or its ids' text
+            p = body["prompt"][0] if isinstance(body["prompt"], list) and \
+                isinstance(body["prompt"][0], (str, list)) else body["prompt"]
+            text = p if isinstance(p, str) else self.model.tokenizer.decode(ids)
+        return Job(chat, stream, usage, logprobs is not None, reqs, echo=text)
 
     def _prompt_ids(self, body: dict) -> list[int]:
         p = prompt_from(body, self.model.cfg.vocab_size)
@@ -191,6 +200,9 @@ class App:
                 return ApiError(499, "client disconnected").response()
             if reason == "error":
                 return _failure(r).response()
+        if job.echo is not None:
+            outs = [(job.echo + text, reason, (r.prompt_logprobs or []) + lps)
+                    for r, (text, reason, lps) in zip(job.reqs, outs)]
         choices = [fmt.choice(chat, i, text, reason, self._logprobs(job, lps))
                    for i, (text, reason, lps) in enumerate(outs)]
         return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
@@ -251,8 +263,13 @@ class App:
         if chat:
             for i in range(len(job.reqs)):
                 yield chunk(i, None, None, first=True)
+        echoed = [job.echo is None] * len(job.reqs)
         async with aclosing(self._merged(job.reqs)) as events:
             async for i, ev in events:
+                if not echoed[i] and ev.finish_reason != "error":     # the prefill is done
+                    echoed[i] = True
+                    pending[i] = list(job.reqs[i].prompt_logprobs or [])
+                    yield chunk(i, job.echo, None)
                 if ev.logprob is not None:
                     pending[i].append(ev.logprob)
                 if ev.finish_reason == "error":
@@ -303,6 +320,7 @@ class Job:
     usage: bool                 # stream_options.include_usage
     logprobs: bool
     reqs: list[Request]
+    echo: str | None = None     # completions' `echo`: the prompt's text, put before each choice's
     id: str = ""
 
 

@@ -5,7 +5,7 @@ OpenAI's error shape and a 4xx status naming the parameter.
 What a body may hold: strict JSON (no NaN / Infinity, at most MAX_DEPTH levels, valid
 Unicode: a lone surrogate such as "\\ud800" is refused), the fields kvrun implements with their
 types, and the OpenAI fields kvrun does not implement only at their neutral values
-(`frequency_penalty: 0`, `echo: false` ...). Any other field is refused by name, as
+(`frequency_penalty: 0`, `best_of: 1` ...). Any other field is refused by name, as
 OpenAI's API does, rather than silently ignored. The `kv` extension may name a KV method or
 a shipped profile; profile files are the operator's (`kvrun serve --kv`), never a client's.
 """
@@ -100,7 +100,8 @@ NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,),
 
 def check_fields(body: dict, chat: bool) -> None:
     """Refuse fields kvrun does not implement (ApiError 400 naming the first)."""
-    own = COMMON | ({"messages", "max_completion_tokens", "top_logprobs"} if chat else {"prompt"})
+    own = COMMON | ({"messages", "max_completion_tokens", "top_logprobs"} if chat else
+                    {"prompt", "echo"})
     for k, v in body.items():
         if k in own or k in IGNORED:
             continue

@@ -39,7 +39,8 @@ def chat_logprobs(tok, entries: list[TokenLogprob]) -> dict:
 
 class LegacyLogprobs:
     """The completions endpoint's `logprobs` object of one choice, built piece by piece:
-    `text_offset` counts characters from the start of the choice's text."""
+    `text_offset` counts characters from the start of the choice's text (with `echo`, the
+    prompt's; its first token has null `token_logprobs` and `top_logprobs`)."""
 
     def __init__(self, tok):
         self.tok, self.offset = tok, 0
@@ -50,7 +51,8 @@ class LegacyLogprobs:
             s = _token(self.tok, e.token_id)["token"]
             d["tokens"].append(s)
             d["token_logprobs"].append(e.logprob)
-            d["top_logprobs"].append({_token(self.tok, i)["token"]: v for i, v in e.top})
+            d["top_logprobs"].append(None if e.top is None else
+                                     {_token(self.tok, i)["token"]: v for i, v in e.top})
             d["text_offset"].append(self.offset)
             self.offset += len(s)
         return d

@@ -70,9 +70,10 @@ class Request:
 
     def __init__(self, rid: int, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop: list[str], kv: KVConfig, n_ctx: int, kv_bytes: int,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None):
         self.id, self.prompt, self.max_tokens, self.params = rid, prompt, max_tokens, params
         self.logprobs = logprobs                    # top alternatives per token; None: off
+        self.prompt_k = prompt_logprobs             # the same for the prompt's tokens
         self.stop, self.kv, self.n_ctx, self.kv_bytes = stop, kv, n_ctx, kv_bytes
         self.seq: Sequence | None = None            # set at admission
         self.text = ""
@@ -120,6 +121,11 @@ class Request:
         self._cancelled = True
         if self.seq is not None:
             self.seq.cancel(error)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's TokenLogprobs when asked for (complete once any event arrived)."""
+        return self.seq.prompt_logprobs if self.seq is not None else None
 
     @property
     def done(self) -> bool:
@@ -214,18 +220,21 @@ class Scheduler:
 
     def submit(self, prompt: list[int], max_tokens: int | None = None,
                params: SamplingParams | None = None, stop=None,
-               kv: "str | KVConfig | None" = None, logprobs: int | None = None) -> Request:
+               kv: "str | KVConfig | None" = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Request:
         """Queue a generation of up to max_tokens tokens (None: until the context is full)
         after the token ids `prompt`; `logprobs` = k: each token's event carries its
-        log-probability and the k best alternatives (runtime/engine/batch.py). Raises
+        log-probability and the k best alternatives, `prompt_logprobs` = k: the request's
+        `prompt_logprobs` holds the prompt's (runtime/engine/batch.py). Raises
         KvrunError for a request that cannot run, and QueueFull when the queue is full.
         Any thread may call it."""
         kv = self.kv if kv is None else self.parse_kv(kv)
         max_tokens, n_ctx, nbytes = self.plan(len(prompt), max_tokens, kv)
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {logprobs})")
+        for k in (logprobs, prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {k})")
         req = Request(next(self._ids), list(prompt), max_tokens, params or SamplingParams(),
-                      check_stops(stop), kv, n_ctx, nbytes, logprobs)
+                      check_stops(stop), kv, n_ctx, nbytes, logprobs, prompt_logprobs)
         with self._lock:
             if self._closing:
                 raise Closed(SHUTTING_DOWN)
@@ -256,7 +265,7 @@ class Scheduler:
                     r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                      r.max_tokens, r.params, self.model.stop_ids, r.stop,
                                      self.model.engine.prefill_chunk, on_event=r._push,
-                                     logprobs=r.logprobs)
+                                     logprobs=r.logprobs, prompt_logprobs=r.prompt_k)
                 except Exception as e:                  # noqa: BLE001 - this request only
                     r._fail("error", failure(e))
                     continue

@@ -49,13 +49,15 @@ from ..errors import KvrunError
 def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, port, alias,
               dtype, chunk, threads, api_key, cors, max_body_mb, shutdown_timeout):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
-    /v1/completions, /v1/models, /health), many requests decoded together.
+    /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), many requests
+    decoded together.
 
     Needs the server extra: pip install 'kvrun[server]'."""
     try:
         import uvicorn
     except ImportError:
-        raise KvrunError("kvrun serve needs starlette and uvicorn: pip install 'kvrun[server]'") from None
+        raise KvrunError("kvrun serve needs starlette, uvicorn and prometheus_client: "
+                         "pip install 'kvrun[server]'") from None
     from ..engine.api import load
     from ..kv.config import parse_kv
     from ..engine.scheduler import Scheduler, check_budget_mb

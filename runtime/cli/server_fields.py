@@ -4,8 +4,8 @@ OpenAI's error shape and a 4xx status naming the parameter.
 
 What a body may hold: strict JSON (no NaN / Infinity, at most MAX_DEPTH levels, valid
 Unicode: a lone surrogate such as "\\ud800" is refused), the fields kvrun implements with their
-types, and the OpenAI fields kvrun does not implement only at their neutral values (`n: 1`,
-`frequency_penalty: 0`, `logprobs: false` ...). Any other field is refused by name, as
+types, and the OpenAI fields kvrun does not implement only at their neutral values
+(`frequency_penalty: 0`, `best_of: 1` ...). Any other field is refused by name, as
 OpenAI's API does, rather than silently ignored. The `kv` extension may name a KV method or
 a shipped profile; profile files are the operator's (`kvrun serve --kv`), never a client's.
 """
@@ -15,7 +15,7 @@ import json
 
 from ..errors import KvrunError
 from ..engine.generate import check_ids
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_DEPTH = 32                  # nesting of a body: OpenAI's own requests need 5
 MAX_STOPS, MAX_STOP_CHARS = 16, 256     # stop strings are matched at every token
@@ -85,12 +85,13 @@ def _check_values(body: dict) -> None:
 
 # fields kvrun implements (both endpoints; chat adds messages and max_completion_tokens)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-          "stream_options", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "kv"}
+          "stream_options", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "kv",
+          "logprobs", "n"}
 IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key",
            "safety_identifier", "parallel_tool_calls"}      # no effect on the output
 # OpenAI fields kvrun does not implement: accepted only at these neutral values
-NEUTRAL = {"n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
-           "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
+NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,),
+           "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
            "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
            "response_format": ({"type": "text"},), "modalities": (["text"],),
            "echo": (False,), "best_of": (1,), "suffix": ("",), "reasoning_effort": (),
@@ -99,7 +100,8 @@ NEUTRAL = {"n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
 
 def check_fields(body: dict, chat: bool) -> None:
     """Refuse fields kvrun does not implement (ApiError 400 naming the first)."""
-    own = COMMON | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
+    own = COMMON | ({"messages", "max_completion_tokens", "top_logprobs"} if chat else
+                    {"prompt", "echo"})
     for k, v in body.items():
         if k in own or k in IGNORED:
             continue
@@ -194,14 +196,60 @@ def stop_from(body: dict) -> list[str] | None:
     return stops or None
 
 
+MAX_N = 16                      # choices per request, whatever --parallel is
+
+
+def n_from(body: dict, parallel: int, seed: int | None) -> int:
+    """`n`: choices per request, 1..min(MAX_N, parallel) (choice i is its own sequence, so
+    n never waits for itself); with a seed, seed + n - 1 must still be a seed."""
+    n = field(body, "n", int, 1)
+    most = min(MAX_N, parallel)
+    if not 1 <= n <= most:
+        raise ApiError(400, f"'n' must be in [1, {most}] on this server (--parallel "
+                            f"{parallel}; got {n})", param="n")
+    if seed is not None and seed + n - 1 >= 1 << 64:
+        raise ApiError(400, f"'seed' + 'n' - 1 must be < 2^64 (choice i samples with seed + i)",
+                       param="seed")
+    return n
+
+
+MAX_LEGACY_LOGPROBS = 5         # the completions endpoint's bound (OpenAI's)
+
+
+def logprobs_from(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: no logprobs.
+    Chat: `logprobs` (a boolean) and `top_logprobs` (0..20, only with logprobs true);
+    completions: `logprobs` (0..5; false or null: none)."""
+    if chat:
+        on = field(body, "logprobs", bool, False)
+        k = field(body, "top_logprobs", int)
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}] (got {k})",
+                           param="top_logprobs")
+        if k and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (k or 0) if on else None
+    if body.get("logprobs") is False:
+        return None
+    k = field(body, "logprobs", int)
+    if k is not None and not 0 <= k <= MAX_LEGACY_LOGPROBS:
+        raise ApiError(400, f"'logprobs' must be in [0, {MAX_LEGACY_LOGPROBS}] (got {k})",
+                       param="logprobs")
+    return k
+
+
 def stream_from(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+    """(stream, include_usage): with include_usage the stream ends with a chunk holding no
+    choices and the usage of them all (before `data: [DONE]`)."""
     stream = field(body, "stream", bool, False)
     opts = field(body, "stream_options", dict, {})
     for k in opts:
         if k != "include_usage":
             raise ApiError(400, f"unknown parameter 'stream_options.{k:.60}'", param="stream_options")
     usage = bool(field(opts, "include_usage", bool, False))
+    if opts and not stream:          # as OpenAI and vLLM: it would be silently ignored
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
+                       param="stream_options")
     return stream, usage
 
 

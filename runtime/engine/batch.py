@@ -34,7 +34,8 @@ import torch
 from kvrun.kernels.native.decode_layer import MAX_ROWS
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
-from .sampling import SamplingParams, sample
+from .sampling import (MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, next_logprobs, sample,
+                       token_logprob)
 from .stops import StopStrings, check_stops
 
 
@@ -64,14 +65,27 @@ def batch_forward(model, tokens: list[int], caches: list) -> torch.Tensor:
 class Sequence:
     """One generation in a batch. `on_event(StreamEvent)` receives its text pieces (stop
     strings applied) and, last, an event with the finish reason: "stop" | "length" |
-    "context" | "cancelled" (cancel()) | "error" (`error` then says why)."""
+    "context" | "cancelled" (cancel()) | "error" (`error` then says why). With `logprobs`
+    = k (0..MAX_TOP_LOGPROBS), each event of a sampled token carries its TokenLogprob with
+    the k best alternatives, except a stop token's (EOS is not part of the text). With
+    `prompt_logprobs` = k, the prefill keeps every row's logits and `prompt_logprobs` holds
+    one TokenLogprob per prompt token (the first one's logprob is None), complete before
+    the first event."""
 
     def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int], stop=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 on_event: Callable[[StreamEvent], None] | None = None):
+                 on_event: Callable[[StreamEvent], None] | None = None,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None):
         if max_tokens < 0:
             raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
+        for k in (logprobs, prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {k})")
+        self.logprobs, self._prompt_k = logprobs, prompt_logprobs
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        if prompt_logprobs is not None and prompt:
+            self.prompt_logprobs = [TokenLogprob(prompt[0], None, None)]
         self.engine = Engine(model, tokenizer, cache, prefill_chunk)
         self.prompt, self.max_tokens, self.params = list(prompt), max_tokens, params
         self.stop_ids = stop_ids
@@ -80,7 +94,8 @@ class Sequence:
         self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.history = list(prompt)
         self.timings = Timings()
-        self.chunks = self.engine.prefill_chunks(self.prompt)      # checks the prompt's length
+        # checks the prompt's length
+        self.chunks = self.engine.prefill_chunks(self.prompt, rows=prompt_logprobs is not None)
         self.logits: torch.Tensor | None = None     # next-token logits (V,) once prefilled
         self.token: int | None = None               # the sampled token the next forward feeds
         self.tokens: list[int] = []                 # generated ids
@@ -111,6 +126,11 @@ class Sequence:
         """Prefill one chunk of the prompt."""
         t0 = time.perf_counter()
         logits, left = next(self.chunks)
+        if self.prompt_logprobs is not None:            # rows (T, V): row j scores token s + j + 1
+            end = len(self.prompt) - max(left, 0)
+            s = end - logits.shape[0]
+            self.prompt_logprobs += next_logprobs(logits, self.prompt[s + 1:end + 1], self._prompt_k)
+            logits = logits[-1]
         self.timings.prompt_s += time.perf_counter() - t0
         if left <= 0:                                               # the prompt's last chunk
             self.logits = logits
@@ -123,6 +143,8 @@ class Sequence:
         """Sample the next token and emit it; True if the sequence goes on (its token is to
         be fed by the next forward)."""
         tok = sample(self.logits, self.params, self.history, self.gen)
+        lp = None if self.logprobs is None or tok in self.stop_ids else \
+            token_logprob(self.logits, tok, self.logprobs)
         self.history.append(tok)
         self.tokens.append(tok)
         self.timings.gen_tokens = len(self.tokens)
@@ -138,7 +160,7 @@ class Sequence:
         if reason is not None:
             text += self._dec.flush()
         out, matched = self.stops.push(text)
-        self._emit(StreamEvent(out, tok, self.timings, None))
+        self._emit(StreamEvent(out, tok, self.timings, None, lp))
         if matched:
             reason = "stop"
         if reason is not None:

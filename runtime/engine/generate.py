@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 
 from ..errors import KvrunError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenLogprob, sample
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -64,6 +64,7 @@ class StreamEvent:
     token_id: int | None            # the sampled token (None on the final event)
     timings: Timings = field(default_factory=Timings)
     finish_reason: str | None = None    # None while running; "stop" | "length" | "context"
+    logprob: TokenLogprob | None = None   # the token's, when asked for (runtime/engine/batch.py)
 
 
 def check_ids(ids: list, vocab_size: int) -> None:
@@ -144,10 +145,11 @@ class Engine:
             pass
         return logits
 
-    def prefill_chunks(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, int]]:
+    def prefill_chunks(self, ids: list[int], rows: bool = False) -> Iterator[tuple[torch.Tensor, int]]:
         """`prefill` one chunk per `next()` (a batch interleaves them with the decode steps
         of other sequences): yields (the chunk's last-position logits (V,), ids still to
-        prefill); the prompt is checked at the call, not at the first `next()`."""
+        prefill); with `rows`, the logits of every position of the chunk (T, V) instead.
+        The prompt is checked at the call, not at the first `next()`."""
         if not ids:
             raise KvrunError("empty prompt")
         room = self.max_ctx - (self.cache.shift_keep() if self.can_shift else len(self.cached))
@@ -157,19 +159,19 @@ class Engine:
                     if self.can_shift else "")
             raise KvrunError(f"prompt too long: {held}{len(ids)} new tokens > context size "
                              f"{self.max_ctx}{keep} (raise -c/--ctx-size)")
-        return self._prefill_chunks(ids)
+        return self._prefill_chunks(ids, rows)
 
-    def _prefill_chunks(self, ids: list[int]) -> Iterator[tuple[torch.Tensor, int]]:
+    def _prefill_chunks(self, ids: list[int], rows: bool = False) -> Iterator[tuple[torch.Tensor, int]]:
         exact = self.canon == len(self.cached)          # resumed where a fresh prefill would be
         shifts = self.n_shifts
         s, C = 0, self.prefill_chunk
         while s < len(ids):
             e = s + C - (len(self.cached) % C)          # the next multiple of C
-            logits = self._forward(ids[s:e])
+            logits = self._forward(ids[s:e], last_only=not rows)
             s = e
             if s >= len(ids) and exact and shifts == self.n_shifts:
                 self.canon = len(self.cached)
-            yield logits[0, -1], len(ids) - s
+            yield (logits[0] if rows else logits[0, -1]), len(ids) - s
 
     def decode_step(self, token: int) -> torch.Tensor:
         """Feed one token; returns next-token logits (V,)."""
@@ -207,13 +209,14 @@ class Engine:
             self.n_shifts += 1
             self.n_dropped += nd
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        """One forward that appends `ids` to the cache. A Ctrl-C in the middle (some layers
-        written, others not) is repaired before it propagates: the cache is truncated back
-        to the ids it fully holds (a compressed cache may keep fewer; they are dropped)."""
+    def _forward(self, ids: list[int], last_only: bool = True) -> torch.Tensor:
+        """One forward that appends `ids` to the cache; logits (1, 1, V), or (1, T, V)
+        without `last_only`. A Ctrl-C in the middle (some layers written, others not) is
+        repaired before it propagates: the cache is truncated back to the ids it fully
+        holds (a compressed cache may keep fewer; they are dropped)."""
         self._make_room(len(ids))
         try:
-            logits = self.model(torch.tensor([ids]), self.cache, last_only=True)
+            logits = self.model(torch.tensor([ids]), self.cache, last_only=last_only)
         except KeyboardInterrupt:
             self.repair()
             raise

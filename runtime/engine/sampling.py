@@ -104,3 +104,37 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
     vals = (vals[keep] - vals[0]) / max(p.temp, torch.finfo(vals.dtype).tiny)
     choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
     return int(idx[keep][choice])
+
+
+MAX_TOP_LOGPROBS = 20           # alternatives per token a request may ask for (OpenAI's bound)
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model's own distribution (the
+    log-softmax of its raw logits: before repetition penalty, top-k/p, min-p and
+    temperature, as vLLM reports by default), and the `top` most likely tokens
+    [(id, logprob)], best first."""
+    token_id: int
+    logprob: float | None           # None: a prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] | None
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """TokenLogprob of `token` from float32 logits (V,), with k in [0, MAX_TOP_LOGPROBS]."""
+    assert 0 <= k <= MAX_TOP_LOGPROBS, k
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    vals, idx = torch.topk(lp, k) if k else (lp[:0], lp[:0].long())
+    return TokenLogprob(token, float(lp[token]), [(int(i), float(v)) for i, v in zip(idx, vals)])
+
+
+def next_logprobs(rows: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprob]:
+    """TokenLogprob of next_ids[j] under row j of float32 logits (T, V), len(next_ids) <= T:
+    a prompt's tokens scored by the positions before them."""
+    assert 0 <= k <= MAX_TOP_LOGPROBS and len(next_ids) <= rows.shape[0], (k, len(next_ids))
+    n = len(next_ids)
+    lp = torch.log_softmax(rows[:n].float(), dim=-1)                # (n, V)
+    picked = lp[torch.arange(n), torch.tensor(next_ids, dtype=torch.long)].tolist()
+    vals, idx = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [TokenLogprob(t, p, list(zip(i, v))) for t, p, i, v in
+            zip(next_ids, picked, idx.tolist(), vals.tolist())]

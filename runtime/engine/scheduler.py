@@ -30,7 +30,8 @@ import collections
 import itertools
 import sys
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 from ..kv.build import make_cache
 from .batch import Batch, Sequence, failure
@@ -38,7 +39,7 @@ from ..errors import KvrunError
 from .generate import StreamEvent, Timings
 from ..kv.build import kv_bytes_at
 from ..kv.config import KVConfig, parse_kv
-from .sampling import SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .stops import check_stops
 
 MiB = 1 << 20
@@ -68,8 +69,11 @@ class Request:
     for the whole text."""
 
     def __init__(self, rid: int, prompt: list[int], max_tokens: int, params: SamplingParams,
-                 stop: list[str], kv: KVConfig, n_ctx: int, kv_bytes: int):
+                 stop: list[str], kv: KVConfig, n_ctx: int, kv_bytes: int,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None):
         self.id, self.prompt, self.max_tokens, self.params = rid, prompt, max_tokens, params
+        self.logprobs = logprobs                    # top alternatives per token; None: off
+        self.prompt_k = prompt_logprobs             # the same for the prompt's tokens
         self.stop, self.kv, self.n_ctx, self.kv_bytes = stop, kv, n_ctx, kv_bytes
         self.seq: Sequence | None = None            # set at admission
         self.text = ""
@@ -77,6 +81,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.timings = Timings()
+        self.t_submit = time.monotonic()
+        self.ttft: float | None = None              # seconds from submit to the first token
         self._events: collections.deque[StreamEvent] = collections.deque()
         self._cond = threading.Condition()
         self._cancelled = False
@@ -87,6 +93,8 @@ class Request:
         with self._cond:
             self.text += ev.text
             self.n_tokens += ev.token_id is not None
+            if self.ttft is None and ev.token_id is not None:
+                self.ttft = time.monotonic() - self.t_submit
             self.timings = ev.timings
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
@@ -113,6 +121,11 @@ class Request:
         self._cancelled = True
         if self.seq is not None:
             self.seq.cancel(error)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's TokenLogprobs when asked for (complete once any event arrived)."""
+        return self.seq.prompt_logprobs if self.seq is not None else None
 
     @property
     def done(self) -> bool:
@@ -175,6 +188,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closing = False                       # no new requests
         self._stop = False                          # the loop exits
+        # called in the loop's thread with each request whose sequence left the batch
+        self.on_done: Callable[[Request], None] | None = None
 
     # -- requests --------------------------------------------------------------------------
     def parse_kv(self, kv: "str | KVConfig") -> KVConfig:
@@ -205,14 +220,21 @@ class Scheduler:
 
     def submit(self, prompt: list[int], max_tokens: int | None = None,
                params: SamplingParams | None = None, stop=None,
-               kv: "str | KVConfig | None" = None) -> Request:
+               kv: "str | KVConfig | None" = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Request:
         """Queue a generation of up to max_tokens tokens (None: until the context is full)
-        after the token ids `prompt`. Raises KvrunError for a request that cannot run, and
-        QueueFull when the queue is full. Any thread may call it."""
+        after the token ids `prompt`; `logprobs` = k: each token's event carries its
+        log-probability and the k best alternatives, `prompt_logprobs` = k: the request's
+        `prompt_logprobs` holds the prompt's (runtime/engine/batch.py). Raises
+        KvrunError for a request that cannot run, and QueueFull when the queue is full.
+        Any thread may call it."""
         kv = self.kv if kv is None else self.parse_kv(kv)
         max_tokens, n_ctx, nbytes = self.plan(len(prompt), max_tokens, kv)
+        for k in (logprobs, prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {k})")
         req = Request(next(self._ids), list(prompt), max_tokens, params or SamplingParams(),
-                      check_stops(stop), kv, n_ctx, nbytes)
+                      check_stops(stop), kv, n_ctx, nbytes, logprobs, prompt_logprobs)
         with self._lock:
             if self._closing:
                 raise Closed(SHUTTING_DOWN)
@@ -242,7 +264,8 @@ class Scheduler:
                     cache = make_cache(self.model.cfg, r.n_ctx, r.kv)
                     r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                      r.max_tokens, r.params, self.model.stop_ids, r.stop,
-                                     self.model.engine.prefill_chunk, on_event=r._push)
+                                     self.model.engine.prefill_chunk, on_event=r._push,
+                                     logprobs=r.logprobs, prompt_logprobs=r.prompt_k)
                 except Exception as e:                  # noqa: BLE001 - this request only
                     r._fail("error", failure(e))
                     continue
@@ -261,9 +284,13 @@ class Scheduler:
             except KvrunError as e:                     # a step the batch could not run
                 self._fail_running(str(e))
             with self._lock:
-                for r in [r for r in self.running if r.seq.finish_reason is not None]:
+                done = [r for r in self.running if r.seq.finish_reason is not None]
+                for r in done:
                     self.running.remove(r)
                     self.kv_used -= r.kv_bytes
+            if self.on_done is not None:
+                for r in done:
+                    self.on_done(r)
         return self.busy()
 
     def _fail_running(self, why: str) -> None:

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from ..errors import KvrunError
 
@@ -25,6 +26,8 @@ class Tokenizer:
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
         self._added = {t.content: (i, t) for i, t in self.tok.get_added_tokens_decoder().items()}
+        self._added_by_id = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+        self._byte_level = isinstance(self.tok.decoder, ByteLevelDecoder)
         # `encode_special_tokens` (special-token text read as text) is the tokenizer's state,
         # set per call: one encode at a time
         self._lock = threading.Lock()
@@ -79,11 +82,49 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, alone (a byte-level token may hold part of a
+        character, so this is not always valid UTF-8): an added token's text; a byte-level
+        BPE symbol mapped back to its byte; a SentencePiece piece with "\u2581" as a space
+        and "<0xHH>" as the byte HH."""
+        hit = self._added_by_id.get(token_id)
+        if hit is not None:
+            return hit.encode()
+        piece = self.tok.id_to_token(token_id) or ""
+        if self._byte_level:
+            if all(c in _UNBYTE for c in piece):
+                return bytes(_UNBYTE[c] for c in piece)
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
     def stream(self, skip_special: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special)
 
 
 LONG_TEXT = 1 << 14      # characters
+
+
+def _byte_symbols() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character standing for each
+    byte -> that byte (printable Latin-1 bytes stand for themselves, the other 68 are
+    shifted to U+0100..)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + shift)] = b
+            shift += 1
+    return out
+
+
+_UNBYTE = _byte_symbols()
 
 
 def _ids(tok: HFTokenizer, text: str) -> list[int]:

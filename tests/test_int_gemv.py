@@ -45,7 +45,8 @@ def _expected_isa(build: str) -> int | None:
 @pytest.fixture(scope="module", params=list(BUILDS))
 def lib(request):
     """One build of the native library; the test asserts it runs the path it is named for."""
-    lib = native.load() if request.param == "default" else ctypes.CDLL(str(native._build(BUILDS[request.param])))
+    flags = BUILDS[request.param]
+    lib = ctypes.CDLL(str(native._build(flags))) if flags else native.load()
     want = _expected_isa(request.param)
     if want is not None:
         assert lib.kvrun_gemv_isa() == want, (request.param, lib.kvrun_gemv_isa(), want)
@@ -131,11 +132,14 @@ def test_integer_gemv_is_near_the_fp32_gemv(shape):
 def test_quantize_input_rounds_half_to_even_and_keeps_zero_blocks():
     x = torch.zeros(1, 40)
     x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])       # d = 1: halves go to even codes
-    x[0, 35] = -3.0                                         # a partial second block
+    x[0, 37] = -3.0                                         # the last block
+    x[0, 20] = 1e-31                                        # below TINY: a zero block
     q, d = quantize_input(x)
-    assert q[0, :4].tolist() == [127, 0, 2, -2]
-    assert torch.equal(d[0], torch.stack([torch.tensor(1.0), torch.tensor(3.0) / 127]))
-    assert q[0, 35] == -127 and q[0, 4:32].abs().sum() == 0
+    assert q[0, :4].tolist() == [127, 0, 2, -2] and q[0, 37] == -127
+    assert q[0].abs().sum() == 127 + 2 + 2 + 127
+    want = torch.zeros(40 // QB)
+    want[0], want[37 // QB] = 1.0, torch.tensor(3.0) / 127
+    assert torch.equal(d[0], want)
 
 
 @pytest.mark.parametrize("kind, K, G", [("int8", 100, 0), ("int4", 96, 32), ("int4", 192, 64),

@@ -76,7 +76,8 @@ def main():
     print(f"{'weight':8} {'N x K':>12} {'B':>3} {'thr':>3} {'set':5} {'fp32 µs':>9} {'int µs':>9} "
           f"{'fp32 GB/s':>9} {'int GB/s':>9} {'int/fp32':>8}")
     for name, layers in ws.items():
-        N, K = layers[0]["qweight"].shape[0], layers[0]["qweight"].shape[1] * (2 if layers[0]["kind"] == "int4" else 1)
+        q = layers[0]["qweight"]
+        N, K = q.shape[0], q.shape[1] * (2 if layers[0]["kind"] == "int4" else 1)
         for B in map(int, a.rows.split(",")):
             x = torch.randn(B, K, generator=g)
             for nth in map(int, a.threads.split(",")):

@@ -24,8 +24,8 @@
  *         min per (row, group): w = c * s + m.
  *   int8  codes (N, K) int8, one fp32 scale per row.
  * The GEMVs (gemv.h) run on one of two paths, chosen per Layer (gemv_int):
- *   integer (gemv_int.c)  each GEMV input quantized once to int8 blocks of 32 columns
- *                         (q/k/v share one, gate and up share one), int32 block dots
+ *   integer (gemv_quant.c, gemv_int.c)  each GEMV input quantized once to int8 blocks of
+ *                         QB columns (q/k/v share one, gate and up share one), int32 dots
  *   fp32 (gemv_fp32.c)    codes decoded to fp32, FMAs with the fp32 input: the reference,
  *                         equal to the dequantized fp32 GEMV to rounding
  * Both compute each row independently of the others, so a row's result does not depend on

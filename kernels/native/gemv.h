@@ -2,9 +2,9 @@
  * times B <= MAXB input rows, a block of output rows per call.
  *
  *   gemv_fp32.c  the reference: codes decoded to fp32, fp32 FMAs with the fp32 inputs
- *   gemv_int.c   the default: each input row quantized once per GEMV input to int8 blocks
- *                of 32 columns (gi_quantize), int32 dot products per block, the scales
- *                applied per block in fp32
+ *   gemv_quant.c the default's input: each input row quantized once per GEMV input to int8
+ *                blocks of QB columns (gi_quantize)
+ *   gemv_int.c   the default: int32 dot products, the scales applied per block in fp32
  */
 #ifndef KVRUN_GEMV_H
 #define KVRUN_GEMV_H
@@ -17,7 +17,8 @@ enum { W_INT4 = 0, W_INT8 = 1 };
 enum { MAXB = 32 };           /* input rows per call: each weight row is read from memory once
                                 * and re-read from L1 for every row (batched decode) */
 enum { GEMV_NR = 4 };         /* output rows per gf_rows / gi_rows call */
-enum { QB = 32 };             /* columns per activation block (one int8 scale each) */
+#define QB 4                  /* columns per activation block, one fp32 scale each: 4, 8 or 16
+                               * (gemv_quant.c) */
 
 /* one weight matrix (N, K) in a stored format (runtime/model/qlinear.py) */
 typedef struct {
@@ -38,12 +39,36 @@ void gf_group_sums(const Weight *w, const float *x, float *out);
 void gf_rows(const Weight *w, int n0, int nn, int B, const float *x, int ldx, const float *xs,
              int ldxs, float *out, int ldo);
 
-/* -- integer (gemv_int.c) -------------------------------------------------------------- */
+/* -- integer (gemv_quant.c quantizes the inputs, gemv_int.c multiplies) ----------------- */
 
-/* Bytes of one quantized input row of K columns (gi_quantize's layout, Kp = K rounded up to
- * 64): Kp int8 codes in the weight's decode order, Kp/4 fp32 per-lane block scales, Kp/4
- * int32 per-lane corrections (int8 weights), Kp/8 bytes of int4 group sums. */
-static inline int64_t gi_row_bytes(int K) { return 4 * (int64_t)((K + 63) / 64 * 64); }
+/* the integer dot products this build compiles: AVX512-VNNI, else AVX2, else plain C */
+#if !defined(KVRUN_NO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define GI_VNNI 1
+#elif !defined(KVRUN_NO_AVX2) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GI_AVX2 1
+#endif
+
+static inline int pad64(int K) { return (K + 63) / 64 * 64; }
+
+/* One quantized input row of K columns (Kp = pad64(K); gi_row_bytes bytes), in the order
+ * its weight's chunks of 64 columns decode in (gemv_quant.c): */
+typedef struct {
+    const int8_t *q;        /* (Kp,) int8 codes */
+    const float *d;         /* (Kp/4,) the block scale of each lane of 4 codes */
+    const int32_t *c;       /* (Kp/4,) -128 x each lane's code sum (the VNNI int8 dot's start) */
+    const float *s;         /* (K/G,) int4: sum over each weight group of d_j sum(q)_j */
+} QRow;
+
+static inline int64_t gi_row_bytes(int K) { return 4 * (int64_t)pad64(K); }
+
+static inline QRow qrow(const uint8_t *row, int K)
+{
+    const int Kp = pad64(K);
+    return (QRow){(const int8_t *)row, (const float *)(row + Kp), (const int32_t *)(row + 2 * Kp),
+                  (const float *)(row + 3 * Kp)};
+}
 
 /* x (K,) fp32 -> row (gi_row_bytes(w->K) bytes): x quantized for the dot products with w. */
 void gi_quantize(const Weight *w, const float *x, uint8_t *row);

@@ -1,16 +1,14 @@
 /* gemv_int: the integer GEMV of the decode layer (gemv.h), the way llama.cpp's CPU path
- * multiplies Q4_1 by Q8_1 and Q8_0 by Q8_0.
+ * multiplies Q4_1 by Q8_1 and Q8_0 by Q8_0 (with finer input blocks: gemv_quant.c).
  *
- * Input. Each GEMV input row x (K,) is quantized once (gi_quantize), before the GEMV, for
- * every output row that reads it: per block j of QB = 32 columns d_j = max|x| / 127 and
- * q = rint(x * (127 / max|x|)) in [-127, 127]; for int4 weights the block sums d_j sum(q)
- * are added up per weight group g into xs_g (the min term's input, as Q8_1 carries it). The
- * codes are stored in the order the weight bytes decode in, with one scale per lane of 4
- * columns, so the inner loop does no shuffles.
+ * Input: each GEMV input row quantized once (gemv_quant.c gi_quantize) to int8 codes q with
+ * one fp32 scale d_j per block of QB columns, stored in the order the weight bytes decode in
+ * with one scale per lane of 4 columns, so the inner loop does no shuffles.
  *
  * Dot products, per chunk of 64 columns (32 bytes of an int4 row, 64 of an int8 row):
  *   int4  the low nibbles of the 32 bytes, then their high nibbles: 64 unsigned codes c;
- *         y = sum_j s_g(j) d_j (c . q)_j + sum_g m_g xs_g        (w = c s + m)
+ *         y = sum_j s_g(j) d_j (c . q)_j + sum_g m_g xs_g   (w = c s + m; xs_g: the group's
+ *         sum of d_j sum(q)_j, from the quantizer)
  *   int8  y = scale_n sum_j d_j (w . q)_j
  * The (c . q) sums are int32, 16 lanes of 4 columns: AVX512-VNNI vpdpbusd (unsigned x
  * signed bytes; int8 weights are made unsigned, w + 128, by one XOR per chunk shared by all
@@ -38,99 +36,8 @@
 #include <stdint.h>
 #include <string.h>
 #include "gemv.h"
-#if !defined(KVRUN_NO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define GI_VNNI 1
-#elif !defined(KVRUN_NO_AVX2) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define GI_AVX2 1
-#endif
 
 #define INLINE static inline __attribute__((always_inline))
-
-static inline int pad64(int K) { return (K + 63) / 64 * 64; }
-
-/* a quantized row's parts (gi_row_bytes) */
-typedef struct {
-    const int8_t *q;        /* (Kp,) codes, decode order */
-    const float *d;         /* (Kp/4,) block scale of each lane */
-    const int32_t *c;       /* (Kp/4,) -128 x the lane's code sum (int8 weights, VNNI) */
-    const float *s;         /* (K/G,) int4: sum of d_j sum(q)_j over each weight group */
-} QRow;
-
-static inline QRow qrow(const uint8_t *row, int K)
-{
-    const int Kp = pad64(K);
-    return (QRow){(const int8_t *)row, (const float *)(row + Kp), (const int32_t *)(row + 2 * Kp),
-                  (const float *)(row + 3 * Kp)};
-}
-
-/* max |x| over n values, as the largest bit pattern of |x| (non-negative floats order like
- * their bits): an integer max the compiler vectorizes, where fmaxf's NaN rules stop it */
-static inline float absmax(const float *x, int n)
-{
-    uint32_t m = 0;
-    for (int k = 0; k < n; k++) {
-        uint32_t u;
-        memcpy(&u, x + k, 4);
-        u &= 0x7fffffffu;
-        m = u > m ? u : m;
-    }
-    float f;
-    memcpy(&f, &m, 4);
-    return f;
-}
-
-void gi_quantize(const Weight *w, const float *x, uint8_t *row)
-{
-    const int K = w->K, Kp = pad64(K), nb = (K + QB - 1) / QB;
-    int8_t *q = (int8_t *)row, nat[Kp];                 /* nat: the codes in column order */
-    float *d = (float *)(row + Kp), *s = (float *)(row + 3 * Kp), dj[nb];
-    int32_t *c = (int32_t *)(row + 2 * Kp), sj[nb];
-    for (int j = 0; j < nb; j++) {
-        const int k0 = j * QB, n = k0 + QB < K ? QB : K - k0;
-        const float amax = absmax(x + k0, n), id = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int k = k0; k < k0 + n; k++) {
-            const int v = (int)rintf(x[k] * id);
-            nat[k] = (int8_t)v;
-            sum += v;
-        }
-        dj[j] = amax / 127.f;
-        sj[j] = sum;
-    }
-    memset(nat + K, 0, Kp - K);
-    memset(d, 0, Kp);                                   /* lanes past the row: scale 0 */
-    if (w->kind == W_INT4) {
-        /* weight byte p of group g (offset r = p - g G/2) holds columns g G + r (low nibble)
-         * and g G + r + G/2 (high), decoded to byte p % 32 and 32 + p % 32 of chunk p / 32;
-         * runs of 16 bytes hold 16 consecutive columns of one block (G/2 >= 16) */
-        memset(q, 0, Kp);
-        const int h = w->G / 2;
-        for (int p = 0, g = 0, r = 0; p < K / 2; p += 16) {
-            int8_t *o = q + 64 * (p / 32) + p % 32;
-            float *dl = d + 16 * (p / 32) + (p % 32) / 4;
-            const int lo = g * w->G + r, hi = lo + h;
-            memcpy(o, nat + lo, 16);
-            memcpy(o + 32, nat + hi, 16);
-            for (int l = 0; l < 4; l++) {
-                dl[l] = dj[lo / QB];
-                dl[8 + l] = dj[hi / QB];
-            }
-            if ((r += 16) == h) r = 0, g++;
-        }
-        for (int g = 0; g < K / w->G; g++) {
-            float a = 0.f;
-            for (int j = g * (w->G / QB); j < (g + 1) * (w->G / QB); j++) a += dj[j] * (float)sj[j];
-            s[g] = a;
-        }
-    } else {
-        memcpy(q, nat, Kp);
-        for (int l = 0; 4 * l < K; l++) d[l] = dj[4 * l / QB];   /* lane l: columns 4l..4l+3 */
-    }
-    for (int l = 0; l < Kp / 4; l++)        /* the VNNI int8 dot's start: -128 sum(q) per lane */
-        c[l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-}
 
 /* the weight scale of each lane of chunk i of an int4 row: with G = 32, lanes 0-3 and 8-11
  * hold group 2i's, lanes 4-7 and 12-15 group 2i+1's (a last half chunk: group 2i only) */
@@ -164,7 +71,8 @@ INLINE float hsum512(__m512 v)
  * high; a last half chunk (16 bytes) is loaded masked */
 INLINE __m512i q4_codes(const uint8_t *p, int full)
 {
-    const __m256i v = full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi8(0xffff, p);
+    const __m256i v = full ? _mm256_loadu_si256((const __m256i *)p)
+                           : _mm256_maskz_loadu_epi8(0xffff, p);
     const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
     return _mm512_and_si512(b, _mm512_set1_epi8(0x0f));
 }
@@ -263,6 +171,14 @@ void gi_rows(const Weight *w, int n0, int nn, int B, const uint8_t *xq, int64_t 
 int kvrun_gemv_isa(void) { return 2; }
 
 #elif GI_AVX2
+static inline __m256i ld256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* int32 sums of 4 adjacent products of unsigned bytes a and signed bytes b: 8 lanes */
+static inline __m256i dot4(__m256i a, __m256i b)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
 /* lanes 0-7 in lo, 8-15 in hi: sum16's tree */
 INLINE float hsum2x256(__m256 lo, __m256 hi)
 {
@@ -278,7 +194,7 @@ INLINE void q4_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int 
     const int K = w->K, G = w->G, ng = K / G, nc = pad64(K) / 64, full = K / 64;
     const uint8_t *wr = w->q + (int64_t)n * (K / 2);
     const f16 *sp = w->s + (int64_t)n * ng, *mp = w->m + (int64_t)n * ng;
-    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i m0f = _mm256_set1_epi8(0x0f);
     QRow x[2];
     __m256 lo[2], hi[2];
     for (int b = 0; b < NB; b++) {
@@ -287,24 +203,27 @@ INLINE void q4_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int 
     }
     for (int i = 0; i < nc; i++) {
         /* -- dequantize int4 chunk: low nibbles (lanes 0-7), high nibbles (8-15) -- */
-        const __m256i v = i < full ? _mm256_loadu_si256((const __m256i *)(wr + 32 * i))
-            : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)(wr + 32 * i)), 0);
-        const __m256i clo = _mm256_and_si256(v, m0f), chi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
+        const __m256i v = i < full ? ld256(wr + 32 * i) : _mm256_zextsi128_si256(
+                                         _mm_loadu_si128((const __m128i *)(wr + 32 * i)));
+        const __m256i clo = _mm256_and_si256(v, m0f);
+        const __m256i chi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m0f);
         __m256 sw;
         if (G > 32) {
             sw = _mm256_set1_ps((float)sp[i * 64 / G]);
         } else {
             const uint16_t *u = (const uint16_t *)sp + 2 * i;
-            const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(i < full ? u[0] | (uint32_t)u[1] << 16 : u[0]));
-            sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+            const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(i < full ? u[0] | (uint32_t)u[1] << 16
+                                                                     : u[0]));
+            sw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f),
+                                          _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
         }
         for (int b = 0; b < NB; b++) {
             const int8_t *xb = x[b].q + 64 * i;
             const float *db = x[b].d + 16 * i;
-            const __m256i slo = _mm256_madd_epi16(_mm256_maddubs_epi16(clo, _mm256_loadu_si256((const __m256i *)xb)), ones);
-            const __m256i shi = _mm256_madd_epi16(_mm256_maddubs_epi16(chi, _mm256_loadu_si256((const __m256i *)(xb + 32))), ones);
-            lo[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_mul_ps(sw, _mm256_loadu_ps(db)), lo[b]);
-            hi[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi), _mm256_mul_ps(sw, _mm256_loadu_ps(db + 8)), hi[b]);
+            const __m256 slo = _mm256_cvtepi32_ps(dot4(clo, ld256(xb)));
+            const __m256 shi = _mm256_cvtepi32_ps(dot4(chi, ld256(xb + 32)));
+            lo[b] = _mm256_fmadd_ps(slo, _mm256_mul_ps(sw, _mm256_loadu_ps(db)), lo[b]);
+            hi[b] = _mm256_fmadd_ps(shi, _mm256_mul_ps(sw, _mm256_loadu_ps(db + 8)), hi[b]);
         }
     }
     /* -- min terms: group g into lane g % 16 -- */
@@ -328,7 +247,6 @@ INLINE void i8_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int 
 {
     const int K = w->K, nc = pad64(K) / 64;
     const int8_t *wr = (const int8_t *)w->q + (int64_t)n * K;
-    const __m256i ones = _mm256_set1_epi16(1);
     QRow x[2];
     __m256 lo[2], hi[2];
     for (int b = 0; b < NB; b++) {
@@ -343,16 +261,13 @@ INLINE void i8_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int 
             memcpy(tail, p, K - 64 * i);
             p = tail;
         }
-        const __m256i wlo = _mm256_loadu_si256((const __m256i *)p);
-        const __m256i whi = _mm256_loadu_si256((const __m256i *)(p + 32));
+        const __m256i wlo = ld256(p), whi = ld256(p + 32);
         const __m256i alo = _mm256_sign_epi8(wlo, wlo), ahi = _mm256_sign_epi8(whi, whi);
         for (int b = 0; b < NB; b++) {
             const int8_t *xb = x[b].q + 64 * i;
             const float *db = x[b].d + 16 * i;
-            const __m256i xlo = _mm256_loadu_si256((const __m256i *)xb);
-            const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xb + 32));
-            const __m256i slo = _mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(xlo, wlo)), ones);
-            const __m256i shi = _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xhi, whi)), ones);
+            const __m256i slo = dot4(alo, _mm256_sign_epi8(ld256(xb), wlo));
+            const __m256i shi = dot4(ahi, _mm256_sign_epi8(ld256(xb + 32), whi));
             lo[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(slo), _mm256_loadu_ps(db), lo[b]);
             hi[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(shi), _mm256_loadu_ps(db + 8), hi[b]);
         }
@@ -399,7 +314,8 @@ void gi_rows(const Weight *w, int n0, int nn, int B, const uint8_t *xq, int64_t 
                     cw[t] = v & 15;
                     cw[t + 32] = v >> 4;
                 }
-                for (int l = 0; l < 16; l++) sw[l] = q4_lane_scale(w->s + (int64_t)n * ng, i, G, l, i >= full);
+                for (int l = 0; l < 16; l++)
+                    sw[l] = q4_lane_scale(w->s + (int64_t)n * ng, i, G, l, i >= full);
             } else {
                 const int8_t *p = (const int8_t *)w->q + (int64_t)n * K + 64 * i;
                 for (int t = 0; t < 64; t++) cw[t] = 64 * i + t < K ? p[t] : 0;

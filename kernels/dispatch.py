@@ -7,6 +7,8 @@ The backend is chosen once: `select(device)` reads `KVRUN_BACKEND=triton|native|
 only in Triton's interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are
 first imported); without it, forcing triton on CPU is an error rather than a silent
 fallback. The Triton module is imported lazily, so the torch path never needs triton.
+`gemv_path()` reads `KVRUN_GEMV=int|fp32` the same way, once, when a model's native decode
+step is built: its GEMVs on int8-quantized inputs (the default) or in fp32 (the reference).
 
 Which backend has a kernel for which codec, per op, and which route a cache's step takes:
 kernels/table.py, the one place that says so. A request a kernel declines for a reason of
@@ -22,6 +24,7 @@ from . import native
 from .decode_attention import decode_attention as decode_attention_torch
 
 BACKENDS = ("triton", "native", "torch")
+GEMV_PATHS = ("int", "fp32")                # kernels/native/decode_layer.py
 
 
 class BackendError(RuntimeError):
@@ -53,6 +56,15 @@ def select(device="cpu") -> str:
     if cuda:
         return "triton" if _triton(required=False) is not None else "torch"
     return "native" if native.load() is not None else "torch"
+
+
+def gemv_path() -> str:
+    """'int' (the default) or 'fp32', honouring KVRUN_GEMV: how the native decode step's
+    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built."""
+    want = os.environ.get("KVRUN_GEMV", "").strip().lower() or "int"
+    if want not in GEMV_PATHS:
+        raise BackendError(f"KVRUN_GEMV={want!r}: expected one of {', '.join(GEMV_PATHS)}")
+    return want
 
 
 def backend_for(x: torch.Tensor) -> str:

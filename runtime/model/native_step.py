@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrun.kernels import native
+from kvrun.kernels import dispatch, native
 from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
 from .. import threads
 from .qlinear import Int4Linear, Int8Linear
@@ -82,9 +82,12 @@ def supported(model) -> bool:
 class NativeDecodeStep:
     """Decode steps of `model` through the native layer kernels; build with `supported`."""
 
-    def __init__(self, model):
+    def __init__(self, model, gemv: str | None = None):
+        """gemv: "int" or "fp32", how the GEMVs multiply (kernels/native/decode_layer.py);
+        None reads KVRUN_GEMV (kernels/dispatch.py gemv_path)."""
         cfg = model.cfg
         self.model, self.cfg = model, cfg
+        self.gemv = gemv or dispatch.gemv_path()
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = (H * D, (H + Hkv) * D)            # q | k | v columns of scratch.qkv
         self.scratch = Scratch(cfg.hidden_size, H, Hkv, D, cfg.intermediate_size, cfg.vocab_size)
@@ -104,7 +107,8 @@ class NativeDecodeStep:
                          "act": "gelu_tanh", "q_scale": a.q_scale or 1.0}
             else:
                 norms, extra = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), None
-            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, *norms, w, self.scratch, extra))
+            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, *norms, w, self.scratch, extra,
+                                        gemv=self.gemv))
         self.local = [getattr(layer, "sliding", False) for layer in model.model.layers]
         self.keep: list = []
         self.head = weight_desc(_stored(model.lm_head), self.keep)

@@ -1,0 +1,201 @@
+"""The integer GEMV of the native decode layer (kernels/native/gemv_int.c) against its torch
+twin (decode_layer.py gemv_int_reference: the same input codes, exact integer block sums):
+int4 at every group and int8, odd sizes (K not a multiple of the 64-column chunk, N not a
+multiple of the 4-row call, B not a multiple of the 4-row tile), on each build this CPU can
+run: AVX512-VNNI (the default build where the CPU has it), AVX2 (-DKVRUN_NO_AVX512) and
+plain C (-DKVRUN_NO_AVX512 -DKVRUN_NO_AVX2)."""
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrun.kernels import dispatch, native
+from kvrun.kernels.native.decode_layer import QB, gemv, gemv_int_reference, quantize_input
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
+
+BUILDS = {"default": (), "avx2": ("-DKVRUN_NO_AVX512",), "c": ("-DKVRUN_NO_AVX512", "-DKVRUN_NO_AVX2")}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _expected_isa(build: str) -> int | None:
+    """gemv_int.c's path for `build` on this CPU (-march=native): 2 VNNI, 1 AVX2, 0 C;
+    None where /proc/cpuinfo does not tell."""
+    f = _cpu_flags()
+    if not f:
+        return None
+    avx2 = 1 if {"avx2", "fma", "f16c"} <= f else 0
+    if build == "c":
+        return 0
+    if build == "avx2":
+        return avx2
+    return 2 if {"avx512_vnni", "avx512bw", "avx512vl"} <= f else avx2
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def lib(request):
+    """One build of the native library; the test asserts it runs the path it is named for."""
+    flags = BUILDS[request.param]
+    lib = ctypes.CDLL(str(native._build(flags))) if flags else native.load()
+    want = _expected_isa(request.param)
+    if want is not None:
+        assert lib.kvrun_gemv_isa() == want, (request.param, lib.kvrun_gemv_isa(), want)
+    return lib
+
+
+def _int4(N, K, G, g, bias=False):
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    c = codes.view(N, K // G, 2, G // 2)
+    q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, K // 2).to(torch.uint8)
+    s = (torch.rand(N, K // G, generator=g) * 0.02 + 1e-3).half()
+    m = (-8 * s.float() + 0.01 * torch.randn(N, K // G, generator=g)).half()
+    return {"kind": "int4", "qweight": q, "scales": s, "mins": m, "group": G,
+            "bias": torch.randn(N, generator=g) if bias else None}
+
+
+def _int8(N, K, g, bias=False):
+    q = torch.randint(-128, 128, (N, K), generator=g).to(torch.int8)       # -128 too
+    return {"kind": "int8", "qweight": q, "scales": torch.rand(N, generator=g) * 0.01 + 1e-4,
+            "bias": torch.randn(N, generator=g) if bias else None}
+
+
+def _input(B, K, g):
+    """Gaussian rows with an outlier column and an all-zero block (scale 0)."""
+    x = torch.randn(B, K, generator=g)
+    x[:, 5] *= 40
+    x[:, 32:min(64, K)] = 0
+    return x
+
+
+# (kind, N, K, G): K = 96 and 40/100/1000 end in a partial 64-column chunk (int4 G = 32 allows
+# half a chunk; int8 any K, a partial 32-column block too); N = 13, 70, 9 leave partial calls
+SHAPES = [("int4", 13, 96, 32), ("int4", 70, 576, 32), ("int4", 9, 192, 64), ("int4", 8, 384, 128),
+          ("int4", 5, 2048, 32), ("int8", 13, 40, 0), ("int8", 70, 100, 0), ("int8", 6, 576, 0),
+          ("int8", 3, 1000, 0), ("int8", 4, 2048, 0)]
+
+
+def _weight(kind, N, K, G, g, bias):
+    return _int4(N, K, G, g, bias) if kind == "int4" else _int8(N, K, g, bias)
+
+
+@pytest.mark.parametrize("B", [1, 3, 8, 32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_integer_gemv_equals_the_reference(lib, shape, B):
+    """The int32 block sums are exact on both sides, so only the fp32 summation of the scaled
+    block terms differs: per lane at most K/64 fused steps and a 4-level tree, so the error is
+    a few K/64 ulps of the terms' magnitude sum (1e-5 of it allows ~40 ulps at K = 2048;
+    one wrong code, scale or lane is of the order of a whole term, >= 1e-3 of the sum)."""
+    g = torch.Generator().manual_seed(B * 1000 + shape[2])
+    w = _weight(*shape, g, bias=B % 2 == 1)
+    x = _input(B, shape[2], g)
+    y = gemv(w, x, "int", lib=lib)
+    ref, mag = gemv_int_reference(w, x)
+    assert ((y.double() - ref).abs() <= 1e-5 * mag + 1e-6).all(), ((y.double() - ref).abs() / mag).max()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_rows_and_threads_change_nothing(lib, shape):
+    """Row b of a B-row call equals a one-row call bit for bit (every tile shape, the last
+    partial tile), and two threads equal one."""
+    g = torch.Generator().manual_seed(shape[2])
+    w = _weight(*shape, g, bias=True)
+    x = _input(11, shape[2], g)
+    y = gemv(w, x, "int", lib=lib)
+    single = torch.cat([gemv(w, x[b:b + 1], "int", lib=lib) for b in range(11)])
+    assert torch.equal(y, single)
+    assert torch.equal(gemv(w, x, "int", nthreads=2, lib=lib), y)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] >= 576], ids=lambda s: "-".join(map(str, s)))
+def test_integer_gemv_is_near_the_fp32_gemv(shape):
+    """Against the fp32 path (the dequantized GEMV, tests/test_decode_layer.py): off only by
+    the int8 rounding of the input, |x - x_q| <= d/2 per element, ~0.3 % of the output's
+    norm for Gaussian rows of 32. Guards the reference and the kernel against one shared
+    misreading of the weight layout."""
+    g = torch.Generator().manual_seed(7)
+    w = _weight(*shape, g, bias=False)
+    x = torch.randn(8, shape[2], generator=g)
+    y, y32 = gemv(w, x, "int"), gemv(w, x, "fp32")
+    assert (y - y32).norm() / y32.norm() < 1e-2
+
+
+def test_quantize_input_rounds_half_to_even_and_keeps_zero_blocks():
+    x = torch.zeros(1, 40)
+    x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])       # d = 1: halves go to even codes
+    x[0, 37] = -3.0                                         # the last block
+    x[0, 20] = 1e-31                                        # below TINY: a zero block
+    q, d = quantize_input(x)
+    assert q[0, :4].tolist() == [127, 0, 2, -2] and q[0, 37] == -127
+    assert q[0].abs().sum() == 127 + 2 + 2 + 127
+    want = torch.zeros(40 // QB)
+    want[0], want[37 // QB] = 1.0, torch.tensor(3.0) / 127
+    assert torch.equal(d[0], want)
+
+
+@pytest.mark.parametrize("kind, K, G", [("int8", 100, 0), ("int4", 96, 32), ("int4", 192, 64),
+                                        ("int4", 384, 128)])
+def test_kernel_codes_are_quantize_inputs(lib, kind, K, G):
+    """The C quantizer (gi_quantize) gives quantize_input's codes and scales, ties included,
+    in the order each weight layout reads them: through an identity weight (s = 1, m = 0),
+    y[n] = d_j q_n, one product, rounded once on both sides."""
+    g = torch.Generator().manual_seed(K)
+    x = torch.randint(-254, 255, (3, K), generator=g).float() / 2          # many halves
+    x[:, ::QB] = 127.0                                                  # d = 1: ties stay ties
+    x[1, 40:60] = 0
+    x[2] *= torch.rand(K, generator=g) * 3                              # other scales
+    eye = torch.eye(K)
+    if kind == "int8":
+        w = {"kind": "int8", "qweight": eye.to(torch.int8), "scales": torch.ones(K)}
+    else:
+        c = eye.view(K, K // G, 2, G // 2).to(torch.uint8)
+        w = {"kind": "int4", "qweight": (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(K, K // 2),
+             "scales": torch.ones(K, K // G).half(), "mins": torch.zeros(K, K // G).half(), "group": G}
+    q, d = quantize_input(x)
+    assert torch.equal(gemv(w, x, "int", lib=lib), q.float() * d.repeat_interleave(QB, 1)[:, :K])
+
+
+def test_gemv_path_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("KVRUN_GEMV", raising=False)
+    assert dispatch.gemv_path() == "int"
+    monkeypatch.setenv("KVRUN_GEMV", "FP32")
+    assert dispatch.gemv_path() == "fp32"
+    monkeypatch.setenv("KVRUN_GEMV", "int4")
+    with pytest.raises(dispatch.BackendError, match="KVRUN_GEMV='int4': expected one of int, fp32"):
+        dispatch.gemv_path()
+
+
+def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monkeypatch):
+    """tools/gemv_fidelity.py compare(): every scored token runs through the native step of
+    each path (both steps' layer calls counted), and the paths differ, slightly."""
+    import importlib.util
+
+    import kvrun
+    from kvrun.convert import convert_hf
+    from kvrun.kernels.native.decode_layer import LayerPlan
+    from tiny import write_tiny_hf
+    spec = importlib.util.spec_from_file_location(
+        "gemv_fidelity", Path(__file__).resolve().parents[1] / "tools" / "gemv_fidelity.py")
+    fid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fid)
+    convert_hf(write_tiny_hf(tmp_path / "hf", C=128, I=96), tmp_path / "m", dtype="fp32",
+               weights="int4", group=32)
+    m = kvrun.load(tmp_path / "m", ctx=64)
+    paths = []
+    pre = LayerPlan.pre
+    monkeypatch.setattr(LayerPlan, "pre", lambda self, *a: (paths.append(self.desc.gemv_int),
+                                                            pre(self, *a))[1])
+    wins = [list(range(3, 67)), list(range(70, 134))]
+    s = fid.compare(m, wins, "fp16")
+    assert s["n"] == 2 * 31 and len(paths) == 2 * 31 * m.cfg.num_layers
+    assert sorted(set(paths)) == [0, 1] and paths.count(1) == paths.count(0)
+    assert 0 < s["kld"] / s["n"] < 0.01 and s["top1"] >= 0.9 * s["n"]      # measured 0.0014, 61/62

@@ -1,0 +1,107 @@
+"""How far the native decode step's integer GEMVs move the next-token distribution from its
+fp32 GEMVs (KVRUN_GEMV=int against fp32; kernels/native/decode_layer.py), on a text.
+
+    python tools/gemv_fidelity.py wiki.test.raw [-m MODEL] [-c 2048] [--windows 16] \
+        [--kv fp16] [-t 2] [--json]
+
+`kvrun ppl` cannot tell: it feeds the scored tokens in chunks through the eager forward,
+which never runs the native step, and it compares caches, not GEMV paths. Here the text is
+cut into the windows `kvrun ppl -c` cuts (first half context, second half scored). Each
+window's context is prefilled once by the eager forward and its cache copied, one copy per
+path; then every scored token runs through the native decode step of each path
+(NativeDecodeStep(model, gemv=...)), each on its own copy, so the K/V of the scored half are
+that path's own. All windows are the rows of one call (NativeDecodeStep.rows; up to
+MAX_ROWS windows at a time). Reported over the scored tokens: mean KL(P_fp32 || P_int) in
+nats, top-1 agreement, and each path's perplexity.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+
+import torch
+
+import kvrun
+from kvrun.eval.ppl import windows_of
+from kvrun.kernels.native.decode_layer import MAX_ROWS
+from kvrun.kv.build import make_cache
+from kvrun.model.native_step import NativeDecodeStep, supported
+
+PATHS = ("fp32", "int")
+
+
+@torch.inference_mode()
+def compare(model, wins: list[list[int]], kv: str, progress=None) -> dict:
+    """Sums over the scored tokens of `wins` (at most MAX_ROWS windows): KL, top-1 matches,
+    each path's negative log-likelihood; and the count."""
+    T = model.transformer
+    steps = {p: NativeDecodeStep(T, gemv=p) for p in PATHS}
+    ctx, B = len(wins[0]), len(wins)
+    half = ctx // 2
+    caches = {p: [] for p in PATHS}
+    for w in wins:                                           # context: the eager forward, once
+        c = make_cache(model.cfg, ctx, kv)
+        T(torch.tensor([w[:half]]), c, last_only=True)
+        caches["fp32"].append(c)
+        caches["int"].append(copy.deepcopy(c))
+    ids = torch.tensor(wins)                                 # (B, ctx)
+    assert all(steps[p].applies(ids[:1, :1], c) for p in PATHS for c in caches[p]), \
+        "the native step does not cover this model and cache"
+    s = dict(kld=0.0, top1=0, nll_fp32=0.0, nll_int=0.0, n=0)
+    for t in range(half, ctx - 1):                           # token t predicts t + 1
+        lp = {p: torch.log_softmax(steps[p].rows(ids[:, t:t + 1], caches[p])[:, 0].double(), -1)
+              for p in PATHS}                                # (B, V)
+        ref, got = lp["fp32"], lp["int"]
+        s["kld"] += (ref.exp() * (ref - got)).sum().item()
+        s["top1"] += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+        nxt = ids[:, t + 1:t + 2]
+        s["nll_fp32"] -= ref.gather(1, nxt).sum().item()
+        s["nll_int"] -= got.gather(1, nxt).sum().item()
+        s["n"] += B
+        if progress and (t - half) % 64 == 0:
+            progress(f"  token {t - half + 1}/{ctx - 1 - half} of {B} windows, "
+                     f"KLD so far {s['kld'] / s['n']:.5f}")
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("text")
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("-c", "--ctx", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--kv", default="fp16")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    model = kvrun.load(a.model, ctx=a.ctx, kv=a.kv, threads=a.threads)
+    if not supported(model.transformer):
+        sys.exit(f"error: the native decode step does not cover {model.path} (int4/int8 weights)")
+    with open(a.text, encoding="utf-8") as f:
+        wins = windows_of(model.tokenize(f.read()), a.ctx, a.windows)
+    t0 = time.perf_counter()
+    tot = dict(kld=0.0, top1=0, nll_fp32=0.0, nll_int=0.0, n=0)
+    for i in range(0, len(wins), MAX_ROWS):
+        group = wins[i:i + MAX_ROWS]
+        print(f"windows {i + 1}-{i + len(group)} of {len(wins)}", file=sys.stderr)
+        for k, v in compare(model, group, a.kv, lambda m: print(m, file=sys.stderr)).items():
+            tot[k] += v
+    n = tot["n"]
+    rec = dict(model=str(model.path), ctx=a.ctx, windows=len(wins), kv=a.kv, scored=n,
+               kld=tot["kld"] / n, top1=tot["top1"] / n, ppl_fp32=math.exp(tot["nll_fp32"] / n),
+               ppl_int=math.exp(tot["nll_int"] / n), seconds=time.perf_counter() - t0)
+    if a.json:
+        print(json.dumps(rec, indent=2))
+    else:
+        print(f"{rec['model']}: {len(wins)} windows of {a.ctx}, {n} scored tokens, --kv {a.kv}\n"
+              f"  KL(fp32 || int) {rec['kld']:.5f} nats   top-1 {100 * rec['top1']:.2f} %   "
+              f"ppl fp32 {rec['ppl_fp32']:.4f}   int {rec['ppl_int']:.4f}   "
+              f"({rec['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

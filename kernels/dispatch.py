@@ -7,8 +7,8 @@ The backend is chosen once: `select(device)` reads `KVRUN_BACKEND=triton|native|
 only in Triton's interpreter (`TRITON_INTERPRET=1`, read by triton when the kernels are
 first imported); without it, forcing triton on CPU is an error rather than a silent
 fallback. The Triton module is imported lazily, so the torch path never needs triton.
-`gemv_path()` reads `KVRUN_GEMV=int|fp32` the same way, once, when a model's native decode
-step is built: its GEMVs on int8-quantized inputs (the default) or in fp32 (the reference).
+`gemv_path()` reads `KVRUN_GEMV=fp32|int` the same way, once, when a model's native decode
+step is built: its GEMVs in fp32 (the default) or on int8-quantized inputs (opt-in).
 
 Which backend has a kernel for which codec, per op, and which route a cache's step takes:
 kernels/table.py, the one place that says so. A request a kernel declines for a reason of
@@ -24,7 +24,7 @@ from . import native
 from .decode_attention import decode_attention as decode_attention_torch
 
 BACKENDS = ("triton", "native", "torch")
-GEMV_PATHS = ("int", "fp32")                # kernels/native/decode_layer.py
+GEMV_PATHS = ("fp32", "int")                # kernels/native/decode_layer.py
 
 
 class BackendError(RuntimeError):
@@ -59,9 +59,12 @@ def select(device="cpu") -> str:
 
 
 def gemv_path() -> str:
-    """'int' (the default) or 'fp32', honouring KVRUN_GEMV: how the native decode step's
-    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built."""
-    want = os.environ.get("KVRUN_GEMV", "").strip().lower() or "int"
+    """'fp32' (the default) or 'int', honouring KVRUN_GEMV: how the native decode step's
+    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built. The
+    integer path is opt-in: int8 activations move a logit by up to ~0.2-0.5 where an input
+    sits on a rounding boundary, so a greedy continuation then depends on the fp32
+    summation order upstream (the thread count, a prefix reused or prefilled)."""
+    want = os.environ.get("KVRUN_GEMV", "").strip().lower() or "fp32"
     if want not in GEMV_PATHS:
         raise BackendError(f"KVRUN_GEMV={want!r}: expected one of {', '.join(GEMV_PATHS)}")
     return want

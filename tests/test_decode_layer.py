@@ -48,6 +48,12 @@ def _eager(monkeypatch):
 
 
 @pytest.fixture
+def int_gemv(monkeypatch):
+    """The native step's GEMVs on the integer path (KVRUN_GEMV=int, opt-in)."""
+    monkeypatch.setenv("KVRUN_GEMV", "int")
+
+
+@pytest.fixture
 def fp32_gemv(monkeypatch):
     """The native step's GEMVs on the fp32 path, the one equal to the dequantized eager
     forward to rounding (read when the step is built: each test loads its own model)."""
@@ -130,8 +136,9 @@ INT_EQUAL = 0.75
 
 
 @pytest.mark.parametrize("name", ["int4-32", "int4-64", "int8", "qwen2-int4"])
+@pytest.mark.usefixtures("int_gemv")
 def test_integer_step_equals_the_eager_step_on_quantized_inputs(models, monkeypatch, name):
-    """The integer GEMV path (the default) against the eager forward whose quantized
+    """The integer GEMV path (KVRUN_GEMV=int) against the eager forward whose quantized
     linears compute gemv_int_reference: the same int8 input codes, exact block sums."""
     m = kvrun.load(models[name], ctx=256)
     cache = kvrun.kv.make_cache(m.cfg, 256, parse_kv("fp32"))
@@ -181,6 +188,7 @@ def test_portable_build_equals_the_eager_step(models, monkeypatch, portable, nam
 
 
 @pytest.mark.parametrize("name", ["int4-32", "int4-64", "int8"])
+@pytest.mark.usefixtures("int_gemv")
 def test_portable_build_integer_step(models, monkeypatch, portable, name):
     m = kvrun.load(models[name], ctx=128, kv="fp32")
     _compare(m, m.engine.cache, m.tokenize("portable loops of the integer path"), 20, monkeypatch,

@@ -1,5 +1,5 @@
 """Bytes moved per decode step by the Triton decode_attention, per KV codec, and the time
-that traffic implies at a memory bandwidth: the roofline the GPU path aims at (issue 9).
+that traffic implies at a memory bandwidth: the roofline the GPU path aims at.
 
     python tools/roofline.py --geometry llama-3.1-70b --ctx 32k
     python tools/roofline.py --geometry 64,8,128 --ctx 128k --bw 2.0 --kv fp16 kivi-2 tada-2

@@ -2,9 +2,9 @@
  * times B <= MAXB input rows, a block of output rows per call.
  *
  *   gemv_fp32.c  the reference: codes decoded to fp32, fp32 FMAs with the fp32 inputs
- *   gemv_quant.c the default's input: each input row quantized once per GEMV input to int8
+ *   gemv_quant.c the integer path's input: each input row quantized once per GEMV input to int8
  *                blocks of QB columns (gi_quantize)
- *   gemv_int.c   the default: int32 dot products, the scales applied per block in fp32
+ *   gemv_int.c   the integer path (KVRUN_GEMV=int): int32 dot products, block scales in fp32
  */
 #ifndef KVRUN_GEMV_H
 #define KVRUN_GEMV_H

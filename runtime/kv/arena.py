@@ -111,7 +111,7 @@ class KVArena(KVCache):
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.backend = select(device)         # every kernel call below runs on it
-        # Hadamard rotation (issue: rotated codecs): K and/or V are stored as x @ R; the read
+        # Hadamard rotation: K and/or V are stored as x @ R; the read
         # path rotates q once and un-rotates the attention output once, never the cache.
         signs = random_signs(head_dim, kv.rotation.seed) if kv.rotation.seed is not None else None
         rmat = rotation_matrix(head_dim, signs).to(device)                # (D, D) orthogonal

@@ -124,8 +124,10 @@ def test_completion_logprobs(client, model):
     streamed = {k: [x for c in chunks if c.choices[0].logprobs
                     for x in getattr(c.choices[0].logprobs, k)]
                 for k in ("tokens", "token_logprobs", "text_offset")}
-    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
-                        "text_offset": lp.text_offset}
+    # the same tokens and offsets; the values to fp32 summation order (the thread governor
+    # may run the two requests on different thread counts)
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-3)
 
 
 def test_logprobs_are_the_models_not_the_samplers(client, model):
@@ -172,7 +174,8 @@ def test_echo_scores_the_prompt(client, model):
     chunks = list(client.completions.create(stream=True, **kw))
     assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
     streamed = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
-    assert streamed == wl.token_logprobs
+    assert streamed[0] is None and streamed[1:] == pytest.approx(wl.token_logprobs[1:], abs=1e-3)
+    assert wl.token_logprobs[0] is None
     plain = client.completions.create(model=NAME, prompt=p, max_tokens=0, echo=True)
     assert plain.choices[0].text == p and plain.choices[0].logprobs is None
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import http.client
 import json
 
+import pytest
 import uvicorn
 
+import kvrun
 from kvrun.engine.scheduler import Scheduler
 from kvrun.cli.server import create_app
 from serving import run_in_thread
@@ -15,6 +17,18 @@ from kvrun.cli.server_http import HeaderDeadline, Server
 
 CTX = 128
 NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_m(tiny_dir):
+    return kvrun.load(tiny_dir, dtype="fp32", ctx=CTX, kv="fp32")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_m):
+    port, sched, stop = start(tiny_m)
+    yield port, sched
+    stop()
 
 
 class QuickDeadline(HeaderDeadline):

@@ -24,15 +24,7 @@ from kvrun.errors import KvrunError  # noqa: E402
 from kvrun.kv import parse_kv  # noqa: E402
 from kvrun.kv.build import kv_bytes_at  # noqa: E402
 from tiny import interrupted_forward, make_tiny_model_dir  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: thread start-up dominates, and the machine may be shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from evict_cases import one_thread, tiny32_dir  # noqa: E402,F401  (fixtures)
 
 
 # -- the arena ----------------------------------------------------------------------------------
@@ -40,12 +32,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("ev") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def tiny32_dir(tmp_path_factory):
-    """Head dim 32: the packed codecs need D a multiple of 32."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("ev32") / "tiny", hidden_size=128)
 
 
 class KeptReference:

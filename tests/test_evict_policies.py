@@ -10,19 +10,11 @@ import torch
 
 from kvrun.kv.evict import (crush_anchor, crush_bits, crush_buckets, kvcrush_keep,
                             pyramid_budgets, select, snapkv_pool)
+from evict_cases import one_thread  # noqa: F401  (autouse fixture)
 
 
 def _pos(n, Hkv=2):
     return torch.arange(n).expand(Hkv, n)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: thread start-up dominates, and the machine may be shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- policies on hand-built patterns ------------------------------------------------------------

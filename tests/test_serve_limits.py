@@ -13,20 +13,7 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a test's do
 
-import kvrun  # noqa: E402
-from hostile_serving import CTX, NAME, call, chat, openai_error, start  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_m(tiny_dir):
-    return kvrun.load(tiny_dir, dtype="fp32", ctx=CTX, kv="fp32")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_m):
-    port, sched, stop = start(tiny_m)
-    yield port, sched
-    stop()
+from hostile_serving import NAME, call, chat, openai_error, server, start, tiny_m  # noqa: E402
 
 
 def test_content_type_is_json_only(server):

@@ -17,13 +17,7 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a test's do
 
-import kvrun  # noqa: E402
-from hostile_serving import CTX, call, chat, openai_error, start  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_m(tiny_dir):
-    return kvrun.load(tiny_dir, dtype="fp32", ctx=CTX, kv="fp32")
+from hostile_serving import call, chat, openai_error, start, tiny_m  # noqa: E402
 
 
 def _serve(tiny_dir, host="127.0.0.1"):

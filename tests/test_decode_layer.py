@@ -18,7 +18,7 @@ from kvrun.kv.config import parse_kv
 from kvrun.model.llama import Transformer
 from kvrun.model.native_step import _stored
 from kvrun.kernels.native.decode_layer import gemv_int_reference
-from tiny import write_tiny_hf
+from tiny import quantized_copy, write_tiny_hf
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
 
@@ -203,27 +203,6 @@ def test_backend_torch_keeps_the_eager_step(models, monkeypatch):
     assert getattr(m.transformer, "_step", None) is None
 
 
-def _quantized_copy(src, dest, weights: str, group: int = 32):
-    """A kvrun model dir with its linear weights (and embedding) stored as `weights`, the
-    way `kvrun convert --weights` stores them (convert.quantize)."""
-    from dataclasses import replace
-
-    from safetensors.torch import load_file
-
-    from kvrun.convert.quantize import quantize
-    from kvrun.convert.writer import expected_tensors, write_model_dir
-    from kvrun.model.loader import load_config
-    cfg = replace(load_config(src), weights=weights, weight_group=group)
-    want = expected_tensors(cfg)
-    out = {}
-    for name, w in load_file(str(src / "model.safetensors")).items():
-        if name.endswith(".weight") and name[:-len(".weight")] + ".qweight" in want:
-            out.update(quantize(name, w, weights, group))
-        else:
-            out[name] = w.float()
-    return write_model_dir(dest, cfg, out, (src / "tokenizer.json").read_text())
-
-
 @pytest.mark.parametrize("gemv", ["fp32", "int"])
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("kv", ["fp32", "kivi-4"])
@@ -236,7 +215,7 @@ def test_gemma3_native_step_equals_the_eager_step(tmp_path, monkeypatch, weights
     monkeypatch.setenv("KVRUN_GEMV", gemv)
     src = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128,
                               num_heads=4, intermediate_size=96)
-    m = kvrun.load(_quantized_copy(src, tmp_path / weights, weights), ctx=256)
+    m = kvrun.load(quantized_copy(src, tmp_path / weights, weights), ctx=256)
     from kvrun.model.native_step import supported
     assert supported(m.transformer)
     cache = kvrun.kv.make_cache(m.cfg, 256, parse_kv(kv, residual=32, group=32))

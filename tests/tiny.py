@@ -119,3 +119,24 @@ def interrupted_forward(m, at_call: int = 2):
     finally:
         for name in names:
             delattr(m.cache, name)              # the class's methods again
+
+
+def quantized_copy(src, dest, weights: str, group: int = 32):
+    """A kvrun model dir with its linear weights (and embedding) stored as `weights`, the
+    way `kvrun convert --weights` stores them (convert.quantize)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from kvrun.convert.quantize import quantize
+    from kvrun.convert.writer import expected_tensors, write_model_dir
+    from kvrun.model.loader import load_config
+    cfg = replace(load_config(src), weights=weights, weight_group=group)
+    want = expected_tensors(cfg)
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(".weight") and name[:-len(".weight")] + ".qweight" in want:
+            out.update(quantize(name, w, weights, group))
+        else:
+            out[name] = w.float()
+    return write_model_dir(dest, cfg, out, (src / "tokenizer.json").read_text())

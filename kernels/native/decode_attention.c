@@ -6,7 +6,7 @@
  *
  *   phase 0  (arena decode step, optional) rotate q / new K / new V, round the new K/V to
  *            the window dtype and write them into the window slots.
- *   phase 1  logits. Work items are token splits (one per thread); each walks its tail
+ *   phase 1  logits. Work items are token splits (token_splits); each walks its tail
  *            in chunks of CHUNK tiles of 32 tokens with the KV heads innermost (TaDA's
  *            means, shared by the heads, come from memory once per chunk). A packed K
  *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
@@ -46,6 +46,18 @@
 
 enum { C_FP16 = 0, C_BF16 = 1, C_FP32 = 2, C_INT8 = 3, C_KIVI = 4, C_TADA = 5 };
 enum { TILE = 32, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
+/* The tail is cut into token splits whose number is a function of its length only, never of
+ * the thread count: the splits' partial outputs are summed in split order, so a step's
+ * output is the same bits on 1 or 2 threads (and a greedy continuation does not depend on
+ * the thread governor's choice). 2 to NSPLIT_MAX splits of at least SPLIT_TILES tiles. */
+enum { NSPLIT_MAX = 8, SPLIT_TILES = 4 };
+
+static int token_splits(int64_t ntile) {
+    int64_t s = ntile / SPLIT_TILES;
+    return s < 2 ? 2 : s > NSPLIT_MAX ? NSPLIT_MAX : (int)s;
+}
+
+int kvrun_attention_splits_max(void) { return NSPLIT_MAX; }
 
 /* One codec's storage for one layer: pointers into the preallocated tensors and their
  * element strides (see native/decode_attention.py, `describe`). */
@@ -925,8 +937,8 @@ int kvrun_decode_attention(const Args *a) {
     const int Hkv = a->Hkv, R = a->R, D = a->D;
     const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn;
     if (D > MAXD || (nt % TILE) != 0) return 1;
-    const int nsplit = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t ntile = nt / TILE;
+    const int nsplit = token_splits(ntile);
     const float scale = 1.f / sqrtf((float)D);
     for (int hq = 0; hq < Hkv * a->Gq; hq++)             /* rows of head h: (g, t) */
         for (int t = 0; t < a->Tq; t++) {
@@ -952,7 +964,7 @@ int kvrun_decode_attention(const Args *a) {
         kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
     }
 
-#pragma omp parallel num_threads(a->nthreads)
+#pragma omp parallel num_threads(a->nthreads < 1 ? 1 : a->nthreads)
     {
         /* phase 1: logits. Items: token splits; inside, chunks of CHUNK tiles with the KV
          * heads innermost, so data the heads share (TaDA's means) is read from memory once

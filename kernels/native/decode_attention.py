@@ -173,6 +173,15 @@ def _scratch(name: str, n: int) -> int:
 
 
 _BUF: dict = {}
+_SPLITS: list = []
+
+
+def _splits_max(lib) -> int:
+    """The most token splits the C kernel cuts a tail into (a constant of the build: the split
+    count follows the length, not the thread count), read once."""
+    if not _SPLITS:
+        _SPLITS.append(lib.kvrun_attention_splits_max())
+    return _SPLITS[0]
 
 
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
@@ -204,6 +213,7 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
     R = Gq * Tq
     N = n_tail + W + Tn
     nth = torch.get_num_threads()
+    lib = load()
     q, kw, vw, kn, vn = _rows(q), _rows(k_win), _rows(v_win), _rows(k_new), _rows(v_new)
     assert kw.dtype == vw.dtype and kn.dtype == vn.dtype, (kw.dtype, kn.dtype)
     out = torch.empty(1, H, Tq, D)
@@ -212,7 +222,7 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
              _scratch("q", H * Tq * D), kw.data_ptr(), vw.data_ptr(),
              (kw.stride(1), kw.stride(2)), (vw.stride(1), vw.stride(2)), kn.data_ptr(),
              vn.data_ptr(), (kn.stride(1), kn.stride(2)), (vn.stride(1), vn.stride(2)),
-             out.data_ptr(), _scratch("sc", Hkv * R * N), _scratch("part", Hkv * nth * R * D),
+             out.data_ptr(), _scratch("sc", Hkv * R * N), _scratch("part", Hkv * _splits_max(lib) * R * D),
              mass.data_ptr() if mass is not None else None,
              mass.stride(0) if mass is not None else 0, ctypes.pointer(kd), ctypes.pointer(vd))
     if fuse is not None:
@@ -221,6 +231,6 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
         a.rv = rot_v.data_ptr() if rot_v is not None else None
         a.kdst, a.vdst = k_dst.data_ptr(), v_dst.data_ptr()
         a.kds[0], a.kds[1], a.vds[0], a.vds[1] = k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1)
-    rc = load().kvrun_decode_attention(ctypes.byref(a))
+    rc = lib.kvrun_decode_attention(ctypes.byref(a))
     assert rc == 0, f"native decode_attention refused its arguments ({rc})"
     return out if q.dtype == torch.float32 else out.to(q.dtype)

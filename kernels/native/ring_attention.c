@@ -52,6 +52,11 @@ typedef _Float16 f16;
 
 enum { R_FP16 = 0, R_BF16 = 1, R_FP32 = 2 };          /* as native/decode_attention.py */
 enum { MAXD = 256, MAXR = 16, SPLIT_MIN = 256 };
+/* slot splits: one per SPLIT_MIN logits, at most RING_SPLITS, whatever the thread count (their
+ * partial outputs are summed in split order: the same bits on 1 or 2 threads) */
+enum { RING_SPLITS = 4 };
+
+int kvrun_ring_splits_max(void) { return RING_SPLITS; }
 
 /* One role's (K or V) ring storage, all sliding layers: codes (L, Hkv, W, D*bits/8) uint8,
  * scale and min (L, Hkv, W, D/group) fp16; element strides layer, head, slot. */
@@ -70,7 +75,7 @@ typedef struct {
     float *qp;                         /* scratch (H, D): q / sqrt(D), in the working order  */
     float *kx, *vx;                    /* scratch (Hkv, D): the new rows, working order      */
     float *sc;                         /* scratch (H, n): logits, then probabilities         */
-    float *part;                       /* scratch (nthreads, H, D): partial outputs          */
+    float *part;                       /* scratch (RING_SPLITS, H, D): partial outputs       */
 } RingArgs;
 
 /* -- scalar helpers ------------------------------------------------------------------------ */
@@ -404,8 +409,9 @@ int kvrun_ring_attention(const RingArgs *a) {
     }
 
     int nsplit = (int)(n * Hkv / SPLIT_MIN) + 1;
-    if (nsplit > a->nthreads) nsplit = a->nthreads < 1 ? 1 : a->nthreads;
-#pragma omp parallel num_threads(nsplit) if (nsplit > 1)
+    if (nsplit > RING_SPLITS) nsplit = RING_SPLITS;
+    const int nth = a->nthreads < 1 ? 1 : a->nthreads < nsplit ? a->nthreads : nsplit;
+#pragma omp parallel num_threads(nth) if (nth > 1)
     {
         /* phase 1: logits, slots split over threads; the new slot from its fp32 row */
 #pragma omp for schedule(static)

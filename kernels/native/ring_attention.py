@@ -63,16 +63,16 @@ class _Plan:
         a.rvt = self.rvt.data_ptr() if self.rvt is not None else None
         self.kx, self.vx = torch.empty(Hkv * D), torch.empty(Hkv * D)
         a.kx, a.vx = self.kx.data_ptr(), self.vx.data_ptr()
-        self.H = self.nth = 0
+        self.H = 0
 
-    def scratch(self, H: int, nth: int) -> None:
-        """Scratch for H query heads and nth threads (grown, never shrunk)."""
-        if H <= self.H and nth <= self.nth:
+    def scratch(self, H: int) -> None:
+        """Scratch for H query heads (grown, never shrunk); the partial outputs of the C
+        kernel's slot splits, at most kvrun_ring_splits_max of them whatever the threads."""
+        if H <= self.H:
             return
-        self.H, self.nth = max(H, self.H), max(nth, self.nth)
-        H, D = self.H, self.D
+        self.H, D = H, self.D
         self.qp, self.sc, self.part = torch.empty(H * D), torch.empty(H * self.W), \
-            torch.empty(self.nth * H * D)
+            torch.empty(load().kvrun_ring_splits_max() * H * D)
         self.a.qp, self.a.sc, self.a.part = self.qp.data_ptr(), self.sc.data_ptr(), self.part.data_ptr()
 
 
@@ -118,7 +118,7 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
     Hkv = k.shape[1]
     p = _plan(k_parts, v_parts, bits, group, dtype, rot_v)
     nth = torch.get_num_threads()
-    p.scratch(H, nth)
+    p.scratch(H)
     a = p.a
     out = torch.empty(1, H, 1, D)
     a.Gq, a.n, a.slot, a.layer, a.nthreads = H // Hkv, n, slot, layer, nth

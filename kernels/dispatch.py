@@ -8,7 +8,7 @@ only in Triton's interpreter (`TRITON_INTERPRET=1`, read by triton when the kern
 first imported); without it, forcing triton on CPU is an error rather than a silent
 fallback. The Triton module is imported lazily, so the torch path never needs triton.
 `gemv_path()` reads `KVRUN_GEMV=fp32|int` the same way, once, when a model's native decode
-step is built: its GEMVs in fp32 (the default) or on int8-quantized inputs (opt-in).
+step is built: its GEMVs on int8-quantized inputs (the default) or in fp32 (the reference).
 
 Which backend has a kernel for which codec, per op, and which route a cache's step takes:
 kernels/table.py, the one place that says so. A request a kernel declines for a reason of
@@ -59,12 +59,14 @@ def select(device="cpu") -> str:
 
 
 def gemv_path() -> str:
-    """'fp32' (the default) or 'int', honouring KVRUN_GEMV: how the native decode step's
-    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built. The
-    integer path is opt-in: int8 activations move a logit by up to ~0.2-0.5 where an input
-    sits on a rounding boundary, so a greedy continuation then depends on the fp32
-    summation order upstream (the thread count, a prefix reused or prefilled)."""
-    want = os.environ.get("KVRUN_GEMV", "").strip().lower() or "fp32"
+    """'int' (the default) or 'fp32', honouring KVRUN_GEMV: how the native decode step's
+    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built. int8
+    activations move a logit by up to ~0.2-0.5 where an input sits on a rounding boundary,
+    so everything upstream of a GEMV must be the same bits whatever the thread count (the
+    attention kernels split a cache by its length, not by the threads:
+    tests/test_thread_invariance.py). fp32 is the reference the model tests compare with
+    the eager forward."""
+    want = os.environ.get("KVRUN_GEMV", "").strip().lower() or "int"
     if want not in GEMV_PATHS:
         raise BackendError(f"KVRUN_GEMV={want!r}: expected one of {', '.join(GEMV_PATHS)}")
     return want
@@ -112,6 +114,16 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
                  rot_k, rot_v, **kw)
+
+
+def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None):
+    """`attend_append` for one token of one arena layer with its arguments built once, a
+    callable (q, k_tail, v_tail, n_tail, w, k, v) -> o or None (native CPU:
+    kernels/native/decode_attention.py `FusedStep`); None on the other backends."""
+    if (backend or backend_for(win_k)) != "native" or native.load() is None:
+        return None
+    from .native.decode_attention import fused_step as native_fused_step
+    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v)
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,

@@ -49,7 +49,7 @@ def _eager(monkeypatch):
 
 @pytest.fixture
 def int_gemv(monkeypatch):
-    """The native step's GEMVs on the integer path (KVRUN_GEMV=int, opt-in)."""
+    """The native step's GEMVs on the integer path (KVRUN_GEMV=int, the default)."""
     monkeypatch.setenv("KVRUN_GEMV", "int")
 
 

@@ -166,9 +166,9 @@ def test_kernel_codes_are_quantize_inputs(lib, kind, K, G):
 
 def test_gemv_path_reads_the_environment(monkeypatch):
     monkeypatch.delenv("KVRUN_GEMV", raising=False)
-    assert dispatch.gemv_path() == "fp32"
-    monkeypatch.setenv("KVRUN_GEMV", "INT")
     assert dispatch.gemv_path() == "int"
+    monkeypatch.setenv("KVRUN_GEMV", "FP32")
+    assert dispatch.gemv_path() == "fp32"
     monkeypatch.setenv("KVRUN_GEMV", "int4")
     with pytest.raises(dispatch.BackendError, match="KVRUN_GEMV='int4': expected one of fp32, int"):
         dispatch.gemv_path()

@@ -216,3 +216,50 @@ def test_tada_pack_bit_identical(bits, mu, G, D, Hkv):
             assert store(c, b, x, s0)
             for k in a:
                 assert torch.equal(a[k], b[k]), (role, s0, k)
+
+
+@pytest.mark.parametrize("method", ["fp16", "int8", "kivi-4", "tada-4/kivi-2", "kivi-2+rot", "gear-l"])
+def test_fused_step_is_the_general_native_step(monkeypatch, method):
+    """A one-token arena step through FusedStep (its C arguments built once per layer) gives
+    the bits the general attend_append route gives: the output and the window and tail
+    bytes after every step, flushes included."""
+    import copy
+
+    from kvrun.kernels.native.decode_attention import FusedStep
+    from kvrun.kv import arena as arena_mod, build_cache, parse_kv
+    from tiny import tiny_config
+    cfg = tiny_config(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384, max_position=1024)
+    g = torch.Generator().manual_seed(3)
+    a = build_cache(cfg, 512, parse_kv(method, residual=32, group=32))
+    shape = (cfg.num_layers, 2, 150, 64)
+    a.ingest(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
+    b = copy.deepcopy(a)
+    ran = []                                                # FusedStep calls that attended
+    real = FusedStep.__call__
+
+    def counted(self, *x):
+        o = real(self, *x)
+        ran.append(o is not None)
+        return o
+    monkeypatch.setattr(FusedStep, "__call__", counted)
+    for _ in range(40):                                     # through a flush of 32 tokens
+        q = torch.randn(1, 6, 1, 64, generator=g)
+        k, v = torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g)
+        for cache, fused in ((a, True), (b, False)):
+            cache.positions(1)
+            with monkeypatch.context() as mp:
+                if not fused:
+                    mp.setattr(arena_mod, "fused_step", lambda *x, **kw: None)
+                outs = [cache.attend(l, q, k, v) for l in range(cfg.num_layers)]
+            cache.commit(1)
+            if fused:
+                want = outs
+            else:
+                for x, y in zip(want, outs):
+                    assert torch.equal(x, y)
+        assert torch.equal(a.win_k, b.win_k) and torch.equal(a.win_v, b.win_v)
+        assert a.n_tail == b.n_tail and a.n_win == b.n_win
+        for l in range(cfg.num_layers):
+            for sa, sb in ((a.k_store[l], b.k_store[l]), (a.v_store[l], b.v_store[l])):
+                assert all(torch.equal(sa[n], sb[n]) for n in sa)
+    assert sum(ran) == 40 * cfg.num_layers

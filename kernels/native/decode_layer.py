@@ -4,7 +4,7 @@ and residual after it; the final norm and lm_head. Weights are int4 (kvrun's sto
 Q4_1-order nibbles) or int8 (per-row scale); activations fp32; B <= MAX_ROWS rows.
 
 The GEMVs run on one of two paths, fixed per `LayerPlan` (`gemv=`; the model's native step
-takes `kvrun.kernels.dispatch.gemv_path()`, i.e. `KVRUN_GEMV=fp32|int`, default fp32):
+takes `kvrun.kernels.dispatch.gemv_path()`, i.e. `KVRUN_GEMV=int|fp32`, default int):
 - "int" (gemv_quant.c, gemv_int.c): each GEMV input row quantized once to int8 blocks of
   QB = 4 columns (one fp32 scale each, and for int4 weights the block sums that fold the min
   term), int32 dot products (AVX512-VNNI, AVX2, or plain C), the scales applied per block in

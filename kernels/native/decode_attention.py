@@ -228,6 +228,7 @@ class FusedStep:
         self.row = k_win.element_size() * a.kws[1]            # bytes from one slot to the next
         self.vrow = v_win.element_size() * a.vws[1]
         self.splits = _splits_max(self.lib)
+        self.desc = (None, None)
 
     def __call__(self, q: torch.Tensor, k_tail, v_tail, n_tail: int, w: int, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor | None:
@@ -242,7 +243,9 @@ class FusedStep:
         a, D, H = self.a, self.D, self.H
         N = n_tail + w + 1
         out = torch.empty(1, H, 1, D)
-        a.kc, a.vc = ctypes.pointer(desc[0]), ctypes.pointer(desc[1])
+        if desc[0] is not self.desc[0] or desc[1] is not self.desc[1]:   # another tail storage
+            self.desc = desc
+            a.kc, a.vc = ctypes.pointer(desc[0]), ctypes.pointer(desc[1])
         a.n_tail, a.W, a.nthreads = n_tail, w, torch.get_num_threads()
         a.qdtype, a.ndtype = _FP[q.dtype], _FP[k.dtype]
         a.qin, a.qs[0], a.qs[1] = q.data_ptr(), q.stride(1), q.stride(2)

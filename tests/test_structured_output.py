@@ -197,6 +197,11 @@ def test_json_object_chat_and_completions(client):
     r = client.completions.create(model=NAME, prompt="Colors as JSON:", max_tokens=64,
                                   temperature=0, extra_body={"response_format": {"type": "text"}})
     assert not r.choices[0].text.lstrip().startswith("{")
+    any_value = {"type": "json_schema", "json_schema": {"name": "any"}}     # no schema: any JSON
+    r = client.completions.create(model=NAME, prompt="The answer in JSON:", max_tokens=64,
+                                  temperature=0, extra_body={"response_format": any_value})
+    assert r.choices[0].finish_reason == "stop"
+    json.loads(r.choices[0].text)
 
 
 def test_sampled_choices_stay_valid(client):

@@ -111,8 +111,8 @@ class GrammarState:
         if self.matcher.is_error():
             raise KvrunError(f"structured output failed: {_one_line(self.matcher.get_error())}")
         # the words as little-endian bytes: bit i of byte b is token 8 b + i. numpy unpacks
-        # them in one pass on this thread (the same in torch ops is ~5x slower and may start
-        # a parallel region for 49k elements)
+        # them in one pass on this thread; torch bit shifts over V elements may start a
+        # parallel region, whose threads wait on a busy machine
         le = np.frombuffer(words, np.uint32).astype("<u4", copy=False).view(np.uint8)
         bits = np.unpackbits(le, bitorder="little")[:self.vocab_size]
         if not bits.any():

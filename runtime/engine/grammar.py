@@ -11,8 +11,8 @@ Three objects, so that no state is shared between sequences:
     state.accept(token)                # after sampling one of them
 
 A stop token (EOS) is allowed exactly when the output so far is a complete value, and once
-the value cannot grow it is the only token allowed: a greedy sequence that stops on its
-own parses. A sequence cut by max_tokens or a stop string may not.
+the value cannot grow it is the only token allowed: a sequence that ends on a stop token
+(greedy or sampled) parses. A sequence cut by max_tokens or a stop string may not.
 """
 from __future__ import annotations
 

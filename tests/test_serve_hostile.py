@@ -94,7 +94,7 @@ def test_bad_completion_request_is_one_400(server, body, param):
 
 
 @pytest.mark.parametrize("name,value", [
-    ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+    ("top_logprobs", 3), ("response_format", {"type": "json_object", "strict": True}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("frequency_penalty", 0.5), ("presence_penalty", -1), ("logit_bias", {"5": 10}), ("n", 3),
     ("reasoning_effort", "low"), ("cache_prompt", True), ("mirostat", 2)])

@@ -17,13 +17,15 @@ it; a stop token has none), completions' `echo` (the prompt before the text; wit
 text, as lm-eval-harness asks), `n` (1..min(16, --parallel) choices, each its own sequence;
 choice i samples with `seed` + i; usage counts every choice's tokens; stream chunks carry
 their choice's index); llama.cpp-style extensions `top_k`,
-`min_p`, `repeat_penalty`, `repeat_last_n` (penalty off unless given). Extension `kv`: the
+`min_p`, `repeat_penalty`, `repeat_last_n` (penalty off unless given), `response_format`
+(`json_object` / `json_schema`: the reply is sampled under the schema's token mask,
+runtime/engine/grammar.py; docs/serve.md). Extension `kv`: the
 KV method of this request's cache, a method spec ("fp16", "kivi-4", "int8@64+rot", "auto")
 or a shipped profile by name ("profile:smollm2-135m-0.25"); profile files are the
 operator's `--kv`, never a request's. Every sequence has its own cache, so methods mix
 freely in one batch; the request's cache bytes count against `--kv-budget-mb` like any
 other (a cheaper method is admitted sooner). Default: `--kv`. Fields kvrun does not
-implement (`tools`, `response_format`, `best_of` ...) are refused by name unless neutral
+implement (`tools`, `best_of` ...) are refused by name unless neutral
 (runtime/cli/server_fields.py). Chat message text is tokenized as text: it cannot forge the
 template's control tokens; a completion's `prompt` string is the model's raw input, where
 special-token text is read as those tokens (as llama-server reads it).
@@ -54,9 +56,9 @@ from ..errors import KvrunError
 from ..kv.profile import shipped_profiles
 from ..engine.scheduler import SHUTTING_DOWN, Closed, QueueFull, Request, Scheduler
 from . import server_format as fmt, server_tokens
-from .server_fields import (ApiError, check_fields, field, logprobs_from, max_tokens_from,
-                            messages_from, n_from, parse_body, prompt_from, request_kv,
-                            sampling_from, stop_from, stream_from)
+from .server_fields import (ApiError, check_fields, field, grammar_from, logprobs_from,
+                            max_tokens_from, messages_from, n_from, parse_body, prompt_from,
+                            request_kv, sampling_from, stop_from, stream_from)
 
 try:
     from starlette.applications import Starlette
@@ -104,13 +106,14 @@ class App:
         kv = field(body, "kv", str)
         kv = None if kv is None else request_kv(kv, self.shipped)
         echo = False if chat else field(body, "echo", bool, False)
+        grammar = grammar_from(body, self.model.grammars)
         ids = self._chat_ids(body) if chat else self._prompt_ids(body)     # the heavy part last
         reqs = []
         try:
             for i in range(n):          # choice i samples with seed + i: n requests reproduce it
                 p = params if params.seed is None else replace(params, seed=params.seed + i)
                 reqs.append(self.sched.submit(ids, max_tokens, p, stop, kv, logprobs,
-                                              logprobs if echo else None))
+                                              logprobs if echo else None, grammar))
         except (KvrunError, ApiError) as e:
             for r in reqs:
                 r.cancel()

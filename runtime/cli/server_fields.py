@@ -15,6 +15,7 @@ import json
 
 from ..errors import KvrunError
 from ..engine.generate import check_ids
+from ..engine.grammar import Grammar, Grammars
 from ..engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_DEPTH = 32                  # nesting of a body: OpenAI's own requests need 5
@@ -86,14 +87,14 @@ def _check_values(body: dict) -> None:
 # fields kvrun implements (both endpoints; chat adds messages and max_completion_tokens)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
           "stream_options", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "kv",
-          "logprobs", "n"}
+          "logprobs", "n", "response_format"}
 IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key",
            "safety_identifier", "parallel_tool_calls"}      # no effect on the output
 # OpenAI fields kvrun does not implement: accepted only at these neutral values
 NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,),
            "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
            "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-           "response_format": ({"type": "text"},), "modalities": (["text"],),
+           "modalities": (["text"],),
            "echo": (False,), "best_of": (1,), "suffix": ("",), "reasoning_effort": (),
            "audio": (), "prediction": (), "web_search_options": ()}
 
@@ -251,6 +252,59 @@ def stream_from(body: dict) -> tuple[bool, bool]:
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
                        param="stream_options")
     return stream, usage
+
+
+_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def response_format_from(body: dict) -> dict | None:
+    """The JSON Schema a reply must follow, or None for free text. `response_format`:
+    {"type": "text"}; {"type": "json_object"} (any JSON object: the schema {"type":
+    "object"}); {"type": "json_schema", "json_schema": {"name", "description", "schema",
+    "strict"}} (without "schema": any JSON value). Whether the schema itself is valid is
+    the grammar compiler's to say (runtime/engine/grammar.py)."""
+    rf = field(body, "response_format", dict)
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    extra = sorted(set(rf) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, f"'response_format.type' must be 'text', 'json_object' or "
+                            f"'json_schema' (got {_show(kind)})", param="response_format")
+    if extra:
+        raise ApiError(400, f"unknown parameter 'response_format.{extra[0]:.60}'",
+                       param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "'response_format.json_schema' must be an object holding the "
+                            "'schema'", param="response_format")
+    for k in spec:
+        if k not in _SCHEMA_KEYS:
+            raise ApiError(400, f"unknown parameter 'response_format.json_schema.{k:.60}'",
+                           param="response_format")
+    for k, kinds in (("name", str), ("description", str), ("strict", bool), ("schema", dict)):
+        if spec.get(k) is not None and not isinstance(spec[k], kinds):
+            raise ApiError(400, f"'response_format.json_schema.{k}' must be "
+                                f"{_kind_names((kinds,))}, got {_show(spec[k])}",
+                           param="response_format")
+    schema = spec.get("schema")
+    return {} if schema is None else schema
+
+
+def grammar_from(body: dict, grammars: Grammars) -> Grammar | None:
+    """`response_format` compiled into the constraint the reply is sampled under (None: free
+    text); a schema the compiler refuses, or no compiler installed, is a 400 naming it."""
+    schema = response_format_from(body)
+    if schema is None:
+        return None
+    try:
+        return grammars.json_schema(schema)
+    except KvrunError as e:
+        raise ApiError(400, f"'response_format': {e}", param="response_format") from None
 
 
 # -- prompts ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from ..model.chat_template import template_for
 from ..model.config import ModelConfig
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, check_ids
+from .grammar import Grammar, Grammars
 from ..kv import build_cache
 from ..kv.build import make_cache
 from ..kv.config import KVConfig
@@ -49,6 +50,8 @@ class Model:
         self.template = template_for(cfg.chat_template, cfg.default_system)
         self.stop_ids = set(cfg.eos_token_ids)
         self.kv: "str | KVConfig" = "fp16"     # the cache's method (load() sets it)
+        # JSON-schema constraints (`json_schema=`): the library's tokenizer is built at first use
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
 
     # -- tokens --
     def tokenize(self, text: str, bos: bool | None = None) -> list[int]:
@@ -77,40 +80,54 @@ class Model:
     def ctx(self) -> int:
         return self.engine.max_ctx
 
+    def _grammar(self, json_schema) -> "Grammar | None":
+        return None if json_schema is None else self.grammars.json_schema(json_schema)
+
     # -- generation --
     def stream(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None,
-               **sampling) -> Iterator[StreamEvent]:
+               json_schema: "dict | str | None" = None, **sampling) -> Iterator[StreamEvent]:
         """Stream a continuation of a raw prompt (text or token ids). `stop`: a string or a
         list of strings that end the generation (finish_reason "stop"); the stop string
-        itself is not part of the text (runtime/engine/stops.py)."""
+        itself is not part of the text (runtime/engine/stops.py). `json_schema`: the text
+        is JSON valid under this JSON Schema ({"type": "object"}: any object) when the
+        generation stops by itself (runtime/engine/grammar.py; needs llguidance)."""
         ids = self._prompt_ids(prompt)
         return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
-                                             self.stop_ids), stop)
+                                             self.stop_ids, grammar=self._grammar(json_schema)),
+                          stop)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None, **sampling) -> str:
-        return "".join(ev.text for ev in self.stream(prompt, max_tokens, stop=stop, **sampling))
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, *, stop=None,
+                 json_schema: "dict | str | None" = None, **sampling) -> str:
+        return "".join(ev.text for ev in self.stream(prompt, max_tokens, stop=stop,
+                                                     json_schema=json_schema, **sampling))
 
     def chat_stream(self, messages: list[dict], max_tokens: int = 256, *, stop=None,
-                    **sampling) -> Iterator[StreamEvent]:
+                    json_schema: "dict | str | None" = None, **sampling) -> Iterator[StreamEvent]:
         """Reply to a conversation; earlier turns still in the cache are not recomputed.
         Message contents are tokenized as plain text (special-token text in them stays
-        text); only the template's markers are control tokens. `stop` as in `stream`."""
+        text); only the template's markers are control tokens. `stop` and `json_schema` as
+        in `stream`."""
         ids = self.tokenizer.encode_parts(self.template.render_parts(messages))
         return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
-                                             self.stop_ids), stop)
+                                             self.stop_ids, grammar=self._grammar(json_schema)),
+                          stop)
 
-    def chat(self, messages: list[dict], max_tokens: int = 256, *, stop=None, **sampling) -> str:
-        return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, stop=stop, **sampling))
+    def chat(self, messages: list[dict], max_tokens: int = 256, *, stop=None,
+             json_schema: "dict | str | None" = None, **sampling) -> str:
+        return "".join(ev.text for ev in self.chat_stream(messages, max_tokens, stop=stop,
+                                                          json_schema=json_schema, **sampling))
 
     def generate_batch(self, prompts: list, max_tokens: int = 128, *, stop=None,
                        parallel: int | None = None, kv: "str | KVConfig | None" = None,
-                       kv_budget_mb: float | None = None, **sampling) -> list[str]:
+                       kv_budget_mb: float | None = None,
+                       json_schema: "dict | str | None" = None, **sampling) -> list[str]:
         """Continuations of many raw prompts (texts or token-id lists), decoded together:
         one forward per step over all running sequences, each on its own KV cache of
         prompt + max_tokens tokens (at most the model's context) with method `kv` (default:
         the model's). `parallel` (default: all) and `kv_budget_mb` bound how many run at
         once; the rest wait. Greedy outputs equal `generate`'s, prompt by prompt.
-        `stop` and the sampling options apply to every prompt (a seed gives each prompt the
+        `stop`, `json_schema` and the sampling options apply to every prompt (each sequence
+        has its own state in the schema's grammar; a seed gives each prompt the
         stream `generate` with that seed gives it); runtime/engine/scheduler.py takes them per
         request."""
         from .scheduler import Scheduler
@@ -122,7 +139,8 @@ class Model:
         sched = Scheduler(self, parallel=parallel or max(1, len(ids)), kv_budget_mb=kv_budget_mb,
                           max_queue=len(ids), kv=kv)
         params = sampling_params(sampling)
-        reqs = [sched.submit(x, max_tokens, params, stop) for x in ids]
+        grammar = self._grammar(json_schema)
+        reqs = [sched.submit(x, max_tokens, params, stop, grammar=grammar) for x in ids]
         with self.engine.exclusive():           # the batch shares the model's decode scratch
             sched.run()
         return [r.text for r in reqs]

@@ -34,6 +34,7 @@ import torch
 from kvrun.kernels.native.decode_layer import MAX_ROWS
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
+from .grammar import Grammar
 from .sampling import (MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, next_logprobs, sample,
                        token_logprob)
 from .stops import StopStrings, check_stops
@@ -70,13 +71,16 @@ class Sequence:
     the k best alternatives, except a stop token's (EOS is not part of the text). With
     `prompt_logprobs` = k, the prefill keeps every row's logits and `prompt_logprobs` holds
     one TokenLogprob per prompt token (the first one's logprob is None), complete before
-    the first event."""
+    the first event. With `grammar` (runtime/engine/grammar.py) every token is sampled among
+    those the grammar allows; the sequence starts its own state in it (a Grammar is shared,
+    a state never is). Logprobs stay the model's own, unmasked."""
 
     def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int], stop=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  on_event: Callable[[StreamEvent], None] | None = None,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar: Grammar | None = None):
         if max_tokens < 0:
             raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
         for k in (logprobs, prompt_logprobs):
@@ -92,6 +96,7 @@ class Sequence:
         self.stops = StopStrings(check_stops(stop))
         self.on_event = on_event or (lambda ev: None)
         self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.grammar = grammar.start() if grammar is not None else None
         self.history = list(prompt)
         self.timings = Timings()
         # checks the prompt's length
@@ -142,7 +147,10 @@ class Sequence:
     def sample_next(self) -> bool:
         """Sample the next token and emit it; True if the sequence goes on (its token is to
         be fed by the next forward)."""
-        tok = sample(self.logits, self.params, self.history, self.gen)
+        allowed = self.grammar.allowed() if self.grammar is not None else None
+        tok = sample(self.logits, self.params, self.history, self.gen, allowed)
+        if self.grammar is not None:
+            self.grammar.accept(tok)
         lp = None if self.logprobs is None or tok in self.stop_ids else \
             token_logprob(self.logits, tok, self.logprobs)
         self.history.append(tok)

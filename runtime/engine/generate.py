@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 
 from ..errors import KvrunError
+from .grammar import Grammar
 from .sampling import SamplingParams, TokenLogprob, sample
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -230,17 +231,18 @@ class Engine:
         self.canon = min(self.canon, kept)
 
     def tokens(self, prompt: list[int], max_tokens: int, params: SamplingParams,
-               stop_ids: set[int], timings: Timings, append: bool = False
-               ) -> Iterator[tuple[int, str | None]]:
+               stop_ids: set[int], timings: Timings, append: bool = False,
+               grammar: Grammar | None = None) -> Iterator[tuple[int, str | None]]:
         """Yield (token, finish_reason): finish_reason is set on the last item only.
 
         A stop token is yielded (with reason "stop") but never fed to the model.
         `append`: the prompt continues the cache as it stands (see reuse_prefix).
+        `grammar`: every token is sampled among those it allows (runtime/engine/grammar.py).
         """
         with self.exclusive():
-            yield from self._tokens(prompt, max_tokens, params, stop_ids, timings, append)
+            yield from self._tokens(prompt, max_tokens, params, stop_ids, timings, append, grammar)
 
-    def _tokens(self, prompt, max_tokens, params, stop_ids, timings, append):
+    def _tokens(self, prompt, max_tokens, params, stop_ids, timings, append, grammar=None):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise KvrunError(f"-n must be an integer >= 0 (got {max_tokens!r})")
         check_ids(prompt, self.model.cfg.vocab_size)
@@ -250,9 +252,13 @@ class Engine:
         logits = self.prefill(prompt[start:])
         timings.prompt_tokens, timings.prompt_s = len(prompt) - start, time.perf_counter() - t0
         history = list(prompt)
+        state = grammar.start() if grammar is not None else None
         t0 = time.perf_counter()
         for i in range(max_tokens):
-            tok = sample(logits, params, history, gen)
+            tok = sample(logits, params, history, gen,
+                         state.allowed() if state is not None else None)
+            if state is not None:
+                state.accept(tok)
             history.append(tok)
             timings.gen_tokens, timings.gen_s = i + 1, time.perf_counter() - t0
             if tok in stop_ids:
@@ -273,12 +279,14 @@ class Engine:
             timings.gen_s = t2 - t0
 
     def stream(self, prompt: list[int], max_tokens: int, params: SamplingParams,
-               stop_ids: set[int], append: bool = False) -> Iterator[StreamEvent]:
+               stop_ids: set[int], append: bool = False,
+               grammar: Grammar | None = None) -> Iterator[StreamEvent]:
         """Text pieces as they complete; the last event carries the finish reason."""
         timings = Timings()
         dec = self.tokenizer.stream(skip_special=True)
         reason = "length"
-        for tok, reason_now in self.tokens(prompt, max_tokens, params, stop_ids, timings, append):
+        for tok, reason_now in self.tokens(prompt, max_tokens, params, stop_ids, timings, append,
+                                           grammar):
             text = "" if tok in stop_ids else dec.push(tok)
             if reason_now is not None:
                 reason = reason_now

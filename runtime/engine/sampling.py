@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p and repetition penalty.
 
 Order follows llama.cpp's default chain: repetition penalty → top-k → top-p → min-p →
-temperature → draw. `temp <= 0` is greedy. Randomness comes only from the
+temperature → draw. `temp <= 0` is greedy. A constrained sequence (runtime/engine/grammar.py)
+masks the tokens its grammar forbids after the penalty, so every later step sees only the
+allowed ones. Randomness comes only from the
 `torch.Generator` passed in, so the same seed gives the same text.
 """
 from __future__ import annotations
@@ -80,10 +82,15 @@ def apply_repetition_penalty(logits: torch.Tensor, recent: list[int], penalty: f
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
-           gen: torch.Generator | None) -> int:
-    """Pick the next token from float32 logits (V,)."""
+           gen: torch.Generator | None, allowed: torch.Tensor | None = None) -> int:
+    """Pick the next token from float32 logits (V,); with `allowed` ((V,) bool, at least one
+    True), only among the allowed tokens."""
     logits = apply_repetition_penalty(logits, history[-p.repeat_last_n:] if p.repeat_last_n else [],
                                       p.repeat_penalty)
+    if allowed is not None:
+        # -inf, not a large negative: a forbidden token keeps probability 0 after any
+        # temperature; the penalty's clamp ran before, so nothing turns -inf finite again
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if p.temp <= 0:
         return int(torch.argmax(logits))
     if p.top_k > 0 and p.top_k < logits.numel():

@@ -37,6 +37,7 @@ from ..kv.build import make_cache
 from .batch import Batch, Sequence, failure
 from ..errors import KvrunError
 from .generate import StreamEvent, Timings
+from .grammar import Grammar
 from ..kv.build import kv_bytes_at
 from ..kv.config import KVConfig, parse_kv
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -70,8 +71,10 @@ class Request:
 
     def __init__(self, rid: int, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop: list[str], kv: KVConfig, n_ctx: int, kv_bytes: int,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar: Grammar | None = None):
         self.id, self.prompt, self.max_tokens, self.params = rid, prompt, max_tokens, params
+        self.grammar = grammar                      # output constraint (shared, immutable)
         self.logprobs = logprobs                    # top alternatives per token; None: off
         self.prompt_k = prompt_logprobs             # the same for the prompt's tokens
         self.stop, self.kv, self.n_ctx, self.kv_bytes = stop, kv, n_ctx, kv_bytes
@@ -221,11 +224,12 @@ class Scheduler:
     def submit(self, prompt: list[int], max_tokens: int | None = None,
                params: SamplingParams | None = None, stop=None,
                kv: "str | KVConfig | None" = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> Request:
+               prompt_logprobs: int | None = None, grammar: Grammar | None = None) -> Request:
         """Queue a generation of up to max_tokens tokens (None: until the context is full)
         after the token ids `prompt`; `logprobs` = k: each token's event carries its
         log-probability and the k best alternatives, `prompt_logprobs` = k: the request's
-        `prompt_logprobs` holds the prompt's (runtime/engine/batch.py). Raises
+        `prompt_logprobs` holds the prompt's (runtime/engine/batch.py); `grammar`: the
+        output is constrained to it (runtime/engine/grammar.py). Raises
         KvrunError for a request that cannot run, and QueueFull when the queue is full.
         Any thread may call it."""
         kv = self.kv if kv is None else self.parse_kv(kv)
@@ -234,7 +238,7 @@ class Scheduler:
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise KvrunError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {k})")
         req = Request(next(self._ids), list(prompt), max_tokens, params or SamplingParams(),
-                      check_stops(stop), kv, n_ctx, nbytes, logprobs, prompt_logprobs)
+                      check_stops(stop), kv, n_ctx, nbytes, logprobs, prompt_logprobs, grammar)
         with self._lock:
             if self._closing:
                 raise Closed(SHUTTING_DOWN)
@@ -265,7 +269,8 @@ class Scheduler:
                     r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                      r.max_tokens, r.params, self.model.stop_ids, r.stop,
                                      self.model.engine.prefill_chunk, on_event=r._push,
-                                     logprobs=r.logprobs, prompt_logprobs=r.prompt_k)
+                                     logprobs=r.logprobs, prompt_logprobs=r.prompt_k,
+                                     grammar=r.grammar)
                 except Exception as e:                  # noqa: BLE001 - this request only
                     r._fail("error", failure(e))
                     continue

@@ -79,6 +79,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what a constrained-decoding library
+        builds its view of the vocabulary from: runtime/engine/grammar.py)."""
+        return self.tok.to_str()
+
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 

@@ -13,7 +13,7 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c) | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
 | `cb_attention` (`decode_attention` and `attend_append` when K and V are both codebook codecs) | cb 2/3/4-bit (native/codebook_attention.c) | — | every codec |
-| `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_attention.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
+| `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
 | `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |

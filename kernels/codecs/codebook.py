@@ -18,7 +18,7 @@ The scale is the one that makes x̂'s projection on x exact: a Lloyd-Max code is
 copy of its input (E[x·c] = E[c²] < E[x²]), and scaling by the RMS alone would shrink
 every tail logit q·k̂ by about 1 − MSE (12 % at 2 bits) against the window's exact ones.
 Sums of squares and products are taken in float64 and rounded once, so the native flush
-(native/codebook_attention.c) writes the same bytes.
+(native/codebook_pack.c) writes the same bytes.
 
 Storage (per layer; packed groups of 32 codes, cbpack.py):
     K: codes (Hkv, S/32, D, 4·bits) — per 32-token tile, channel d's 32 tokens in one

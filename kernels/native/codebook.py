@@ -1,4 +1,4 @@
-"""The codebook codecs' native CPU kernels (codebook_attention.c): decode attention over a
+"""The codebook codecs' native CPU kernels (codebook_attention.c, codebook_pack.c): attention over a
 cb K tail and a cb V tail read in place (`kvrun_cb_attention`, the same arguments and
 result as kernels.decode_attention, and the arena's fused window append as in
 native/decode_attention.py `attend_append`), and the flush (`kvrun_cb_pack`, the same

@@ -1,7 +1,7 @@
 """The kernel table: which backend's kernel serves which codec, per op, and the routes a
 decode step takes through them — the one place this is written down.
 
-A codec declares what it is — `kind` ("fp", "int8", "kivi", "tada", "gear") and `bits`
+A codec declares what it is — `kind` ("fp", "int8", "kivi", "tada", "gear", "cb") and `bits`
 (kernels/codecs/) — and `COVERAGE` says, from those two facts, which backend has a kernel
 for it. kernels/dispatch.py asks `covers(op, backend, codec)` before calling a kernel; a
 kernel may still decline a request for a reason of shape (batch, head dim, tile alignment,
@@ -12,8 +12,9 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 |---|---|---|---|
 | `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c) | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
-| `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | the same | — | — |
-| `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
+| `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | what `decode_attention` covers | — | — |
+| `cb_attention` (`decode_attention` and `attend_append` when K and V are both codebook codecs) | cb 2/3/4-bit (native/codebook_attention.c) | — | every codec |
+| `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
 | `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
@@ -34,6 +35,11 @@ Routes, by cache (kv/):
 - the rest of a layer (norms, projections, MLP) runs natively for int4/int8 models on a
   native cache (model/native_step.py, native/decode_layer.c), else in torch.
 
+The codebook codecs (cb) have a kernel of their own: `cb_attention` reads a layer whose K
+and V are both cb (any widths); a cb codec paired with another kind runs `decode_attention`
+on torch, since neither native kernel reads both formats. Their layers are always rotated
+(the codec's `needs_rotation`), so they never take `write_attend`.
+
 `ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes — so its
 kernels check the ring's bits themselves instead of `COVERAGE`.
 """
@@ -47,8 +53,11 @@ COVERAGE: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {
         "native": {"fp": ANY, "int8": ANY, "kivi": Q, "tada": Q, "gear": Q},
         "triton": {"fp": ANY, "int8": ANY, "kivi": Q, "tada": Q, "gear": Q},
     },
+    "cb_attention": {
+        "native": {"cb": (2, 3, 4)},
+    },
     "pack": {
-        "native": {"int8": ANY, "kivi": Q, "tada": Q},
+        "native": {"int8": ANY, "kivi": Q, "tada": Q, "cb": (2, 3, 4)},
         "triton": {"kivi": (2, 4)},
     },
     "fused_write": {        # the torch implementation is the Triton kernels' oracle: same set

@@ -105,7 +105,8 @@ def _assert_same_state(a, b, exact=True):
 
 
 @pytest.mark.parametrize("method,kw", [("kivi-4", {}), ("tada-4/kivi-2", {}), ("int8", {}),
-                                       ("kivi-2", {}), ("gear", {}), ("kivi-4", {"rotate": "v"})])
+                                       ("kivi-2", {}), ("gear", {}), ("kivi-4", {"rotate": "v"}),
+                                       ("cb-3/cb-4", {})])
 def test_every_backend_attends_then_flushes(monkeypatch, method, kw):
     kv = parse_kv(method, residual=R, group=G, **kw)
     runs = {be: _run(be, kv, monkeypatch) for be in _backends(method)}
@@ -114,13 +115,15 @@ def test_every_backend_attends_then_flushes(monkeypatch, method, kw):
     assert len(flushes) == 2 and STEPS[flushes[1]] == 3                  # both kinds of step
     for be, (c, steps) in runs.items():
         kt, vt = (c.k_codecs[0], c.k_store[0]), (c.v_codecs[0], c.v_store[0])
-        rv = c.rot_v[0]
+        rk, rv = c.rot_k[0], c.rot_v[0]             # cb: both, implied by the codecs
         for i, ((q, o, before, after, kn, vn), ref_step) in enumerate(zip(steps, ref)):
-            _assert_same_state(after, ref_step[3], exact="rotate" not in kw)
+            _assert_same_state(after, ref_step[3], exact=rk is None and rv is None)
             # the reference reads the tail below the step's start (those bytes never change)
             (nt, _), _, kw0, vw0 = before
             vx = vn.to(c.wdtype) if rv is None else rotate(vn.float(), rv).to(c.wdtype)
-            exp = dequantized_reference(q, kt, vt, nt, kw0[None], vw0[None], kn.to(c.wdtype), vx)
+            kx = kn.to(c.wdtype) if rk is None else rotate(kn.float(), rk).to(c.wdtype)
+            qx = q if rk is None else rotate(q, rk)
+            exp = dequantized_reference(qx, kt, vt, nt, kw0[None], vw0[None], kx, vx)
             exp = exp if rv is None else unrotate(exp, rv)
             assert_close(o.float(), exp, **TOL[be], msg=f"{be} step {i} (flush: {i in flushes})")
 

@@ -163,7 +163,7 @@ def _check_against_reference(m, policy, slack, budget):
                    for l in range(m.cfg.num_layers))
 
 
-@pytest.mark.parametrize("method", ["tada-4", "kivi-2", "int8"])
+@pytest.mark.parametrize("method", ["tada-4", "kivi-2", "int8", "cb-3"])
 def test_compressed_codecs_with_eviction_stay_bounded(tiny32_dir, method):
     d = tiny32_dir
     budget = 32 + 32 + 64

@@ -16,7 +16,7 @@ from evict_cases import one_thread, tiny32_dir  # noqa: F401  (fixtures)
 
 # -- compaction: what is re-packed -----------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["fp16", "int8", "kivi-2", "kivi-4", "gear-l", "gear"])
+@pytest.mark.parametrize("method", ["fp16", "int8", "kivi-2", "kivi-4", "gear-l", "gear", "cb-2", "cb-3"])
 @pytest.mark.parametrize("role", ["k", "v"])
 def test_packing_one_head_through_views_writes_only_that_head(method, role):
     """Per-head compaction packs each KV head through views of its storage; that must give

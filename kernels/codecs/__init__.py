@@ -1,19 +1,21 @@
 """Codec registry: method names → codec objects (adding a codec: docs/architecture.md).
 
-Method names: fp16, bf16, fp32 (uncompressed), int8, kivi-2, kivi-4, tada-2, tada-4, tada-8, and GEAR on a KIVI
-backbone: gear-l / gear (4-bit backbone), gear-l-2 / gear-2 (2-bit), gear-l-4 / gear-4.
+Method names: fp16, bf16, fp32 (uncompressed), int8, kivi-2, kivi-4, tada-2, tada-4, tada-8, GEAR on a KIVI
+backbone: gear-l / gear (4-bit backbone), gear-l-2 / gear-2 (2-bit), gear-l-4 / gear-4, and the
+codebooks after rotation cb-2, cb-3, cb-4.
 """
 from __future__ import annotations
 
 import torch
 
 from .base import COMPONENTS, Codec, FpCodec, Int8Codec, Slot
+from .codebook import CodebookCodec
 from .gear import GearCodec
 from .kivi import KiviCodec
 from .tada import TadaCodec
 
 METHODS = ("fp16", "bf16", "fp32", "int8", "kivi-2", "kivi-4", "tada-2", "tada-4", "tada-8",
-           "gear-l", "gear-l-2", "gear-l-4", "gear", "gear-2", "gear-4")
+           "gear-l", "gear-l-2", "gear-l-4", "gear", "gear-2", "gear-4", "cb-2", "cb-3", "cb-4")
 
 
 def method_family(method: str) -> tuple[str, int]:
@@ -45,6 +47,8 @@ def make_codec(method: str, role: str, G: int, v_group: int = 32, rank: int = 4,
         return KiviCodec(role, G, bits, v_group)
     if fam == "tada":
         return TadaCodec(role, G, bits, tada_mu)
+    if fam == "cb":
+        return CodebookCodec(role, G, bits)
     return GearCodec(role, G, bits, v_group, rank, sparsity if fam == "gear" else None)
 
 

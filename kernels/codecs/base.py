@@ -46,8 +46,11 @@ class Codec:
     """Base class. Subclasses set `method`, declare what they are — `kind` and `bits`, which
     the kernel table (kernels/table.py) reads — and implement slots/pack/dequant/scores/mix."""
     method = "?"
-    kind = "?"                  # fp | int8 | kivi | tada | gear
+    kind = "?"                  # fp | int8 | kivi | tada | gear | cb
     bits = 0                    # code width (fp: the dtype's)
+    # the codec's format assumes Hadamard-rotated rows (codebook.py): the arena then
+    # rotates this role of the layer whatever the configured rotation says
+    needs_rotation = False
 
     def __init__(self, role: str, G: int):
         assert role in ("k", "v"), role

@@ -1,5 +1,6 @@
 """KIVI, int8 and TaDA flushes on the native CPU kernel (pack.c,
-`kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`): the same storage as the codecs' torch pack, bit
+`kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`; the codebook codecs' in
+codebook_attention.c through native/codebook.py): the same storage as the codecs' torch pack, bit
 for bit (tests/test_native_kernels.py), in one C call per K or V instead of ~25 eager torch
 ops (a 32-token KIVI-4 flush of SmolLM2 K: ~1 ms → ~0.08 ms; every layer flushes once per
 G decode steps)."""
@@ -11,13 +12,14 @@ import torch
 
 from ..table import covers
 from . import load
+from .codebook import store as cb_store
 from .decode_attention import MAX_D
 
 _i64 = ctypes.c_int64
 
 
 def supports(codec) -> bool:
-    """The kinds the kernel table's native `pack` row lists (KIVI, int8, TaDA; not GEAR,
+    """The kinds the kernel table's native `pack` row lists (KIVI, int8, TaDA, cb; not GEAR,
     whose outliers and low-rank terms the C pack does not write), once the library built."""
     return covers("pack", "native", codec) and load() is not None
 
@@ -28,6 +30,8 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
     """codec.store(st, x, s0) in C; False when not covered (the caller packs with torch)."""
+    if codec.kind == "cb":                                  # codebook_attention.c
+        return cb_store(codec, st, x, s0)
     lib = load()
     Hkv, n, D = x.shape
     if lib is None or x.device.type != "cpu" or D > MAX_D:

@@ -115,9 +115,10 @@ class KVArena(KVCache):
         # path rotates q once and un-rotates the attention output once, never the cache.
         signs = random_signs(head_dim, kv.rotation.seed) if kv.rotation.seed is not None else None
         rmat = rotation_matrix(head_dim, signs).to(device)                # (D, D) orthogonal
+        # (a codec that assumes rotated rows, codebook.py's, rotates its role in any case)
         rots = kv.rotation.layers(n_layers)
-        self.rot_k = [rmat if "k" in r else None for r in rots]
-        self.rot_v = [rmat if "v" in r else None for r in rots]
+        self.rot_k = [rmat if "k" in r or c.needs_rotation else None for r, c in zip(rots, self.k_codecs)]
+        self.rot_v = [rmat if "v" in r or c.needs_rotation else None for r, c in zip(rots, self.v_codecs)]
         self.n_tail = [0] * n_layers          # flushed tokens per layer (multiple of G)
         self.n_win = [0] * n_layers           # window tokens per layer
         self.seq_len = 0

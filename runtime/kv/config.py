@@ -269,6 +269,10 @@ class KVConfig:
         fams = {method_family(m)[0] for m in self.methods()}
         if fams & {"kivi", "gear-l", "gear"} and D % self.v_group:
             raise KvrunError(f"V group {self.v_group} does not divide the head dim {D}")
+        if "cb" in fams and D % 32:
+            cb = sorted(m for m in self.methods() if method_family(m)[0] == "cb")
+            raise KvrunError(f"{cb[0]} needs a head dim that is a multiple of 32 (its codes are "
+                             f"packed in groups of 32 channels), got {D}")
         if fams & {"gear-l", "gear"} and self.rank >= D:
             raise KvrunError(f"GEAR rank {self.rank} must be smaller than the head dim {D}")
         if fams & {"gear"} and D > 256:

@@ -1,0 +1,427 @@
+/* Codebook codecs (cb-2, cb-3, cb-4; kvrun.kernels.codecs.codebook), native CPU kernel:
+ * decode attention reading the packed codes in place.
+ *
+ * kvrun_cb_attention: attention of R query rows per KV head (GQA group x T new tokens,
+ * rows ordered (g, t)) over [codebook tail, full-precision window, new tokens], when K and
+ * V are both codebook codecs. The same phases as decode_attention.c:
+ *   phase 0  (arena step, optional) rotate q / new K / new V (the codecs store rotated
+ *            rows), round the new rows to the window dtype, write them to the window slots;
+ *   phase 1  logits per token split: a K tile of 32 tokens is D packed groups, one per
+ *            channel; a group's 32 codes are decoded to their levels (AVX-512: two
+ *            16-entry table permutes, vpermps, per group; else a table read into a (D, 32)
+ *            tile in L1), multiplied with the rows and scaled per token afterwards:
+ *            q.k_t = scale_t (q . level[c_t]);
+ *   phase 2  causal mask over the new tokens, one exact softmax per row, optional mass;
+ *   phase 3  p.V per split: each token's D/32 groups decoded to levels and accumulated
+ *            with weight p_t scale_t (AVX-512: 64 channels x 4 rows of accumulators held
+ *            in registers over a run of tokens); partial outputs summed; the output is
+ *            un-rotated by phase 0's V rotation.
+ * Layouts (cbpack.py): K codes (Hkv, S/32, D, 4 bits) — tile, channel; V codes (Hkv, S,
+ * D/32, 4 bits) — token, channel group; scale (Hkv, S) fp16. A group of 32 codes: 4 bits
+ * byte i = c_i | c_{i+16} << 4; 2 bits byte i = c_i | c_{i+8} << 2 | c_{i+16} << 4 |
+ * c_{i+24} << 6; 3 bits = the 2-bit group of the low bits, then the high bits as one
+ * little-endian 32-bit word (bit j: code j).
+ *
+ * The flush that writes these layouts: codebook_pack.c.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "codec_layout.h"
+#include "math_inline.h"
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { CB_FP16 = 0, CB_BF16 = 1, CB_FP32 = 2 };
+enum { CT = 32, CB_CHUNK = 8 };    /* tokens per tile; tiles per head-interleaved chunk */
+
+/* One codebook codec's storage for one layer (native/codebook.py `describe`). */
+typedef struct {
+    int32_t bits;
+    const uint8_t *codes; int64_t cs[3];   /* K: h, tile, channel; V: h, token, group */
+    const f16 *scale; int64_t ss[2];       /* (Hkv, S): h, t */
+    float lv[16];                          /* the 2^bits levels */
+} CbCodec;
+
+typedef struct {
+    int32_t Hkv, R, D, Tq, t0, n_tail, W, Tn, wdtype, ndtype, qdtype, mass_lo, Gq, nthreads;
+    const void *qin; int64_t qs[2];        /* queries (H, Tq, D) in qdtype: h, t */
+    float *q;                              /* scratch (Hkv, R, D) */
+    const void *kw, *vw; int64_t kws[2], vws[2];   /* window (Hkv, W, D) in wdtype */
+    const void *kn, *vn; int64_t kns[2], vns[2];   /* new tokens (Hkv, Tn, D) in ndtype */
+    float *out;                            /* (Hkv, R, D) */
+    float *sc;                             /* scratch (Hkv, R, N) */
+    float *part;                           /* scratch (nsplit, Hkv, R, D) */
+    float *mass; int64_t mass_stride;      /* NULL or (Hkv*Gq, N) */
+    const CbCodec *kc, *vc;
+    const float *rk, *rv;                  /* fused append: (D, D) rotations or NULL */
+    void *kdst, *vdst; int64_t kds[2], vds[2];
+} CbArgs;
+
+/* -- rows of the window and the new tokens ---------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
+    return v.f;
+}
+
+static void row_load(const void *base, int64_t off, int kind, int D, float *restrict o) {
+    if (kind == CB_FP16) {
+        const f16 *p = (const f16 *)base + off;
+        int d = 0;
+#if defined(__F16C__)
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
+#endif
+        for (; d < D; d++) o[d] = (float)p[d];
+    } else if (kind == CB_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int d = 0; d < D; d++) o[d] = bf16_to_f32(p[d]);
+    } else {
+        memcpy(o, (const float *)base + off, sizeof(float) * D);
+    }
+}
+
+static void row_store(void *base, int64_t off, int kind, int D, const float *restrict x) {
+    if (kind == CB_FP16) {
+        f16 *p = (f16 *)base + off;
+        for (int d = 0; d < D; d++) p[d] = (f16)x[d];
+    } else if (kind == CB_BF16) {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int d = 0; d < D; d++) {
+            union { float f; uint32_t u; } v = { x[d] };
+            p[d] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+        }
+    } else {
+        memcpy((float *)base + off, x, sizeof(float) * D);
+    }
+}
+
+/* x = x @ M, M (D, D) row-major */
+static void row_rotate(float *restrict x, const float *restrict M, int D) {
+    float y[MAXD] = {0};
+    for (int e = 0; e < D; e++) {
+        float xe = x[e];
+        const float *m = M + (int64_t)e * D;
+        for (int d = 0; d < D; d++) y[d] += xe * m[d];
+    }
+    memcpy(x, y, sizeof(float) * D);
+}
+
+/* -- a packed group of 32 codes -------------------------------------------------------------- */
+
+static inline int group_code(const uint8_t *g, int bits, int j) {
+    if (bits == 4) return j < 16 ? g[j] & 15 : g[j - 16] >> 4;
+    int c = (g[j & 7] >> (2 * (j >> 3))) & 3;
+    if (bits == 3) c |= ((g[8 + (j >> 3)] >> (j & 7)) & 1) << 2;
+    return c;
+}
+
+/* the 32 levels of a group, o[j * stride] */
+static inline void group_levels(const uint8_t *g, int bits, const float *lv, float *o, int stride) {
+    for (int j = 0; j < CT; j++) o[j * stride] = lv[group_code(g, bits, j)];
+}
+
+static inline void f16x32(const f16 *s, int64_t st, float *o) {
+    for (int j = 0; j < CT; j++) o[j] = (float)s[j * st];
+}
+
+#if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
+#define CB_FAST 1
+/* a group's 32 levels as two registers (codes 0-15, 16-31): shifts, masks, a permute */
+static inline __attribute__((always_inline)) void group_dec(const uint8_t *g, int bits, __m512 lut,
+                                                            __m512 *c0, __m512 *c1) {
+    if (bits == 4) {
+        __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)g));
+        *c0 = _mm512_permutexvar_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)), lut);
+        *c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut);
+        return;
+    }
+    __m128i b8 = _mm_loadl_epi64((const __m128i *)g);
+    __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));      /* bytes 0-7 twice */
+    const __m512i s01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i s23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i three = _mm512_set1_epi32(3);
+    __m512i i0 = _mm512_and_si512(_mm512_srlv_epi32(w, s01), three);
+    __m512i i1 = _mm512_and_si512(_mm512_srlv_epi32(w, s23), three);
+    if (bits == 3) {                                   /* the high bits are the masks */
+        uint32_t hw;
+        memcpy(&hw, g + 8, 4);
+        const __m512i four = _mm512_set1_epi32(4);
+        i0 = _mm512_mask_or_epi32(i0, (__mmask16)(hw & 0xFFFF), i0, four);
+        i1 = _mm512_mask_or_epi32(i1, (__mmask16)(hw >> 16), i1, four);
+    }
+    *c0 = _mm512_permutexvar_ps(i0, lut);
+    *c1 = _mm512_permutexvar_ps(i1, lut);
+}
+
+/* sc[i * N + j] = scale_j * sum_d q[i * D + d] level(d, j), j < 32, i < NR: one K tile */
+static inline __attribute__((always_inline)) void ktile_rows(const CbCodec *c, const uint8_t *tile,
+        const float *q, int D, __m512 lut, __m512 s0, __m512 s1, float *sc, int64_t N, const int NR) {
+    __m512 a[8][2];
+    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m512 c0, c1;
+        group_dec(tile + d * c->cs[2], c->bits, lut, &c0, &c1);
+        for (int i = 0; i < NR; i++) {
+            __m512 qb = _mm512_set1_ps(q[i * D + d]);
+            a[i][0] = _mm512_fmadd_ps(qb, c0, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(qb, c1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        _mm512_storeu_ps(sc + i * N, _mm512_mul_ps(a[i][0], s0));
+        _mm512_storeu_ps(sc + i * N + 16, _mm512_mul_ps(a[i][1], s1));
+    }
+}
+
+static void k_tile_scores(const CbCodec *c, int h, int64_t t0, const float *q, int R, int D,
+                          float *sc, int64_t N) {
+    const uint8_t *tile = c->codes + h * c->cs[0] + (t0 / CT) * c->cs[1];
+    __m512 lut = _mm512_loadu_ps(c->lv);
+    const f16 *s = c->scale + h * c->ss[0] + t0 * c->ss[1];
+    float sf[CT];
+    f16x32(s, c->ss[1], sf);
+    __m512 s0 = _mm512_loadu_ps(sf), s1 = _mm512_loadu_ps(sf + 16);
+    int r0 = 0;
+    for (; r0 + 8 <= R; r0 += 8) ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 8);
+    switch (R - r0) {
+    case 7: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 7); break;
+    case 6: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 6); break;
+    case 5: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 5); break;
+    case 4: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 4); break;
+    case 3: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 3); break;
+    case 2: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 2); break;
+    case 1: ktile_rows(c, tile, q + r0 * D, D, lut, s0, s1, sc + r0 * N, N, 1); break;
+    default: break;
+    }
+}
+
+/* acc[i * D + cb0 .. + 32 * ng] += sum_t p[i * N + t] scale_t level(t, channel), tokens
+ * [t0, t1), rows i < NR, ng (1 or 2) channel groups from group g0: the accumulators stay
+ * in registers over the whole run of tokens */
+static inline __attribute__((always_inline)) void vmix_rows(const CbCodec *c, int h, int64_t t0,
+        int64_t t1, const float *p, int64_t N, int D, int g0, int ng, __m512 lut, float *acc,
+        const int NR) {
+    __m512 a[4][4];
+    for (int i = 0; i < NR; i++)
+        for (int k = 0; k < 2 * ng; k++) a[i][k] = _mm512_loadu_ps(acc + i * D + g0 * CT + 16 * k);
+    const uint8_t *base = c->codes + h * c->cs[0] + g0 * c->cs[2];
+    const f16 *sp = c->scale + h * c->ss[0];
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *row = base + t * c->cs[1];
+        float s = (float)sp[t * c->ss[1]];
+        __m512 v[4];
+        group_dec(row, c->bits, lut, &v[0], &v[1]);
+        if (ng == 2) group_dec(row + c->cs[2], c->bits, lut, &v[2], &v[3]);
+        for (int i = 0; i < NR; i++) {
+            __m512 w = _mm512_set1_ps(p[i * N + t] * s);
+            for (int k = 0; k < 2 * ng; k++) a[i][k] = _mm512_fmadd_ps(w, v[k], a[i][k]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int k = 0; k < 2 * ng; k++) _mm512_storeu_ps(acc + i * D + g0 * CT + 16 * k, a[i][k]);
+}
+
+static void v_mix(const CbCodec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                  int R, int D, float *acc) {
+    __m512 lut = _mm512_loadu_ps(c->lv);
+    for (int g0 = 0; g0 < D / CT; g0 += 2) {
+        int ng = D / CT - g0 >= 2 ? 2 : 1;
+        int r0 = 0;
+        for (; r0 + 4 <= R; r0 += 4)
+            vmix_rows(c, h, t0, t1, p + r0 * N, N, D, g0, ng, lut, acc + r0 * D, 4);
+        switch (R - r0) {
+        case 3: vmix_rows(c, h, t0, t1, p + r0 * N, N, D, g0, ng, lut, acc + r0 * D, 3); break;
+        case 2: vmix_rows(c, h, t0, t1, p + r0 * N, N, D, g0, ng, lut, acc + r0 * D, 2); break;
+        case 1: vmix_rows(c, h, t0, t1, p + r0 * N, N, D, g0, ng, lut, acc + r0 * D, 1); break;
+        default: break;
+        }
+    }
+}
+#else
+#define CB_FAST 0
+/* portable: a K tile's levels into kt[D][32] (L1), one GEMM-like pass per row */
+static void k_tile_scores(const CbCodec *c, int h, int64_t t0, const float *q, int R, int D,
+                          float *sc, int64_t N) {
+    const uint8_t *tile = c->codes + h * c->cs[0] + (t0 / CT) * c->cs[1];
+    float kt[MAXD * CT], sf[CT];
+    for (int d = 0; d < D; d++) group_levels(tile + d * c->cs[2], c->bits, c->lv, kt + d * CT, 1);
+    f16x32(c->scale + h * c->ss[0] + t0 * c->ss[1], c->ss[1], sf);
+    for (int r = 0; r < R; r++) {
+        float acc[CT] = {0};
+        for (int d = 0; d < D; d++) {
+            float qd = q[r * D + d];
+            for (int j = 0; j < CT; j++) acc[j] += qd * kt[d * CT + j];
+        }
+        for (int j = 0; j < CT; j++) sc[r * N + j] = acc[j] * sf[j];
+    }
+}
+
+/* portable: each token's row of levels, accumulated with weight p_t scale_t */
+static void v_mix(const CbCodec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                  int R, int D, float *acc) {
+    float row[MAXD];
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *g = c->codes + h * c->cs[0] + t * c->cs[1];
+        for (int k = 0; k < D / CT; k++) group_levels(g + k * c->cs[2], c->bits, c->lv, row + k * CT, 1);
+        float s = (float)c->scale[h * c->ss[0] + t * c->ss[1]];
+        for (int r = 0; r < R; r++) {
+            float w = p[r * N + t] * s;
+            float *o = acc + r * D;
+            for (int d = 0; d < D; d++) o[d] += w * row[d];
+        }
+    }
+}
+#endif
+
+/* -- the op ---------------------------------------------------------------------------------- */
+
+static void rows_scores(const void *base, const int64_t *st, int kind, int h, int64_t n0, int64_t n1,
+                        int64_t col0, const float *q, int R, int D, float *sc, int64_t N) {
+    float row[MAXD];
+    for (int64_t t = n0; t < n1; t++) {
+        row_load(base, h * st[0] + t * st[1], kind, D, row);
+        for (int r = 0; r < R; r++) sc[r * N + col0 + t] = dot(q + r * D, row, D);
+    }
+}
+
+int kvrun_cb_attention(const CbArgs *a) {
+    const int Hkv = a->Hkv, R = a->R, D = a->D;
+    const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn;
+    if (D > MAXD || D % CT || nt % CT) return 1;
+    if (nt && (a->kc->bits < 2 || a->kc->bits > 4 || a->vc->bits < 2 || a->vc->bits > 4)) return 2;
+    const int nsplit = a->nthreads < 1 ? 1 : a->nthreads;
+    const int64_t ntile = nt / CT;
+    const float scale = 1.f / sqrtf((float)D);
+    for (int hq = 0; hq < Hkv * a->Gq; hq++)                 /* rows of head h: (g, t) */
+        for (int t = 0; t < a->Tq; t++) {
+            float *dst = a->q + ((int64_t)hq * a->Tq + t) * D;
+            row_load(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
+            if (a->kdst && a->rk) row_rotate(dst, a->rk, D);
+            for (int d = 0; d < D; d++) dst[d] *= scale;
+        }
+    const void *kn = a->kn, *vn = a->vn;
+    const int64_t *kns = a->kns, *vns = a->vns;
+    int ndt = a->ndtype;
+    if (a->kdst) {                                           /* fused window append */
+        float row[MAXD];
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t t = 0; t < Tn; t++) {
+                row_load(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
+                if (a->rk) row_rotate(row, a->rk, D);
+                row_store(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
+                row_load(a->vn, h * a->vns[0] + t * a->vns[1], a->ndtype, D, row);
+                if (a->rv) row_rotate(row, a->rv, D);
+                row_store(a->vdst, h * a->vds[0] + t * a->vds[1], a->wdtype, D, row);
+            }
+        kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
+    }
+
+#pragma omp parallel num_threads(a->nthreads)
+    {
+        /* phase 1: logits, per token split, chunks of tiles with the heads innermost */
+#pragma omp for schedule(static)
+        for (int sp = 0; sp < nsplit; sp++) {
+            int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
+            for (int64_t c0 = a0; c0 < a1; c0 += CB_CHUNK) {
+                int64_t c1 = c0 + CB_CHUNK < a1 ? c0 + CB_CHUNK : a1;
+                for (int h = 0; h < Hkv; h++)
+                    for (int64_t ti = c0; ti < c1; ti++)
+                        k_tile_scores(a->kc, h, ti * CT, a->q + (int64_t)h * R * D, R, D,
+                                      a->sc + (int64_t)h * R * N + ti * CT, N);
+            }
+            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
+            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
+            for (int h = 0; h < Hkv; h++) {
+                const float *q = a->q + (int64_t)h * R * D;
+                float *sc = a->sc + (int64_t)h * R * N;
+                rows_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
+                rows_scores(kn, kns, ndt, h, u0, u1, nt + W, q, R, D, sc, N);
+            }
+        }
+        /* phase 2: causal mask over the new tokens, one exact softmax per row, mass */
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < Hkv * R; hr++) {
+            float *s = a->sc + (int64_t)hr * N;
+            int r = hr % R, t = r % a->Tq;                   /* rows ordered (g, t) */
+            int64_t vis = nt + W + a->t0 + t + 1;            /* keys this query sees */
+            if (vis > N) vis = N;
+            float m = -INFINITY;
+            for (int64_t n = 0; n < vis; n++) m = s[n] > m ? s[n] : m;
+            float den = 0.f;
+            for (int64_t n = 0; n < vis; n++) { float e = exp_neg(s[n] - m); s[n] = e; den += e; }
+            for (int64_t n = vis; n < N; n++) s[n] = 0.f;
+            float inv = 1.f / den;
+            for (int64_t n = 0; n < vis; n++) s[n] *= inv;
+        }
+        if (a->mass) {
+#pragma omp for schedule(static)
+            for (int hq = 0; hq < Hkv * a->Gq; hq++) {       /* query head = kv * Gq + g */
+                int h = hq / a->Gq, g = hq % a->Gq;
+                float *m = a->mass + (int64_t)hq * a->mass_stride;
+                for (int t = 0; t < a->Tq; t++) {
+                    if (a->t0 + t < a->mass_lo) continue;
+                    const float *s = a->sc + ((int64_t)h * R + g * a->Tq + t) * N;
+                    for (int64_t n = 0; n < N; n++) m[n] += s[n];
+                }
+            }
+        }
+        /* phase 3: p.V into per-split partial outputs, the same chunk order as phase 1 */
+#pragma omp for schedule(static)
+        for (int sp = 0; sp < nsplit; sp++) {
+            float *part = a->part + (int64_t)sp * Hkv * R * D;
+            memset(part, 0, sizeof(float) * Hkv * R * D);
+            int64_t b0 = ntile * sp / nsplit * CT, b1 = ntile * (sp + 1) / nsplit * CT;
+            for (int64_t c0 = b0; c0 < b1; c0 += CB_CHUNK * CT) {
+                int64_t c1 = c0 + CB_CHUNK * CT < b1 ? c0 + CB_CHUNK * CT : b1;
+                for (int h = 0; h < Hkv; h++)
+                    v_mix(a->vc, h, c0, c1, a->sc + (int64_t)h * R * N, N, R, D,
+                          part + (int64_t)h * R * D);
+            }
+            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
+            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
+            float row[MAXD];
+            for (int h = 0; h < Hkv; h++) {
+                const float *p = a->sc + (int64_t)h * R * N;
+                float *acc = part + (int64_t)h * R * D;
+                for (int64_t t = w0; t < w1; t++) {
+                    row_load(a->vw, h * a->vws[0] + t * a->vws[1], a->wdtype, D, row);
+                    for (int r = 0; r < R; r++) {
+                        float w = p[r * N + nt + t];
+                        for (int d = 0; d < D; d++) acc[r * D + d] += w * row[d];
+                    }
+                }
+                for (int64_t t = u0; t < u1; t++) {
+                    row_load(vn, h * vns[0] + t * vns[1], ndt, D, row);
+                    for (int r = 0; r < R; r++) {
+                        float w = p[r * N + nt + W + t];
+                        for (int d = 0; d < D; d++) acc[r * D + d] += w * row[d];
+                    }
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < Hkv * R; hr++) {
+            float *o = a->out + (int64_t)hr * D;
+            for (int d = 0; d < D; d++) o[d] = 0.f;
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float *pp = a->part + ((int64_t)sp * Hkv * R + hr) * D;
+                for (int d = 0; d < D; d++) o[d] += pp[d];
+            }
+        }
+    }
+    if (a->kdst && a->rv) {                                  /* o = o' R_v^T */
+        float y[MAXD];
+        for (int64_t i = 0; i < (int64_t)Hkv * R; i++) {
+            float *o = a->out + i * D;
+            for (int d = 0; d < D; d++) y[d] = dot(o, a->rv + (int64_t)d * D, D);
+            memcpy(o, y, sizeof(float) * D);
+        }
+    }
+    return 0;
+}

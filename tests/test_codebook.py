@@ -1,0 +1,214 @@
+"""The codebook codecs (cb-2/3/4): their Lloyd-Max levels, the packed group layout, the
+torch codec (the oracle) against explicit dequantization, and the native kernels
+(codebook_attention.c) against it — the flush byte for byte, the attention to fp32
+rounding — for odd head counts, GQA ratios, tails, windows and chunks, with and without
+AVX-512, plus the arena's implied rotation and the `--kv` names."""
+import ctypes
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from attention_cases import attention_case, dequantized_reference
+from kvrun.errors import KvrunError
+from kvrun.kernels import cbpack, dispatch, native
+from kvrun.kernels.codecs import make_codec, method_family
+from kvrun.kernels.decode_attention import decode_attention as torch_attention
+from kvrun.kernels.hadamard import rotation_matrix
+from kvrun.kernels.native import codebook as ncb
+from kvrun.kv.config import parse_kv
+
+BITS = (2, 3, 4)
+has_native = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.error()}")
+
+
+# -- levels and layout --------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,mse", [(2, 0.1175), (3, 0.03454), (4, 0.009497)])
+def test_levels_are_the_gaussian_lloyd_max_quantizer_at_large_D(bits, mse):
+    """As D grows the coordinate density tends to N(0, 1): the levels' distortion is the
+    known Lloyd-Max value (Max 1960) for a standard normal."""
+    lv, bd = cbpack.levels(bits, 4096)
+    assert lv.shape == (1 << bits,) and bd.shape == ((1 << bits) - 1,)
+    assert torch.all(lv[1:] > lv[:-1]) and torch.equal(lv, -lv.flip(0))
+    assert_close(bd, (lv[1:] + lv[:-1]) / 2)
+    u = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
+    got = ((u - lv[torch.bucketize(u, bd)]) ** 2).mean().item()
+    assert abs(got - mse) < 0.02 * mse
+
+
+def test_levels_follow_the_head_dim():
+    """A small D has lighter tails than the Gaussian: its outer level sits further in."""
+    assert cbpack.levels(4, 64)[0][-1] < cbpack.levels(4, 256)[0][-1] < cbpack.levels(4, 4096)[0][-1]
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_group_round_trip_and_layout(bits):
+    c = torch.randint(0, 1 << bits, (3, 5, 32))
+    b = cbpack.pack_groups(c, bits)
+    assert b.shape == (3, 5, 4 * bits) and b.dtype == torch.uint8
+    assert torch.equal(cbpack.unpack_groups(b, bits), c)
+    one = torch.zeros(32, dtype=torch.long)
+    one[17] = (1 << bits) - 1                              # code 17 set to all ones
+    got = cbpack.pack_groups(one, bits).tolist()
+    want = {4: {1: 0xF0}, 2: {1: 3 << 4}, 3: {1: 3 << 4, 10: 1 << 1}}[bits]
+    assert got == [want.get(i, 0) for i in range(4 * bits)]
+
+
+# -- the torch codec ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("role", ["k", "v"])
+def test_pack_reconstructs_and_keeps_the_projection(bits, role):
+    torch.manual_seed(bits)
+    c = make_codec(f"cb-{bits}", role, 32)
+    Hkv, n, D = 3, 96, 64
+    st = c.alloc(Hkv, D, 128)
+    x = torch.randn(Hkv, n, D) * torch.rand(Hkv, n, 1) * 4
+    x[1, 5] = 0                                            # a zero row stays zero
+    rec = c.pack(st, x, 32)
+    assert_close(c.dequant(st, 32, 32 + n), rec)
+    assert torch.all(rec[1, 5] == 0)
+    # x̂·x = |x|² up to the fp16 scale
+    assert_close((rec * x).sum(-1), (x * x).sum(-1), rtol=2e-3, atol=1e-4)
+    err = ((rec - x) ** 2).sum() / (x * x).sum()
+    assert err < {2: 0.15, 3: 0.045, 4: 0.013}[bits]
+    assert torch.all(st["scale"][:, :32] == 0) and torch.all(st["codes"][:, :1] == 0)
+
+
+@pytest.mark.parametrize("kv", ["cb-4", "cb-2/cb-3", "cb-3/cb-4"])
+@pytest.mark.parametrize("geom", [(2, 3, 64, 160, 35, 1), (1, 4, 256, 64, 0, 3), (3, 1, 96, 96, 7, 1)])
+def test_torch_read_path_matches_dequantized_reference(kv, geom):
+    km, _, vm = kv.partition("/")
+    args = attention_case(km, vm or km, *geom)
+    q, kt, vt, kw, vw, kn, vn = args
+    out = torch_attention(q, kt, vt, geom[3], kw, vw, kn, vn)
+    assert_close(out, dequantized_reference(q, kt, vt, geom[3], kw, vw, kn, vn), atol=2e-5, rtol=1e-4)
+
+
+# -- the native kernels ---------------------------------------------------------------------------
+@has_native
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("role", ["k", "v"])
+@pytest.mark.parametrize("Hkv,D,n,s0", [(3, 64, 96, 32), (1, 256, 64, 0), (5, 96, 32, 64)])
+def test_native_pack_bit_identical(bits, role, Hkv, D, n, s0):
+    torch.manual_seed(D + n)
+    c = make_codec(f"cb-{bits}", role, 32)
+    a, b = c.alloc(Hkv, D, s0 + n + 32), c.alloc(Hkv, D, s0 + n + 32)
+    x = torch.randn(Hkv, n, D) * torch.rand(Hkv, n, 1) * 3 + torch.randn(D) * 0.5
+    x[0, 3] = 0
+    c.store(a, x, s0)
+    assert ncb.store(c, b, x, s0)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+GEOMS = [(2, 3, 64, 160, 35, 1), (1, 8, 64, 96, 33, 7), (3, 1, 128, 64, 0, 1),
+         (2, 3, 32, 64, 3, 2), (2, 3, 64, 0, 30, 1), (1, 4, 256, 480, 32, 70), (3, 3, 96, 224, 130, 1)]
+
+
+def _check_native(km, vm, geom, dtype=torch.float32):
+    Hkv, Gq, D, n_tail, W, T = geom
+    q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, n_tail, W, T, dtype=dtype)
+    out = ncb.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn)
+    assert out is not None and out.shape == q.shape and out.dtype == q.dtype
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert_close(out.float(), dequantized_reference(q, kt, vt, n_tail, kw, vw, kn, vn), **tol)
+
+
+@has_native
+@pytest.mark.parametrize("kv", ["cb-2", "cb-3", "cb-4", "cb-4/cb-3", "cb-2/cb-4"])
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "-".join(map(str, g)))
+def test_native_attention_matches_dequantized_reference(kv, geom):
+    km, _, vm = kv.partition("/")
+    _check_native(km, vm or km, geom)
+
+
+@has_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_half_inputs(dtype):
+    _check_native("cb-3", "cb-3", GEOMS[0], dtype)
+
+
+@has_native
+def test_native_mass_matches_torch():
+    Hkv, Gq, D, n_tail, W, T = 2, 3, 64, 96, 20, 5
+    q, kt, vt, kw, vw, kn, vn = attention_case("cb-4", "cb-2", Hkv, Gq, D, n_tail, W, T)
+    N = n_tail + W + T
+    m1, m2 = torch.zeros(Hkv * Gq, N), torch.zeros(Hkv * Gq, N)
+    ncb.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m1, mass_from=2)
+    torch_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m2, mass_from=2)
+    assert m1.abs().sum() > 0
+    assert_close(m1, m2, atol=1e-5, rtol=1e-4)
+
+
+@has_native
+@pytest.mark.parametrize("T", [1, 3])
+def test_native_fused_append_equals_the_steps(T):
+    """attend_append (rotate + round + window write + attention in one call) equals the
+    steps one by one: rotate, round to fp16, attend, un-rotate."""
+    Hkv, Gq, D, n_tail, W = 2, 3, 64, 64, 10
+    q, kt, vt, kw, vw, kn, vn = attention_case("cb-3", "cb-4", Hkv, Gq, D, n_tail, W, T)
+    r = rotation_matrix(D, torch.randint(0, 2, (D,)).float() * 2 - 1)
+    kd, vd = torch.zeros(Hkv, T, D, dtype=torch.float16), torch.zeros(Hkv, T, D, dtype=torch.float16)
+    out = ncb.attend_append(q, kt, vt, n_tail, kw, vw, kn, vn, kd, vd, r, r)
+    assert_close(kd, (kn[0] @ r).half())
+    assert_close(vd, (vn[0] @ r).half())
+    ref = torch_attention(q @ r, kt, vt, n_tail, kw, vw, kd[None], vd[None]) @ r.T
+    assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@has_native
+def test_mixed_pairs_are_not_covered_and_fall_back():
+    """A cb codec beside another kind has no native kernel: the op runs on torch."""
+    args = attention_case("cb-4", "kivi-4", 2, 3, 64, 64, 5, 1)
+    assert ncb.decode_attention(args[0], *args[1:3], 64, *args[3:]) is None
+    out = dispatch.decode_attention(args[0], *args[1:3], 64, *args[3:], backend="native")
+    assert torch.equal(out, torch_attention(args[0], *args[1:3], 64, *args[3:]))
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    """The kernel built without its AVX-512 paths (table reads into an L1 tile)."""
+    lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
+    lib.kvrun_cb_attention.restype = ctypes.c_int
+    monkeypatch.setattr(ncb, "load", lambda: lib)
+
+
+@has_native
+@pytest.mark.parametrize("kv", ["cb-2", "cb-3/cb-4"])
+def test_portable_path_matches_dequantized_reference(portable, kv):
+    km, _, vm = kv.partition("/")
+    for geom in GEOMS[:3] + GEOMS[5:]:
+        _check_native(km, vm or km, geom)
+
+
+# -- names, configuration, the arena --------------------------------------------------------------
+def test_names_parse_and_pair():
+    assert method_family("cb-3") == ("cb", 3)
+    kv = parse_kv("cb-4/cb-3@64")
+    assert (kv.k_method, kv.v_method, kv.group) == ("cb-4", "cb-3", 64)
+    with pytest.raises(KvrunError, match="cb-5"):
+        parse_kv("cb-5")
+    with pytest.raises(KvrunError, match="multiple of 32"):
+        parse_kv("cb-4").check_model(80, 2)
+
+
+def test_arena_rotates_codebook_roles_only():
+    """cb stores rotated rows whatever --kv's +rot says; the other codec's role is left."""
+    from kvrun.kv import build_cache
+    from tiny import tiny_config
+    c = build_cache(tiny_config(num_layers=2, num_heads=6, num_kv_heads=2, hidden_size=384,
+                                max_position=1024), 256, parse_kv("kivi-4/cb-3"))
+    assert c.rot_k == [None, None] and all(r is not None for r in c.rot_v)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_repacking_a_reconstruction_gives_the_same_bytes(bits):
+    """Token eviction re-packs dequantized rows: the codes and scales must come back (the
+    levels are fixed points of the quantizer at any scale near the row's own)."""
+    torch.manual_seed(0)
+    c = make_codec(f"cb-{bits}", "k", 32)
+    a, b = c.alloc(3, 64, 64), c.alloc(3, 64, 64)
+    c.store(a, torch.randn(3, 64, 64) * 3, 0)
+    c.store(b, c.dequant(a, 0, 64), 0)
+    assert torch.equal(a["codes"], b["codes"])
+    assert_close(b["scale"].float(), a["scale"].float(), rtol=1e-3, atol=0)

@@ -164,9 +164,7 @@ class KVArena(KVCache):
                 return o
         # fits: the fused op (evicting layers not rotated: their rows stay torch's rotation)
         if w + T <= self.win_k.shape[2] and (self.ev is None or rk is None and rv is None):
-            o = attend_append(q, (self.k_codecs[layer], self.k_store[layer]),
-                              (self.v_codecs[layer], self.v_store[layer]), nt,
-                              self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
+            o = attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                               k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
                               rk, rv, backend=self.backend, mass=mass, mass_from=mass_from)
             if o is not None:
@@ -177,9 +175,7 @@ class KVArena(KVCache):
                 return o
         q, k, v = rotate_step(q, k, v, rk, rv)    # q·k = (qR)·(kR), P·V = (P·(VR))·Rᵀ
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
-        o = decode_attention(q, (self.k_codecs[layer], self.k_store[layer]),
-                             (self.v_codecs[layer], self.v_store[layer]), nt,
-                             self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
+        o = decode_attention(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
                              backend=self.backend)
         if self.ev:

@@ -188,3 +188,47 @@ def test_evicting_cache_cannot_be_saved(tmp_path):
     with pytest.raises(KvrunError, match="eviction"):
         m.save(tmp_path / "e.kvs")
     assert not (tmp_path / "e.kvs").exists()
+
+
+# -- kvrun chat --session --------------------------------------------------------------------------
+
+def _chat(args, text):
+    from click.testing import CliRunner
+    from kvrun.cli.main import main
+    return CliRunner().invoke(main, ["chat", "--temp", "0", "-n", "12", *args], input=text)
+
+
+def test_chat_session_survives_a_restart(tiny_dir, tmp_path):
+    f = str(tmp_path / "chat.kvs")
+    base = ["-m", str(tiny_dir), "-c", "256", "--kv", "fp16"]
+    one = _chat([*base, "--session", f], "hello there\n")
+    two = _chat([*base, "--session", f], "and again\n")
+    both = _chat(base, "hello there\nand again\n")
+    assert one.exit_code == two.exit_code == both.exit_code == 0, one.stderr + two.stderr
+    assert "tokens restored" in two.stderr and "tokens restored" not in one.stderr
+    assert one.stdout + two.stdout == both.stdout
+    # the restored turn prefilled only its own tokens, as the second turn of one process did
+    assert two.stderr.split("new prompt tok")[0].split("[")[-1] == \
+        both.stderr.split("new prompt tok")[1].split("[")[-1]
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda p: p.write_bytes(b"KVRUNSES" + (1).to_bytes(4, "little") + (99).to_bytes(8, "little")),
+     "truncated"),
+    (lambda p: p.write_bytes(b"KVRUNSES" + b"\0" * 40), "format version 0"),
+    (lambda p: p.write_text("hello"), "not a kvrun session"),
+    (lambda p: p.mkdir(), "is a directory"),
+])
+def test_chat_session_bad_file_is_one_error_line(tiny_dir, tmp_path, make, fragment):
+    f = tmp_path / "bad.kvs"
+    make(f)
+    r = _chat(["-m", str(tiny_dir), "-c", "256", "--session", str(f)], "hi\n")
+    assert r.exit_code != 0 and "Traceback" not in r.output + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in r.stderr
+
+
+def test_chat_session_other_kv_is_one_error_line(tiny_dir, tmp_path):
+    f = str(tmp_path / "s.kvs")
+    assert _chat(["-m", str(tiny_dir), "-c", "256", "--session", f], "hi\n").exit_code == 0
+    r = _chat(["-m", str(tiny_dir), "-c", "256", "--kv", "int8", "--session", f], "hi\n")
+    assert r.exit_code != 0 and "saved with --kv 'fp16'" in r.stderr.strip().splitlines()[-1]

@@ -70,13 +70,19 @@ class Sequence:
     the k best alternatives, except a stop token's (EOS is not part of the text). With
     `prompt_logprobs` = k, the prefill keeps every row's logits and `prompt_logprobs` holds
     one TokenLogprob per prompt token (the first one's logprob is None), complete before
-    the first event."""
+    the first event. A prefix cache (runtime/engine/prefix_cache.py) hooks in twice:
+    `resume(engine)` fills the new engine from a cached state and returns how many prompt
+    ids need no prefill (not with `prompt_logprobs`: every row is scored); `checkpoint(engine)`
+    is called when the prefill reaches the prompt's last chunk boundary in a fresh
+    prefill's state."""
 
     def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int], stop=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  on_event: Callable[[StreamEvent], None] | None = None,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None):
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 resume: Callable[[Engine], int] | None = None,
+                 checkpoint: Callable[[Engine], None] | None = None):
         if max_tokens < 0:
             raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
         for k in (logprobs, prompt_logprobs):
@@ -88,6 +94,12 @@ class Sequence:
             self.prompt_logprobs = [TokenLogprob(prompt[0], None, None)]
         self.engine = Engine(model, tokenizer, cache, prefill_chunk)
         self.prompt, self.max_tokens, self.params = list(prompt), max_tokens, params
+        self.start = resume(self.engine) if resume is not None and prompt_logprobs is None else 0
+        # the last multiple of the chunk before the prompt's last id, reached as a fresh
+        # prefill reaches it when the prefill starts in that state
+        self._boundary = (len(prompt) - 1) // prefill_chunk * prefill_chunk if prompt else 0
+        self._checkpoint = (checkpoint if self.engine.canon == len(self.engine.cached) < self._boundary
+                            else None)
         self.stop_ids = stop_ids
         self.stops = StopStrings(check_stops(stop))
         self.on_event = on_event or (lambda ev: None)
@@ -95,7 +107,7 @@ class Sequence:
         self.history = list(prompt)
         self.timings = Timings()
         # checks the prompt's length
-        self.chunks = self.engine.prefill_chunks(self.prompt, rows=prompt_logprobs is not None)
+        self.chunks = self.engine.prefill_chunks(self.prompt[self.start:], rows=prompt_logprobs is not None)
         self.logits: torch.Tensor | None = None     # next-token logits (V,) once prefilled
         self.token: int | None = None               # the sampled token the next forward feeds
         self.tokens: list[int] = []                 # generated ids
@@ -132,9 +144,11 @@ class Sequence:
             self.prompt_logprobs += next_logprobs(logits, self.prompt[s + 1:end + 1], self._prompt_k)
             logits = logits[-1]
         self.timings.prompt_s += time.perf_counter() - t0
+        if self._checkpoint is not None and len(self.engine.cached) == self._boundary:
+            self._checkpoint(self.engine)
         if left <= 0:                                               # the prompt's last chunk
             self.logits = logits
-            self.timings.prompt_tokens = len(self.prompt)
+            self.timings.prompt_tokens = len(self.prompt) - self.start
             self._t0 = time.perf_counter()
             if self.max_tokens == 0:
                 self.finish("length")

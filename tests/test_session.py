@@ -19,6 +19,17 @@ from kvrun.errors import KvrunError
 GREEDY = SamplingParams(temp=0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_cap():
+    """One compute thread, fixed: the thread governor otherwise picks 1 or 2 per forward by
+    the machine's load, and torch's GEMMs sum in another order on another count, which can
+    flip a greedy near-tie between the two runs compared."""
+    from kvrun.threads import configure
+    configure(1)
+    yield
+    configure(None)
+
+
 def _run(m, ids, n, append=False):
     """Greedy ids; `append`: the prompt continues the cache as it stands (a chat's turn)."""
     t = Timings()

@@ -73,8 +73,8 @@ class Sequence:
     the first event. A prefix cache (runtime/engine/prefix_cache.py) hooks in twice:
     `resume(engine)` fills the new engine from a cached state and returns how many prompt
     ids need no prefill (not with `prompt_logprobs`: every row is scored); `checkpoint(engine)`
-    is called when the prefill reaches the prompt's last chunk boundary in a fresh
-    prefill's state."""
+    is called at each chunk boundary the prefill reaches, when the
+    prefill began in a fresh prefill's state (so each of those states is one too)."""
 
     def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int], stop=None,
@@ -95,11 +95,9 @@ class Sequence:
         self.engine = Engine(model, tokenizer, cache, prefill_chunk)
         self.prompt, self.max_tokens, self.params = list(prompt), max_tokens, params
         self.start = resume(self.engine) if resume is not None and prompt_logprobs is None else 0
-        # the last multiple of the chunk before the prompt's last id, reached as a fresh
-        # prefill reaches it when the prefill starts in that state
-        self._boundary = (len(prompt) - 1) // prefill_chunk * prefill_chunk if prompt else 0
-        self._checkpoint = (checkpoint if self.engine.canon == len(self.engine.cached) < self._boundary
-                            else None)
+        # chunk boundaries are reached as a fresh prefill reaches them when the prefill
+        # starts in such a state (chunks are aligned to multiples of the chunk)
+        self._checkpoint = checkpoint if self.engine.canon == len(self.engine.cached) else None
         self.stop_ids = stop_ids
         self.stops = StopStrings(check_stops(stop))
         self.on_event = on_event or (lambda ev: None)
@@ -144,7 +142,8 @@ class Sequence:
             self.prompt_logprobs += next_logprobs(logits, self.prompt[s + 1:end + 1], self._prompt_k)
             logits = logits[-1]
         self.timings.prompt_s += time.perf_counter() - t0
-        if self._checkpoint is not None and len(self.engine.cached) == self._boundary:
+        n = len(self.engine.cached)
+        if self._checkpoint is not None and n % self.engine.prefill_chunk == 0:
             self._checkpoint(self.engine)
         if left <= 0:                                               # the prompt's last chunk
             self.logits = logits

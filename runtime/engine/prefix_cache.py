@@ -2,22 +2,25 @@
 (kv/snapshot.py), keyed by the token ids they hold, in host RAM under a byte budget, least
 recently used out first (`kvrun serve --cache-ram`).
 
-Which states are kept. A compressed cache cannot hand a prefix back in full precision, so
-a new prompt may resume from a cached state only where a fresh prefill of that prompt
-would be in the same state (the engine's prefix-reuse rule: `KVCache.resume_point`). The
-states that qualify are taken where they arise:
-- in a prompt's prefill, at its last chunk boundary (a multiple of the prefill chunk C,
-  before the prompt's last token): prefill chunks are aligned to multiples of C, so a
-  fresh prefill of any prompt that starts with those ids passes through exactly this state
-  (same tail, same window), whatever follows;
-- a finished sequence (prompt + generated ids) when its whole cache is such a state (an
-  uncompressed cache always is: any prefix of it is kept as is; a compressed one only
-  while nothing it holds was compressed differently from a fresh prefill).
-A request then starts from the entry, for its KV config, that covers the longest prefix of
-its prompt: an entry whose ids are all a prefix of the prompt, or, for an entry holding
-nothing compressed, the common prefix. The snapshot is copied into the request's own
-cache and the engine's `reuse_prefix` decides how much of it to keep, by the same rule as
-within one conversation — so the output equals a cold request's, bit for bit.
+Which states are kept: the states a prompt's prefill passes through at each chunk
+boundary (a multiple of the prefill chunk C), when the prefill began in such a state.
+Prefill chunks are aligned to multiples of C, so a cold prefill of any prompt that starts
+with those ids passes through exactly this state — the same compressed tail, the same
+window, and every K/V row computed by the same full chunk of the same ids — whatever
+follows. Every boundary, not only the last: requests that share a system prompt and differ
+after it meet at the boundaries inside the shared part; a boundary already cached is only
+marked used (no copy). Nothing else is kept, though the engine's prefix reuse within one
+conversation would take it: a state cut inside a chunk, or holding generated ids, holds
+K/V rows computed by other shapes of the same GEMMs (a shorter chunk, one-token decode
+steps), equal only to rounding — and at a greedy near-tie that flips a token. From a
+boundary state the rest of the prompt is prefilled in the same full chunks a cold request
+runs, so the output equals the cold request's, bit for bit (on one thread count: torch's
+GEMMs sum in another order on another).
+
+A request starts from the entry, for its KV config, holding the longest prefix of its
+prompt (at least one prompt id left to prefill) that its cache can hold: the snapshot is
+copied into the request's own cache, and the engine's `reuse_prefix` checks it by the rule
+it applies within one conversation (`KVCache.resume_point`).
 
 What is not shared: the running sequences' caches themselves. Each sequence owns a
 preallocated arena (window + tail sized for its request, its own codec scratch); sharing a
@@ -49,15 +52,7 @@ class Entry:
     tokens: tuple           # the ids it holds
     state: dict             # engine_state's: tokens, canon, shift counters
     snap: Snapshot
-    any_prefix: bool        # holds nothing compressed: any common prefix is kept as is
     nbytes: int
-
-
-def common_prefix(a, b) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class PrefixCache:
@@ -75,15 +70,14 @@ class PrefixCache:
         self._lock = threading.Lock()
 
     # -- adding ---------------------------------------------------------------------------------
-    def add(self, kv, engine, canonical: bool = False) -> bool:
-        """Keep the state of `engine` (its cache and ids) if it is one a fresh prefill of its
-        ids reaches (module docstring) and fits the budget; returns whether it was kept.
-        `canonical`: the caller knows it is (a prefill that began in such a state, stopped
-        at a chunk boundary), else the engine's `canon` must cover every id. Refreshes an
-        entry already holding the same ids."""
+    def add(self, kv, engine) -> bool:
+        """Keep the state of `engine` (its cache and ids): the caller's prefill stands at a
+        chunk boundary it reached from such a state (module docstring). Returns whether it
+        is kept (it must fit the budget); an entry already holding the same ids is only
+        marked used."""
         cache, ids = engine.cache, tuple(engine.cached)
         n = len(ids)
-        if not n or not (canonical or engine.canon == n) or engine.n_shifts \
+        if not n or n % engine.prefill_chunk or engine.n_shifts \
                 or cache.resume_point(n, engine.prefill_chunk) != n:
             return False
         k = (kv_key(kv), ids)
@@ -96,7 +90,7 @@ class PrefixCache:
         except KvrunError:                          # a cache that cannot be saved (eviction)
             return False
         state["canon"] = n
-        e = Entry(k[0], ids, state, snap, cache.n_compressed() == 0, snap.nbytes())
+        e = Entry(k[0], ids, state, snap, snap.nbytes())
         if e.nbytes > self.budget:
             return False
         with self._lock:
@@ -108,28 +102,24 @@ class PrefixCache:
         return True
 
     # -- using ----------------------------------------------------------------------------------
-    def best(self, kv, prompt: list[int], max_ctx: int) -> Entry | None:
-        """The entry for `kv` covering the longest prefix of `prompt` (at least one prompt
-        id is left to prefill) that a cache of `max_ctx` tokens can hold, or None."""
-        key, best, best_n = kv_key(kv), None, 0
+    def best(self, kv, prompt: list[int], max_ctx: int, chunk: int) -> Entry | None:
+        """The entry for `kv` holding the longest prefix of `prompt` that ends on a multiple
+        of `chunk` (every entry does), leaves at least one prompt id to prefill and fits a
+        cache of `max_ctx` tokens; None when there is none. One dict lookup per boundary."""
+        key = kv_key(kv)
         with self._lock:
-            for e in self.entries.values():
-                if e.key != key or len(e.tokens) > max_ctx:
-                    continue
-                m = common_prefix(e.tokens, prompt)
-                n = min(m, len(prompt) - 1) if e.any_prefix else \
-                    (len(e.tokens) if m == len(e.tokens) < len(prompt) else 0)
-                if n > best_n:
-                    best, best_n = e, n
-            if best is not None:
-                self.entries.move_to_end((best.key, best.tokens))
-        return best
+            for n in range(min(len(prompt) - 1, max_ctx) // chunk * chunk, 0, -chunk):
+                e = self.entries.get((key, tuple(prompt[:n])))
+                if e is not None:
+                    self.entries.move_to_end((key, e.tokens))
+                    return e
+        return None
 
     def resume(self, kv, engine, prompt: list[int]) -> int:
         """Restore into `engine` (a new sequence's, empty) the best entry for `prompt` and
         keep what the prefix-reuse rule allows; returns how many prompt ids need no
         prefill (0: a cold start, the engine empty)."""
-        e = self.best(kv, prompt, engine.max_ctx)
+        e = self.best(kv, prompt, engine.max_ctx, engine.prefill_chunk)
         kept = 0
         if e is not None:
             try:

@@ -289,7 +289,7 @@ class Scheduler:
             return None, None
         kv, prefix, prompt = r.kv, self.prefix, r.prompt
         return (lambda eng: prefix.resume(kv, eng, prompt),
-                lambda eng: prefix.add(kv, eng, canonical=True))
+                lambda eng: prefix.add(kv, eng))
 
     def step(self) -> bool:
         """Admit what fits, run one batch step; returns whether work remains."""
@@ -304,10 +304,6 @@ class Scheduler:
                 for r in done:
                     self.running.remove(r)
                     self.kv_used -= r.kv_bytes
-            if self.prefix is not None:                 # a finished sequence's whole cache
-                for r in done:
-                    if r.seq.finish_reason in ("stop", "length", "context"):
-                        self.prefix.add(r.kv, r.seq.engine)
             if self.on_done is not None:
                 for r in done:
                     self.on_done(r)

@@ -243,3 +243,30 @@ def test_chat_session_other_kv_is_one_error_line(tiny_dir, tmp_path):
     assert _chat(["-m", str(tiny_dir), "-c", "256", "--session", f], "hi\n").exit_code == 0
     r = _chat(["-m", str(tiny_dir), "-c", "256", "--kv", "int8", "--session", f], "hi\n")
     assert r.exit_code != 0 and "saved with --kv 'fp16'" in r.stderr.strip().splitlines()[-1]
+
+
+# -- every codec's layout, on the tiny model --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):
+    from tiny import make_tiny_model_dir
+    return make_tiny_model_dir(tmp_path_factory.mktemp("sess32") / "tiny", hidden_size=128)
+
+
+@pytest.mark.parametrize("method", ["kivi-2", "tada-4", "gear-l", "gear", "kivi-4+rot", "int8/kivi-2",
+                                    "bf16", "fp32"])
+@pytest.mark.parametrize("n_prompt", [45, 170])
+def test_every_codec_round_trips(tiny32, tmp_path, method, n_prompt):
+    from kvrun.kv.config import parse_kv
+    kv = parse_kv(method, residual=32, group=32, tada_mu="int8" if method == "tada-4" else "fp16")
+    load = lambda: kvrun.load(tiny32, dtype="fp32", ctx=512, kv=kv, prefill_chunk=48)  # noqa: E731
+    ids = torch.randint(3, 259, (n_prompt,), generator=torch.Generator().manual_seed(n_prompt)).tolist()
+    m = load()
+    first, _ = _run(m, ids, 30)
+    saved = _state(m)
+    m.save(tmp_path / "t.kvs")
+    want, _ = _run(m, ids + first + [7, 8, 9], 30, append=True)
+    m2 = load()
+    m2.load_session(tmp_path / "t.kvs")
+    _same_state(_state(m2), saved)
+    assert _run(m2, ids + first + [7, 8, 9], 30, append=True)[0] == want

@@ -103,3 +103,19 @@ def test_evicting_caches_and_prompt_logprobs_bypass_it(m, base):
 def test_bad_budget():
     with pytest.raises(KvrunError, match="cache-ram"):
         PrefixCache(-1)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "kivi-4"])
+def test_gemma_rings_warm_equal_cold(wikitext, kv):
+    try:
+        g = kvrun.load("gemma-3-270m", ctx=8, prefill_chunk=128)
+    except KvrunError as e:
+        pytest.skip(f"gemma-3-270m is not available here: {e}")
+    base = g.tokenize(wikitext[3000:12000])[:540]          # past the 512-slot rings
+    cold = Scheduler(g, parallel=1, ctx=640, kv=kv)
+    warm = Scheduler(g, parallel=1, ctx=640, kv=kv, cache_ram_mb=128)
+    for i in range(2):
+        p = base + g.tokenize(f" Question {i}: why?", bos=False)
+        want, _ = _run(cold, p, 10)
+        got, start = _run(warm, p, 10)
+        assert got == want and start == (0 if i == 0 else 512)

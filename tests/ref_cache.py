@@ -8,6 +8,7 @@ import torch
 
 from kvrun.kernels import dense_attention
 from kvrun.kv import KVCache
+from kvrun.kv.snapshot import Snapshot
 
 
 class RefCache(KVCache):
@@ -63,3 +64,15 @@ class RefCache(KVCache):
 
     def label(self) -> str:
         return "reference"
+
+    def snapshot(self) -> Snapshot:
+        S = self.seq_len
+        return Snapshot({"kind": "reference", "seq_len": S},
+                        {"k": self.k[..., :S, :].clone(), "v": self.v[..., :S, :].clone()})
+
+    def restore(self, snap: Snapshot) -> None:
+        S = snap.meta["seq_len"]
+        assert snap.meta["kind"] == "reference" and S <= self.max_ctx
+        self.k[..., :S, :] = snap.tensors["k"]
+        self.v[..., :S, :] = snap.tensors["v"]
+        self.seq_len = S

@@ -285,6 +285,9 @@ HUGE = "1180591620717411303424"
     (["info", ""], "the model path is empty"),
     (["ppl", ""], "the text file name is empty"),
     (["chat", "-m", "{M}", "-n", "-1"], "-n must be >= 0"),
+    (["serve", "-m", "{M}", "--port", "1", "--cache-ram", "-5"], "--cache-ram must be"),
+    (["serve", "-m", "{M}", "--port", "1", "--cache-ram", "inf"], "--cache-ram must be"),
+    (["chat", "-m", "{M}", "--session", "/nonexistent/dir/s.kvs"], "no such directory"),
 ])
 def test_absurd_values_one_line(tiny_dir, text_file, args, fragment):
     sub = {"{M}": str(tiny_dir), "{T}": str(text_file)}

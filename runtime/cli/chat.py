@@ -133,11 +133,26 @@ def banner(m) -> str:
             f"/help lists commands; Ctrl-C stops a reply, Ctrl-D exits")
 
 
-def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], eprint) -> None:
-    """The loop: until /exit or end of input."""
+def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], eprint,
+             session_file: str | None = None) -> None:
+    """The loop: until /exit or end of input. `session_file`: the conversation is restored
+    from it when it exists and saved to it after every turn and /reset."""
     session = ChatSession(m, system)
+    if session_file is not None and Path(session_file).exists():
+        session.load(session_file)
+        if system is not None and system != session.system:
+            eprint("[--system ignored: the restored conversation keeps its own system prompt]")
     reader = LineReader(sys.stdin.isatty())
     eprint(banner(m))
+    if session_file is not None and session.ids:
+        eprint(f"[session {session_file}: {len(session.ids)} tokens restored]")
+
+    def save():
+        if session_file is not None:
+            try:
+                session.save(session_file)
+            except KvrunError as e:
+                eprint(f"error: session not saved: {e}")
     try:
         while True:
             try:
@@ -165,11 +180,13 @@ def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], epr
                 eprint(help_text())
             elif cmd == "/reset":
                 session.reset()
+                save()
                 eprint("[conversation reset]")
             elif cmd == "/kv":
                 eprint(session.kv_report())
             else:
                 reply(session, message, n, sampling, stop, eprint)
+                save()
     finally:
         reader.close()
 

@@ -19,6 +19,7 @@ from .common import KvrunGroup, eprint
 from .options import (CommonFirstCommand, load_model, model_options, print_stats, sampling_kwargs,
                       sampling_options, stop_option, stop_strings)
 from ..errors import KvrunError, as_utf8
+from ..files import check_writable
 
 
 @click.group(cls=KvrunGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -76,16 +77,20 @@ def generate(prompt, n, as_chat, stop, **kw):
 @click.option("--system", default=None, help="System prompt.")
 @click.option("-n", "--n-predict", "n", default=512, show_default=True, type=int,
               help="Max tokens per reply.")
+@click.option("--session", "session_file", default=None, metavar="FILE",
+              help="Continue the conversation saved in FILE (if it exists) and save it there "
+                   "after every turn (docs/serve.md, sessions).")
 @model_options
 @sampling_options
 @stop_option
-def chat(system, n, stop, **kw):
+def chat(system, n, stop, session_file, **kw):
     """Interactive chat (line editing and history on a terminal).
 
     Commands: /help, /kv (KV method, tokens held, bytes, ratio to fp16), /reset (/clear),
     /exit (/quit); //text sends a message starting with /; a line ending in \\ continues.
     Ctrl-C stops a reply, Ctrl-D exits. History: $KVRUN_HOME/chat_history
-    (KVRUN_CHAT_HISTORY= keeps it in memory only)."""
+    (KVRUN_CHAT_HISTORY= keeps it in memory only). --session FILE: the conversation's KV
+    cache survives a restart (same model and --kv)."""
     from .chat import run_chat
     if n < 0:                                   # else every message would fail on its own
         raise KvrunError(f"-n must be >= 0 (got {n})")
@@ -93,8 +98,10 @@ def chat(system, n, stop, **kw):
     stop = stop_strings(stop)
     if system is not None:
         system = as_utf8(system, "--system", eprint)
+    if session_file is not None:
+        check_writable(session_file)            # before the model loads, not after a turn
     m = load_model(kw)
-    run_chat(m, system, n, sampling, stop, eprint)
+    run_chat(m, system, n, sampling, stop, eprint, session_file)
 
 
 @main.command()

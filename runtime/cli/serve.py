@@ -26,6 +26,9 @@ from ..errors import KvrunError
 @click.option("--kv-budget-mb", default=None, type=float,
               help="Most MiB of KV cache across the running sequences (default: no limit); "
                    "requests wait until theirs fits.")
+@click.option("--cache-ram", "cache_ram", default=0.0, show_default=True, type=float, metavar="MB",
+              help="MiB of host RAM for the prefix cache across requests: a request starts from "
+                   "the longest cached prefix of its prompt (exactly; docs/serve.md). 0: off.")
 @click.option("--queue", "queue", default=64, show_default=True, type=int,
               help="Most requests waiting beyond the free --parallel slots (more get HTTP 429).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -46,7 +49,7 @@ from ..errors import KvrunError
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="Seconds running requests may take to finish after Ctrl-C / SIGTERM; then "
                    "they end with an error (a second Ctrl-C quits at once).")
-def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, port, alias,
+def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, queue, host, port, alias,
               dtype, chunk, threads, api_key, cors, max_body_mb, shutdown_timeout):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
     /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), many requests
@@ -68,6 +71,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     if parallel < 1:
         raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
     check_budget_mb(kv_budget_mb)
+    if not 0 <= cache_ram < float("inf"):
+        raise KvrunError(f"--cache-ram must be a finite number >= 0 MiB (got {cache_ram:g})")
     if queue < 0:
         raise KvrunError(f"--queue must be >= 0 (got {queue})")
     if not 0 < max_body_mb <= 1024:
@@ -85,14 +90,15 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, queue, host, p
     m = load(model, dtype=dtype, ctx=1, kv="fp16", prefill_chunk=chunk, threads=threads,
              progress=eprint)
     sched = Scheduler(m, parallel=parallel, kv_budget_mb=kv_budget_mb, max_queue=queue,
-                      ctx=ctx, kv=spec)
+                      ctx=ctx, kv=spec, cache_ram_mb=cache_ram)
     name = alias or m.path.name
     app = create_app(m, sched, name, api_key=api_key, cors_origins=tuple(cors),
                      max_body=int(max_body_mb * (1 << 20)))
     budget = f"{kv_budget_mb:g} MiB" if kv_budget_mb else "unlimited"
     where = f"[{host}]" if ":" in host else host
     eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
-            f"kv {spec.label()}, KV budget {budget}; http://{where}:{port}/v1"
+            f"kv {spec.label()}, KV budget {budget}"
+            + (f", prefix cache {cache_ram:g} MiB" if cache_ram else "") + f"; http://{where}:{port}/v1"
             + ("" if api_key else " (no --api-key: anyone who can connect may use it)"
                if host not in ("127.0.0.1", "localhost", "::1") else ""))
     server = Server(uvicorn.Config(app, log_level="warning", http=HeaderDeadline,

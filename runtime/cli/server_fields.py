@@ -209,7 +209,7 @@ def n_from(body: dict, parallel: int, seed: int | None) -> int:
         raise ApiError(400, f"'n' must be in [1, {most}] on this server (--parallel "
                             f"{parallel}; got {n})", param="n")
     if seed is not None and seed + n - 1 >= 1 << 64:
-        raise ApiError(400, f"'seed' + 'n' - 1 must be < 2^64 (choice i samples with seed + i)",
+        raise ApiError(400, "'seed' + 'n' - 1 must be < 2^64 (choice i samples with seed + i)",
                        param="seed")
     return n
 

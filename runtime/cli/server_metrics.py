@@ -8,6 +8,11 @@
     kvrun_requests_waiting / _running         sequences queued / decoding now
     kvrun_kv_cache_used_bytes                 KV cache bytes the running sequences hold
     kvrun_time_to_first_token_seconds         histogram: a sequence's submit to its first token
+    kvrun_prefix_cache_queries_total          prompt tokens looked up in the prefix cache (--cache-ram)
+    kvrun_prefix_cache_hits_total             of them, tokens restored instead of prefilled
+                                              (hit rate = hits / queries, vLLM's convention)
+    kvrun_prefix_cache_requests_total{hit}    requests looked up, by whether any token was restored
+    kvrun_prefix_cache_bytes / _entries       host RAM the cached snapshots hold, and their count
 
 Each app has its own registry (a process may run several apps, the tests do). /metrics is
 behind `--api-key` like every route but /health: llama-server guards it too (its open
@@ -15,9 +20,33 @@ routes are /health and /models); vLLM's key covers only /v1 routes, leaving it o
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counters, read at each scrape (runtime/engine/prefix_cache.py)."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def collect(self):
+        st = self.prefix.stats()
+        yield CounterMetricFamily("kvrun_prefix_cache_queries", "Prompt tokens looked up in the "
+                                  "prefix cache", value=st["prompt_tokens"])
+        yield CounterMetricFamily("kvrun_prefix_cache_hits", "Prompt tokens restored from the "
+                                  "prefix cache instead of prefilled", value=st["hit_tokens"])
+        req = CounterMetricFamily("kvrun_prefix_cache_requests", "Requests looked up in the "
+                                  "prefix cache, by whether any token was restored", labels=["hit"])
+        req.add_metric(["true"], st["hits"])
+        req.add_metric(["false"], st["requests"] - st["hits"])
+        yield req
+        yield GaugeMetricFamily("kvrun_prefix_cache_bytes", "Host RAM held by the prefix cache's "
+                                "snapshots", value=st["bytes"])
+        yield GaugeMetricFamily("kvrun_prefix_cache_entries", "Snapshots in the prefix cache",
+                                value=st["entries"])
 
 
 class Metrics:
@@ -41,6 +70,8 @@ class Metrics:
                                ("kvrun_kv_cache_used_bytes", "kv_used_bytes",
                                 "KV cache bytes held by the running sequences")):
             Gauge(name, doc, registry=r).set_function(lambda k=key: scheduler.stats()[k])
+        if scheduler.prefix is not None:
+            r.register(PrefixCacheCollector(scheduler.prefix))
 
     def done(self, req) -> None:
         """A sequence left the batch: count its tokens and time to first token."""

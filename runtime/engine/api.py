@@ -23,6 +23,7 @@ from ..kv.build import make_cache
 from ..kv.config import KVConfig
 from ..model.loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
 from .sampling import sampling_params
+from .session import load_session, save_session
 from .stops import with_stops
 from ..threads import MAX_THREADS, configure as configure_threads
 
@@ -52,6 +53,7 @@ class Model:
         self.kv: "str | KVConfig" = "fp16"     # the cache's method (load() sets it)
         # JSON-schema constraints (`json_schema=`): the library's tokenizer is built at first use
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
+        self.dtype = "auto"                    # the --dtype it was loaded with (load() sets it)
 
     # -- tokens --
     def tokenize(self, text: str, bos: bool | None = None) -> list[int]:
@@ -170,10 +172,25 @@ class Model:
     def kv_bytes(self) -> dict[str, int]:
         return self.engine.cache.nbytes()
 
+    # -- sessions on disk (runtime/engine/session.py) --
+    def save(self, path, extra: dict | None = None) -> int:
+        """Write the conversation cache to the session file `path` (atomically: whole or
+        not at all); returns its bytes. `extra`: JSON-able data kept beside it."""
+        with self.engine.exclusive():
+            return save_session(self, path, extra)
+
+    def load_session(self, path) -> dict:
+        """Continue from the session file `path`: its cache and token ids replace the
+        conversation cache, so the next prompt that extends them prefills only its new
+        tokens. KvrunError for a file of another model, dtype or KV config, or one that is
+        truncated, corrupt or not a session (the cache is then left as it was). Returns the
+        `extra` it was saved with."""
+        return load_session(self, path)
+
 
 def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT_CTX,
          kv: "str | KVConfig" = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
-         progress=None) -> Model:
+         progress=None, session: str | Path | None = None) -> Model:
     """Load a kvrun model directory, or a model `kvrun pull --list` names (pulled and
     converted on first use; None → the embedded default model).
 
@@ -182,6 +199,7 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     ("tada-4", "kivi-4/kivi-2" ...) or a KVConfig. threads: the most CPU threads the
     compute uses, process-wide (None leaves the cap as it is; by default the CPUs this
     process may run on); fewer while other processes keep cores busy (runtime/threads.py).
+    session: a session file (`Model.save`) to continue from (`Model.load_session`).
     """
     from .pull import resolve_model
     check_count("context size", ctx)
@@ -204,5 +222,7 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     tokenizer = load_tokenizer(path, cfg)
     cache = make_cache(cfg, ctx, kv)
     model = Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)
-    model.kv = kv
+    model.kv, model.dtype = kv, dtype
+    if session is not None:
+        model.load_session(session)
     return model

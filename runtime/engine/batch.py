@@ -73,14 +73,21 @@ class Sequence:
     one TokenLogprob per prompt token (the first one's logprob is None), complete before
     the first event. With `grammar` (runtime/engine/grammar.py) every token is sampled among
     those the grammar allows; the sequence starts its own state in it (a Grammar is shared,
-    a state never is). Logprobs stay the model's own, unmasked."""
+    a state never is). Logprobs stay the model's own, unmasked. A prefix cache
+    (runtime/engine/prefix_cache.py) hooks in twice: `resume(engine)` fills the new engine
+    from a cached state and returns how many prompt ids need no prefill (not with
+    `prompt_logprobs`: every row is scored); `checkpoint(engine)` is called at each chunk
+    boundary the prefill reaches, when the prefill began in a fresh prefill's state (so each
+    of those states is one too)."""
 
     def __init__(self, model, tokenizer, cache, prompt: list[int], max_tokens: int,
                  params: SamplingParams, stop_ids: set[int], stop=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  on_event: Callable[[StreamEvent], None] | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 grammar: Grammar | None = None):
+                 grammar: Grammar | None = None,
+                 resume: Callable[[Engine], int] | None = None,
+                 checkpoint: Callable[[Engine], None] | None = None):
         if max_tokens < 0:
             raise KvrunError(f"max_tokens must be >= 0 (got {max_tokens})")
         for k in (logprobs, prompt_logprobs):
@@ -92,6 +99,10 @@ class Sequence:
             self.prompt_logprobs = [TokenLogprob(prompt[0], None, None)]
         self.engine = Engine(model, tokenizer, cache, prefill_chunk)
         self.prompt, self.max_tokens, self.params = list(prompt), max_tokens, params
+        self.start = resume(self.engine) if resume is not None and prompt_logprobs is None else 0
+        # chunk boundaries are reached as a fresh prefill reaches them when the prefill
+        # starts in such a state (chunks are aligned to multiples of the chunk)
+        self._checkpoint = checkpoint if self.engine.canon == len(self.engine.cached) else None
         self.stop_ids = stop_ids
         self.stops = StopStrings(check_stops(stop))
         self.on_event = on_event or (lambda ev: None)
@@ -100,7 +111,7 @@ class Sequence:
         self.history = list(prompt)
         self.timings = Timings()
         # checks the prompt's length
-        self.chunks = self.engine.prefill_chunks(self.prompt, rows=prompt_logprobs is not None)
+        self.chunks = self.engine.prefill_chunks(self.prompt[self.start:], rows=prompt_logprobs is not None)
         self.logits: torch.Tensor | None = None     # next-token logits (V,) once prefilled
         self.token: int | None = None               # the sampled token the next forward feeds
         self.tokens: list[int] = []                 # generated ids
@@ -137,9 +148,12 @@ class Sequence:
             self.prompt_logprobs += next_logprobs(logits, self.prompt[s + 1:end + 1], self._prompt_k)
             logits = logits[-1]
         self.timings.prompt_s += time.perf_counter() - t0
+        n = len(self.engine.cached)
+        if self._checkpoint is not None and n % self.engine.prefill_chunk == 0:
+            self._checkpoint(self.engine)
         if left <= 0:                                               # the prompt's last chunk
             self.logits = logits
-            self.timings.prompt_tokens = len(self.prompt)
+            self.timings.prompt_tokens = len(self.prompt) - self.start
             self._t0 = time.perf_counter()
             if self.max_tokens == 0:
                 self.finish("length")

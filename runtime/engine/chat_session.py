@@ -86,6 +86,25 @@ class ChatSession:
         rest = text[len(decoded(n)):]
         return reply[:n] + (self.m.tokenize(rest, bos=False) if rest else [])
 
+    def save(self, path) -> int:
+        """Write the conversation to a session file (runtime/engine/session.py): the cache,
+        and beside it the conversation's ids and system prompt; returns its bytes."""
+        return self.m.save(path, extra={"chat": {"ids": self.ids, "system": self.system}})
+
+    def load(self, path) -> None:
+        """Continue the conversation saved at `path` (the model and KV config must be the
+        ones it was saved with); KvrunError for any other file, the session unchanged."""
+        from ..errors import KvrunError
+        from .generate import check_ids
+        from .session import read_session
+        chat = read_session(path)[0]["extra"].get("chat")
+        if not isinstance(chat, dict) or not isinstance(chat.get("ids"), list) \
+                or not isinstance(chat.get("system"), (str, type(None))):
+            raise KvrunError(f"{path}: a session without a chat conversation (saved by Model.save)")
+        check_ids(chat["ids"], self.m.cfg.vocab_size)
+        self.m.load_session(path)
+        self.ids, self.system = list(chat["ids"]), chat["system"]
+
     def interrupted(self) -> None:
         """Ctrl-C mid-reply: keep what the model has already seen of the reply."""
         self.ids = list(self.m.engine.cached)

@@ -41,6 +41,7 @@ from .grammar import Grammar
 from ..kv.build import kv_bytes_at
 from ..kv.config import KVConfig, parse_kv
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams
+from .prefix_cache import PrefixCache
 from .stops import check_stops
 
 MiB = 1 << 20
@@ -166,10 +167,12 @@ class Scheduler:
     parallel: most sequences decoded together; kv_budget_mb: most MiB of KV caches at once
     (None: no limit); max_queue: most requests waiting beyond the free slots; ctx: tokens per
     sequence (default: the model's context); kv: the default KV method (default: the
-    model's)."""
+    model's); cache_ram_mb: MiB of host RAM for the prefix cache across requests
+    (runtime/engine/prefix_cache.py; 0: none)."""
 
     def __init__(self, model, parallel: int = 4, kv_budget_mb: float | None = None,
-                 max_queue: int = 64, ctx: int | None = None, kv: "str | KVConfig | None" = None):
+                 max_queue: int = 64, ctx: int | None = None, kv: "str | KVConfig | None" = None,
+                 cache_ram_mb: float = 0):
         if parallel < 1:
             raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
         check_budget_mb(kv_budget_mb)
@@ -182,6 +185,9 @@ class Scheduler:
         if self.ctx < 2:
             raise KvrunError(f"context per sequence must be >= 2 tokens (got {self.ctx})")
         self.kv = self.parse_kv(kv if kv is not None else getattr(model, "kv", "fp16"))
+        if not (isinstance(cache_ram_mb, (int, float)) and 0 <= cache_ram_mb < float("inf")):
+            raise KvrunError(f"--cache-ram must be a finite number >= 0 MiB (got {cache_ram_mb!r})")
+        self.prefix = PrefixCache(int(cache_ram_mb * MiB)) if cache_ram_mb else None
         self.batch = Batch(model.transformer)
         self.pending: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -266,11 +272,12 @@ class Scheduler:
                 self.pending.popleft()
                 try:
                     cache = make_cache(self.model.cfg, r.n_ctx, r.kv)
+                    resume, checkpoint = self._prefix_hooks(r)
                     r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                      r.max_tokens, r.params, self.model.stop_ids, r.stop,
                                      self.model.engine.prefill_chunk, on_event=r._push,
                                      logprobs=r.logprobs, prompt_logprobs=r.prompt_k,
-                                     grammar=r.grammar)
+                                     grammar=r.grammar, resume=resume, checkpoint=checkpoint)
                 except Exception as e:                  # noqa: BLE001 - this request only
                     r._fail("error", failure(e))
                     continue
@@ -279,6 +286,14 @@ class Scheduler:
                 self.batch.add(r.seq)
                 self.running.append(r)
                 self.kv_used += r.kv_bytes
+
+    def _prefix_hooks(self, r: Request):
+        """The prefix cache's hooks for a new sequence (Sequence's `resume`, `checkpoint`)."""
+        if self.prefix is None:
+            return None, None
+        kv, prefix, prompt = r.kv, self.prefix, r.prompt
+        return (lambda eng: prefix.resume(kv, eng, prompt),
+                lambda eng: prefix.add(kv, eng))
 
     def step(self) -> bool:
         """Admit what fits, run one batch step; returns whether work remains."""
@@ -362,4 +377,5 @@ class Scheduler:
             return {"running": len(self.running), "waiting": len(self.pending),
                     "parallel": self.parallel, "kv_used_bytes": self.kv_used,
                     "kv_budget_bytes": self.budget, "ctx_per_sequence": self.ctx,
-                    "kv": self.kv.label()}
+                    "kv": self.kv.label(),
+                    "prefix_cache": None if self.prefix is None else self.prefix.stats()}

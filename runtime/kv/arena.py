@@ -54,6 +54,7 @@ from .arena_shift import shift_layer
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
 from .contract import KVCache
+from .snapshot import Snapshot, arena_restore, arena_snapshot
 
 # write_attend's largest step: decode steps and short chunks of up to 64 new tokens;
 # longer prefill chunks keep attend
@@ -330,6 +331,12 @@ class KVArena(KVCache):
 
     def label(self) -> str:
         return self.kv.label()
+
+    def snapshot(self) -> Snapshot:
+        return arena_snapshot(self)
+
+    def restore(self, snap: Snapshot) -> None:
+        arena_restore(self, snap)
 
     def report(self) -> list[str]:
         if self.ev is None:

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from .snapshot import Snapshot
+
 
 class KVCache(ABC):
     """A sequence's KV cache: `max_ctx` tokens preallocated, `seq_len` of them cached."""
@@ -74,6 +76,16 @@ class KVCache(ABC):
     @abstractmethod
     def nbytes(self) -> dict[str, int]:
         """Exact allocated bytes by component."""
+
+    @abstractmethod
+    def snapshot(self) -> "Snapshot":
+        """A copy of the state held (kv/snapshot.py): the compressed bytes as stored, the
+        window, rings and counters; KvrunError for a cache that cannot be saved."""
+
+    @abstractmethod
+    def restore(self, snap: "Snapshot") -> None:
+        """Replace the state with `snap`, taken from a cache of the same KV config (any
+        max_ctx that holds it); KvrunError, the cache unchanged, when it does not fit."""
 
     @abstractmethod
     def label(self) -> str:

@@ -63,6 +63,7 @@ from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_m
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
 from .contract import KVCache
+from .snapshot import Snapshot, nest, part, ring_restore, ring_snapshot
 
 
 QGROUP = 32                     # default channels per scale/min group of a quantized ring
@@ -326,6 +327,21 @@ class LayeredKVCache(KVCache):
 
     def label(self) -> str:
         return self.inner.label()
+
+    def snapshot(self) -> Snapshot:
+        return nest({"kind": "layered", "seq_len": self.seq_len}, {"arena": self.inner.snapshot(),
+                                          "ring": ring_snapshot(self.ring)})
+
+    def restore(self, snap: Snapshot) -> None:
+        if snap.meta.get("kind") != "layered":
+            raise KvrunError(f"the saved cache is a {snap.meta.get('kind')!r} cache, this one has "
+                             f"sliding-window rings")
+        ring = part(snap, "ring")
+        if not snap.meta.get("seq_len") == ring.meta.get("seq_len") == part(snap, "arena").meta.get("seq_len"):
+            raise KvrunError("the saved rings and arena hold different token counts")
+        write_ring = ring_restore(self.ring, ring)      # checked before anything is written
+        self.inner.restore(part(snap, "arena"))
+        write_ring()
 
     def report(self) -> list[str]:
         r, full = self.ring, len(self.full)

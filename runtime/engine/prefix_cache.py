@@ -1,0 +1,142 @@
+"""A prefix cache across requests: immutable snapshots of sequences' KV caches
+(kv/snapshot.py), keyed by the token ids they hold, in host RAM under a byte budget, least
+recently used out first (`kvrun serve --cache-ram`).
+
+Which states are kept: the states a prompt's prefill passes through at each chunk
+boundary (a multiple of the prefill chunk C), when the prefill began in such a state.
+Prefill chunks are aligned to multiples of C, so a cold prefill of any prompt that starts
+with those ids passes through exactly this state — the same compressed tail, the same
+window, and every K/V row computed by the same full chunk of the same ids — whatever
+follows. Every boundary, not only the last: requests that share a system prompt and differ
+after it meet at the boundaries inside the shared part; a boundary already cached is only
+marked used (no copy). Nothing else is kept, though the engine's prefix reuse within one
+conversation would take it: a state cut inside a chunk, or holding generated ids, holds
+K/V rows computed by other shapes of the same GEMMs (a shorter chunk, one-token decode
+steps), equal only to rounding — and at a greedy near-tie that flips a token. From a
+boundary state the rest of the prompt is prefilled in the same full chunks a cold request
+runs, so the output equals the cold request's, bit for bit (on one thread count: torch's
+GEMMs sum in another order on another).
+
+A request starts from the entry, for its KV config, holding the longest prefix of its
+prompt (at least one prompt id left to prefill) that its cache can hold: the snapshot is
+copied into the request's own cache, and the engine's `reuse_prefix` checks it by the rule
+it applies within one conversation (`KVCache.resume_point`).
+
+What is not shared: the running sequences' caches themselves. Each sequence owns a
+preallocated arena (window + tail sized for its request, its own codec scratch); sharing a
+prefix between two running sequences would mean blocks referenced by several arenas and
+copy-on-write at the window/tail boundary, which the arena's contiguous per-layer layout
+does not have. A prefix is shared by copying its snapshot into each new cache instead
+(a copy of the compressed bytes: for `auto` a third of fp16's).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from dataclasses import dataclass
+
+from ..errors import KvrunError
+from ..kv.snapshot import Snapshot
+from .session import engine_state, kv_record, restore_engine
+
+
+def kv_key(kv) -> str:
+    """The KV config as the cache keys it: entries restore only into the same config."""
+    return json.dumps(kv_record(kv), sort_keys=True)
+
+
+@dataclass
+class Entry:
+    key: str                # kv_key of its cache
+    tokens: tuple           # the ids it holds
+    state: dict             # engine_state's: tokens, canon, shift counters
+    snap: Snapshot
+    nbytes: int
+
+
+class PrefixCache:
+    """Snapshots under `budget` bytes, LRU (module docstring). The scheduler's loop thread
+    adds and looks up; `stats()` may be read from any thread."""
+
+    def __init__(self, budget: int):
+        if budget < 0:
+            raise KvrunError(f"--cache-ram must be >= 0 MiB (got {budget / (1 << 20):g})")
+        self.budget = budget
+        self.entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
+        self.used = 0
+        self.queried = self.hit_tokens = 0          # prompt tokens looked up / not prefilled
+        self.requests = self.hits = 0               # requests looked up / that resumed
+        self._lock = threading.Lock()
+
+    # -- adding ---------------------------------------------------------------------------------
+    def add(self, kv, engine) -> bool:
+        """Keep the state of `engine` (its cache and ids): the caller's prefill stands at a
+        chunk boundary it reached from such a state (module docstring). Returns whether it
+        is kept (it must fit the budget); an entry already holding the same ids is only
+        marked used."""
+        cache, ids = engine.cache, tuple(engine.cached)
+        n = len(ids)
+        if not n or n % engine.prefill_chunk or engine.n_shifts \
+                or cache.resume_point(n, engine.prefill_chunk) != n:
+            return False
+        k = (kv_key(kv), ids)
+        with self._lock:
+            if k in self.entries:
+                self.entries.move_to_end(k)
+                return True
+        try:
+            snap, state = engine_state(engine)
+        except KvrunError:                          # a cache that cannot be saved (eviction)
+            return False
+        state["canon"] = n
+        e = Entry(k[0], ids, state, snap, snap.nbytes())
+        if e.nbytes > self.budget:
+            return False
+        with self._lock:
+            while self.used + e.nbytes > self.budget:
+                _, old = self.entries.popitem(last=False)
+                self.used -= old.nbytes
+            self.entries[k] = e
+            self.used += e.nbytes
+        return True
+
+    # -- using ----------------------------------------------------------------------------------
+    def best(self, kv, prompt: list[int], max_ctx: int, chunk: int) -> Entry | None:
+        """The entry for `kv` holding the longest prefix of `prompt` that ends on a multiple
+        of `chunk` (every entry does), leaves at least one prompt id to prefill and fits a
+        cache of `max_ctx` tokens; None when there is none. One dict lookup per boundary."""
+        key = kv_key(kv)
+        with self._lock:
+            for n in range(min(len(prompt) - 1, max_ctx) // chunk * chunk, 0, -chunk):
+                e = self.entries.get((key, tuple(prompt[:n])))
+                if e is not None:
+                    self.entries.move_to_end((key, e.tokens))
+                    return e
+        return None
+
+    def resume(self, kv, engine, prompt: list[int]) -> int:
+        """Restore into `engine` (a new sequence's, empty) the best entry for `prompt` and
+        keep what the prefix-reuse rule allows; returns how many prompt ids need no
+        prefill (0: a cold start, the engine empty)."""
+        e = self.best(kv, prompt, engine.max_ctx, engine.prefill_chunk)
+        kept = 0
+        if e is not None:
+            try:
+                restore_engine(engine, e.snap, e.state, engine.model.cfg.vocab_size)
+                kept = engine.reuse_prefix(prompt)
+            except KvrunError:                      # does not fit this request's cache size
+                engine.reset()
+                kept = 0
+        with self._lock:
+            self.requests += 1
+            self.queried += len(prompt)
+            self.hits += kept > 0
+            self.hit_tokens += kept
+        return kept
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
+                    "requests": self.requests, "hits": self.hits,
+                    "prompt_tokens": self.queried, "hit_tokens": self.hit_tokens}

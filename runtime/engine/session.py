@@ -1,0 +1,195 @@
+"""Sessions on disk: one sequence's KV cache as the arena stores it, with the token ids it
+holds, so a conversation continues after a restart exactly where it stopped.
+
+A session file (little-endian):
+
+    magic   8 bytes   b"KVRUNSES"
+    version u32       1
+    hlen    u64       bytes of the header
+    header  hlen      UTF-8 JSON: "model" (the weights' sha256, name, load dtype), "kv" (the
+                      KV config's label and settings), "engine" (the token ids the cache
+                      holds, how many of them a fresh prefill would hold alike, shift
+                      counters), "cache" (the snapshot's counters, kv/snapshot.py),
+                      "tensors" (name, dtype, shape, offset and length in the payload),
+                      "extra" (the caller's: a chat's conversation ids)
+    payload           the tensors' bytes, as the cache holds them (compressed codes, scales,
+                      the window's rows, ring slots): the file is about the KV bytes held
+    sha256  32 bytes  over everything before it
+
+It is written whole or not at all (files.atomic_output). Reading checks, in order: the
+magic, the version, the length, the checksum, the header's shape, then the model and the KV
+config against the loaded ones, then every tensor against the cache's layout — each
+failure one KvrunError line, the cache left as it was. Output after a restore equals the
+uninterrupted generation's (tests/test_session.py): the bytes are the cache's own, and the
+engine's prefix-reuse state (`cached`, `canon`) comes back with them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from ..errors import KvrunError
+from ..files import atomic_output, file_sha256
+from ..kv.snapshot import Snapshot
+from .generate import check_ids
+
+MAGIC = b"KVRUNSES"
+VERSION = 1
+_PRE = struct.Struct("<8sIQ")               # magic, version, header length
+_DIGEST = 32
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
+          "u8": torch.uint8, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
+          "i64": torch.int64}
+_NAMES = {dt: n for n, dt in DTYPES.items()}
+_SHA_MEMO: dict[tuple, str] = {}
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 of a model directory's model.safetensors, hashed once per file version
+    (path, size, mtime) in this process."""
+    f = Path(path) / "model.safetensors"
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_MEMO:
+        _SHA_MEMO[key] = file_sha256(f)
+    return _SHA_MEMO[key]
+
+
+def model_record(m) -> dict:
+    """What a session says about the model that computed it: the weights (sha256) and the
+    dtype the forward ran in — both change the K/V a prompt gives."""
+    return {"sha256": weights_sha256(m.path), "name": Path(m.path).name,
+            "dtype": getattr(m, "dtype", "auto")}
+
+
+def kv_record(kv) -> dict:
+    """The KV config as a session compares it: every setting but where a profile came from."""
+    settings = {k: v for k, v in kv.settings().items() if k != "profile_info"}
+    return json.loads(json.dumps({"label": kv.label(), "settings": settings}))
+
+
+# -- engine state ------------------------------------------------------------------------------
+
+def engine_state(engine) -> tuple[Snapshot, dict]:
+    """The engine's sequence: the cache's snapshot and the ids it holds (with the state its
+    prefix reuse reads)."""
+    snap = engine.cache.snapshot()
+    return snap, {"tokens": list(engine.cached), "canon": engine.canon,
+                  "n_shifts": engine.n_shifts, "n_dropped": engine.n_dropped}
+
+
+def restore_engine(engine, snap: Snapshot, state: dict, vocab_size: int) -> None:
+    """Put a sequence back into `engine`; KvrunError, the engine unchanged, when the state is
+    not one (ids outside the vocabulary, counts that disagree with the cache's)."""
+    tokens, canon = state.get("tokens"), state.get("canon")
+    counts = [state.get(k, 0) for k in ("n_shifts", "n_dropped")]
+    if not isinstance(tokens, list) or type(canon) is not int or not 0 <= canon <= len(tokens) \
+            or not all(type(c) is int and c >= 0 for c in counts):
+        raise KvrunError("the saved sequence state is malformed")
+    check_ids(tokens, vocab_size)
+    if len(tokens) > engine.max_ctx:
+        raise KvrunError(f"the saved sequence holds {len(tokens)} tokens; this context holds "
+                         f"{engine.max_ctx} (raise -c/--ctx-size)")
+    if snap.meta.get("seq_len") != len(tokens):
+        raise KvrunError(f"the saved cache holds {snap.meta.get('seq_len')!r} tokens but names "
+                         f"{len(tokens)} ids")
+    engine.cache.restore(snap)
+    assert engine.cache.seq_len == len(tokens), (engine.cache.seq_len, len(tokens))
+    engine.cached, engine.canon = list(tokens), canon
+    engine.n_shifts, engine.n_dropped = counts
+
+
+# -- the file ----------------------------------------------------------------------------------
+
+def save_session(m, path, extra: dict | None = None) -> int:
+    """Write model `m`'s sequence to `path` atomically; returns the file's bytes."""
+    snap, state = engine_state(m.engine)
+    table, off = [], 0
+    for name, t in snap.tensors.items():
+        n = t.nbytes
+        table.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                      "offset": off, "nbytes": n})
+        off += n
+    header = json.dumps({"format": "kvrun-session", "model": model_record(m),
+                         "kv": kv_record(m.cache.kv), "engine": state, "cache": snap.meta,
+                         "tensors": table, "extra": extra or {}}).encode()
+    h = hashlib.sha256()
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        def put(b):
+            h.update(b)
+            f.write(b)
+        put(_PRE.pack(MAGIC, VERSION, len(header)))
+        put(header)
+        for t in snap.tensors.values():
+            put(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.write(h.digest())
+    return os.path.getsize(path)
+
+
+def read_session(path) -> tuple[dict, Snapshot]:
+    """A session file's header and snapshot, checked as a file (magic, version, length,
+    checksum, header shape); not yet against a model."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise KvrunError(f"{path}: no such session file") from None
+    except IsADirectoryError:
+        raise KvrunError(f"{path}: is a directory, not a session file") from None
+    except OSError as e:
+        raise KvrunError(f"{path}: {e.strerror or e}") from None
+    if len(data) < _PRE.size or data[:8] != MAGIC:
+        raise KvrunError(f"{path}: not a kvrun session file")
+    _, version, hlen = _PRE.unpack_from(data)
+    if version != VERSION:
+        raise KvrunError(f"{path}: session format version {version}; this kvrun reads {VERSION}")
+    if len(data) < _PRE.size + hlen + _DIGEST:
+        raise KvrunError(f"{path}: truncated session file ({len(data)} bytes)")
+    if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
+        raise KvrunError(f"{path}: corrupt session file (checksum mismatch; truncated or altered)")
+    try:
+        header = json.loads(data[_PRE.size:_PRE.size + hlen])
+        payload = memoryview(data)[_PRE.size + hlen:-_DIGEST]
+        tensors = {}
+        for e in header["tensors"]:
+            dt, shape, o, n = DTYPES[e["dtype"]], [int(s) for s in e["shape"]], e["offset"], e["nbytes"]
+            count = 1
+            for s in shape:
+                count *= s
+            if min(shape, default=0) < 0 or count * dt.itemsize != n or not 0 <= o <= o + n <= len(payload):
+                raise ValueError(e["name"])
+            buf = bytearray(payload[o:o + n])
+            tensors[e["name"]] = (torch.frombuffer(buf, dtype=dt).reshape(shape) if n
+                                  else torch.empty(shape, dtype=dt))
+        for key in ("model", "kv", "engine", "cache", "extra"):
+            if not isinstance(header[key], dict):
+                raise ValueError(key)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise KvrunError(f"{path}: malformed session header") from None
+    return header, Snapshot(header["cache"], tensors)
+
+
+def load_session(m, path) -> dict:
+    """Restore the session at `path` into model `m` (its conversation cache); returns the
+    header's "extra". The model and KV config must be the ones it was saved with."""
+    header, snap = read_session(path)
+    want, have = header["model"], model_record(m)
+    if want.get("sha256") != have["sha256"]:
+        raise KvrunError(f"{path}: saved for model {want.get('name')!r} (weights sha256 "
+                         f"{str(want.get('sha256'))[:12]}…), not for {have['name']!r} "
+                         f"({have['sha256'][:12]}…)")
+    if want.get("dtype") != have["dtype"]:
+        raise KvrunError(f"{path}: saved with --dtype {want.get('dtype')}, this model runs "
+                         f"--dtype {have['dtype']}")
+    kv = kv_record(m.cache.kv)
+    if header["kv"] != kv:
+        raise KvrunError(f"{path}: saved with --kv {header['kv'].get('label')!r}, this cache is "
+                         f"--kv {kv['label']!r} (its settings must match too)")
+    with m.engine.exclusive():
+        restore_engine(m.engine, snap, header["engine"], m.cfg.vocab_size)
+    return header["extra"]

@@ -2,6 +2,11 @@
 each codec, side by side, for 1 and 2 threads.
 
     python tools/attn_speed.py --depth 4096 8192 --threads 1 2 --kv fp16 int8 kivi-4 tada-4
+    python tools/attn_speed.py --depth 64 2048 --threads 1 --kv fp16 kivi-4 --general
+
+`--general` adds each method on the general native route (`attend_append`, its C arguments
+rebuilt per call) beside the default one-token route (`FusedStep`, built once per layer),
+the `name (general)` rows: at small depths the difference is the Python per layer.
 
 SmolLM2-135M geometry by default (30 layers, H=9, Hkv=3, D=64), fp32 queries as the model
 runs on CPU. Every row is the KVArena read path (`--kv fp16`: an arena whose tail holds fp16
@@ -22,7 +27,9 @@ import time
 import torch
 
 from kvrun.model.config import ModelConfig
-from kvrun.kv import build_cache, kv_ratio_at, parse_kv
+from kvrun.kv import arena as arena_mod, build_cache, kv_ratio_at, parse_kv
+
+FUSED = arena_mod.fused_step
 
 
 def fill(cache, cfg, depth, chunk=1024):
@@ -33,12 +40,15 @@ def fill(cache, cfg, depth, chunk=1024):
         cache.ingest(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
 
 
-def step(cache, cfg, q, k):
+def step(cache, cfg, q, k, general=False):
     cache.positions(1)
+    if general:                             # the arena's one-token route off: attend_append
+        arena_mod.fused_step = lambda *a, **kw: None
     t0 = time.perf_counter()
     for l in range(cfg.num_layers):
         cache.attend(l, q, k, k)
     dt = time.perf_counter() - t0
+    arena_mod.fused_step = FUSED
     cache.commit(1)
     return dt * 1e3
 
@@ -51,7 +61,11 @@ def main():
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--general", action="store_true",
+                    help="also time each method on the general native route (module docstring)")
     args = ap.parse_args()
+    rows = [(spec, False) for spec in args.kv] + [(spec, True) for spec in args.kv if args.general]
+    name = {(spec, g): spec + (" (general)" if g else "") for spec, g in rows}
     cfg = ModelConfig(num_layers=args.layers, num_heads=9, num_kv_heads=3, hidden_size=576,
                       head_dim=64, max_position=32768)
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -60,30 +74,32 @@ def main():
     res: dict = {}
     for depth in args.depth:
         caches = {}
-        for spec in args.kv:
-            caches[spec] = build_cache(cfg, depth + len(args.threads) * (args.steps + 3), parse_kv(spec))
-            fill(caches[spec], cfg, depth)
+        for row in rows:
+            caches[row] = build_cache(cfg, depth + len(args.threads) * (args.steps + 3),
+                                      parse_kv(row[0]))
+            fill(caches[row], cfg, depth)
         for th in args.threads:
             torch.set_num_threads(th)
-            times = {spec: [] for spec in args.kv}
+            times = {row: [] for row in rows}
             for i in range(args.steps + 3):
-                for spec, c in caches.items():
-                    t = step(c, cfg, q, k)
+                for row, c in caches.items():
+                    t = step(c, cfg, q, k, general=row[1])
                     if i >= 3:
-                        times[spec].append(t)
-            for spec in args.kv:
-                res[spec, depth, th] = statistics.median(times[spec])
+                        times[row].append(t)
+            for row in rows:
+                res[row, depth, th] = statistics.median(times[row])
             print(f"# depth {depth}, {th} thread(s) done, load {os.getloadavg()[0]:.2f}", flush=True)
         del caches
-    base = args.kv[0]
-    head = f"| {'kv':8s} | bytes@{args.depth[0]} | " + " | ".join(f"d{d} t{t} ms (x{base})" for d, t in cols) + " |"
+    base = rows[0]
+    w = max(8, *(len(x) for x in name.values()))
+    head = (f"| {'kv':{w}s} | bytes@{args.depth[0]} | "
+            + " | ".join(f"d{d} t{t} ms (x{base[0]})" for d, t in cols) + " |")
     print(head)
     print("|" + "---|" * (2 + len(cols)))
-    for spec in args.kv:
-        cells = [f"{res[spec, d, t]:7.2f} ({res[base, d, t] / res[spec, d, t]:4.2f}x)" for d, t in cols]
-        ratio = kv_ratio_at(cfg, parse_kv(spec), args.depth[0])
-        print(f"| {spec:8s} | {ratio:.3f} | " + " | ".join(cells) + " |")
-
+    for row in rows:
+        cells = [f"{res[row, d, t]:7.2f} ({res[base, d, t] / res[row, d, t]:4.2f}x)" for d, t in cols]
+        ratio = kv_ratio_at(cfg, parse_kv(row[0]), args.depth[0])
+        print(f"| {name[row]:{w}s} | {ratio:.3f} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()

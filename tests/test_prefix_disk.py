@@ -134,7 +134,10 @@ def test_bound_holds_and_only_its_files_are_touched(m, wikitext, tmp_path):
     outside.write_text("not in the cache dir")
     link = d / ("a" * 64 + ".kvpc")
     link.symlink_to(outside)
+    stale = d / ("." + "b" * 64 + ".kvpc.x1y2.tmp")     # a killed write's temporary file
+    stale.write_bytes(b"half")
     s = Scheduler(m, parallel=1, ctx=1024, kv="kivi-4", cache_ram_mb=64, cache_dir=d)
+    assert not stale.exists()
     _run(s, m.tokenize(wikitext[3000:6000])[:130], 2)
     one = sum(p.stat().st_size for p in _files(d) if not p.is_symlink())
     assert one > 0
@@ -156,7 +159,7 @@ def test_bound_holds_and_only_its_files_are_touched(m, wikitext, tmp_path):
 def test_bad_cache_dir_or_bound(m, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(KvrunError, match="cache-dir"):
+    with pytest.raises(KvrunError, match="cache-dir .*: not a directory"):
         Scheduler(m, parallel=1, cache_dir=f)
     with pytest.raises(KvrunError, match="cache-disk-mb"):
         Scheduler(m, parallel=1, cache_dir=tmp_path, cache_disk_mb=-1)

@@ -70,6 +70,7 @@ def ttft(m, kv, cached, tail, n_gen, ram_mb, reps):
 def disk_ttft(m, kv, cached, tail, n_gen):
     """(cold TTFT, TTFT restored from a --cache-dir file in a new Scheduler, output equal,
     seconds to write the longest entry's file, its bytes)."""
+    import json
     from kvrun.engine.session import write_session
     prefix = text_ids(m, cached)
     ask = lambda i: prefix + text_ids(m, tail, 200000 + 3000 * i)     # noqa: E731
@@ -80,7 +81,7 @@ def disk_ttft(m, kv, cached, tail, n_gen):
         one(w, ask(0), 1)                                              # writes the files
         e = max(w.prefix.entries.values(), key=lambda e: len(e.tokens))
         t0 = time.perf_counter()
-        size = write_session(Path(d) / "x.tmpfile", w.prefix.disk.model, kvrun_kv(e.key),
+        size = write_session(Path(d) / "x.tmpfile", w.prefix.disk.model, json.loads(e.key),
                              e.state, e.snap)
         write_s = time.perf_counter() - t0
         os.unlink(Path(d) / "x.tmpfile")
@@ -88,11 +89,6 @@ def disk_ttft(m, kv, cached, tail, n_gen):
         rw = one(r, ask(1), n_gen)                                     # a restarted server
         assert rw.seq.start == cached and r.prefix.disk.hits == 1, rw.seq.start
     return rc.ttft, rw.ttft, rc.text == rw.text, write_s, size
-
-
-def kvrun_kv(key: str) -> dict:
-    import json
-    return json.loads(key)
 
 
 def session(m_load, kv, n, tmp):

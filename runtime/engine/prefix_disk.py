@@ -40,6 +40,7 @@ from .session import check_origin, read_session, write_session
 
 log = logging.getLogger("kvrun.prefix_cache")
 NAME = re.compile(r"^[0-9a-f]{64}\.kvpc$")
+TMP = re.compile(r"^\.[0-9a-f]{64}\.kvpc\.\w+\.tmp$")    # files.atomic_output's, of a killed write
 
 
 class DiskTier:
@@ -49,6 +50,8 @@ class DiskTier:
         if budget < 0:
             raise KvrunError(f"--cache-disk-mb must be >= 0 MiB (got {budget / (1 << 20):g})")
         p = Path(root).expanduser()
+        if p.exists() and not p.is_dir():
+            raise KvrunError(f"--cache-dir {root}: not a directory")
         try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -60,7 +63,7 @@ class DiskTier:
         self.used = self.files = 0
         self._prefix = hashlib.sha256(json.dumps(
             [model["sha256"], model["dtype"]]).encode())
-        self.trim()
+        self.trim(stale=True)
 
     # -- names ------------------------------------------------------------------------------------
     def paths(self, key: str, ids, ns) -> dict[int, Path]:
@@ -130,13 +133,16 @@ class DiskTier:
         self.trim(keep=path)
         return self._regular(path) is not None
 
-    def trim(self, keep: Path | None = None) -> None:
+    def trim(self, keep: Path | None = None, stale: bool = False) -> None:
         """Remove the least recently used files until they fit the budget (`keep`, just
-        written, last)."""
+        written, last); with `stale`, also the temporary files of writes a killed process
+        left."""
         files = []
         try:
             with os.scandir(self.root) as it:
                 for d in it:
+                    if stale and TMP.match(d.name) and d.is_file(follow_symlinks=False):
+                        self._unlink(Path(d.path))
                     if NAME.match(d.name) and d.is_file(follow_symlinks=False):
                         try:
                             s = d.stat(follow_symlinks=False)

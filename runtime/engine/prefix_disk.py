@@ -6,7 +6,8 @@ A file is a session file (runtime/engine/session.py: the checksummed header nami
 weights' sha256, the dtype, the KV config and the token ids, then the compressed bytes as the
 arena holds them), named `<sha256>.kvpc` by a hash of (weights sha256, dtype, KV config, token
 ids): the name is computed, never taken from a request, and every path read, written or
-removed is DIR/<64 hex digits>.kvpc (a symlink or anything else there is never followed or
+removed is DIR/<64 hex digits>.kvpc (or, at start, a killed write's temporary
+.<that>.*.tmp; a symlink or anything else there is never followed or
 touched; other files in DIR are left alone and not counted).
 
 When: a file is written when its entry is inserted in RAM (write-through), not when LRU drops

@@ -6,9 +6,13 @@
    --cache-ram budget holds;
 3. a saved S-token session: its file size against fp16's, and restore + first token
    against re-prefilling it, with the output after restore checked against the
-   uninterrupted run.
+   uninterrupted run;
+4. with --disk, a restart from --cache-dir files: a new Scheduler on the directory another
+   one filled, time to first token restored from disk against cold, output checked; and
+   the time to write the longest entry's file.
 
     python tools/prefix_cache_bench.py --cached 2048 --session 4096 -t 2
+    python tools/prefix_cache_bench.py --kv auto --session 0 --disk -t 2
 
 Text from $KVRUN_WIKITEXT (WikiText-2 test); numbers to stdout, one line each.
 """
@@ -63,6 +67,30 @@ def ttft(m, kv, cached, tail, n_gen, ram_mb, reps):
     return statistics.median(cold), statistics.median(warm), same, entry
 
 
+def disk_ttft(m, kv, cached, tail, n_gen):
+    """(cold TTFT, TTFT restored from a --cache-dir file in a new Scheduler, output equal,
+    seconds to write the longest entry's file, its bytes)."""
+    import json
+    from kvrun.engine.session import write_session
+    prefix = text_ids(m, cached)
+    ask = lambda i: prefix + text_ids(m, tail, 200000 + 3000 * i)     # noqa: E731
+    ctx = cached + tail + n_gen
+    rc = one(Scheduler(m, parallel=1, ctx=ctx, kv=kv), ask(1), n_gen)
+    with tempfile.TemporaryDirectory() as d:
+        w = Scheduler(m, parallel=1, ctx=ctx, kv=kv, cache_ram_mb=256, cache_dir=d)
+        one(w, ask(0), 1)                                              # writes the files
+        e = max(w.prefix.entries.values(), key=lambda e: len(e.tokens))
+        t0 = time.perf_counter()
+        size = write_session(Path(d) / "x.tmpfile", w.prefix.disk.model, json.loads(e.key),
+                             e.state, e.snap)
+        write_s = time.perf_counter() - t0
+        os.unlink(Path(d) / "x.tmpfile")
+        r = Scheduler(m, parallel=1, ctx=ctx, kv=kv, cache_ram_mb=256, cache_dir=d)
+        rw = one(r, ask(1), n_gen)                                     # a restarted server
+        assert rw.seq.start == cached and r.prefix.disk.hits == 1, rw.seq.start
+    return rc.ttft, rw.ttft, rc.text == rw.text, write_s, size
+
+
 def session(m_load, kv, n, tmp):
     """(file bytes, re-prefill s, restore + first token s, output equal) for an n-token
     session."""
@@ -100,6 +128,7 @@ def main():
     ap.add_argument("--ram-mb", type=float, default=256, help="the --cache-ram budget")
     ap.add_argument("--session", type=int, default=4096, help="session tokens (0: skip)")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--disk", action="store_true", help="also measure a restart from --cache-dir")
     ap.add_argument("-b", "--chunk", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=None)
     a = ap.parse_args()
@@ -115,6 +144,11 @@ def main():
               f"ratio {warm / cold:.3f}, output equal {same}; "
               f"{per_tok:.0f} B/token, {GiB / per_tok:,.0f} tokens/GiB, "
               f"{held[kv]} such prompts in {a.ram_mb:g} MiB")
+    for kv in kvs if a.disk else ():
+        cold, warm, same, write_s, size = disk_ttft(m, kv, a.cached, a.tail, a.n)
+        print(f"disk {kv:8s} cached {a.cached}: cold {cold:.3f} s, restored from disk {warm:.3f} s, "
+              f"ratio {warm / cold:.3f}, output equal {same}; file {size / (1 << 20):.2f} MiB "
+              f"written in {write_s:.3f} s")
     if "fp16" in held:
         for kv in kvs:
             print(f"held vs fp16 {kv:8s} {held[kv] / max(held['fp16'], 1):.2f}x")

@@ -29,6 +29,11 @@ from ..errors import KvrunError
 @click.option("--cache-ram", "cache_ram", default=0.0, show_default=True, type=float, metavar="MB",
               help="MiB of host RAM for the prefix cache across requests: a request starts from "
                    "the longest cached prefix of its prompt (exactly; docs/serve.md). 0: off.")
+@click.option("--cache-dir", "cache_dir", default=None, metavar="DIR",
+              help="Also keep the prefix cache's entries as files in DIR, so a restarted server "
+                   "with the same model and --kv starts from them (docs/serve.md).")
+@click.option("--cache-disk-mb", default=1024.0, show_default=True, type=float, metavar="MB",
+              help="Most MiB the --cache-dir files hold (least recently used removed first).")
 @click.option("--queue", "queue", default=64, show_default=True, type=int,
               help="Most requests waiting beyond the free --parallel slots (more get HTTP 429).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -49,7 +54,7 @@ from ..errors import KvrunError
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="Seconds running requests may take to finish after Ctrl-C / SIGTERM; then "
                    "they end with an error (a second Ctrl-C quits at once).")
-def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, queue, host, port, alias,
+def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, cache_dir, cache_disk_mb, queue, host, port, alias,
               dtype, chunk, threads, api_key, cors, max_body_mb, shutdown_timeout):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
     /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), many requests
@@ -73,6 +78,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, que
     check_budget_mb(kv_budget_mb)
     if not 0 <= cache_ram < float("inf"):
         raise KvrunError(f"--cache-ram must be a finite number >= 0 MiB (got {cache_ram:g})")
+    if not 0 <= cache_disk_mb < float("inf"):
+        raise KvrunError(f"--cache-disk-mb must be a finite number >= 0 MiB (got {cache_disk_mb:g})")
     if queue < 0:
         raise KvrunError(f"--queue must be >= 0 (got {queue})")
     if not 0 < max_body_mb <= 1024:
@@ -90,7 +97,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, que
     m = load(model, dtype=dtype, ctx=1, kv="fp16", prefill_chunk=chunk, threads=threads,
              progress=eprint)
     sched = Scheduler(m, parallel=parallel, kv_budget_mb=kv_budget_mb, max_queue=queue,
-                      ctx=ctx, kv=spec, cache_ram_mb=cache_ram)
+                      ctx=ctx, kv=spec, cache_ram_mb=cache_ram,
+                      cache_dir=cache_dir, cache_disk_mb=cache_disk_mb)
     name = alias or m.path.name
     app = create_app(m, sched, name, api_key=api_key, cors_origins=tuple(cors),
                      max_body=int(max_body_mb * (1 << 20)))
@@ -98,7 +106,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, que
     where = f"[{host}]" if ":" in host else host
     eprint(f"kvrun serve: model '{name}', {parallel} parallel, {ctx} tokens per sequence, "
             f"kv {spec.label()}, KV budget {budget}"
-            + (f", prefix cache {cache_ram:g} MiB" if cache_ram else "") + f"; http://{where}:{port}/v1"
+            + (f", prefix cache {cache_ram:g} MiB" if cache_ram else "")
+            + (f", cache dir {sched.prefix.disk.root} ({cache_disk_mb:g} MiB)" if cache_dir else "") + f"; http://{where}:{port}/v1"
             + ("" if api_key else " (no --api-key: anyone who can connect may use it)"
                if host not in ("127.0.0.1", "localhost", "::1") else ""))
     server = Server(uvicorn.Config(app, log_level="warning", http=HeaderDeadline,

@@ -13,6 +13,8 @@
                                               (hit rate = hits / queries, vLLM's convention)
     kvrun_prefix_cache_requests_total{hit}    requests looked up, by whether any token was restored
     kvrun_prefix_cache_bytes / _entries       host RAM the cached snapshots hold, and their count
+    kvrun_prefix_cache_disk_hits_total        entries restored from --cache-dir files
+    kvrun_prefix_cache_disk_bytes / _files    bytes the --cache-dir files hold, and their count
 
 Each app has its own registry (a process may run several apps, the tests do). /metrics is
 behind `--api-key` like every route but /health: llama-server guards it too (its open
@@ -47,6 +49,13 @@ class PrefixCacheCollector:
                                 "snapshots", value=st["bytes"])
         yield GaugeMetricFamily("kvrun_prefix_cache_entries", "Snapshots in the prefix cache",
                                 value=st["entries"])
+        if "disk_hits" in st:
+            yield CounterMetricFamily("kvrun_prefix_cache_disk_hits", "Prefix cache entries "
+                                      "restored from --cache-dir files", value=st["disk_hits"])
+            yield GaugeMetricFamily("kvrun_prefix_cache_disk_bytes", "Bytes of the --cache-dir "
+                                    "files", value=st["disk_bytes"])
+            yield GaugeMetricFamily("kvrun_prefix_cache_disk_files", "Files in --cache-dir",
+                                    value=st["disk_files"])
 
 
 class Metrics:

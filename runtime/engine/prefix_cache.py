@@ -28,6 +28,10 @@ prefix between two running sequences would mean blocks referenced by several are
 copy-on-write at the window/tail boundary, which the arena's contiguous per-layer layout
 does not have. A prefix is shared by copying its snapshot into each new cache instead
 (a copy of the compressed bytes: for `auto` a third of fp16's).
+
+With a disk tier (runtime/engine/prefix_disk.py, `--cache-dir`) every entry is also written
+to a file when it is inserted, and a lookup that misses RAM at a boundary looks for that
+boundary's file before trying a shorter prefix; a file found is restored and put back in RAM.
 """
 from __future__ import annotations
 
@@ -59,10 +63,10 @@ class PrefixCache:
     """Snapshots under `budget` bytes, LRU (module docstring). The scheduler's loop thread
     adds and looks up; `stats()` may be read from any thread."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, disk=None):
         if budget < 0:
             raise KvrunError(f"--cache-ram must be >= 0 MiB (got {budget / (1 << 20):g})")
-        self.budget = budget
+        self.budget, self.disk = budget, disk       # disk: a prefix_disk.DiskTier or None
         self.entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()
         self.used = 0
         self.queried = self.hit_tokens = 0          # prompt tokens looked up / not prefilled
@@ -91,9 +95,19 @@ class PrefixCache:
             return False
         state["canon"] = n
         e = Entry(k[0], ids, state, snap, snap.nbytes())
+        on_disk = self.disk is not None and \
+            self.disk.put(self.disk.paths(k[0], ids, [n])[n], k[0], state, snap)
+        return self._keep(e) or on_disk
+
+    def _keep(self, e: Entry) -> bool:
+        """Put `e` in RAM, dropping the least recently used until it fits."""
         if e.nbytes > self.budget:
             return False
+        k = (e.key, e.tokens)
         with self._lock:
+            if k in self.entries:
+                self.entries.move_to_end(k)
+                return True
             while self.used + e.nbytes > self.budget:
                 _, old = self.entries.popitem(last=False)
                 self.used -= old.nbytes
@@ -107,11 +121,21 @@ class PrefixCache:
         of `chunk` (every entry does), leaves at least one prompt id to prefill and fits a
         cache of `max_ctx` tokens; None when there is none. One dict lookup per boundary."""
         key = kv_key(kv)
-        with self._lock:
-            for n in range(min(len(prompt) - 1, max_ctx) // chunk * chunk, 0, -chunk):
-                e = self.entries.get((key, tuple(prompt[:n])))
+        ns = range(min(len(prompt) - 1, max_ctx) // chunk * chunk, 0, -chunk)
+        files = self.disk.paths(key, prompt, ns) if self.disk is not None and ns else {}
+        for n in ns:
+            ids = tuple(prompt[:n])
+            with self._lock:
+                e = self.entries.get((key, ids))
                 if e is not None:
-                    self.entries.move_to_end((key, e.tokens))
+                    self.entries.move_to_end((key, ids))
+                    return e
+            if n in files:                          # a RAM miss: this boundary's file
+                got = self.disk.get(files[n], key, ids)
+                if got is not None:
+                    state, snap = got
+                    e = Entry(key, ids, state, snap, snap.nbytes())
+                    self._keep(e)
                     return e
         return None
 
@@ -137,6 +161,7 @@ class PrefixCache:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"entries": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
-                    "requests": self.requests, "hits": self.hits,
-                    "prompt_tokens": self.queried, "hit_tokens": self.hit_tokens}
+            st = {"entries": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
+                  "requests": self.requests, "hits": self.hits,
+                  "prompt_tokens": self.queried, "hit_tokens": self.hit_tokens}
+        return st if self.disk is None else {**st, **self.disk.stats()}

@@ -168,11 +168,12 @@ class Scheduler:
     (None: no limit); max_queue: most requests waiting beyond the free slots; ctx: tokens per
     sequence (default: the model's context); kv: the default KV method (default: the
     model's); cache_ram_mb: MiB of host RAM for the prefix cache across requests
-    (runtime/engine/prefix_cache.py; 0: none)."""
+    (runtime/engine/prefix_cache.py; 0: none); cache_dir, cache_disk_mb: its disk tier, a
+    directory and the most MiB its files hold (runtime/engine/prefix_disk.py; None: none)."""
 
     def __init__(self, model, parallel: int = 4, kv_budget_mb: float | None = None,
                  max_queue: int = 64, ctx: int | None = None, kv: "str | KVConfig | None" = None,
-                 cache_ram_mb: float = 0):
+                 cache_ram_mb: float = 0, cache_dir=None, cache_disk_mb: float = 1024):
         if parallel < 1:
             raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
         check_budget_mb(kv_budget_mb)
@@ -187,7 +188,14 @@ class Scheduler:
         self.kv = self.parse_kv(kv if kv is not None else getattr(model, "kv", "fp16"))
         if not (isinstance(cache_ram_mb, (int, float)) and 0 <= cache_ram_mb < float("inf")):
             raise KvrunError(f"--cache-ram must be a finite number >= 0 MiB (got {cache_ram_mb!r})")
-        self.prefix = PrefixCache(int(cache_ram_mb * MiB)) if cache_ram_mb else None
+        if not (isinstance(cache_disk_mb, (int, float)) and 0 <= cache_disk_mb < float("inf")):
+            raise KvrunError(f"--cache-disk-mb must be a finite number >= 0 MiB (got {cache_disk_mb!r})")
+        disk = None
+        if cache_dir is not None:
+            from .prefix_disk import DiskTier
+            from .session import model_record
+            disk = DiskTier(cache_dir, int(cache_disk_mb * MiB), model_record(model))
+        self.prefix = PrefixCache(int(cache_ram_mb * MiB), disk) if cache_ram_mb or disk else None
         self.batch = Batch(model.transformer)
         self.pending: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []

@@ -109,15 +109,21 @@ def restore_engine(engine, snap: Snapshot, state: dict, vocab_size: int) -> None
 def save_session(m, path, extra: dict | None = None) -> int:
     """Write model `m`'s sequence to `path` atomically; returns the file's bytes."""
     snap, state = engine_state(m.engine)
+    return write_session(path, model_record(m), kv_record(m.cache.kv), state, snap, extra)
+
+
+def write_session(path, model: dict, kv: dict, state: dict, snap: Snapshot,
+                  extra: dict | None = None) -> int:
+    """Write a sequence (engine_state's) saved by `model` (model_record) with KV config `kv`
+    (kv_record) to `path` atomically; returns the file's bytes."""
     table, off = [], 0
     for name, t in snap.tensors.items():
         n = t.nbytes
         table.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
                       "offset": off, "nbytes": n})
         off += n
-    header = json.dumps({"format": "kvrun-session", "model": model_record(m),
-                         "kv": kv_record(m.cache.kv), "engine": state, "cache": snap.meta,
-                         "tensors": table, "extra": extra or {}}).encode()
+    header = json.dumps({"format": "kvrun-session", "model": model, "kv": kv, "engine": state,
+                         "cache": snap.meta, "tensors": table, "extra": extra or {}}).encode()
     h = hashlib.sha256()
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
         def put(b):
@@ -174,22 +180,26 @@ def read_session(path) -> tuple[dict, Snapshot]:
     return header, Snapshot(header["cache"], tensors)
 
 
+def check_origin(path, header: dict, model: dict, kv: dict) -> None:
+    """KvrunError unless the file's header names `model` (model_record) and `kv` (kv_record)."""
+    want = header["model"]
+    if want.get("sha256") != model["sha256"]:
+        raise KvrunError(f"{path}: saved for model {want.get('name')!r} (weights sha256 "
+                         f"{str(want.get('sha256'))[:12]}…), not for {model['name']!r} "
+                         f"({model['sha256'][:12]}…)")
+    if want.get("dtype") != model["dtype"]:
+        raise KvrunError(f"{path}: saved with --dtype {want.get('dtype')}, this model runs "
+                         f"--dtype {model['dtype']}")
+    if header["kv"] != kv:
+        raise KvrunError(f"{path}: saved with --kv {header['kv'].get('label')!r}, this cache is "
+                         f"--kv {kv['label']!r} (its settings must match too)")
+
+
 def load_session(m, path) -> dict:
     """Restore the session at `path` into model `m` (its conversation cache); returns the
     header's "extra". The model and KV config must be the ones it was saved with."""
     header, snap = read_session(path)
-    want, have = header["model"], model_record(m)
-    if want.get("sha256") != have["sha256"]:
-        raise KvrunError(f"{path}: saved for model {want.get('name')!r} (weights sha256 "
-                         f"{str(want.get('sha256'))[:12]}…), not for {have['name']!r} "
-                         f"({have['sha256'][:12]}…)")
-    if want.get("dtype") != have["dtype"]:
-        raise KvrunError(f"{path}: saved with --dtype {want.get('dtype')}, this model runs "
-                         f"--dtype {have['dtype']}")
-    kv = kv_record(m.cache.kv)
-    if header["kv"] != kv:
-        raise KvrunError(f"{path}: saved with --kv {header['kv'].get('label')!r}, this cache is "
-                         f"--kv {kv['label']!r} (its settings must match too)")
+    check_origin(path, header, model_record(m), kv_record(m.cache.kv))
     with m.engine.exclusive():
         restore_engine(m.engine, snap, header["engine"], m.cfg.vocab_size)
     return header["extra"]

@@ -1,0 +1,178 @@
+"""The prefix cache's disk tier (runtime/engine/prefix_disk.py): entries outlive the process
+(a new Scheduler on the same directory, a simulated restart, starts from them and its greedy
+output equals the cold request's); corrupt, truncated and foreign files are skipped, removed
+and logged, never read as a cache; the byte bound holds; nothing outside the directory, nor
+a symlink or an unrelated file inside it, is read, written or removed."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+import kvrun
+from kvrun.engine.sampling import SamplingParams
+from kvrun.engine.scheduler import Scheduler
+from kvrun.errors import KvrunError
+from test_session import _patched_header
+
+CHUNK = 64
+GREEDY = SamplingParams(temp=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_cap():
+    """One compute thread, fixed (as tests/test_prefix_cache.py: torch's GEMMs sum in
+    another order on another thread count)."""
+    from kvrun.threads import configure
+    configure(1)
+    yield
+    configure(None)
+
+
+@pytest.fixture(scope="module")
+def m():
+    return kvrun.load(ctx=1024, prefill_chunk=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def prompt(m, wikitext):
+    return m.tokenize(wikitext[3000:9000])[:197] + m.tokenize(" Question:", bos=False)
+
+
+def _run(sched, prompt, n=12):
+    r = sched.submit(prompt, n, GREEDY)
+    sched.run()
+    assert r.finish_reason in ("stop", "length"), r.error
+    return r.text, r.seq.start
+
+
+def _files(d):
+    return sorted(p for p in d.iterdir() if p.suffix == ".kvpc")
+
+
+@pytest.mark.parametrize("kv", ["fp16", "kivi-4", "auto"])
+def test_entries_survive_a_restart(m, prompt, tmp_path, kv):
+    cold, start = _run(Scheduler(m, parallel=1, ctx=1024, kv=kv, cache_ram_mb=64,
+                                 cache_dir=tmp_path), prompt)
+    assert start == 0
+    # one file per chunk boundary the prefill passed (64, 128, 192)
+    assert len(_files(tmp_path)) == len(prompt) // CHUNK
+    again = Scheduler(m, parallel=1, ctx=1024, kv=kv, cache_ram_mb=64, cache_dir=tmp_path)
+    warm, start = _run(again, prompt)
+    assert warm == cold and start == (len(prompt) - 1) // CHUNK * CHUNK
+    st = again.prefix.stats()
+    assert st["disk_hits"] == 1 and st["hits"] == 1 and st["entries"] >= 1
+    _, start = _run(again, prompt)                  # now from RAM: no second file read
+    assert start > 0 and again.prefix.stats()["disk_hits"] == 1
+    # another KV config does not take these files
+    other = Scheduler(m, parallel=1, ctx=1024, kv="int8" if kv != "int8" else "fp16",
+                      cache_ram_mb=64, cache_dir=tmp_path)
+    _, start = _run(other, prompt, 2)
+    assert start == 0 and other.prefix.stats()["disk_hits"] == 0
+
+
+def test_disk_only_without_ram(m, prompt, tmp_path):
+    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="kivi-4", cache_dir=tmp_path), prompt)
+    s = Scheduler(m, parallel=1, ctx=1024, kv="kivi-4", cache_dir=tmp_path)
+    warm, start = _run(s, prompt)
+    assert warm == cold and start > 0 and s.prefix.stats()["entries"] == 0
+
+
+def _foreign_model(f):
+    _patched_header(f, f, lambda h: h["model"].update(sha256="0" * 64))
+
+
+def _other_ids(f):
+    _patched_header(f, f, lambda h: h["engine"].update(tokens=[5] * len(h["engine"]["tokens"])))
+
+
+def _flip(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def _truncate(f):
+    f.write_bytes(f.read_bytes()[:-7])
+
+
+def _foreign_kv(f):
+    _patched_header(f, f, lambda h: h["kv"].update(label="int8"))
+
+
+@pytest.mark.parametrize("spoil", [_flip, _truncate, _foreign_model, _foreign_kv, _other_ids,
+                                   lambda f: f.write_text("not a session")])
+def test_bad_files_are_skipped_and_removed(m, prompt, tmp_path, caplog, spoil):
+    kv = "kivi-4"
+    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv=kv, cache_ram_mb=64,
+                             cache_dir=tmp_path), prompt)
+    files = sorted(_files(tmp_path), key=lambda p: p.stat().st_size)
+    longest = files[-1]                             # the one a restart looks up first
+    spoil(longest)
+    spoiled = longest.read_bytes()
+    s = Scheduler(m, parallel=1, ctx=1024, kv=kv, cache_ram_mb=64, cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvrun.prefix_cache"):
+        warm, start = _run(s, prompt)
+    assert warm == cold
+    # the spoiled file was removed (logged), the next boundary's file used instead; the
+    # prefill past it wrote a good file again under the same name
+    from kvrun.engine.session import read_session
+    assert longest.read_bytes() != spoiled
+    assert read_session(longest)[0]["engine"]["tokens"] == prompt[:192]
+    assert any("skipping and removing" in r.getMessage() and longest.name in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert start == 128
+    assert s.prefix.stats()["disk_hits"] == 1
+
+
+def test_bound_holds_and_only_its_files_are_touched(m, wikitext, tmp_path):
+    d = tmp_path / "cache"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    outside = tmp_path / "outside.kvpc"
+    outside.write_text("not in the cache dir")
+    link = d / ("a" * 64 + ".kvpc")
+    link.symlink_to(outside)
+    stale = d / ("." + "b" * 64 + ".kvpc.x1y2.tmp")     # a killed write's temporary file
+    stale.write_bytes(b"half")
+    s = Scheduler(m, parallel=1, ctx=1024, kv="kivi-4", cache_ram_mb=64, cache_dir=d)
+    assert not stale.exists()
+    _run(s, m.tokenize(wikitext[3000:6000])[:130], 2)
+    one = sum(p.stat().st_size for p in _files(d) if not p.is_symlink())
+    assert one > 0
+    budget_mb = 2.5 * one / (1 << 20)
+    s = Scheduler(m, parallel=1, ctx=1024, kv="kivi-4", cache_ram_mb=64, cache_dir=d,
+                  cache_disk_mb=budget_mb)
+    for i in range(5):
+        _run(s, m.tokenize(f"Topic {i}. " + wikitext[3000 + 500 * i:9000])[:200], 2)
+        held = sum(p.stat().st_size for p in _files(d) if not p.is_symlink())
+        assert 0 < held <= budget_mb * (1 << 20)
+        assert s.prefix.stats()["disk_bytes"] == held
+    assert len(_files(d)) < 1 + 2 + 5 * 3            # the least recently used went
+    assert (d / "notes.txt").read_text() == "mine"
+    assert link.is_symlink() and outside.read_text() == "not in the cache dir"
+    assert sorted(os.listdir(tmp_path)) == ["cache", "outside.kvpc"]
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+
+
+def test_bad_cache_dir_or_bound(m, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(KvrunError, match="cache-dir .*: not a directory"):
+        Scheduler(m, parallel=1, cache_dir=f)
+    with pytest.raises(KvrunError, match="cache-disk-mb"):
+        Scheduler(m, parallel=1, cache_dir=tmp_path, cache_disk_mb=-1)
+
+
+def test_names_hash_model_kv_and_ids(m, tmp_path):
+    from kvrun.engine.prefix_cache import kv_key
+    from kvrun.kv.config import parse_kv
+    s = Scheduler(m, parallel=1, cache_dir=tmp_path)
+    disk = s.prefix.disk
+    ids = list(range(10, 200))
+    a = disk.paths(kv_key(parse_kv("fp16")), ids, [64, 128])
+    b = disk.paths(kv_key(parse_kv("int8")), ids, [64, 128])
+    c = disk.paths(kv_key(parse_kv("fp16")), ids[:127] + [7], [64, 128])
+    assert a[64] != a[128] and a[64] != b[64] and a[64] == c[64] and a[128] != c[128]
+    assert all(p.parent == disk.root for p in (*a.values(), *b.values()))

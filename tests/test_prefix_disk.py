@@ -176,3 +176,20 @@ def test_names_hash_model_kv_and_ids(m, tmp_path):
     c = disk.paths(kv_key(parse_kv("fp16")), ids[:127] + [7], [64, 128])
     assert a[64] != a[128] and a[64] != b[64] and a[64] == c[64] and a[128] != c[128]
     assert all(p.parent == disk.root for p in (*a.values(), *b.values()))
+
+
+def test_the_cache_reads_no_file_through_a_symlink(m, tmp_path):
+    """A symlink swapped in between the directory scan and the read is refused at open."""
+    from kvrun.engine.session import read_session
+    m.engine.prefill(m.tokenize("a session to link to"))
+    real = tmp_path / "real.kvsession"
+    m.save(real)
+    assert read_session(real, follow=False)[0]                       # a plain file reads
+    link = tmp_path / ("0" * 64 + ".kvpc")
+    link.symlink_to(real)
+    with pytest.raises(KvrunError, match="symbolic links"):
+        read_session(link, follow=False)
+    fifo = tmp_path / "fifo.kvpc"
+    os.mkfifo(fifo)
+    with pytest.raises(KvrunError, match="not a regular file"):       # never blocks on it
+        read_session(fifo, follow=False)

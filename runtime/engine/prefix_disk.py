@@ -97,7 +97,7 @@ class DiskTier:
                 log.warning("prefix cache: %s is a symlink; ignored", path.name)
             return None
         try:
-            header, snap = read_session(path)
+            header, snap = read_session(path, follow=False)
             check_origin(path.name, header, self.model, json.loads(key))
             state = header["engine"]
             if state.get("tokens") != list(ids) or state.get("canon") != len(ids) \

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -137,12 +138,28 @@ def write_session(path, model: dict, kv: dict, state: dict, snap: Snapshot,
     return os.path.getsize(path)
 
 
-def read_session(path) -> tuple[dict, Snapshot]:
+def _read_file(p: Path, follow: bool) -> bytes:
+    """p's bytes; with follow=False only a regular file that is not a symlink is read (the
+    prefix cache's directory: a symlink swapped in after its check is refused at open)."""
+    if follow:
+        return p.read_bytes()
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise KvrunError(f"{p}: not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def read_session(path, follow: bool = True) -> tuple[dict, Snapshot]:
     """A session file's header and snapshot, checked as a file (magic, version, length,
-    checksum, header shape); not yet against a model."""
+    checksum, header shape); not yet against a model. follow=False: never through a
+    symlink (`_read_file`)."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        data = _read_file(p, follow)
     except FileNotFoundError:
         raise KvrunError(f"{path}: no such session file") from None
     except IsADirectoryError:

@@ -1,8 +1,8 @@
 """Eviction's compaction, what it re-packs (runtime/kv/arena_evict.py): packing one head
 through views writes only that head (TaDA's storage is shared across heads), the fill order,
 KIVI keys compact at most one dirty block per KV head with every other block bit-exact in
-place, streaming keeps KIVI's whole sink block and re-quantizes nothing, and one_dirty_block
-picks the block to re-pack.
+place, streaming keeps KIVI's whole sink block and re-quantizes nothing, dirty_blocks picks
+the blocks to re-pack, and a prefill chunk's compaction keeps what the policy chooses.
 """
 from __future__ import annotations
 
@@ -117,18 +117,51 @@ def test_streaming_keeps_the_whole_sink_block_of_kivi_keys(tiny32_dir):
 
 
 def test_one_dirty_block_keeps_the_pool_best_and_spares_the_rest():
-    from kvrun.kv.arena_evict import one_dirty_block
+    from kvrun.kv.arena_evict import dirty_blocks
     # 2 heads, G 4, tail of 2 blocks + 4 flushing tokens; the policy keeps 8 per head
     kept = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
                          [1, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 1]], dtype=torch.bool)
     value = torch.arange(12.).expand(2, 12).double()
-    got = one_dirty_block(kept, value, 8, 4, per_head=True)
+    got = dirty_blocks(kept, value, 8, 4, per_head=True)
     # head 0: block 1 holds its 2 victims; head 1: a tie (1 victim each), block 0 is worth less
     assert got.int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
                                   [0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 0, 1]]
     # shared slots: one block for both heads (block 1: 3 victims over the heads); head 1
     # keeps its policy-kept 4, 5, 6, 9, 11 minus the least valuable, 4
-    got = one_dirty_block(kept, value, 8, 4, per_head=False)
+    got = dirty_blocks(kept, value, 8, 4, per_head=False)
     assert got.int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0],
                                   [1, 1, 1, 1, 0, 1, 1, 0, 0, 1, 0, 1]]
     assert (got.sum(1) == 8).all()
+    # two blocks allowed: every policy victim's block is re-packed, the policy's choice stands
+    assert torch.equal(dirty_blocks(kept, value, 8, 4, per_head=True, n_blocks=2), kept)
+    assert torch.equal(dirty_blocks(kept, value, 8, 4, per_head=False, n_blocks=2), kept)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "kvcrush", "h2o"])
+@pytest.mark.parametrize("n_blocks", [2, 3])
+def test_a_prefill_chunk_keeps_what_the_policy_chooses_with_block_keys(tiny32_dir, policy, n_blocks):
+    """A chunk flushing f tokens may re-pack up to f / G tail blocks of per-channel keys, so
+    its compaction keeps the tokens the policy picks, as a per-token codec does (with one
+    block per compaction, a chunk could bring in at most G of its tokens: a needle the
+    question's chunk selected was dropped). Run on the lossless fp16 codec, with and
+    without the block-keys rule, so the scores are the same: the tail (n_blocks blocks)
+    fills with the first chunk, the second chunk flushes n_blocks blocks into it."""
+    G, R = 32, 32
+    S = n_blocks * G
+    kv = parse_kv("fp16", residual=R, group=G, evict=policy, budget=R + G + S, snap_window=8)
+    kept = []
+    for block_keys in (False, True):
+        m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+        ids = torch.randint(3, m.cfg.vocab_size, (R + 2 * S,),
+                            generator=torch.Generator().manual_seed(5))
+        ev = m.engine.cache.ev
+        if block_keys:                  # the rule KIVI / GEAR keys get, on a lossless codec
+            ev.token_groups = [True] * m.cfg.num_layers
+        with torch.inference_mode():
+            m.transformer(ids[None, :R + S], m.engine.cache)       # fills the tail exactly
+            assert ev.n_compactions == 0
+            m.transformer(ids[None, R + S:], m.engine.cache)       # flushes S more
+        assert ev.n_compactions == m.cfg.num_layers
+        kept.append([ev.kept_positions(l) for l in range(m.cfg.num_layers)])
+    for l, (a, b) in enumerate(zip(*kept)):
+        assert torch.equal(a, b), l

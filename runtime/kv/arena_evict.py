@@ -30,10 +30,14 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
 - Keys quantized per channel over G-token blocks (KIVI, GEAR) are different: a re-pack
   re-quantizes every token of the block with new group statistics, and a token that
   survives many compactions compounds that error. Three rules bound it:
-  (1) a compaction re-packs at most one tail block per head (`one_dirty_block`): the block
-  with most of the policy's victims joins the flushing tokens in a pool whose best tokens
-  refill it; the policy's other victims wait for their block's turn (the tail stays full,
-  so slack does not apply);
+  (1) a compaction re-packs at most one tail block per head per G flushing tokens
+  (`dirty_blocks`): the blocks with most of the policy's victims join the flushing tokens
+  in a pool whose best tokens refill them; the policy's other victims wait for their
+  block's turn (the tail stays full, so slack does not apply). A decode flush (G tokens)
+  re-packs one block; a prefill chunk of f tokens up to f / G, so a selection made from
+  the question's chunk can take in as many of its tokens as fp16 would (with one block
+  per chunk, a 512-token chunk could keep only G of its tokens: the needle left with
+  the rest);
   (2) dirty slots are refilled in position order, so a block holds neighbouring tokens
   (RoPE turns each channel pair by an angle growing with the position, so a block of
   far-apart tokens spreads every channel's range);
@@ -189,7 +193,7 @@ class ArenaEviction:
         (every codec but TaDA, whose mean is shared by the heads of a slot) each head keeps
         its own clean blocks as packed, otherwise a block is clean only when every head
         keeps it. The other kept tokens fill the dirty slots in `_priority` order. Keys
-        quantized per channel over G-token blocks first go through `one_dirty_block`."""
+        quantized per channel over G-token blocks first go through `dirty_blocks`."""
         a = self.a
         S, nt, f, G, Hkv, D = a.S_l[l], a.n_tail[l], xk.shape[1], a.G, a.Hkv, a.D
         groups = self.token_groups[l]
@@ -203,7 +207,7 @@ class ArenaEviction:
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
         per_head = self.per_head[l]
         if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block
-            kept = one_dirty_block(kept, self._value(score, pos), nt, G, per_head)
+            kept = dirty_blocks(kept, self._value(score, pos), nt, G, per_head, -(-f // G))
         # -- clean blocks (in [0, K), all G tokens kept) stay as packed --------------------------
         clean = torch.zeros(Hkv, S // G, dtype=torch.bool)
         clean[:, :nt // G] = kept[:, :nt].view(Hkv, nt // G, G).all(-1)
@@ -258,7 +262,7 @@ class ArenaEviction:
         return K
 
     def _value(self, score, pos):
-        """(Hkv, n): one_dirty_block's order within the policy's kept / evicted tokens: the
+        """(Hkv, n): dirty_blocks' order within the policy's kept / evicted tokens: the
         newest first (streaming), else the most attended."""
         if self.policy == "streaming":
             return pos.double()
@@ -298,16 +302,17 @@ class ArenaEviction:
             o += r1 - r0
 
 
-def one_dirty_block(kept: torch.Tensor, value: torch.Tensor, nt: int, G: int,
-                    per_head: bool) -> torch.Tensor:
-    """Restrict a compaction to one dirty tail block per head (for keys quantized per
-    channel over G-token blocks). kept (Hkv, n): the policy's choice over nt tail tokens +
-    the flushing ones; value (Hkv, n): ranks tokens within the policy's kept / evicted
-    sets. Returns the kept mask actually applied: the tail block holding the most tokens
-    the policy evicts (ties: the least value) and the flushing tokens form a pool; the
-    pool's best tokens (policy-kept first, then by value) fill that block's slots and the
-    free ones, every other tail token stays. The policy's other victims wait for their
-    block's turn. per_head False: the same block for every head."""
+def dirty_blocks(kept: torch.Tensor, value: torch.Tensor, nt: int, G: int, per_head: bool,
+                 n_blocks: int = 1) -> torch.Tensor:
+    """Restrict a compaction to at most n_blocks dirty tail blocks per head (for keys
+    quantized per channel over G-token blocks). kept (Hkv, n): the policy's choice over nt
+    tail tokens + the flushing ones; value (Hkv, n): ranks tokens within the policy's kept /
+    evicted sets. Returns the kept mask actually applied: the n_blocks tail blocks holding
+    the most tokens the policy evicts (ties: the least value; blocks with no victim are
+    never taken) and the flushing tokens form a pool; the pool's best tokens (policy-kept
+    first, then by value) fill those blocks' slots and the free ones, every other tail
+    token stays. The policy's other victims wait for their block's turn. per_head False:
+    the same blocks for every head."""
     Hkv, n = kept.shape
     nb = nt // G
     out = torch.zeros_like(kept)
@@ -318,10 +323,11 @@ def one_dirty_block(kept: torch.Tensor, value: torch.Tensor, nt: int, G: int,
         if not per_head:
             evicted = evicted.sum(0, keepdim=True).expand(Hkv, nb)
             worth = worth.sum(0, keepdim=True).expand(Hkv, nb)
-        blk = _lex_first((evicted, True), (worth, False))                    # (Hkv,)
+        order = _lex_order((evicted, True), (worth, False))[:, :n_blocks]   # (Hkv, <= n_blocks)
         for h in range(Hkv):
-            if evicted[h, blk[h]] > 0:
-                out[h, blk[h] * G:blk[h] * G + G] = False
+            for b in order[h].tolist():
+                if evicted[h, b] > 0:
+                    out[h, b * G:b * G + G] = False
     n_keep = int(kept[0].sum())
     for h in range(Hkv):
         pool = torch.nonzero(~out[h])[:, 0]

@@ -46,7 +46,8 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   kivi-2 --evict POLICY --kv-budget 512`): h2o / snapkv ppl 40.5 / 59.9 when every dirty
   block was re-packed, 25.8 / 27.7 with one per compaction (2 blocks: 37.9 / 38.6, whole-
   block eviction with no re-pack at all: 37.1 / 88.8, coarser selection); streaming
-  42.9 → 29.6 with the sink block.
+  42.9 → 29.6 with the sink block. Letting a prefill chunk re-pack up to f / G blocks costs
+  perplexity on continuous text and buys retrieval (docs/eviction.md).
 - Scores: decode_attention's `mass` output (exact probabilities, per query head) is
   accumulated per slot in `acc` (H, n_tail + n_win), laid out as the mass is (tail slots,
   then the window), so a flush into free slots moves nothing and a decode token's mass is

@@ -18,6 +18,18 @@ import pytest
 
 
 @pytest.fixture(scope="module")
+def one_thread_cap():
+    """One compute thread, fixed, for a module that compares two greedy runs: the thread
+    governor otherwise picks 1 or 2 threads per forward by the machine's load, and torch's
+    prefill GEMMs sum in another order on another count, which can flip a greedy near-tie
+    (the native decode step gives the same bits on any count: test_thread_invariance.py)."""
+    from kvrun.threads import configure
+    configure(1)
+    yield
+    configure(None)
+
+
+@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """The tiny random model (tests/tiny.py: trained context 512); modules that need another
     geometry define their own."""

@@ -14,17 +14,7 @@ from kvrun.errors import KvrunError
 
 CHUNK = 64                      # small prefill chunks: boundaries within short prompts
 GREEDY = SamplingParams(temp=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_cap():
-    """One compute thread, fixed: the thread governor otherwise picks 1 or 2 per forward by
-    the machine's load, and torch's GEMMs sum in another order on another count, which can
-    flip a greedy near-tie between the two runs compared."""
-    from kvrun.threads import configure
-    configure(1)
-    yield
-    configure(None)
+pytestmark = pytest.mark.usefixtures("one_thread_cap")       # conftest.py
 
 
 @pytest.fixture(scope="module")

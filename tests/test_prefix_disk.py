@@ -18,16 +18,7 @@ from test_session import _patched_header
 
 CHUNK = 64
 GREEDY = SamplingParams(temp=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_cap():
-    """One compute thread, fixed (as tests/test_prefix_cache.py: torch's GEMMs sum in
-    another order on another thread count)."""
-    from kvrun.threads import configure
-    configure(1)
-    yield
-    configure(None)
+pytestmark = pytest.mark.usefixtures("one_thread_cap")       # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,7 @@ CTX = 512
 CHUNK = 64
 KV = "kivi-4"
 N_GEN = 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_cap():
-    """One compute thread, fixed: the thread governor otherwise picks 1 or 2 per forward by
-    the machine's load, and torch's GEMMs sum in another order on another count, which can
-    flip a greedy near-tie between the served run and the reference run alone."""
-    from kvrun.threads import configure
-    configure(1)
-    yield
-    configure(None)
+pytestmark = pytest.mark.usefixtures("one_thread_cap")       # conftest.py
 
 
 @pytest.fixture(scope="module")

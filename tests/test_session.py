@@ -17,17 +17,7 @@ from kvrun.engine.sampling import SamplingParams
 from kvrun.errors import KvrunError
 
 GREEDY = SamplingParams(temp=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_cap():
-    """One compute thread, fixed: the thread governor otherwise picks 1 or 2 per forward by
-    the machine's load, and torch's GEMMs sum in another order on another count, which can
-    flip a greedy near-tie between the two runs compared."""
-    from kvrun.threads import configure
-    configure(1)
-    yield
-    configure(None)
+pytestmark = pytest.mark.usefixtures("one_thread_cap")       # conftest.py
 
 
 def _run(m, ids, n, append=False):

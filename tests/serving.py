@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 
 def run_in_thread(srv) -> tuple[int, threading.Thread]:
@@ -19,3 +20,28 @@ def run_in_thread(srv) -> tuple[int, threading.Thread]:
         assert time.monotonic() < deadline and th.is_alive(), "server did not start"
         time.sleep(0.02)
     return port, th
+
+
+@contextmanager
+def served(model, name: str, **sched_kw):
+    """`kvrun serve`'s app over a Scheduler(model, **sched_kw), model name `name`, running on
+    a free port (run_in_thread): yields (port, scheduler), stops the server after."""
+    import uvicorn
+
+    from kvrun.cli.server import create_app
+    from kvrun.engine.scheduler import Scheduler
+    sched = Scheduler(model, **sched_kw)
+    srv = uvicorn.Server(uvicorn.Config(create_app(model, sched, name), log_level="warning"))
+    port, th = run_in_thread(srv)
+    try:
+        yield port, sched
+    finally:
+        srv.should_exit = True
+        th.join(60)
+
+
+def openai_client(port: int, timeout: float):
+    """The official openai client on the server at `port` (no retries: a failure shows)."""
+    import openai
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                         timeout=timeout, max_retries=0)

@@ -120,7 +120,7 @@ def test_bad_backend_is_a_one_line_error(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# -- stop strings, chat commands, KV reporting (issue 15 item 5) ---------------------------
+# -- stop strings, chat commands, KV reporting ---------------------------
 
 def stdout(r) -> str:
     """The exact stdout (click's Result.stdout turns \\r\\n into \\n)."""

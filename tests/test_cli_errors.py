@@ -1,4 +1,4 @@
-"""Issue 23 (items 9, 13, 16, 17): what a careless or hostile user types ends in one
+"""What a careless or hostile user types ends in one
 `error:` line and exit status 1 (usage errors included), non-UTF-8 input is decoded with
 U+FFFD, `info --json` is typed, bench's title names the weight format."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Context shift in generation and chat (issue 15 item 2): with `--ctx-policy shift` the
+"""Context shift in generation and chat: with `--ctx-policy shift` the
 token loop and chat go on past -c for every cache, positions stay exact, memory stays the
 arena's, and a prompt longer than what a shift keeps is one clear error."""
 import json

@@ -1,4 +1,4 @@
-"""`kvrun convert -o` / `kvrun pull`: what an existing destination may be (issue 23, item 1).
+"""`kvrun convert -o` / `kvrun pull`: what an existing destination may be.
 
 `--force` replaces only a kvrun model directory; the current directory, its parents, the
 home directory, a symbolic link and any directory holding something else are refused with

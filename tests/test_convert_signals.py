@@ -1,5 +1,5 @@
 """SIGINT / SIGTERM / SIGHUP in the middle of `kvrun convert` and `kvrun pull` leave nothing
-half-written (issue 23, item 11): real processes, real signals.
+half-written: real processes, real signals.
 
 The write (or the download) is made to pause once its file is on disk, so the signal lands
 in the write phase every time instead of by luck of timing.

@@ -1,4 +1,4 @@
-"""Prefix reuse is exact (issue 15 item 3): greedy output with the cache reused equals the
+"""Prefix reuse is exact: greedy output with the cache reused equals the
 output after reset(), for every codec, in repeated generations and in chat turns; and it
 still reuses the prefix where that is exact (the dense cache, a window not yet flushed)."""
 import json

@@ -1,10 +1,9 @@
-"""`kvrun serve`'s OpenAI features beyond plain text (issue 26): logprobs (chat and the legacy
+"""`kvrun serve`'s OpenAI features beyond plain text: logprobs (chat and the legacy
 completions format, streamed and not) checked against the model's own log-softmax, `n`
 choices, `stream_options.include_usage`, /tokenize and /detokenize, and /metrics; through the
 official `openai` client on the default model, a real server in a thread."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -15,9 +14,8 @@ pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a te
 
 import kvrun  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
-from kvrun.cli.server import create_app  # noqa: E402
 from hostile_serving import call, openai_error  # noqa: E402
-from serving import run_in_thread  # noqa: E402
+from serving import openai_client, served  # noqa: E402
 
 NAME = "smol"
 CTX = 256
@@ -38,18 +36,13 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    sched = Scheduler(model, parallel=4, max_queue=16, ctx=CTX, kv="fp32")
-    srv = uvicorn.Server(uvicorn.Config(create_app(model, sched, NAME), log_level="warning"))
-    port, th = run_in_thread(srv)
-    yield port, sched
-    srv.should_exit = True
-    th.join(60)
+    with served(model, NAME, parallel=4, max_queue=16, ctx=CTX, kv="fp32") as s:
+        yield s
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none",
-                         timeout=TIMEOUT, max_retries=0)
+    return openai_client(server[0], TIMEOUT)
 
 
 def greedy_ids(model, ids: list[int], n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""`kvrun serve`'s HTTP limits against a hostile client (issue 23), on the tiny model: JSON
+"""`kvrun serve`'s HTTP limits against a hostile client, on the tiny model: JSON
 only, no CORS unless the operator allows an origin, the API key, a bounded body, slow or
 silent headers dropped, a client gone mid-body, and `--queue 0` on an idle server."""
 from __future__ import annotations

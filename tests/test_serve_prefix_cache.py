@@ -13,9 +13,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")
 
 import kvrun  # noqa: E402
-from kvrun.cli.server import create_app  # noqa: E402
-from kvrun.engine.scheduler import Scheduler  # noqa: E402
-from serving import run_in_thread  # noqa: E402
+from serving import openai_client, served  # noqa: E402
 from test_serve_features import scrape  # noqa: E402
 
 NAME = "smol"
@@ -33,18 +31,13 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    sched = Scheduler(model, parallel=8, max_queue=64, ctx=CTX, kv=KV, cache_ram_mb=64)
-    srv = uvicorn.Server(uvicorn.Config(create_app(model, sched, NAME), log_level="warning"))
-    port, th = run_in_thread(srv)
-    yield port, sched
-    srv.should_exit = True
-    th.join(60)
+    with served(model, NAME, parallel=8, max_queue=64, ctx=CTX, kv=KV, cache_ram_mb=64) as s:
+        yield s
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none",
-                         timeout=300, max_retries=0)
+    return openai_client(server[0], 300)
 
 
 def alone(model, msgs) -> str:

@@ -1,4 +1,4 @@
-"""`kvrun serve`'s exit (issue 23): SIGINT / SIGTERM end a real `kvrun serve` process with
+"""`kvrun serve`'s exit: SIGINT / SIGTERM end a real `kvrun serve` process with
 status 0 and no traceback (IPv6 too), and a shutdown drains the running requests for a
 while, then ends what still runs with a 503 or a stream error event.
 """

@@ -21,9 +21,8 @@ import kvrun  # noqa: E402
 from kvrun.engine import grammar as grammar_mod  # noqa: E402
 from kvrun.engine.sampling import SamplingParams, sample  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
-from kvrun.cli.server import create_app  # noqa: E402
 from hostile_serving import call, openai_error  # noqa: E402
-from serving import run_in_thread  # noqa: E402
+from serving import openai_client, served  # noqa: E402
 
 NAME = "smol"
 CTX = 256
@@ -136,18 +135,13 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    sched = Scheduler(model, parallel=4, max_queue=16, ctx=CTX, kv="fp32")
-    srv = uvicorn.Server(uvicorn.Config(create_app(model, sched, NAME), log_level="warning"))
-    port, th = run_in_thread(srv)
-    yield port, sched
-    srv.should_exit = True
-    th.join(60)
+    with served(model, NAME, parallel=4, max_queue=16, ctx=CTX, kv="fp32") as s:
+        yield s
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[0]}/v1", api_key="none",
-                         timeout=TIMEOUT, max_retries=0)
+    return openai_client(server[0], TIMEOUT)
 
 
 def valid(text: str, schema: dict):

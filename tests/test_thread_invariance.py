@@ -25,7 +25,8 @@ def _steps(m, cache, tokens, nth):
 
 @pytest.mark.parametrize("gemv", ["fp32", "int"])
 @pytest.mark.parametrize("arch,kv,n", [("llama", "fp16", 700), ("llama", "kivi-4", 1100),
-                                       ("llama", "int8", 333), ("gemma3", "kivi-4", 900)])
+                                       ("llama", "int8", 333), ("llama", "cb-4", 500),
+                                       ("gemma3", "kivi-4", 900)])
 def test_decode_steps_are_the_same_bits_on_one_and_two_threads(tmp_path, monkeypatch, arch, kv, n,
                                                                gemv):
     monkeypatch.setenv("KVRUN_GEMV", gemv)

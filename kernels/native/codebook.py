@@ -15,7 +15,7 @@ import torch
 from ..decode_attention import DEFAULT_Q_CHUNK, SCORE_LIMIT
 from ..table import covers
 from . import load
-from .decode_attention import MAX_D, TILE
+from .decode_attention import MAX_D, TILE, _splits_max
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -147,7 +147,7 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
                _scratch("q", H * Tq * D), kw.data_ptr(), vw.data_ptr(),
                (kw.stride(1), kw.stride(2)), (vw.stride(1), vw.stride(2)), kn.data_ptr(),
                vn.data_ptr(), (kn.stride(1), kn.stride(2)), (vn.stride(1), vn.stride(2)),
-               out.data_ptr(), _scratch("sc", Hkv * R * N), _scratch("part", Hkv * nth * R * D),
+               out.data_ptr(), _scratch("sc", Hkv * R * N), _scratch("part", Hkv * _splits_max(load()) * R * D),
                mass.data_ptr() if mass is not None else None,
                mass.stride(0) if mass is not None else 0, ctypes.pointer(kd), ctypes.pointer(vd))
     if fuse is not None:

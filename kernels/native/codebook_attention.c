@@ -295,8 +295,8 @@ int kvrun_cb_attention(const CbArgs *a) {
     const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn;
     if (D > MAXD || D % CT || nt % CT) return 1;
     if (nt && (a->kc->bits < 2 || a->kc->bits > 4 || a->vc->bits < 2 || a->vc->bits > 4)) return 2;
-    const int nsplit = a->nthreads < 1 ? 1 : a->nthreads;
     const int64_t ntile = nt / CT;
+    const int nsplit = token_splits(ntile);          /* by length: math_inline.h */
     const float scale = 1.f / sqrtf((float)D);
     for (int hq = 0; hq < Hkv * a->Gq; hq++)                 /* rows of head h: (g, t) */
         for (int t = 0; t < a->Tq; t++) {
@@ -322,7 +322,7 @@ int kvrun_cb_attention(const CbArgs *a) {
         kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
     }
 
-#pragma omp parallel num_threads(a->nthreads)
+#pragma omp parallel num_threads(a->nthreads < 1 ? 1 : a->nthreads)
     {
         /* phase 1: logits, per token split, chunks of tiles with the heads innermost */
 #pragma omp for schedule(static)
@@ -351,13 +351,7 @@ int kvrun_cb_attention(const CbArgs *a) {
             int r = hr % R, t = r % a->Tq;                   /* rows ordered (g, t) */
             int64_t vis = nt + W + a->t0 + t + 1;            /* keys this query sees */
             if (vis > N) vis = N;
-            float m = -INFINITY;
-            for (int64_t n = 0; n < vis; n++) m = s[n] > m ? s[n] : m;
-            float den = 0.f;
-            for (int64_t n = 0; n < vis; n++) { float e = exp_neg(s[n] - m); s[n] = e; den += e; }
-            for (int64_t n = vis; n < N; n++) s[n] = 0.f;
-            float inv = 1.f / den;
-            for (int64_t n = 0; n < vis; n++) s[n] *= inv;
+            softmax_visible(s, vis, N);
         }
         if (a->mass) {
 #pragma omp for schedule(static)

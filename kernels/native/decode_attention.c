@@ -46,17 +46,8 @@
 
 enum { C_FP16 = 0, C_BF16 = 1, C_FP32 = 2, C_INT8 = 3, C_KIVI = 4, C_TADA = 5 };
 enum { TILE = 32, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
-/* The tail is cut into token splits whose number is a function of its length only, never of
- * the thread count: the splits' partial outputs are summed in split order, so a step's
- * output is the same bits on 1 or 2 threads (and a greedy continuation does not depend on
- * the thread governor's choice). 2 to NSPLIT_MAX splits of at least SPLIT_TILES tiles. */
-enum { NSPLIT_MAX = 8, SPLIT_TILES = 4 };
 
-static int token_splits(int64_t ntile) {
-    int64_t s = ntile / SPLIT_TILES;
-    return s < 2 ? 2 : s > NSPLIT_MAX ? NSPLIT_MAX : (int)s;
-}
-
+/* the most token splits (math_inline.h token_splits) of this kernel and codebook_attention.c */
 int kvrun_attention_splits_max(void) { return NSPLIT_MAX; }
 
 /* One codec's storage for one layer: pointers into the preallocated tensors and their
@@ -1008,13 +999,7 @@ int kvrun_decode_attention(const Args *a) {
             int r = hr % R, t = r % a->Tq;                   /* rows ordered (g, t) */
             int64_t vis = nt + W + a->t0 + t + 1;             /* keys this query sees */
             if (vis > N) vis = N;
-            float m = -INFINITY;
-            for (int64_t n = 0; n < vis; n++) m = s[n] > m ? s[n] : m;
-            float den = 0.f;
-            for (int64_t n = 0; n < vis; n++) { float e = exp_neg(s[n] - m); s[n] = e; den += e; }
-            for (int64_t n = vis; n < N; n++) s[n] = 0.f;
-            float inv = 1.f / den;
-            for (int64_t n = 0; n < vis; n++) s[n] *= inv;
+            softmax_visible(s, vis, N);
         }
         if (a->mass) {
 #pragma omp for schedule(static)

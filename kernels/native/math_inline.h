@@ -1,8 +1,9 @@
-/* Small fp32 helpers shared by the attention kernels (decode_attention.c, ring_attention.c):
- * one definition, inlined into each translation unit. */
+/* Small fp32 helpers shared by the attention kernels (decode_attention.c, ring_attention.c,
+ * codebook_attention.c): one definition, inlined into each translation unit. */
 #ifndef KVRUN_MATH_INLINE_H
 #define KVRUN_MATH_INLINE_H
 
+#include <math.h>
 #include <stdint.h>
 
 static inline float dot(const float *restrict a, const float *restrict b, int D) {
@@ -26,6 +27,30 @@ static inline float exp_neg(float x) {
     p = p * r + 1.f;
     union { uint32_t u; float f; } s = { (uint32_t)((int32_t)n + 127) << 23 };
     return p * s.f;
+}
+
+/* The token splits of a tail of ntile 32-token tiles (the arena kernels): a function of its
+ * length only, never of the thread count. The splits' partial outputs are summed in split
+ * order, so a step's output is the same bits on 1 or 2 threads (and a greedy continuation
+ * does not depend on the thread governor's choice): 2 to NSPLIT_MAX splits of at least
+ * SPLIT_TILES tiles. */
+enum { NSPLIT_MAX = 8, SPLIT_TILES = 4 };
+
+static inline int token_splits(int64_t ntile) {
+    int64_t s = ntile / SPLIT_TILES;
+    return s < 2 ? 2 : s > NSPLIT_MAX ? NSPLIT_MAX : (int)s;
+}
+
+/* one row of N logits in place -> probabilities over its first vis (the keys its query sees,
+ * causally), zeros after: an exact two-pass softmax */
+static inline void softmax_visible(float *s, int64_t vis, int64_t N) {
+    float m = -INFINITY;
+    for (int64_t n = 0; n < vis; n++) m = s[n] > m ? s[n] : m;
+    float den = 0.f;
+    for (int64_t n = 0; n < vis; n++) { float e = exp_neg(s[n] - m); s[n] = e; den += e; }
+    for (int64_t n = vis; n < N; n++) s[n] = 0.f;
+    float inv = 1.f / den;
+    for (int64_t n = 0; n < vis; n++) s[n] *= inv;
 }
 
 #endif

@@ -32,11 +32,11 @@
 
 #include "codec_layout.h"
 #include "math_inline.h"
+#include "rows_inline.h"   /* load_row, store_row, matvec: the window's rows */
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-enum { CB_FP16 = 0, CB_BF16 = 1, CB_FP32 = 2 };
 enum { CT = 32, CB_CHUNK = 8 };    /* tokens per tile; tiles per head-interleaved chunk */
 
 /* One codebook codec's storage for one layer (native/codebook.py `describe`). */
@@ -61,56 +61,6 @@ typedef struct {
     const float *rk, *rv;                  /* fused append: (D, D) rotations or NULL */
     void *kdst, *vdst; int64_t kds[2], vds[2];
 } CbArgs;
-
-/* -- rows of the window and the new tokens ---------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
-    return v.f;
-}
-
-static void row_load(const void *base, int64_t off, int kind, int D, float *restrict o) {
-    if (kind == CB_FP16) {
-        const f16 *p = (const f16 *)base + off;
-        int d = 0;
-#if defined(__F16C__)
-        for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
-#endif
-        for (; d < D; d++) o[d] = (float)p[d];
-    } else if (kind == CB_BF16) {
-        const uint16_t *p = (const uint16_t *)base + off;
-        for (int d = 0; d < D; d++) o[d] = bf16_to_f32(p[d]);
-    } else {
-        memcpy(o, (const float *)base + off, sizeof(float) * D);
-    }
-}
-
-static void row_store(void *base, int64_t off, int kind, int D, const float *restrict x) {
-    if (kind == CB_FP16) {
-        f16 *p = (f16 *)base + off;
-        for (int d = 0; d < D; d++) p[d] = (f16)x[d];
-    } else if (kind == CB_BF16) {
-        uint16_t *p = (uint16_t *)base + off;
-        for (int d = 0; d < D; d++) {
-            union { float f; uint32_t u; } v = { x[d] };
-            p[d] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-        }
-    } else {
-        memcpy((float *)base + off, x, sizeof(float) * D);
-    }
-}
-
-/* x = x @ M, M (D, D) row-major */
-static void row_rotate(float *restrict x, const float *restrict M, int D) {
-    float y[MAXD] = {0};
-    for (int e = 0; e < D; e++) {
-        float xe = x[e];
-        const float *m = M + (int64_t)e * D;
-        for (int d = 0; d < D; d++) y[d] += xe * m[d];
-    }
-    memcpy(x, y, sizeof(float) * D);
-}
 
 /* -- a packed group of 32 codes -------------------------------------------------------------- */
 
@@ -285,7 +235,7 @@ static void rows_scores(const void *base, const int64_t *st, int kind, int h, in
                         int64_t col0, const float *q, int R, int D, float *sc, int64_t N) {
     float row[MAXD];
     for (int64_t t = n0; t < n1; t++) {
-        row_load(base, h * st[0] + t * st[1], kind, D, row);
+        load_row(base, h * st[0] + t * st[1], kind, D, row);
         for (int r = 0; r < R; r++) sc[r * N + col0 + t] = dot(q + r * D, row, D);
     }
 }
@@ -301,8 +251,8 @@ int kvrun_cb_attention(const CbArgs *a) {
     for (int hq = 0; hq < Hkv * a->Gq; hq++)                 /* rows of head h: (g, t) */
         for (int t = 0; t < a->Tq; t++) {
             float *dst = a->q + ((int64_t)hq * a->Tq + t) * D;
-            row_load(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
-            if (a->kdst && a->rk) row_rotate(dst, a->rk, D);
+            load_row(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
+            if (a->kdst && a->rk) matvec(dst, a->rk, D);
             for (int d = 0; d < D; d++) dst[d] *= scale;
         }
     const void *kn = a->kn, *vn = a->vn;
@@ -312,12 +262,12 @@ int kvrun_cb_attention(const CbArgs *a) {
         float row[MAXD];
         for (int h = 0; h < Hkv; h++)
             for (int64_t t = 0; t < Tn; t++) {
-                row_load(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
-                if (a->rk) row_rotate(row, a->rk, D);
-                row_store(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
-                row_load(a->vn, h * a->vns[0] + t * a->vns[1], a->ndtype, D, row);
-                if (a->rv) row_rotate(row, a->rv, D);
-                row_store(a->vdst, h * a->vds[0] + t * a->vds[1], a->wdtype, D, row);
+                load_row(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
+                if (a->rk) matvec(row, a->rk, D);
+                store_row(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
+                load_row(a->vn, h * a->vns[0] + t * a->vns[1], a->ndtype, D, row);
+                if (a->rv) matvec(row, a->rv, D);
+                store_row(a->vdst, h * a->vds[0] + t * a->vds[1], a->wdtype, D, row);
             }
         kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
     }
@@ -384,14 +334,14 @@ int kvrun_cb_attention(const CbArgs *a) {
                 const float *p = a->sc + (int64_t)h * R * N;
                 float *acc = part + (int64_t)h * R * D;
                 for (int64_t t = w0; t < w1; t++) {
-                    row_load(a->vw, h * a->vws[0] + t * a->vws[1], a->wdtype, D, row);
+                    load_row(a->vw, h * a->vws[0] + t * a->vws[1], a->wdtype, D, row);
                     for (int r = 0; r < R; r++) {
                         float w = p[r * N + nt + t];
                         for (int d = 0; d < D; d++) acc[r * D + d] += w * row[d];
                     }
                 }
                 for (int64_t t = u0; t < u1; t++) {
-                    row_load(vn, h * vns[0] + t * vns[1], ndt, D, row);
+                    load_row(vn, h * vns[0] + t * vns[1], ndt, D, row);
                     for (int r = 0; r < R; r++) {
                         float w = p[r * N + nt + W + t];
                         for (int d = 0; d < D; d++) acc[r * D + d] += w * row[d];

@@ -40,6 +40,7 @@
 
 #include "codec_layout.h"
 #include "math_inline.h"
+#include "rows_inline.h"
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)   /* each path's intrinsics */
 #include <immintrin.h>
 #endif
@@ -85,64 +86,6 @@ typedef struct {
     void *kdst, *vdst;
     int64_t kds[2], vds[2];
 } Args;
-
-/* -- scalar helpers --------------------------------------------------------------------- */
-
-static inline float bf16f(uint16_t b) {
-    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
-    return v.f;
-}
-
-/* n fp16 values to fp32 (F16C, 8 at a time: gcc does not vectorize the plain cast) */
-static inline void f16_to_f32(const f16 *restrict p, int n, float *restrict o) {
-    int d = 0;
-#if defined(__F16C__)
-    for (; d + 8 <= n; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
-#endif
-    for (; d < n; d++) o[d] = (float)p[d];
-}
-
-/* row of D values of an uncompressed tensor in dtype `kind` (0 fp16, 1 bf16, 2 fp32) */
-static inline void load_row(const void *base, int64_t off, int kind, int D, float *restrict o) {
-    if (kind == C_FP16) {
-        f16_to_f32((const f16 *)base + off, D, o);
-    } else if (kind == C_BF16) {
-        const uint16_t *p = (const uint16_t *)base + off;
-        for (int d = 0; d < D; d++) o[d] = bf16f(p[d]);
-    } else {
-        const float *p = (const float *)base + off;
-        for (int d = 0; d < D; d++) o[d] = p[d];
-    }
-}
-
-/* y = x @ M (M: (D, D) row-major), in place through a copy */
-static void matvec(float *restrict x, const float *restrict M, int D) {
-    float y[MAXD] = {0};
-    for (int e = 0; e < D; e++) {
-        float xe = x[e];
-        const float *m = M + (int64_t)e * D;
-        for (int d = 0; d < D; d++) y[d] += xe * m[d];
-    }
-    memcpy(x, y, sizeof(float) * D);
-}
-
-/* store a row rounded to dtype `kind` (fp16 and bf16 round to nearest even) */
-static void store_row(void *base, int64_t off, int kind, int D, const float *restrict x) {
-    if (kind == C_FP16) {
-        f16 *p = (f16 *)base + off;
-        for (int d = 0; d < D; d++) p[d] = (f16)x[d];
-    } else if (kind == C_BF16) {
-        uint16_t *p = (uint16_t *)base + off;
-        for (int d = 0; d < D; d++) {
-            union { float f; uint32_t u; } v = { x[d] };
-            p[d] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-        }
-    } else {
-        memcpy((float *)base + off, x, sizeof(float) * D);
-    }
-}
-
 
 /* -- packed code rows -------------------------------------------------------------------- */
 

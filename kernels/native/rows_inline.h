@@ -1,0 +1,73 @@
+/* Rows of the window and the new tokens, shared by the arena's attention kernels
+ * (decode_attention.c, codebook_attention.c): fp16 / bf16 / fp32 rows to and from fp32, and
+ * the (D, D) rotation of a row. One definition, inlined into each translation unit. */
+#ifndef KVRUN_ROWS_INLINE_H
+#define KVRUN_ROWS_INLINE_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "codec_layout.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* a row's dtype, as native/decode_attention.py `_FP` numbers them */
+enum { ROW_FP16 = 0, ROW_BF16 = 1, ROW_FP32 = 2 };
+
+static inline float bf16f(uint16_t b) {
+    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
+    return v.f;
+}
+
+/* n fp16 values to fp32 (F16C, 8 at a time: gcc does not vectorize the plain cast) */
+static inline void f16_to_f32(const f16 *restrict p, int n, float *restrict o) {
+    int d = 0;
+#if defined(__F16C__)
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
+#endif
+    for (; d < n; d++) o[d] = (float)p[d];
+}
+
+/* row of D values of an uncompressed tensor in dtype `kind` (0 fp16, 1 bf16, 2 fp32) */
+static inline void load_row(const void *base, int64_t off, int kind, int D, float *restrict o) {
+    if (kind == ROW_FP16) {
+        f16_to_f32((const f16 *)base + off, D, o);
+    } else if (kind == ROW_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int d = 0; d < D; d++) o[d] = bf16f(p[d]);
+    } else {
+        const float *p = (const float *)base + off;
+        for (int d = 0; d < D; d++) o[d] = p[d];
+    }
+}
+
+/* y = x @ M (M: (D, D) row-major), in place through a copy */
+static inline void matvec(float *restrict x, const float *restrict M, int D) {
+    float y[MAXD] = {0};
+    for (int e = 0; e < D; e++) {
+        float xe = x[e];
+        const float *m = M + (int64_t)e * D;
+        for (int d = 0; d < D; d++) y[d] += xe * m[d];
+    }
+    memcpy(x, y, sizeof(float) * D);
+}
+
+/* store a row rounded to dtype `kind` (fp16 and bf16 round to nearest even) */
+static inline void store_row(void *base, int64_t off, int kind, int D, const float *restrict x) {
+    if (kind == ROW_FP16) {
+        f16 *p = (f16 *)base + off;
+        for (int d = 0; d < D; d++) p[d] = (f16)x[d];
+    } else if (kind == ROW_BF16) {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int d = 0; d < D; d++) {
+            union { float f; uint32_t u; } v = { x[d] };
+            p[d] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+        }
+    } else {
+        memcpy((float *)base + off, x, sizeof(float) * D);
+    }
+}
+
+#endif

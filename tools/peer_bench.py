@@ -119,10 +119,13 @@ def peer_batch_worker(a) -> None:
     batch = L.llama_batch_init(max(512, max(a.batches)), 0, 1)
 
     def decode(ctx, toks, pos, seqs) -> None:
+        """One llama_decode; logits for every token of a step (one per sequence), for the
+        last one of a prefill chunk."""
         batch.n_tokens = len(toks)
+        step = len(set(seqs)) > 1
         for i, (t, p, s) in enumerate(zip(toks, pos, seqs)):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, p, 1
-            batch.seq_id[i][0], batch.logits[i] = s, 1 if i == len(toks) - 1 or len(set(seqs)) > 1 else 0
+            batch.seq_id[i][0], batch.logits[i] = s, 1 if step or i == len(toks) - 1 else 0
         if L.llama_decode(ctx, batch) != 0:
             raise SystemExit("llama_decode failed")
     out = []

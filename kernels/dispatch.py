@@ -92,10 +92,7 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, back
     extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk", "mass", "mass_from")}
     be = backend or backend_for(q)
     if be == "native":
-        if "cb" in (k_tail[0].kind, v_tail[0].kind):     # codebook pairs: their own kernel
-            from .native.codebook import decode_attention as decode_attention_native
-        else:
-            from .native.decode_attention import decode_attention as decode_attention_native
+        from .native.decode_attention import decode_attention as decode_attention_native
         out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
         if out is not None:                 # None: a request the C kernel does not cover
             return out
@@ -114,10 +111,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     `attend_append`); None elsewhere, and the caller runs the steps one by one."""
     if (backend or backend_for(q)) != "native":
         return None
-    if "cb" in (k_tail[0].kind, v_tail[0].kind):         # codebook pairs: their own kernel
-        from .native.codebook import attend_append as fused
-    else:
-        from .native.decode_attention import attend_append as fused
+    from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
                  rot_k, rot_v, **kw)
 

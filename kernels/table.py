@@ -10,10 +10,9 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 
 | op | native (CPU) | triton (CUDA) | torch |
 |---|---|---|---|
-| `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c) | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
+| `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c), cb 2/3/4-bit (its tile reads in native/codebook_attention.c); each role read by its own kind, so any K codec pairs with any V codec | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
 | `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | what `decode_attention` covers | — | — |
-| `cb_attention` (`decode_attention` and `attend_append` when K and V are both codebook codecs) | cb 2/3/4-bit (native/codebook_attention.c) | — | every codec |
 | `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
@@ -35,10 +34,9 @@ Routes, by cache (kv/):
 - the rest of a layer (norms, projections, MLP) runs natively for int4/int8 models on a
   native cache (model/native_step.py, native/decode_layer.c), else in torch.
 
-The codebook codecs (cb) have a kernel of their own: `cb_attention` reads a layer whose K
-and V are both cb (any widths); a cb codec paired with another kind runs `decode_attention`
-on torch, since neither native kernel reads both formats. Their layers are always rotated
-(the codec's `needs_rotation`), so they never take `write_attend`.
+The codebook codecs (cb) have no Triton kernel: on CUDA their layers run `decode_attention`
+on torch. Their roles are always rotated (the codec's `needs_rotation`), so they never take
+`write_attend`.
 
 `ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes — so its
 kernels check the ring's bits themselves instead of `COVERAGE`.
@@ -50,11 +48,8 @@ Q = (2, 4, 8)               # the widths of the quantizing codecs
 
 COVERAGE: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {
     "decode_attention": {
-        "native": {"fp": ANY, "int8": ANY, "kivi": Q, "tada": Q, "gear": Q},
+        "native": {"fp": ANY, "int8": ANY, "kivi": Q, "tada": Q, "gear": Q, "cb": (2, 3, 4)},
         "triton": {"fp": ANY, "int8": ANY, "kivi": Q, "tada": Q, "gear": Q},
-    },
-    "cb_attention": {
-        "native": {"cb": (2, 3, 4)},
     },
     "pack": {
         "native": {"int8": ANY, "kivi": Q, "tada": Q, "cb": (2, 3, 4)},

@@ -15,7 +15,8 @@ from kvrun.kernels import cbpack, dispatch, native
 from kvrun.kernels.codecs import make_codec, method_family
 from kvrun.kernels.decode_attention import decode_attention as torch_attention
 from kvrun.kernels.hadamard import rotation_matrix
-from kvrun.kernels.native import codebook as ncb
+from kvrun.kernels.native import decode_attention as nda
+from kvrun.kernels.native.pack import store as native_store
 from kvrun.kv.config import parse_kv
 
 BITS = (2, 3, 4)
@@ -96,7 +97,7 @@ def test_native_pack_bit_identical(bits, role, Hkv, D, n, s0):
     x = torch.randn(Hkv, n, D) * torch.rand(Hkv, n, 1) * 3 + torch.randn(D) * 0.5
     x[0, 3] = 0
     c.store(a, x, s0)
-    assert ncb.store(c, b, x, s0)
+    assert native_store(c, b, x, s0)
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
@@ -108,7 +109,7 @@ GEOMS = [(2, 3, 64, 160, 35, 1), (1, 8, 64, 96, 33, 7), (3, 1, 128, 64, 0, 1),
 def _check_native(km, vm, geom, dtype=torch.float32):
     Hkv, Gq, D, n_tail, W, T = geom
     q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, n_tail, W, T, dtype=dtype)
-    out = ncb.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn)
+    out = nda.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn)
     assert out is not None and out.shape == q.shape and out.dtype == q.dtype
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     assert_close(out.float(), dequantized_reference(q, kt, vt, n_tail, kw, vw, kn, vn), **tol)
@@ -134,7 +135,7 @@ def test_native_mass_matches_torch():
     q, kt, vt, kw, vw, kn, vn = attention_case("cb-4", "cb-2", Hkv, Gq, D, n_tail, W, T)
     N = n_tail + W + T
     m1, m2 = torch.zeros(Hkv * Gq, N), torch.zeros(Hkv * Gq, N)
-    ncb.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m1, mass_from=2)
+    nda.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m1, mass_from=2)
     torch_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m2, mass_from=2)
     assert m1.abs().sum() > 0
     assert_close(m1, m2, atol=1e-5, rtol=1e-4)
@@ -149,7 +150,7 @@ def test_native_fused_append_equals_the_steps(T):
     q, kt, vt, kw, vw, kn, vn = attention_case("cb-3", "cb-4", Hkv, Gq, D, n_tail, W, T)
     r = rotation_matrix(D, torch.randint(0, 2, (D,)).float() * 2 - 1)
     kd, vd = torch.zeros(Hkv, T, D, dtype=torch.float16), torch.zeros(Hkv, T, D, dtype=torch.float16)
-    out = ncb.attend_append(q, kt, vt, n_tail, kw, vw, kn, vn, kd, vd, r, r)
+    out = nda.attend_append(q, kt, vt, n_tail, kw, vw, kn, vn, kd, vd, r, r)
     assert_close(kd, (kn[0] @ r).half())
     assert_close(vd, (vn[0] @ r).half())
     ref = torch_attention(q @ r, kt, vt, n_tail, kw, vw, kd[None], vd[None]) @ r.T
@@ -157,20 +158,29 @@ def test_native_fused_append_equals_the_steps(T):
 
 
 @has_native
-def test_mixed_pairs_are_not_covered_and_fall_back():
-    """A cb codec beside another kind has no native kernel: the op runs on torch."""
-    args = attention_case("cb-4", "kivi-4", 2, 3, 64, 64, 5, 1)
-    assert ncb.decode_attention(args[0], *args[1:3], 64, *args[3:]) is None
+@pytest.mark.parametrize("kv", ["cb-4/kivi-4", "kivi-4/cb-4", "kivi-2/cb-3", "int8/cb-2",
+                                "cb-3/int8", "tada-4/cb-4", "cb-4/fp16", "fp16/cb-3"])
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[2], GEOMS[5]], ids=lambda g: "-".join(map(str, g)))
+def test_native_mixed_pairs_match_dequantized_reference(kv, geom):
+    """A cb role beside any other codec: each role is read by its own kind in one kernel."""
+    km, _, vm = kv.partition("/")
+    _check_native(km, vm, geom)
+
+
+@has_native
+def test_native_mixed_pair_is_the_native_route():
+    """dispatch sends a mixed pair to the native kernel, not to torch."""
+    args = attention_case("kivi-4", "cb-4", 2, 3, 64, 64, 5, 1)
     out = dispatch.decode_attention(args[0], *args[1:3], 64, *args[3:], backend="native")
-    assert torch.equal(out, torch_attention(args[0], *args[1:3], 64, *args[3:]))
+    assert torch.equal(out, nda.decode_attention(args[0], *args[1:3], 64, *args[3:]))
 
 
 @pytest.fixture
 def portable(monkeypatch):
     """The kernel built without its AVX-512 paths (table reads into an L1 tile)."""
     lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
-    lib.kvrun_cb_attention.restype = ctypes.c_int
-    monkeypatch.setattr(ncb, "load", lambda: lib)
+    lib.kvrun_decode_attention.restype = ctypes.c_int
+    monkeypatch.setattr(nda, "load", lambda: lib)
 
 
 @has_native

@@ -1,66 +1,32 @@
-/* Codebook codecs (cb-2, cb-3, cb-4; kvrun.kernels.codecs.codebook), native CPU kernel:
- * decode attention reading the packed codes in place.
+/* Codebook codecs (cb-2, cb-3, cb-4; kvrun.kernels.codecs.codebook), native CPU: the tile
+ * reads decode_attention.c calls for a cb role, so a cb K or V pairs with any codec.
  *
- * kvrun_cb_attention: attention of R query rows per KV head (GQA group x T new tokens,
- * rows ordered (g, t)) over [codebook tail, full-precision window, new tokens], when K and
- * V are both codebook codecs. The same phases as decode_attention.c:
- *   phase 0  (arena step, optional) rotate q / new K / new V (the codecs store rotated
- *            rows), round the new rows to the window dtype, write them to the window slots;
- *   phase 1  logits per token split: a K tile of 32 tokens is D packed groups, one per
- *            channel; a group's 32 codes are decoded to their levels (AVX-512: two
- *            16-entry table permutes, vpermps, per group; else a table read into a (D, 32)
- *            tile in L1), multiplied with the rows and scaled per token afterwards:
- *            q.k_t = scale_t (q . level[c_t]);
- *   phase 2  causal mask over the new tokens, one exact softmax per row, optional mass;
- *   phase 3  p.V per split: each token's D/32 groups decoded to levels and accumulated
- *            with weight p_t scale_t (AVX-512: 64 channels x 4 rows of accumulators held
- *            in registers over a run of tokens); partial outputs summed; the output is
- *            un-rotated by phase 0's V rotation.
+ *   cb_k_tile  logits of a K tile of 32 tokens: D packed groups, one per channel; a
+ *              group's 32 codes are decoded to their levels (AVX-512: two 16-entry table
+ *              permutes, vpermps, per group; else a table read into a (D, 32) tile in L1),
+ *              multiplied with the rows and scaled per token afterwards:
+ *              q.k_t = scale_t (q . level[c_t]);
+ *   cb_v_mix   p.V over a run of tokens: each token's D/32 groups decoded to levels and
+ *              accumulated with weight p_t scale_t (AVX-512: 64 channels x 4 rows of
+ *              accumulators held in registers over the run).
  * Layouts (cbpack.py): K codes (Hkv, S/32, D, 4 bits) — tile, channel; V codes (Hkv, S,
  * D/32, 4 bits) — token, channel group; scale (Hkv, S) fp16. A group of 32 codes: 4 bits
  * byte i = c_i | c_{i+16} << 4; 2 bits byte i = c_i | c_{i+8} << 2 | c_{i+16} << 4 |
  * c_{i+24} << 6; 3 bits = the 2-bit group of the low bits, then the high bits as one
  * little-endian 32-bit word (bit j: code j).
  *
+ * Bytes read per decode step and layer: each packed group and each token's fp16 scale once.
  * The flush that writes these layouts: codebook_pack.c.
  */
-#include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
-#include <omp.h>
 
-#include "codec_layout.h"
-#include "math_inline.h"
-#include "rows_inline.h"   /* load_row, store_row, matvec: the window's rows */
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include "codec_desc.h"
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-enum { CT = 32, CB_CHUNK = 8 };    /* tokens per tile; tiles per head-interleaved chunk */
-
-/* One codebook codec's storage for one layer (native/codebook.py `describe`). */
-typedef struct {
-    int32_t bits;
-    const uint8_t *codes; int64_t cs[3];   /* K: h, tile, channel; V: h, token, group */
-    const f16 *scale; int64_t ss[2];       /* (Hkv, S): h, t */
-    float lv[16];                          /* the 2^bits levels */
-} CbCodec;
-
-typedef struct {
-    int32_t Hkv, R, D, Tq, t0, n_tail, W, Tn, wdtype, ndtype, qdtype, mass_lo, Gq, nthreads;
-    const void *qin; int64_t qs[2];        /* queries (H, Tq, D) in qdtype: h, t */
-    float *q;                              /* scratch (Hkv, R, D) */
-    const void *kw, *vw; int64_t kws[2], vws[2];   /* window (Hkv, W, D) in wdtype */
-    const void *kn, *vn; int64_t kns[2], vns[2];   /* new tokens (Hkv, Tn, D) in ndtype */
-    float *out;                            /* (Hkv, R, D) */
-    float *sc;                             /* scratch (Hkv, R, N) */
-    float *part;                           /* scratch (nsplit, Hkv, R, D) */
-    float *mass; int64_t mass_stride;      /* NULL or (Hkv*Gq, N) */
-    const CbCodec *kc, *vc;
-    const float *rk, *rv;                  /* fused append: (D, D) rotations or NULL */
-    void *kdst, *vdst; int64_t kds[2], vds[2];
-} CbArgs;
+enum { CT = 32 };                  /* tokens per tile, codes per group */
 
 /* -- a packed group of 32 codes -------------------------------------------------------------- */
 
@@ -110,7 +76,7 @@ static inline __attribute__((always_inline)) void group_dec(const uint8_t *g, in
 }
 
 /* sc[i * N + j] = scale_j * sum_d q[i * D + d] level(d, j), j < 32, i < NR: one K tile */
-static inline __attribute__((always_inline)) void ktile_rows(const CbCodec *c, const uint8_t *tile,
+static inline __attribute__((always_inline)) void ktile_rows(const Codec *c, const uint8_t *tile,
         const float *q, int D, __m512 lut, __m512 s0, __m512 s1, float *sc, int64_t N, const int NR) {
     __m512 a[8][2];
     for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
@@ -129,7 +95,7 @@ static inline __attribute__((always_inline)) void ktile_rows(const CbCodec *c, c
     }
 }
 
-static void k_tile_scores(const CbCodec *c, int h, int64_t t0, const float *q, int R, int D,
+void cb_k_tile(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                           float *sc, int64_t N) {
     const uint8_t *tile = c->codes + h * c->cs[0] + (t0 / CT) * c->cs[1];
     __m512 lut = _mm512_loadu_ps(c->lv);
@@ -154,7 +120,7 @@ static void k_tile_scores(const CbCodec *c, int h, int64_t t0, const float *q, i
 /* acc[i * D + cb0 .. + 32 * ng] += sum_t p[i * N + t] scale_t level(t, channel), tokens
  * [t0, t1), rows i < NR, ng (1 or 2) channel groups from group g0: the accumulators stay
  * in registers over the whole run of tokens */
-static inline __attribute__((always_inline)) void vmix_rows(const CbCodec *c, int h, int64_t t0,
+static inline __attribute__((always_inline)) void vmix_rows(const Codec *c, int h, int64_t t0,
         int64_t t1, const float *p, int64_t N, int D, int g0, int ng, __m512 lut, float *acc,
         const int NR) {
     __m512 a[4][4];
@@ -177,7 +143,7 @@ static inline __attribute__((always_inline)) void vmix_rows(const CbCodec *c, in
         for (int k = 0; k < 2 * ng; k++) _mm512_storeu_ps(acc + i * D + g0 * CT + 16 * k, a[i][k]);
 }
 
-static void v_mix(const CbCodec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+void cb_v_mix(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
                   int R, int D, float *acc) {
     __m512 lut = _mm512_loadu_ps(c->lv);
     for (int g0 = 0; g0 < D / CT; g0 += 2) {
@@ -196,7 +162,7 @@ static void v_mix(const CbCodec *c, int h, int64_t t0, int64_t t1, const float *
 #else
 #define CB_FAST 0
 /* portable: a K tile's levels into kt[D][32] (L1), one GEMM-like pass per row */
-static void k_tile_scores(const CbCodec *c, int h, int64_t t0, const float *q, int R, int D,
+void cb_k_tile(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                           float *sc, int64_t N) {
     const uint8_t *tile = c->codes + h * c->cs[0] + (t0 / CT) * c->cs[1];
     float kt[MAXD * CT], sf[CT];
@@ -213,7 +179,7 @@ static void k_tile_scores(const CbCodec *c, int h, int64_t t0, const float *q, i
 }
 
 /* portable: each token's row of levels, accumulated with weight p_t scale_t */
-static void v_mix(const CbCodec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+void cb_v_mix(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
                   int R, int D, float *acc) {
     float row[MAXD];
     for (int64_t t = t0; t < t1; t++) {
@@ -228,144 +194,3 @@ static void v_mix(const CbCodec *c, int h, int64_t t0, int64_t t1, const float *
     }
 }
 #endif
-
-/* -- the op ---------------------------------------------------------------------------------- */
-
-static void rows_scores(const void *base, const int64_t *st, int kind, int h, int64_t n0, int64_t n1,
-                        int64_t col0, const float *q, int R, int D, float *sc, int64_t N) {
-    float row[MAXD];
-    for (int64_t t = n0; t < n1; t++) {
-        load_row(base, h * st[0] + t * st[1], kind, D, row);
-        for (int r = 0; r < R; r++) sc[r * N + col0 + t] = dot(q + r * D, row, D);
-    }
-}
-
-int kvrun_cb_attention(const CbArgs *a) {
-    const int Hkv = a->Hkv, R = a->R, D = a->D;
-    const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn;
-    if (D > MAXD || D % CT || nt % CT) return 1;
-    if (nt && (a->kc->bits < 2 || a->kc->bits > 4 || a->vc->bits < 2 || a->vc->bits > 4)) return 2;
-    const int64_t ntile = nt / CT;
-    const int nsplit = token_splits(ntile);          /* by length: math_inline.h */
-    const float scale = 1.f / sqrtf((float)D);
-    for (int hq = 0; hq < Hkv * a->Gq; hq++)                 /* rows of head h: (g, t) */
-        for (int t = 0; t < a->Tq; t++) {
-            float *dst = a->q + ((int64_t)hq * a->Tq + t) * D;
-            load_row(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
-            if (a->kdst && a->rk) matvec(dst, a->rk, D);
-            for (int d = 0; d < D; d++) dst[d] *= scale;
-        }
-    const void *kn = a->kn, *vn = a->vn;
-    const int64_t *kns = a->kns, *vns = a->vns;
-    int ndt = a->ndtype;
-    if (a->kdst) {                                           /* fused window append */
-        float row[MAXD];
-        for (int h = 0; h < Hkv; h++)
-            for (int64_t t = 0; t < Tn; t++) {
-                load_row(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
-                if (a->rk) matvec(row, a->rk, D);
-                store_row(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
-                load_row(a->vn, h * a->vns[0] + t * a->vns[1], a->ndtype, D, row);
-                if (a->rv) matvec(row, a->rv, D);
-                store_row(a->vdst, h * a->vds[0] + t * a->vds[1], a->wdtype, D, row);
-            }
-        kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
-    }
-
-#pragma omp parallel num_threads(a->nthreads < 1 ? 1 : a->nthreads)
-    {
-        /* phase 1: logits, per token split, chunks of tiles with the heads innermost */
-#pragma omp for schedule(static)
-        for (int sp = 0; sp < nsplit; sp++) {
-            int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
-            for (int64_t c0 = a0; c0 < a1; c0 += CB_CHUNK) {
-                int64_t c1 = c0 + CB_CHUNK < a1 ? c0 + CB_CHUNK : a1;
-                for (int h = 0; h < Hkv; h++)
-                    for (int64_t ti = c0; ti < c1; ti++)
-                        k_tile_scores(a->kc, h, ti * CT, a->q + (int64_t)h * R * D, R, D,
-                                      a->sc + (int64_t)h * R * N + ti * CT, N);
-            }
-            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
-            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            for (int h = 0; h < Hkv; h++) {
-                const float *q = a->q + (int64_t)h * R * D;
-                float *sc = a->sc + (int64_t)h * R * N;
-                rows_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
-                rows_scores(kn, kns, ndt, h, u0, u1, nt + W, q, R, D, sc, N);
-            }
-        }
-        /* phase 2: causal mask over the new tokens, one exact softmax per row, mass */
-#pragma omp for schedule(static)
-        for (int hr = 0; hr < Hkv * R; hr++) {
-            float *s = a->sc + (int64_t)hr * N;
-            int r = hr % R, t = r % a->Tq;                   /* rows ordered (g, t) */
-            int64_t vis = nt + W + a->t0 + t + 1;            /* keys this query sees */
-            if (vis > N) vis = N;
-            softmax_visible(s, vis, N);
-        }
-        if (a->mass) {
-#pragma omp for schedule(static)
-            for (int hq = 0; hq < Hkv * a->Gq; hq++) {       /* query head = kv * Gq + g */
-                int h = hq / a->Gq, g = hq % a->Gq;
-                float *m = a->mass + (int64_t)hq * a->mass_stride;
-                for (int t = 0; t < a->Tq; t++) {
-                    if (a->t0 + t < a->mass_lo) continue;
-                    const float *s = a->sc + ((int64_t)h * R + g * a->Tq + t) * N;
-                    for (int64_t n = 0; n < N; n++) m[n] += s[n];
-                }
-            }
-        }
-        /* phase 3: p.V into per-split partial outputs, the same chunk order as phase 1 */
-#pragma omp for schedule(static)
-        for (int sp = 0; sp < nsplit; sp++) {
-            float *part = a->part + (int64_t)sp * Hkv * R * D;
-            memset(part, 0, sizeof(float) * Hkv * R * D);
-            int64_t b0 = ntile * sp / nsplit * CT, b1 = ntile * (sp + 1) / nsplit * CT;
-            for (int64_t c0 = b0; c0 < b1; c0 += CB_CHUNK * CT) {
-                int64_t c1 = c0 + CB_CHUNK * CT < b1 ? c0 + CB_CHUNK * CT : b1;
-                for (int h = 0; h < Hkv; h++)
-                    v_mix(a->vc, h, c0, c1, a->sc + (int64_t)h * R * N, N, R, D,
-                          part + (int64_t)h * R * D);
-            }
-            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
-            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            float row[MAXD];
-            for (int h = 0; h < Hkv; h++) {
-                const float *p = a->sc + (int64_t)h * R * N;
-                float *acc = part + (int64_t)h * R * D;
-                for (int64_t t = w0; t < w1; t++) {
-                    load_row(a->vw, h * a->vws[0] + t * a->vws[1], a->wdtype, D, row);
-                    for (int r = 0; r < R; r++) {
-                        float w = p[r * N + nt + t];
-                        for (int d = 0; d < D; d++) acc[r * D + d] += w * row[d];
-                    }
-                }
-                for (int64_t t = u0; t < u1; t++) {
-                    load_row(vn, h * vns[0] + t * vns[1], ndt, D, row);
-                    for (int r = 0; r < R; r++) {
-                        float w = p[r * N + nt + W + t];
-                        for (int d = 0; d < D; d++) acc[r * D + d] += w * row[d];
-                    }
-                }
-            }
-        }
-#pragma omp for schedule(static)
-        for (int hr = 0; hr < Hkv * R; hr++) {
-            float *o = a->out + (int64_t)hr * D;
-            for (int d = 0; d < D; d++) o[d] = 0.f;
-            for (int sp = 0; sp < nsplit; sp++) {
-                const float *pp = a->part + ((int64_t)sp * Hkv * R + hr) * D;
-                for (int d = 0; d < D; d++) o[d] += pp[d];
-            }
-        }
-    }
-    if (a->kdst && a->rv) {                                  /* o = o' R_v^T */
-        float y[MAXD];
-        for (int64_t i = 0; i < (int64_t)Hkv * R; i++) {
-            float *o = a->out + i * D;
-            for (int d = 0; d < D; d++) y[d] = dot(o, a->rv + (int64_t)d * D, D);
-            memcpy(o, y, sizeof(float) * D);
-        }
-    }
-    return 0;
-}

@@ -12,12 +12,14 @@
  *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
  *            register, scales folded into q or applied per token); without AVX-512 it is
  *            dequantized into a (D, 32) tile in L1 and multiplied by an AVX2/C micro-kernel.
- *            fp tails, the window and the new tokens are dotted token by token.
+ *            fp tails, the window and the new tokens are dotted token by token; a
+ *            codebook (cb) K tile is read by codebook_attention.c's cb_k_tile.
  *   phase 2  causal mask over the new tokens, one exact softmax per row (two-pass
  *            flash-decoding: a row's logits are few, R*N floats), optional attention mass.
  *   phase 3  p.V in the same chunk order: every V row is decoded and dequantized in
  *            registers (c s + z; TaDA mu - (c s + z); GEAR adds (p A) B^T per block) and
- *            accumulated into the rows' per-split partial outputs, summed at the end;
+ *            accumulated into the rows' per-split partial outputs (a cb V by
+ *            codebook_attention.c's cb_v_mix), summed at the end;
  *            then the output is un-rotated (phase 0's rotation).
  *
  * Work runs on OpenMP threads from torch's own libgomp (the .so is linked against the
@@ -29,8 +31,10 @@
  * tokens once, q once; the logits (4*R*N bytes per head) are written and read twice in L2.
  * SmolLM2 at 4096 tokens, kivi-4: ~1.0 MB per layer, against 3.0 MB for the fp16 cache.
  *
- * The packed layouts are described and indexed in codec_layout.h; the flushes that write
- * them are in pack.c.
+ * Each role is read by its own codec kind, so a layer may pair any K codec with any V
+ * codec (codec_desc.h). The packed layouts are described and indexed in codec_layout.h
+ * (the cb layouts in codebook_attention.c); the flushes that write them are in pack.c and
+ * codebook_pack.c.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,31 +42,17 @@
 #include <string.h>
 #include <omp.h>
 
-#include "codec_layout.h"
+#include "codec_desc.h"     /* Codec, the kinds; codec_layout.h */
 #include "math_inline.h"
 #include "rows_inline.h"
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)   /* each path's intrinsics */
 #include <immintrin.h>
 #endif
 
-enum { C_FP16 = 0, C_BF16 = 1, C_FP32 = 2, C_INT8 = 3, C_KIVI = 4, C_TADA = 5 };
 enum { TILE = 32, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
 
-/* the most token splits (math_inline.h token_splits) of this kernel and codebook_attention.c */
+/* the most token splits (math_inline.h token_splits) of this kernel */
 int kvrun_attention_splits_max(void) { return NSPLIT_MAX; }
-
-/* One codec's storage for one layer: pointers into the preallocated tensors and their
- * element strides (see native/decode_attention.py, `describe`). */
-typedef struct {
-    int32_t kind, role, bits, G, g, rank, k2, mu_int8;
-    const void *x;       int64_t xs[2];     /* fp tail (Hkv, S, D): h, t           */
-    const uint8_t *codes; int64_t cs[4];    /* packed codes, layout per kind/role   */
-    const f16 *scale, *zero; int64_t ss[3]; /* scales / zeros                       */
-    const void *mu; const f16 *mu_scale; int64_t mus;   /* TaDA means               */
-    const f16 *lr_a; int64_t as[2];         /* GEAR A (Hkv, S, r): h, t             */
-    const f16 *lr_b; int64_t bs[3];         /* GEAR B (Hkv, S/G, D, r): h, blk, d   */
-    const uint8_t *oidx; const f16 *oval; int64_t os[3];  /* GEAR outliers          */
-} Codec;
 
 typedef struct {
     int32_t Hkv, R, D, Tq, t0, n_tail, W, Tn, wdtype, ndtype, qdtype, mass_lo, Gq, nthreads;
@@ -915,6 +905,10 @@ int kvrun_decode_attention(const Args *a) {
                     for (int64_t ti = c0; ti < c1; ) {
                         int done = HAVE_FAST && a->kc->kind == C_KIVI && !a->kc->rank
                             ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
+                        if (!done && a->kc->kind == C_CB) {
+                            cb_k_tile(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N);
+                            done = 1;
+                        }
                         if (!done) {
                             if (!k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) {
                                 k_tile(a->kc, h, ti * TILE, D, kt);
@@ -969,6 +963,10 @@ int kvrun_decode_attention(const Args *a) {
                 for (int h = 0; h < Hkv; h++) {
                     const float *p = a->sc + (int64_t)h * R * N;
                     float *acc = part + (int64_t)h * R * D;
+                    if (a->vc->kind == C_CB) {
+                        cb_v_mix(a->vc, h, c0, c1, p, N, R, D, acc);
+                        continue;
+                    }
                     if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
                     for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
                         for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);

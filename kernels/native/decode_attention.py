@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -18,7 +16,7 @@ from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
 from ..table import covers
 from . import load
 
-FP16, BF16, FP32, INT8, KIVI, TADA = range(6)
+FP16, BF16, FP32, INT8, KIVI, TADA, CB = range(7)    # codec_desc.h's kinds
 _FP = {torch.float16: FP16, torch.bfloat16: BF16, torch.float32: FP32}
 MAX_D, MAX_RANK, TILE = 256, 8, 32
 
@@ -34,33 +32,20 @@ class CodecDesc(ctypes.Structure):
         ("mu", _p), ("mu_scale", _p), ("mus", _i64),
         ("lr_a", _p), ("as_", _i64 * 2),
         ("lr_b", _p), ("bs", _i64 * 3),
-        ("oidx", _p), ("oval", _p), ("os", _i64 * 3)]
+        ("oidx", _p), ("oval", _p), ("os", _i64 * 3),
+        ("lv", ctypes.c_float * 16)]
 
 
-def args_struct(desc: type) -> type:
-    """The C arguments of an attention kernel whose tails `desc` describes: decode_attention.c's
-    `Args` (CodecDesc), and the same layout for codebook_attention.c (its CbDesc)."""
-    return type(f"Args_{desc.__name__}", (ctypes.Structure,), {"_fields_": [
-        (n, ctypes.c_int32) for n in ("Hkv", "R", "D", "Tq", "t0", "n_tail", "W", "Tn", "wdtype",
-                                      "ndtype", "qdtype", "mass_lo", "Gq", "nthreads")] + [
+class Args(ctypes.Structure):
+    """decode_attention.c's `Args`."""
+    _fields_ = [(n, ctypes.c_int32) for n in ("Hkv", "R", "D", "Tq", "t0", "n_tail", "W", "Tn", "wdtype",
+                                               "ndtype", "qdtype", "mass_lo", "Gq", "nthreads")] + [
         ("qin", _p), ("qs", _i64 * 2), ("q", _p), ("kw", _p), ("vw", _p), ("kws", _i64 * 2), ("vws", _i64 * 2),
         ("kn", _p), ("vn", _p), ("kns", _i64 * 2), ("vns", _i64 * 2),
         ("out", _p), ("sc", _p), ("part", _p), ("mass", _p), ("mass_stride", _i64),
-        ("kc", ctypes.POINTER(desc)), ("vc", ctypes.POINTER(desc)),
-        ("rk", _p), ("rv", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2)]})
+        ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc)),
+        ("rk", _p), ("rv", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2)]
 
-
-Args = args_struct(CodecDesc)
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """An attention kernel this module drives: its descriptors ((q, k_tail, v_tail, n_tail) ->
-    (K, V) descriptors or None when it does not cover the request), their argument struct
-    (`args_struct`) and the C entry point's name."""
-    descriptors: Callable
-    args: type
-    entry: str
 
 
 def _strides(dst, t: torch.Tensor, n: int):
@@ -88,6 +73,15 @@ def describe(codec, st: dict) -> CodecDesc | None:
     c.codes = codes.data_ptr()
     _strides(c.cs, codes, min(4, codes.dim()))
     c.scale = st["scale"].data_ptr()
+    if kind == "cb":                            # codebook_attention.c's tile reads
+        D = codes.shape[2] if codec.role == "k" else codes.shape[2] * 32
+        if D % 32:
+            return None
+        c.kind, c.bits = CB, codec.bits
+        _strides(c.ss, st["scale"], 2)
+        for i, x in enumerate(codec.levels(D)[0].tolist()):
+            c.lv[i] = x
+        return c
     if kind == "int8":
         c.kind, c.bits = INT8, 8
         _strides(c.ss, st["scale"], 2)
@@ -121,19 +115,19 @@ def describe(codec, st: dict) -> CodecDesc | None:
 
 
 _EMPTY = CodecDesc()      # descriptor of an empty tail
-_DESC: dict = {}          # (id(codec), id(first storage tensor), describe_fn) -> (weakref, descriptor)
+_DESC: dict = {}          # (id(codec), id(first storage tensor)) -> (weakref, descriptor)
 
 
-def _cached(codec, st: dict, describe_fn: Callable = describe):
-    """describe_fn(codec, st) once per storage: the descriptor lives as long as the storage
+def _cached(codec, st: dict):
+    """describe(codec, st) once per storage: the descriptor lives as long as the storage
     tensor (a weak reference checks it is the same live tensor, so a reused id or address
     never returns stale pointers)."""
     t = next(iter(st.values()))
-    key = (id(codec), id(t), describe_fn)       # each kernel's descriptor of one storage
+    key = (id(codec), id(t))
     hit = _DESC.get(key)
     if hit is not None and hit[0]() is t:
         return hit[1]
-    d = describe_fn(codec, st)
+    d = describe(codec, st)
     _DESC[key] = (weakref.ref(t, lambda _, k=key: _DESC.pop(k, None)), d)
     return d
 
@@ -150,19 +144,14 @@ def _descriptors(q, k_tail, v_tail, n_tail: int):
     return None if kd is None or vd is None else (kd, vd)
 
 
-KERNEL = Kernel(_descriptors, Args, "kvrun_decode_attention")    # every codec but codebook's
-
 
 def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
                      block: int = DEFAULT_BLOCK, q_chunk: int = DEFAULT_Q_CHUNK,
-                     mass: torch.Tensor | None = None, mass_from: int = 0,
-                     kernel: Kernel | None = None):
-    """kernels.decode_attention (see there) on the native kernel (`kernel`, default
-    decode_attention.c); None when it does not cover the request (the caller then runs the
-    torch implementation)."""
-    kernel = kernel or KERNEL
+                     mass: torch.Tensor | None = None, mass_from: int = 0):
+    """kernels.decode_attention (see there) on the native kernel; None when it does not
+    cover the request (the caller then runs the torch implementation)."""
     _, H, T, D = q.shape
-    desc = kernel.descriptors(q, k_tail, v_tail, n_tail)
+    desc = _descriptors(q, k_tail, v_tail, n_tail)
     if desc is None:
         return None
     kd, vd = desc
@@ -175,7 +164,7 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
     for t0 in range(0, T, q_chunk):
         t1 = min(T, t0 + q_chunk)
         o = _attend(q[:, :, t0:t1], kd, vd, n_tail, k_win, v_win, k_new[:, :, :t1],
-                    v_new[:, :, :t1], t0, mass, mass_from, kernel=kernel)
+                    v_new[:, :, :t1], t0, mass, mass_from)
         if T <= q_chunk:
             return o
         out[:, :, t0:t1] = o
@@ -209,18 +198,17 @@ def _splits_max(lib) -> int:
 
 
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                  rot_k=None, rot_v=None, mass=None, mass_from=0, kernel: Kernel | None = None):
+                  rot_k=None, rot_v=None, mass=None, mass_from=0):
     """decode_attention with the arena's window append fused in (one C call per layer):
     the new tokens k_new, v_new (1, Hkv, T, D), any float dtype, are rotated by rot_k /
     rot_v ((D, D) float32, x @ R; q is rotated by rot_k too), rounded to the window dtype
     and written to k_dst / v_dst (Hkv, T, D) window slots, then attended from there; the
     output is un-rotated by rot_v. Same result as rotating, rounding and appending first
     and calling decode_attention on the rotated q. None when not covered (the caller then
-    runs those steps itself). kernel: as decode_attention's."""
-    kernel = kernel or KERNEL
+    runs those steps itself)."""
     _, H, T, D = q.shape
     N = n_tail + k_win.shape[2] + T
-    desc = kernel.descriptors(q, k_tail, v_tail, n_tail)
+    desc = _descriptors(q, k_tail, v_tail, n_tail)
     if (desc is None or T > min(DEFAULT_Q_CHUNK, SCORE_LIMIT // (H * N))
             or k_dst.stride(2) != 1 or v_dst.stride(2) != 1):
         return None
@@ -228,7 +216,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     for r in (rot_k, rot_v):
         assert r is None or (r.dtype == torch.float32 and r.is_contiguous()), "rotation: (D, D) float32"
     return _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, 0, mass, mass_from,
-                   fuse=(k_dst, v_dst, rot_k, rot_v), kernel=kernel)
+                   fuse=(k_dst, v_dst, rot_k, rot_v))
 
 
 class FusedStep:
@@ -303,8 +291,7 @@ def fused_step(win_k: torch.Tensor, win_v: torch.Tensor, layer: int, H: int, rot
     return st
 
 
-def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, fuse=None,
-            kernel: Kernel | None = None):
+def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, fuse=None):
     _, H, Tq, D = q.shape
     Hkv, W, Tn = k_new.shape[1], k_win.shape[2], k_new.shape[2]
     Gq = H // Hkv
@@ -315,8 +302,7 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
     q, kw, vw, kn, vn = _rows(q), _rows(k_win), _rows(v_win), _rows(k_new), _rows(v_new)
     assert kw.dtype == vw.dtype and kn.dtype == vn.dtype, (kw.dtype, kn.dtype)
     out = torch.empty(1, H, Tq, D)
-    kernel = kernel or KERNEL
-    a = kernel.args(Hkv, R, D, Tq, t0, n_tail, W, Tn, _FP[kw.dtype], _FP[kn.dtype], _FP[q.dtype],
+    a = Args(Hkv, R, D, Tq, t0, n_tail, W, Tn, _FP[kw.dtype], _FP[kn.dtype], _FP[q.dtype],
              mass_from, Gq, nth, q.data_ptr(), (q.stride(1), q.stride(2)),
              _scratch("q", H * Tq * D), kw.data_ptr(), vw.data_ptr(),
              (kw.stride(1), kw.stride(2)), (vw.stride(1), vw.stride(2)), kn.data_ptr(),
@@ -330,6 +316,6 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
         a.rv = rot_v.data_ptr() if rot_v is not None else None
         a.kdst, a.vdst = k_dst.data_ptr(), v_dst.data_ptr()
         a.kds[0], a.kds[1], a.vds[0], a.vds[1] = k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1)
-    rc = getattr(lib, kernel.entry)(ctypes.byref(a))
-    assert rc == 0, f"native {kernel.entry} refused its arguments ({rc})"
+    rc = lib.kvrun_decode_attention(ctypes.byref(a))
+    assert rc == 0, f"native decode_attention refused its arguments ({rc})"
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,6 +1,6 @@
-"""KIVI, int8 and TaDA flushes on the native CPU kernel (pack.c,
-`kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`; the codebook codecs' in
-codebook_attention.c through native/codebook.py): the same storage as the codecs' torch pack, bit
+"""KIVI, int8, TaDA and codebook flushes on the native CPU kernel (pack.c,
+`kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`; codebook_pack.c,
+`kvrun_cb_pack`): the same storage as the codecs' torch pack, bit
 for bit (tests/test_native_kernels.py), in one C call per K or V instead of ~25 eager torch
 ops (a 32-token KIVI-4 flush of SmolLM2 K: ~1 ms → ~0.08 ms; every layer flushes once per
 G decode steps)."""
@@ -12,7 +12,6 @@ import torch
 
 from ..table import covers
 from . import load
-from .codebook import store as cb_store
 from .decode_attention import MAX_D
 
 _i64 = ctypes.c_int64
@@ -30,8 +29,8 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
     """codec.store(st, x, s0) in C; False when not covered (the caller packs with torch)."""
-    if codec.kind == "cb":                                  # codebook_attention.c
-        return cb_store(codec, st, x, s0)
+    if codec.kind == "cb":
+        return _cb_store(codec, st, x, s0)
     lib = load()
     Hkv, n, D = x.shape
     if lib is None or x.device.type != "cpu" or D > MAX_D:
@@ -57,4 +56,21 @@ def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
         rc = lib.kvrun_kivi_pack_k(_ptr(x), Hkv, n, D, _i64(s0), codec.G, codec.bits,
                                    _ptr(codes), _i64(codes.stride(0)), _i64(codes.stride(1)),
                                    _ptr(scale), _ptr(zero), ss0, ss1)
+    return rc == 0
+
+
+def _cb_store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
+    """A codebook codec's flush (codebook_pack.c): whole 32-token groups of a head dim that
+    is a multiple of 32."""
+    lib = load()
+    Hkv, n, D = x.shape
+    if (lib is None or x.device.type != "cpu" or D > MAX_D or D % 32 or n % 32 or s0 % 32
+            or not covers("pack", "native", codec)):
+        return False
+    x = x.float().contiguous()
+    lv, bd = codec.levels(D)
+    codes, scale = st["codes"], st["scale"]
+    rc = lib.kvrun_cb_pack(_ptr(x), Hkv, n, D, _i64(s0), int(codec.role == "v"), codec.bits,
+                           _ptr(lv), _ptr(bd), _ptr(codes), (_i64 * 3)(*codes.stride()[:3]),
+                           _ptr(scale), (_i64 * 2)(*scale.stride()))
     return rc == 0

@@ -34,9 +34,11 @@ SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "pack.c", "d
                                               "codebook_pack.c")]
 # included by the sources above: the packed layouts attention and pack share, fp32 helpers,
 # the window rows of the arena's attention, the asymmetric quantizer of the flushes and the
-# ring, the GEMVs' interface, the codec descriptor the attention reads
+# ring, the GEMVs' interface, the codec descriptor the attention reads, what the one-call
+# decode step hands the attention
 HEADERS = [Path(__file__).with_name(n) for n in ("codec_layout.h", "math_inline.h", "rows_inline.h",
-                                                 "quant_inline.h", "gemv.h", "codec_desc.h")]
+                                                 "quant_inline.h", "gemv.h", "codec_desc.h",
+                                                 "step_io.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 

@@ -51,6 +51,7 @@ from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_m
 from ..errors import KvrunError
 from .arena_evict import ArenaEviction, tail_sizes
 from .arena_shift import shift_layer
+from . import arena_step
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
 from .contract import KVCache
@@ -183,6 +184,12 @@ class KVArena(KVCache):
             self.ev.observe(layer, mass, T)
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
+
+    def native_row(self, H: int):
+        return arena_step.native_row(self, H)
+
+    def native_stepped(self) -> None:
+        arena_step.stepped(self)
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
         """Whether write_attend runs this step: a layer the fused write ops cover, 1 <= T <=

@@ -126,16 +126,16 @@ def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend
     return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v)
 
 
-def step_row(H: int, layers: list, backend=None):
+def step_row(H: int, group: int, layers: list, backend=None):
     """A cache's layers as one row of the one-call decode step (native CPU:
-    kernels/native/decode_step.py `RowPlan`), or None on the other backends and when a
-    layer's one-token step is not a native kernel call. layers: per layer (k_tail, v_tail,
-    k_win, v_win, rot_k, rot_v), the windows (Hkv, cap, D), as `fused_step` takes them."""
+    kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
+    step of a layer would not be a native kernel call. group: the tail grows by multiples
+    of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
+    (Hkv, cap, D), as `fused_step` takes them."""
     if (backend or backend_for(layers[0][2])) != "native" or native.load() is None:
         return None
-    from .native.decode_step import RowPlan, layer_args
-    args = [layer_args(H, *x) for x in layers]
-    return None if any(a is None for a in args) else RowPlan(args)
+    from .native.decode_step import row_plan
+    return row_plan(H, group, layers)
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,

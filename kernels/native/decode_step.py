@@ -90,6 +90,16 @@ def splits_max() -> int:
     return _splits_max(load())
 
 
+def row_plan(H: int, group: int, layers: list) -> RowPlan | None:
+    """dispatch.step_row on the native kernel: a RowPlan of `layers` (per layer the
+    arguments of `layer_args`), or None when a tail of `group`-token blocks may not be whole
+    kernel tiles or some layer is not covered."""
+    if group % TILE:
+        return None
+    args = [layer_args(H, *x) for x in layers]
+    return None if any(a is None for a in args) else RowPlan(args)
+
+
 class DecodeStep:
     """The one-call step over a model's layers: `plans` the decode_layer.py LayerPlans (their
     scratch shared), `local` which layers take the sliding RoPE tables, `norm` (hidden,)

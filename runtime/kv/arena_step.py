@@ -2,8 +2,8 @@
 kernels/native/decode_step.py): KVArena.native_row / native_stepped.
 
 The step runs, per layer, exactly what `KVArena.attend` runs for one token on the native
-backend without eviction — the prebuilt one-token kernel call (FusedStep's arguments, or
-the codebook kernel's for a cb pair) that writes the new K/V into window slot n_win — and
+backend without eviction — the prebuilt one-token kernel call (FusedStep's arguments)
+that writes the new K/V into window slot n_win — and
 leaves the rest of `attend` to `stepped`: the window count and the flush. Moving a
 layer's flush after the other layers' steps changes nothing, since it touches that layer
 only. Decided once per step, never per layer: an evicting arena, another backend, a group
@@ -15,8 +15,6 @@ import weakref
 
 from kvrun.kernels.dispatch import step_row
 from kvrun.kernels.fused_compress import flush_count
-
-TILE = 32                       # the kernels' tail tile: n_tail, a multiple of G, must be whole tiles
 
 # arena -> (H, RowPlan or None); outside the arena so a copy (deepcopy, snapshot) never
 # carries pointers into another arena's tensors
@@ -35,9 +33,9 @@ def native_row(arena, H: int):
 
 
 def _build(arena, H: int):
-    if arena.ev is not None or arena.G % TILE:
+    if arena.ev is not None:
         return None
-    return step_row(H, [((arena.k_codecs[l], arena.k_store[l]), (arena.v_codecs[l], arena.v_store[l]),
+    return step_row(H, arena.G, [((arena.k_codecs[l], arena.k_store[l]), (arena.v_codecs[l], arena.v_store[l]),
                          arena.win_k[l], arena.win_v[l], arena.rot_k[l], arena.rot_v[l])
                         for l in range(arena.L)], backend=arena.backend)
 

@@ -1,27 +1,39 @@
 """The decode step on the native CPU kernels: per layer one C call before attention
-(RMSNorm, the stacked q/k/v GEMV, RoPE), the cache's own attention call (the arena's native
-attend_append, or a ring's native step), and one C
-call after it (o_proj, residual,
-RMSNorm, gate+up, SwiGLU, down, residual); then one call for the final norm and lm_head.
+(RMSNorm, the stacked q/k/v GEMV, RoPE), the attention of each row on its own cache, and
+one C call after it (o_proj, residual, RMSNorm, gate+up, SwiGLU, down, residual); then the
+final norm and lm_head.
+
+Two routes, one result. When every cache is an arena row of the one-call step
+(`cache.native_row`: native backend, no eviction, every layer's attention a
+decode_attention.c call), the whole step over all layers and rows is ONE C call
+(kernels/native/decode_step.py, decode_layer.c `kvrun_decode_step`): no Python between
+layers, and the caches count the token and flush after it (`cache.native_stepped`).
+Otherwise (Gemma's rings, eviction, a layer the kernel declines) the per-layer route:
+`LayerPlan.pre`, the cache's `attend` per row (the arena's native attend_append, or a
+ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
+order with the same arguments, so their logits and cache bytes are bit-identical
+(tests/test_decode_step.py); which one runs is decided once per step, never per layer.
 
 Why: the eager step ran ~1,300 torch ops (casts to and from bf16 around every int4 op,
 copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the weights they
-read. Here the activations stay fp32 in preallocated buffers and the weights are read in
-their stored bytes (kernels/native/decode_layer.c). The eager forward stays the oracle
+read; the per-layer route still crossed into C 2 + B times a layer. Here the activations
+stay fp32 in preallocated buffers and the weights are read in their stored bytes
+(kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/test_decode_layer.py) and serves everything this step does not cover.
 
 Covered: the Llama/Qwen2 and Gemma 3 `Transformer` (Gemma's extra norms, QK-norm, GeGLU,
 local RoPE tables and embedding scale are the C layer's optional fields) with int4 or int8
-linear layers (the weights
-`kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
-CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
-cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused-write
-step `write_attend` keeps the eager forward). The rows are a batch axis: `__call__` runs
-B rows on one cache (B = 1 in the engine); `rows` runs row b on its own cache `caches[b]`
-at that cache's position (batched decoding, runtime/engine/batch.py): the norms and GEMVs read
-every weight once for all rows, RoPE takes each row's position, and attention runs per row
-on its own cache, through the same call a lone sequence makes, so each row's logits are
-bit-identical to that sequence's own step (the C code computes every row independently).
+linear layers (the weights `kvrun convert --weights int4|int8` writes, the default model's
+int4), an int8 lm_head, CPU tensors, the native library built, up to MAX_ROWS rows of one
+new token each, and a cache that takes K/V after RoPE (`attend`; a layer whose cache wants
+the fused-write step `write_attend` keeps the eager forward). The rows are a batch axis:
+`__call__` runs one row; `rows` runs row b on its own cache `caches[b]` at that cache's
+position (batched decoding, runtime/engine/batch.py): the norms and GEMVs read every
+weight once for all rows, RoPE takes each row's position, and attention runs per row on
+its own cache through the same kernel call a lone sequence makes, so each row's logits
+are bit-identical to that sequence's own step (the C code computes every row
+independently). Every C call opens its own OpenMP region from the calling thread (none
+nested), on torch.get_num_threads() threads.
 """
 from __future__ import annotations
 

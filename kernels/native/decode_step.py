@@ -19,6 +19,7 @@ caller keeps the per-layer route for that cache.
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import torch
 
@@ -75,12 +76,14 @@ class RowPlan:
         self.keep = layers
         self.args = (_p * L)(*[ctypes.addressof(a) for a, _ in layers])
         self.n_tail, self.n_win = (_i32 * L)(), (_i32 * L)()
+        self.keys = 1
         self.row = RowCache(self.args, self.n_tail, self.n_win)
 
-    def lengths(self, n_tail, n_win) -> RowPlan:
+    def lengths(self, n_tail: list, n_win: list) -> RowPlan:
         """Set this step's per-layer tail and window token counts (before the new token)."""
         self.n_tail[:] = n_tail
         self.n_win[:] = n_win
+        self.keys = max(map(operator.add, n_tail, n_win)) + 1      # the most a layer attends
         return self
 
 
@@ -126,13 +129,13 @@ class DecodeStep:
         st.norm, st.head, st.logits = norm.data_ptr(), ctypes.pointer(head), s.logits.data_ptr()
         self.lib = plans[0]._lib                # the build the layer plans call
 
-    def __call__(self, rows: list, n_max: int, nthreads: int) -> torch.Tensor:
-        """rows: B RowPlans, lengths set; n_max the most keys a row's layer attends this
-        step (tail + window + 1). Reads scratch.x, cos / sin (B rows, set by the caller),
-        runs every layer and returns the (B, V) float32 logits, a view of the scratch."""
+    def __call__(self, rows: list, nthreads: int) -> torch.Tensor:
+        """rows: B RowPlans, lengths set. Reads scratch.x, cos / sin (B rows, set by the
+        caller), runs every layer and returns the (B, V) float32 logits, a view of the
+        scratch."""
         B = len(rows)
         assert 1 <= B <= MAX_ROWS, B
-        need = self.H * n_max
+        need = self.H * max(r.keys for r in rows)
         if self.sc.numel() < need:                      # grown, never shrunk
             self.sc = torch.zeros(max(need, self.sc.numel() * 3 // 2))
             self.st.sc = self.sc.data_ptr()

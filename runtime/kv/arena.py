@@ -196,9 +196,8 @@ class KVArena(KVCache):
         min(R, 64) new tokens that fit the window's free slots, on the torch or Triton
         backend (native fuses the window write into its attention call instead). Either
         way the step follows the one contract, so this only picks the faster route."""
-        return (self.fusable[layer] and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
-                and self.n_win[layer] + T <= self.win_k.shape[2]
-                and self.backend != "native")
+        return (self.backend != "native" and self.fusable[layer]            # native: never
+                and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T) and self.n_win[layer] + T <= self.win_k.shape[2])
 
     def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """The decode step from the fused ops' inputs (only when takes_new_kv): q (1, H, T,

@@ -127,7 +127,10 @@ class NativeDecodeStep:
         self.head = weight_desc(_stored(model.lm_head), self.keep)
         self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
         self.attn = torch.zeros(MAX_ROWS, H * D)          # _layers(): each row's attention output
-        self.one_call = DecodeStep(self.plans, self.local, self.norm, self.head, splits_max())
+        # the one-call step; None keeps every step on the per-layer route (the reference
+        # tools/step_speed.py times it against)
+        self.one_call: DecodeStep | None = DecodeStep(self.plans, self.local, self.norm, self.head,
+                                                      splits_max())
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
         """One token of one sequence (B rows of B sequences: `rows`)."""
@@ -169,9 +172,9 @@ class NativeDecodeStep:
         s.x[:B] = self.model.model.embed_tokens(ids)[:, 0].float()     # (B, hidden)
         if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
             s.x[:B] *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
-        rows = [c.native_row(cfg.num_heads) for c in caches]
+        rows = [c.native_row(cfg.num_heads) for c in caches] if self.one_call else [None]
         if all(r is not None for r in rows):
-            logits = self.one_call(rows, int(positions.max()) + 1, nth).clone()[:, None]
+            logits = self.one_call(rows, nth).clone()[:, None]
             for c in caches:
                 c.native_stepped()
         else:

@@ -4,10 +4,11 @@ its own arena cache with the new K/V written into its window, the dense part aft
 (`kvrun_layer_post`), then the final norm and lm_head (`kvrun_logits`).
 
 Why: the per-layer route crosses from Python to C 2 + B times a layer (pre, each row's
-attention, post) and rebinds the attention's arguments each time, ~30 µs a layer; at
-depth 0 that was ~1 ms of a ~6.5 ms SmolLM2 step. Here the per-row, per-layer arguments
-are built once per cache (`RowPlan`, from decode_attention.py `step_args`, as its
-FusedStep builds them) and a step sets only the lengths, a slice assignment per row.
+attention, post) and rebinds the attention's arguments each time, which at depth 0 costs
+a sizeable share of a small model's step (docs/measurements.md). Here the per-row,
+per-layer arguments are built once per cache (`RowPlan`, from decode_attention.py
+`step_args`, as its FusedStep builds them) and a step sets only the lengths, a slice
+assignment per row.
 
 Same calls in the same order with the same arguments as the per-layer route, so the same
 bits (tests/test_decode_step.py). The window count advance and the flushes stay with the
@@ -29,7 +30,6 @@ from .decode_layer import MAX_ROWS, LayerDesc, WeightDesc
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
-_f = ctypes.POINTER(ctypes.c_float)
 
 
 class RowCache(ctypes.Structure):

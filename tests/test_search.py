@@ -8,7 +8,7 @@ import kvrun
 from kvrun.errors import KvrunError
 from kvrun.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
 from kvrun.kv.budget import fit_budget
-from kvrun.kv.profile import model_record, read_profile
+from kvrun.kv.profile import model_record, read_profile, shipped_profiles
 from kvrun.eval.search import save_result, search
 
 from tiny import make_tiny_model_dir, tiny_config
@@ -188,7 +188,8 @@ def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
         got = sum(kv_bytes_at(cfg, parse_kv(f"profile:{path}"), ctx).values())
         assert got == prof.meta["bytes"] and got <= budget * fp16, path.name
         names.add(path.name)
-    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json", "gemma-3-270m-0.30.json"} <= names
+    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json", "smollm2-135m-0.20.json",
+            "gemma-3-270m-0.30.json"} <= names
 
 
 def test_sensitivity_progress_has_an_eta(tiny_model):
@@ -304,3 +305,18 @@ def test_search_command_family_and_bits(tiny_model, tmp_path):
     assert prof.meta["search"] == {**prof.meta["search"], "family": "cb", "bits": [3, 4]}
     r = CliRunner().invoke(search_cmd, args + ["--family", "bogus"])
     assert r.exit_code == 2 and "bogus" in r.output and not out.with_suffix(".tmp").exists()
+
+
+def test_auto_names_the_030_profiles_whatever_else_ships():
+    """`--kv auto` stays on the 0.30 profiles (their layers pair kinds the native kernels
+    decode) when lower-budget profiles for the same models ship beside them."""
+    from kvrun.kv.profile import shipped_for
+    geometry = {"llama": dict(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576),
+                "gemma3": dict(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+                               hidden_size=640, sliding_window=512)}
+    for name in ("smollm2-135m-0.30.json", "gemma-3-270m-0.30.json"):
+        prof = read_profile(name[:-len(".json")])
+        cfg = tiny_config(prof.model["architecture"], **geometry[prof.model["architecture"]])
+        cfg.source = {"name": prof.model["name"], "sha256": prof.model["sha256"]}
+        assert shipped_for(cfg).name == name
+    assert {"smollm2-135m-0.20.json"} <= {p.name for p in shipped_profiles()}

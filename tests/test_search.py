@@ -189,7 +189,7 @@ def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
         assert got == prof.meta["bytes"] and got <= budget * fp16, path.name
         names.add(path.name)
     assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json", "smollm2-135m-0.20.json",
-            "gemma-3-270m-0.30.json"} <= names
+            "gemma-3-270m-0.30.json", "gemma-3-270m-0.25.json"} <= names
 
 
 def test_sensitivity_progress_has_an_eta(tiny_model):
@@ -319,4 +319,4 @@ def test_auto_names_the_030_profiles_whatever_else_ships():
         cfg = tiny_config(prof.model["architecture"], **geometry[prof.model["architecture"]])
         cfg.source = {"name": prof.model["name"], "sha256": prof.model["sha256"]}
         assert shipped_for(cfg).name == name
-    assert {"smollm2-135m-0.20.json"} <= {p.name for p in shipped_profiles()}
+    assert {"smollm2-135m-0.20.json", "gemma-3-270m-0.25.json"} <= {p.name for p in shipped_profiles()}

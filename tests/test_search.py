@@ -319,4 +319,5 @@ def test_auto_names_the_030_profiles_whatever_else_ships():
         cfg = tiny_config(prof.model["architecture"], **geometry[prof.model["architecture"]])
         cfg.source = {"name": prof.model["name"], "sha256": prof.model["sha256"]}
         assert shipped_for(cfg).name == name
-    assert {"smollm2-135m-0.20.json", "gemma-3-270m-0.25.json"} <= {p.name for p in shipped_profiles()}
+    assert {"smollm2-135m-0.20.json", "smollm2-135m-0.25-all.json",
+            "gemma-3-270m-0.25.json"} <= {p.name for p in shipped_profiles()}

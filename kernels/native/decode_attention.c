@@ -12,6 +12,9 @@
  *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
  *            register, scales folded into q or applied per token); without AVX-512 it is
  *            dequantized into a (D, 32) tile in L1 and multiplied by an AVX2/C micro-kernel.
+ *            KIVI keys with Args.qint (KVRUN_ATTN=int, the default): per row and tile the
+ *            folded row q s quantized to int8 and dotted with the codes in int32
+ *            (kivi_tiles_int, kdot_int.c), exact integers on every ISA.
  *            fp tails, the window and the new tokens are dotted token by token.
  *   phase 2  causal mask over the new tokens, one exact softmax per row (two-pass
  *            flash-decoding: a row's logits are few, R*N floats), optional attention mass.
@@ -39,6 +42,7 @@
 #include <omp.h>
 
 #include "codec_layout.h"
+#include "kdot_int.h"
 #include "math_inline.h"
 #include "rows_inline.h"
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)   /* each path's intrinsics */
@@ -85,6 +89,7 @@ typedef struct {
     const float *rk, *rv;
     void *kdst, *vdst;
     int64_t kds[2], vds[2];
+    int32_t qint;              /* 1: KIVI q.K in int32 (kivi_tiles_int), 0: in fp32 (KVRUN_ATTN) */
 } Args;
 
 /* -- packed code rows -------------------------------------------------------------------- */
@@ -292,6 +297,56 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 }
 
 
+/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
+ * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
+static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
+                        float *qx, float *bias) {
+    const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
+    const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
+    float sv[MAXD], zv[MAXD];
+    if (c->ss[2] == 1) {                   /* contiguous channels: converted in vectors */
+        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d]; zv[d] = (float)zp[d]; }
+    } else {
+        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+    }
+    for (int r = 0; r < R; r++) {
+        float bz = 0.f;
+        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
+        bias[r] = bz;
+    }
+}
+
+
+/* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
+ * chanpack block (at most `avail`), rows in blocks of KI_ACC / tiles. Per row and tile the
+ * folded row q s is quantized to int8 with one scale d (ki_quantize) and
+ * logit = fma(d, (q s)_int8 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
+static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
+                          int D, float *sc, int64_t N) {
+    if (D % 4) return 0;
+    const int E = 8 / c->bits, first = (int)((t0 / TILE) % E);
+    const int P = E - first < avail ? E - first : avail, RB = KI_ACC / P;
+    const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, c->bits);
+    float qx[KI_ACC * MAXD], qd[KI_ACC], bias[KI_ACC];
+    int8_t qi[KI_ACC * MAXD];
+    int32_t dots[KI_ACC * TILE];
+    for (int r0 = 0; r0 < R; r0 += RB) {
+        const int nr = R - r0 < RB ? R - r0 : RB;
+        for (int p = 0; p < P; p++) {                /* (P, nr, D) folded and quantized rows */
+            kivi_fold_q(c, h, t0 + TILE * p, q + r0 * D, nr, D, qx + p * nr * D, bias + p * nr);
+            for (int r = p * nr; r < (p + 1) * nr; r++) qd[r] = ki_quantize(qx + r * D, D, qi + r * D);
+        }
+        ki_dot(b, c->cs[1], D, c->bits, chanpack_shift(t0, c->bits), P, nr, qi, dots);
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < nr; r++) {
+                const int k = p * nr + r;
+                float *s = sc + (int64_t)(r0 + r) * N + p * TILE;
+                for (int j = 0; j < TILE; j++) s[j] = fmaf((float)dots[k * TILE + j], qd[k], bias[k]);
+            }
+    }
+    return P;
+}
+
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
 #if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
@@ -463,21 +518,6 @@ static void transpose_rank(const float *restrict src, int n, int r, float *restr
     }
     for (int i = 0; i < n; i++)
         for (int k = 0; k < r; k++) dst[k * n + i] = src[i * r + k];
-}
-
-/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
- * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
-static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
-                        float *qx, float *bias) {
-    const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
-    const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
-    float sv[MAXD], zv[MAXD];
-    for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
-    for (int r = 0; r < R; r++) {
-        float bz = 0.f;
-        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
-        bias[r] = bz;
-    }
 }
 
 /* KIVI: logits of up to `avail` consecutive tiles from t0 in one pass over the channel
@@ -913,7 +953,10 @@ int kvrun_decode_attention(const Args *a) {
                     const float *q = a->q + (int64_t)h * R * D;
                     float *sc = a->sc + (int64_t)h * R * N;
                     for (int64_t ti = c0; ti < c1; ) {
-                        int done = HAVE_FAST && a->kc->kind == C_KIVI && !a->kc->rank
+                        const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
+                        int done = kivi && a->qint
+                            ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
+                            : HAVE_FAST && kivi
                             ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
                         if (!done) {
                             if (!k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) {

@@ -1,0 +1,143 @@
+/* kdot_int: the integer q.K over KIVI's packed keys (kdot_int.h), the attention's
+ * counterpart of the integer GEMVs (gemv_int.c), on the ISA int_dot.h picks.
+ *
+ * vpdpbusd sums 4 byte products into one int32 lane, so a lane must hold 4 channels of one
+ * token while the chanpack layout stores 32 tokens of one channel per 32 bytes. Per 4
+ * channels the 4 rows of 32 bytes are transposed in registers (two byte unpacks, two lane
+ * shuffles, two word unpacks: 32 lanes of 4 channels, tokens in the order LANE_TOKENS) before
+ * the codes are taken out of their bit fields, so one transpose serves every tile sharing the
+ * bytes (2 at 4 bits, 4 at 2 bits) and every query row. The sums are put back in token
+ * order once per tile and row. The plain C path computes the same integers.
+ *
+ * Bytes read per call: D rows of 32 code bytes once; the quantized rows (P R D bytes) from L1.
+ */
+#include <math.h>
+#include <string.h>
+#include "kdot_int.h"
+#include "int_dot.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if GI_VNNI
+enum { PREFETCH = 256 };      /* bytes ahead in a channel row: 8 chanpack blocks */
+
+/* x0, x1: the 32 bytes of channel rows d..d+3 (ds apart) as 32 int32 lanes, byte k of a
+ * lane = channel d + k; x0 holds tokens 0-3, 16-19, 8-11, 24-27, x1 tokens 4-7, 20-23,
+ * 12-15, 28-31 */
+INLINE void transpose4(const uint8_t *row, int64_t ds, __m512i *x0, __m512i *x1)
+{
+    const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)row)),
+                                         _mm256_loadu_si256((const __m256i *)(row + 2 * ds)), 1);
+    const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row + ds))),
+                                         _mm256_loadu_si256((const __m256i *)(row + 3 * ds)), 1);
+    const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
+    const __m512i p01 = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));   /* rows d, d+1 */
+    const __m512i p23 = _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));   /* rows d+2, d+3 */
+    *x0 = _mm512_unpacklo_epi16(p01, p23);
+    *x1 = _mm512_unpackhi_epi16(p01, p23);
+}
+
+/* ki_dot for PP tiles x NR rows, constants so the accumulators stay in registers */
+INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const int8_t *qi,
+                        int32_t *out, const int PP, const int NR)
+{
+    __m512i acc[KI_ACC][2];
+    for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
+    const __m512i m = _mm512_set1_epi8((char)((1 << bits) - 1));
+    __m128i cnt[4];
+    for (int p = 0; p < PP; p++) cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
+    for (int d = 0; d < D; d += 4) {
+        const uint8_t *row = b + d * ds;
+        /* 4 of the D channel streams, more than the hardware prefetcher follows */
+        for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), _MM_HINT_T0);
+        __m512i x0, x1;
+        transpose4(row, ds, &x0, &x1);
+        for (int p = 0; p < PP; p++) {
+            /* -- the tile's codes: 16-bit shifts, the byte mask drops the neighbour's bits -- */
+            const __m512i c0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt[p]), m);
+            const __m512i c1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
+            for (int r = 0; r < NR; r++) {
+                int32_t w;                      /* channels d..d+3 of the row, one lane */
+                memcpy(&w, qi + (p * NR + r) * D + d, 4);
+                const __m512i qb = _mm512_set1_epi32(w);
+                acc[p * NR + r][0] = _mm512_dpbusd_epi32(acc[p * NR + r][0], c0, qb);
+                acc[p * NR + r][1] = _mm512_dpbusd_epi32(acc[p * NR + r][1], c1, qb);
+            }
+        }
+    }
+    /* -- back to token order: lanes of x0 / x1 (transpose4) -- */
+    const __m512i t0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i t1 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int k = 0; k < PP * NR; k++) {
+        _mm512_storeu_si512(out + k * 32, _mm512_permutex2var_epi32(acc[k][0], t0, acc[k][1]));
+        _mm512_storeu_si512(out + k * 32 + 16, _mm512_permutex2var_epi32(acc[k][0], t1, acc[k][1]));
+    }
+}
+
+#define KI(pp, nr) ki_dot_vnni(b, ds, D, bits, sh, qi, out, pp, nr)
+#define ROWS3(pp) case 1: KI(pp, 1); break; case 2: KI(pp, 2); break; case 3: KI(pp, 3); break
+#define ROWS6(pp) ROWS3(pp); case 4: KI(pp, 4); break; case 5: KI(pp, 5); break; case 6: KI(pp, 6); break
+
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int8_t *qi,
+            int32_t *out)
+{
+    switch (P) {
+    case 1:
+        switch (R) {
+        ROWS6(1); case 7: KI(1, 7); break; case 8: KI(1, 8); break; case 9: KI(1, 9); break;
+        case 10: KI(1, 10); break; case 11: KI(1, 11); break; default: KI(1, 12);
+        }
+        break;
+    case 2: switch (R) { ROWS6(2); } break;
+    case 3: switch (R) { ROWS3(3); default: KI(3, 4); } break;
+    default: switch (R) { ROWS3(4); } break;
+    }
+}
+#undef ROWS6
+#undef ROWS3
+#undef KI
+
+float ki_quantize(const float *x, int n, int8_t *qi)
+{
+    __m512 mx = _mm512_setzero_ps();
+    for (int d = 0; d < n; d += 16) {
+        const __mmask16 k = n - d >= 16 ? 0xffff : (__mmask16)((1u << (n - d)) - 1);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + d)));
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int d = 0; d < n; d += 16) {       /* cvtps: the rounding mode, nearest even (rintf) */
+        const __mmask16 k = n - d >= 16 ? 0xffff : (__mmask16)((1u << (n - d)) - 1);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + d), inv));
+        _mm512_mask_cvtepi32_storeu_epi8(qi + d, k, c);
+    }
+    return amax / 127.f;
+}
+
+#else
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int8_t *qi,
+            int32_t *out)
+{
+    const int mask = (1 << bits) - 1;
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++) {
+            const int8_t *qr = qi + (p * R + r) * D;
+            int32_t acc[32] = {0};
+            for (int d = 0; d < D; d++) {
+                const uint8_t *row = b + d * ds;
+                const int32_t w = qr[d], s = sh + bits * p;
+                for (int j = 0; j < 32; j++) acc[j] += w * ((row[j] >> s) & mask);
+            }
+            memcpy(out + (p * R + r) * 32, acc, sizeof acc);
+        }
+}
+
+float ki_quantize(const float *x, int n, int8_t *qi)
+{
+    float amax = 0.f;
+    for (int d = 0; d < n; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int d = 0; d < n; d++) qi[d] = (int8_t)rintf(x[d] * inv);
+    return amax / 127.f;
+}
+#endif

@@ -1,15 +1,17 @@
 /* kdot_int: the integer q.K over KIVI's packed keys (kdot_int.h), the attention's
  * counterpart of the integer GEMVs (gemv_int.c), on the ISA int_dot.h picks.
  *
- * vpdpbusd sums 4 byte products into one int32 lane, so a lane must hold 4 channels of one
+ * vpdpwssd sums 2 int16 products into one int32 lane, so a lane must hold channels of one
  * token while the chanpack layout stores 32 tokens of one channel per 32 bytes. Per 4
  * channels the 4 rows of 32 bytes are transposed in registers (two byte unpacks, two lane
- * shuffles, two word unpacks: 32 lanes of 4 channels, tokens in the order LANE_TOKENS) before
- * the codes are taken out of their bit fields, so one transpose serves every tile sharing the
- * bytes (2 at 4 bits, 4 at 2 bits) and every query row. The sums are put back in token
- * order once per tile and row. The plain C path computes the same integers.
+ * shuffles, two word unpacks: 32 lanes of 4 channel bytes, tokens in transpose4's order), so
+ * one transpose serves every tile sharing the bytes (2 at 4 bits, 4 at 2 bits) and every
+ * query row; a tile's codes are then taken out of their bit fields as two words per lane,
+ * channels (d, d+2) and (d+1, d+3), against the query's words in that order (ki_quantize).
+ * The sums are put back in token order once per tile and row. The plain C path computes the
+ * same integers.
  *
- * Bytes read per call: D rows of 32 code bytes once; the quantized rows (P R D bytes) from L1.
+ * Bytes read per call: D rows of 32 code bytes once; the quantized rows (2 P R D bytes) from L1.
  */
 #include <math.h>
 #include <string.h>
@@ -38,14 +40,17 @@ INLINE void transpose4(const uint8_t *row, int64_t ds, __m512i *x0, __m512i *x1)
 }
 
 /* ki_dot for PP tiles x NR rows, constants so the accumulators stay in registers */
-INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const int8_t *qi,
+INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const int16_t *qi,
                         int32_t *out, const int PP, const int NR)
 {
     __m512i acc[KI_ACC][2];
     for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
-    const __m512i m = _mm512_set1_epi8((char)((1 << bits) - 1));
-    __m128i cnt[4];
-    for (int p = 0; p < PP; p++) cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
+    const __m512i m = _mm512_set1_epi32((1 << bits) - 1 | ((1 << bits) - 1) << 16);  /* word low bits */
+    __m128i cnt[4], cnt8[4];
+    for (int p = 0; p < PP; p++) {
+        cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
+        cnt8[p] = _mm_cvtsi32_si128(sh + bits * p + 8);
+    }
     for (int d = 0; d < D; d += 4) {
         const uint8_t *row = b + d * ds;
         /* 4 of the D channel streams, more than the hardware prefetcher follows */
@@ -53,15 +58,18 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
         __m512i x0, x1;
         transpose4(row, ds, &x0, &x1);
         for (int p = 0; p < PP; p++) {
-            /* -- the tile's codes: 16-bit shifts, the byte mask drops the neighbour's bits -- */
-            const __m512i c0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt[p]), m);
-            const __m512i c1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
+            /* -- the tile's codes as words: channels (d, d+2) and (d+1, d+3) of each lane -- */
+            const __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt[p]), m);
+            const __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
+            const __m512i o0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt8[p]), m);
+            const __m512i o1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt8[p]), m);
             for (int r = 0; r < NR; r++) {
-                int32_t w;                      /* channels d..d+3 of the row, one lane */
-                memcpy(&w, qi + (p * NR + r) * D + d, 4);
-                const __m512i qb = _mm512_set1_epi32(w);
-                acc[p * NR + r][0] = _mm512_dpbusd_epi32(acc[p * NR + r][0], c0, qb);
-                acc[p * NR + r][1] = _mm512_dpbusd_epi32(acc[p * NR + r][1], c1, qb);
+                int32_t w[2];                   /* the row's words (d, d+2), (d+1, d+3) */
+                memcpy(w, qi + (p * NR + r) * D + d, 8);
+                const __m512i qe = _mm512_set1_epi32(w[0]), qo = _mm512_set1_epi32(w[1]);
+                __m512i *a = acc[p * NR + r];
+                a[0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[0], e0, qe), o0, qo);
+                a[1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[1], e1, qe), o1, qo);
             }
         }
     }
@@ -78,7 +86,7 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
 #define ROWS3(pp) case 1: KI(pp, 1); break; case 2: KI(pp, 2); break; case 3: KI(pp, 3); break
 #define ROWS6(pp) ROWS3(pp); case 4: KI(pp, 4); break; case 5: KI(pp, 5); break; case 6: KI(pp, 6); break
 
-void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int8_t *qi,
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
             int32_t *out)
 {
     switch (P) {
@@ -97,31 +105,33 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R,
 #undef ROWS3
 #undef KI
 
-float ki_quantize(const float *x, int n, int8_t *qi)
+float ki_quantize(const float *x, int n, int16_t *qi)
 {
+    /* within each 4 channels: d, d+2, d+1, d+3 (the words ki_dot_vnni pairs) */
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
     __m512 mx = _mm512_setzero_ps();
     for (int d = 0; d < n; d += 16) {
         const __mmask16 k = n - d >= 16 ? 0xffff : (__mmask16)((1u << (n - d)) - 1);
         mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(k, x + d)));
     }
     const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? KI_QMAX / amax : 0.f);
     for (int d = 0; d < n; d += 16) {       /* cvtps: the rounding mode, nearest even (rintf) */
         const __mmask16 k = n - d >= 16 ? 0xffff : (__mmask16)((1u << (n - d)) - 1);
         const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + d), inv));
-        _mm512_mask_cvtepi32_storeu_epi8(qi + d, k, c);
+        _mm512_mask_cvtepi32_storeu_epi16(qi + d, k, _mm512_permutexvar_epi32(order, c));
     }
-    return amax / 127.f;
+    return amax / KI_QMAX;
 }
 
 #else
-void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int8_t *qi,
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
             int32_t *out)
 {
     const int mask = (1 << bits) - 1;
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++) {
-            const int8_t *qr = qi + (p * R + r) * D;
+            const int16_t *qr = qi + (p * R + r) * D;
             int32_t acc[32] = {0};
             for (int d = 0; d < D; d++) {
                 const uint8_t *row = b + d * ds;
@@ -132,12 +142,12 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R,
         }
 }
 
-float ki_quantize(const float *x, int n, int8_t *qi)
+float ki_quantize(const float *x, int n, int16_t *qi)
 {
     float amax = 0.f;
     for (int d = 0; d < n; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int d = 0; d < n; d++) qi[d] = (int8_t)rintf(x[d] * inv);
-    return amax / 127.f;
+    const float inv = amax > 0.f ? KI_QMAX / amax : 0.f;
+    for (int d = 0; d < n; d++) qi[d] = (int16_t)rintf(x[d] * inv);     /* channel order */
+    return amax / KI_QMAX;
 }
 #endif

@@ -297,30 +297,9 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 }
 
 
-/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
- * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
-static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
-                        float *qx, float *bias) {
-    const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
-    const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
-    float sv[MAXD], zv[MAXD];
-    if (c->ss[2] == 1) {                   /* contiguous channels: converted in vectors */
-        f16_to_f32(sp, D, sv);
-        f16_to_f32(zp, D, zv);
-    } else {
-        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
-    }
-    for (int r = 0; r < R; r++) {
-        float bz = 0.f;
-        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
-        bias[r] = bz;
-    }
-}
-
-
 /* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
  * chanpack block (at most `avail`), rows in blocks of KI_ACC / tiles. Per row and tile the
- * folded row q s is quantized to int16 with one scale d (ki_quantize) and
+ * folded row q s is quantized to int16 with one scale d (ki_fold_quantize) and
  * logit = fma(d, (q s)_int8 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N) {
@@ -328,14 +307,35 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     const int E = 8 / c->bits, first = (int)((t0 / TILE) % E);
     const int P = E - first < avail ? E - first : avail, RB = KI_ACC / P;
     const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, c->bits);
-    float qx[KI_ACC * MAXD], qd[KI_ACC], bias[KI_ACC];
+    float sv[4][MAXD], zv[4][MAXD], qd[KI_ACC], bias[KI_ACC];
     int16_t qi[KI_ACC * MAXD];
     int32_t dots[KI_ACC * TILE];
+    for (int p = 0; p < P; p++) {                    /* each tile's channel scales and zeros */
+        const int64_t off = h * c->ss[0] + ((t0 + TILE * p) / c->G) * c->ss[1];
+        if (c->ss[2] == 1) {                         /* contiguous channels: in vectors */
+            f16_to_f32(c->scale + off, D, sv[p]);
+            f16_to_f32(c->zero + off, D, zv[p]);
+        } else {
+            for (int d = 0; d < D; d++) {
+                sv[p][d] = (float)c->scale[off + d * c->ss[2]];
+                zv[p][d] = (float)c->zero[off + d * c->ss[2]];
+            }
+        }
+    }
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int nr = R - r0 < RB ? R - r0 : RB;
         for (int p = 0; p < P; p++) {                /* (P, nr, D) folded and quantized rows */
-            kivi_fold_q(c, h, t0 + TILE * p, q + r0 * D, nr, D, qx + p * nr * D, bias + p * nr);
-            for (int r = p * nr; r < (p + 1) * nr; r++) qd[r] = ki_quantize(qx + r * D, D, qi + r * D);
+            const int same = p && (t0 + TILE * p) / c->G == (t0 + TILE * (p - 1)) / c->G;
+            for (int r = 0; r < nr; r++) {
+                const int k = p * nr + r;
+                if (same) {                          /* the group of the tile before */
+                    memcpy(qi + k * D, qi + (k - nr) * D, sizeof(int16_t) * D);
+                    qd[k] = qd[k - nr];
+                    bias[k] = bias[k - nr];
+                } else {
+                    qd[k] = ki_fold_quantize(q + (r0 + r) * D, sv[p], zv[p], D, qi + k * D, bias + k);
+                }
+            }
         }
         ki_dot(b, c->cs[1], D, c->bits, chanpack_shift(t0, c->bits), P, nr, qi, dots);
         for (int p = 0; p < P; p++)
@@ -519,6 +519,26 @@ static void transpose_rank(const float *restrict src, int n, int r, float *restr
     }
     for (int i = 0; i < n; i++)
         for (int k = 0; k < r; k++) dst[k * n + i] = src[i * r + k];
+}
+
+/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
+ * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
+static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
+                        float *qx, float *bias) {
+    const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
+    const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
+    float sv[MAXD], zv[MAXD];
+    if (c->ss[2] == 1) {                   /* contiguous channels: converted in vectors */
+        f16_to_f32(sp, D, sv);
+        f16_to_f32(zp, D, zv);
+    } else {
+        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+    }
+    for (int r = 0; r < R; r++) {
+        float bz = 0.f;
+        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
+        bias[r] = bz;
+    }
 }
 
 /* KIVI: logits of up to `avail` consecutive tiles from t0 in one pass over the channel

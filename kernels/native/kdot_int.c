@@ -45,7 +45,7 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
 {
     __m512i acc[KI_ACC][2];
     for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
-    const __m512i m = _mm512_set1_epi32((1 << bits) - 1 | ((1 << bits) - 1) << 16);  /* word low bits */
+    const __m512i m = _mm512_set1_epi32(((1 << bits) - 1) * 0x10001);  /* word low bits */
     __m128i cnt[4], cnt8[4];
     for (int p = 0; p < PP; p++) {
         cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
@@ -124,6 +124,30 @@ float ki_quantize(const float *x, int n, int16_t *qi)
     return amax / KI_QMAX;
 }
 
+float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
+                       float *bias)
+{
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    __m512 x[16], mx = _mm512_setzero_ps(), bz = _mm512_setzero_ps();
+    const int nv = (n + 15) / 16;
+    for (int i = 0; i < nv; i++) {
+        const __mmask16 k = n - 16 * i >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * i)) - 1);
+        const __m512 qv = _mm512_maskz_loadu_ps(k, q + 16 * i);
+        x[i] = _mm512_mul_ps(qv, _mm512_maskz_loadu_ps(k, s + 16 * i));
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(x[i]));
+        bz = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(k, z + 16 * i), bz);
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? KI_QMAX / amax : 0.f);
+    for (int i = 0; i < nv; i++) {
+        const __mmask16 k = n - 16 * i >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * i)) - 1);
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv));
+        _mm512_mask_cvtepi32_storeu_epi16(qi + 16 * i, k, _mm512_permutexvar_epi32(order, c));
+    }
+    *bias = _mm512_reduce_add_ps(bz);
+    return amax / KI_QMAX;
+}
+
 #else
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
             int32_t *out)
@@ -149,5 +173,17 @@ float ki_quantize(const float *x, int n, int16_t *qi)
     const float inv = amax > 0.f ? KI_QMAX / amax : 0.f;
     for (int d = 0; d < n; d++) qi[d] = (int16_t)rintf(x[d] * inv);     /* channel order */
     return amax / KI_QMAX;
+}
+
+float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
+                       float *bias)
+{
+    float x[256], bz = 0.f;
+    for (int d = 0; d < n; d++) {
+        x[d] = q[d] * s[d];
+        bz += q[d] * z[d];
+    }
+    *bias = bz;
+    return ki_quantize(x, n, qi);
 }
 #endif

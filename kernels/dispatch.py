@@ -11,7 +11,8 @@ fallback. The Triton module is imported lazily, so the torch path never needs tr
 step is built: its GEMVs on int8-quantized inputs (the default) or in fp32 (the reference).
 `attn_path()` reads `KVRUN_ATTN=fp32|int` for the native attention ops below, per call (the
 arena's one-token step keeps its choice while it is the same): KIVI keys' q.K in int32 over
-int8-quantized queries (the default) or in fp32 (the reference).
+int16-quantized queries, a KIVI V's p.V with its scales folded into the weights (the
+default), or both in fp32 as the codes dequantize (the reference).
 
 Which backend has a kernel for which codec, per op, and which route a cache's step takes:
 kernels/table.py, the one place that says so. A request a kernel declines for a reason of
@@ -78,12 +79,13 @@ def gemv_path() -> str:
 
 def attn_path() -> str:
     """'int' (the default) or 'fp32', honouring KVRUN_ATTN: how the native attention kernel
-    dots queries with KIVI keys (kernels/native/decode_attention.py `decode_attention`). int:
-    per query row and 32-token tile the row folded with the tile's channel scales, q s, is
-    quantized to int8 with one scale and dotted with the 2/4-bit codes in int32; a logit moves
-    by at most ~half a quantization step of q s times the codes' sum (~1e-2 at SmolLM2's
-    scales). Like the GEMVs, each row's result is the same bits on any thread count. fp32 is
-    the reference the kernel tests compare with the dequantized cache."""
+    multiplies KIVI caches (kernels/native/decode_attention.py `decode_attention`). int: per
+    query row and 32-token tile the row folded with the tile's channel scales, q s, is
+    quantized to int16 with one scale and dotted with the 2/4-bit codes in int32 (a logit
+    moves by at most half a step, max|q s| / 32767, times the sum of the codes: ~1e-4 of its
+    spread), and p.V sums p s c + p z per channel group in fp32. Like the GEMVs, each row's
+    result is the same bits on any thread count. fp32 is the reference the kernel tests
+    compare with the dequantized cache."""
     want = os.environ.get("KVRUN_ATTN", "").strip().lower() or "int"
     if want not in ATTN_PATHS:
         raise BackendError(f"KVRUN_ATTN={want!r}: expected one of {', '.join(ATTN_PATHS)}")

@@ -300,7 +300,7 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 /* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
  * chanpack block (at most `avail`), rows in blocks of KI_ACC / tiles. Per row and tile the
  * folded row q s is quantized to int16 with one scale d (ki_fold_quantize) and
- * logit = fma(d, (q s)_int8 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
+ * logit = fma(d, (q s)_int16 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N) {
     if (D % 4) return 0;

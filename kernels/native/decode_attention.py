@@ -167,8 +167,9 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
                      kernel: Kernel | None = None, attn: str = "int"):
     """kernels.decode_attention (see there) on the native kernel (`kernel`, default
     decode_attention.c); None when it does not cover the request (the caller then runs the
-    torch implementation). attn: "int", KIVI keys' q.K in int32 over int8-quantized folded
-    queries (decode_attention.c kivi_tiles_int), or "fp32", the reference; the other codecs
+    torch implementation). attn: "int", KIVI keys' q.K in int32 over int16-quantized folded
+    queries (decode_attention.c kivi_tiles_int) and KIVI V's p.V with its scales folded into
+    the weights (vmix_kivi), or "fp32", the reference; the other codecs
     run the same on both. kernels/dispatch.py `attn_path` reads it from KVRUN_ATTN."""
     kernel = kernel or KERNEL
     _, H, T, D = q.shape

@@ -77,6 +77,18 @@ def gemv_path() -> str:
     return want
 
 
+_ATTN_DEFAULT: list = []
+
+
+def _default_attn() -> str:
+    """'int' when the native build's integer dot products are AVX512-VNNI, else 'fp32' (read
+    once)."""
+    if not _ATTN_DEFAULT:
+        lib = native.load()
+        _ATTN_DEFAULT.append("int" if lib is not None and lib.kvrun_gemv_isa() == 2 else "fp32")
+    return _ATTN_DEFAULT[0]
+
+
 def attn_path() -> str:
     """'int' (the default) or 'fp32', honouring KVRUN_ATTN: how the native attention kernel
     multiplies KIVI caches (kernels/native/decode_attention.py `decode_attention`). int: per
@@ -85,8 +97,9 @@ def attn_path() -> str:
     moves by at most half a step, max|q s| / 32767, times the sum of the codes: ~1e-4 of its
     spread), and p.V sums p s c + p z per channel group in fp32. Like the GEMVs, each row's
     result is the same bits on any thread count. fp32 is the reference the kernel tests
-    compare with the dequantized cache."""
-    want = os.environ.get("KVRUN_ATTN", "").strip().lower() or "int"
+    compare with the dequantized cache. Unset, int where the native build has AVX512-VNNI and
+    fp32 elsewhere: there the plain C integer loop is slower than the fp32 AVX2 kernel."""
+    want = os.environ.get("KVRUN_ATTN", "").strip().lower() or _default_attn()
     if want not in ATTN_PATHS:
         raise BackendError(f"KVRUN_ATTN={want!r}: expected one of {', '.join(ATTN_PATHS)}")
     return want

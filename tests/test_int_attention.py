@@ -139,6 +139,8 @@ def test_fused_step_and_dispatch_follow_the_switch(monkeypatch):
         step = dispatch.fused_step(win_k, win_v, 0, 9, backend="native")
         assert step.attn == a
         assert torch.equal(step(q, kt, vt, 128, 6, kn, vn), want[a])
+    monkeypatch.delenv("KVRUN_ATTN")                     # unset: int where the build has VNNI
+    assert dispatch.attn_path() == ("int" if native.load().kvrun_gemv_isa() == 2 else "fp32")
     monkeypatch.setenv("KVRUN_ATTN", "int4")
     with pytest.raises(dispatch.BackendError, match="KVRUN_ATTN='int4': expected one of fp32, int"):
         dispatch.attn_path()

@@ -153,17 +153,19 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R,
             int32_t *out)
 {
     const int mask = (1 << bits) - 1;
-    for (int p = 0; p < P; p++)
-        for (int r = 0; r < R; r++) {
-            const int16_t *qr = qi + (p * R + r) * D;
-            int32_t acc[32] = {0};
-            for (int d = 0; d < D; d++) {
-                const uint8_t *row = b + d * ds;
-                const int32_t w = qr[d], s = sh + bits * p;
-                for (int j = 0; j < 32; j++) acc[j] += w * ((row[j] >> s) & mask);
+    int32_t acc[KI_ACC][32] = {{0}};
+    for (int d = 0; d < D; d++) {           /* a channel's codes taken out once per tile */
+        const uint8_t *row = b + d * ds;
+        for (int p = 0; p < P; p++) {
+            int32_t c[32];
+            for (int j = 0; j < 32; j++) c[j] = (row[j] >> (sh + bits * p)) & mask;
+            for (int r = 0; r < R; r++) {
+                const int32_t w = qi[(p * R + r) * D + d];
+                for (int j = 0; j < 32; j++) acc[p * R + r][j] += w * c[j];
             }
-            memcpy(out + (p * R + r) * 32, acc, sizeof acc);
         }
+    }
+    memcpy(out, acc, sizeof(int32_t) * 32 * P * R);
 }
 
 float ki_quantize(const float *x, int n, int16_t *qi)

@@ -9,6 +9,10 @@ first imported); without it, forcing triton on CPU is an error rather than a sil
 fallback. The Triton module is imported lazily, so the torch path never needs triton.
 `gemv_path()` reads `KVRUN_GEMV=fp32|int` the same way, once, when a model's native decode
 step is built: its GEMVs on int8-quantized inputs (the default) or in fp32 (the reference).
+`attn_path()` reads `KVRUN_ATTN=fp32|int` for the native attention ops below, per call (the
+arena's one-token step keeps its choice while it is the same): KIVI keys' q.K in int32 over
+int16-quantized queries, a KIVI V's p.V with its scales folded into the weights (the
+default), or both in fp32 as the codes dequantize (the reference).
 
 Which backend has a kernel for which codec, per op, and which route a cache's step takes:
 kernels/table.py, the one place that says so. A request a kernel declines for a reason of
@@ -22,6 +26,7 @@ import torch
 
 from . import native
 from .decode_attention import decode_attention as decode_attention_torch
+from .native.decode_attention import ATTN_PATHS          # ("fp32", "int"): attn_path's choices
 
 BACKENDS = ("triton", "native", "torch")
 GEMV_PATHS = ("fp32", "int")                # kernels/native/decode_layer.py
@@ -72,6 +77,34 @@ def gemv_path() -> str:
     return want
 
 
+_ATTN_DEFAULT: list = []
+
+
+def _default_attn() -> str:
+    """'int' when the native build's integer dot products are AVX512-VNNI, else 'fp32' (read
+    once)."""
+    if not _ATTN_DEFAULT:
+        lib = native.load()
+        _ATTN_DEFAULT.append("int" if lib is not None and lib.kvrun_gemv_isa() == 2 else "fp32")
+    return _ATTN_DEFAULT[0]
+
+
+def attn_path() -> str:
+    """'int' (the default) or 'fp32', honouring KVRUN_ATTN: how the native attention kernel
+    multiplies KIVI caches (kernels/native/decode_attention.py `decode_attention`). int: per
+    query row and 32-token tile the row folded with the tile's channel scales, q s, is
+    quantized to int16 with one scale and dotted with the 2/4-bit codes in int32 (a logit
+    moves by at most half a step, max|q s| / 32767, times the sum of the codes: ~1e-4 of its
+    spread), and p.V sums p s c + p z per channel group in fp32. Like the GEMVs, each row's
+    result is the same bits on any thread count. fp32 is the reference the kernel tests
+    compare with the dequantized cache. Unset, int where the native build has AVX512-VNNI and
+    fp32 elsewhere: there the plain C integer loop is slower than the fp32 AVX2 kernel."""
+    want = os.environ.get("KVRUN_ATTN", "").strip().lower() or _default_attn()
+    if want not in ATTN_PATHS:
+        raise BackendError(f"KVRUN_ATTN={want!r}: expected one of {', '.join(ATTN_PATHS)}")
+    return want
+
+
 def backend_for(x: torch.Tensor) -> str:
     """select(x.device): the backend for an op called without `backend=`."""
     return select(x.device)
@@ -93,7 +126,8 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, back
     be = backend or backend_for(q)
     if be == "native":
         from .native.decode_attention import decode_attention as decode_attention_native
-        out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
+        out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
+                                      attn=attn_path(), **kw)
         if out is not None:                 # None: a request the C kernel does not cover
             return out
     if be == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
@@ -113,7 +147,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
         return None
     from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                 rot_k, rot_v, **kw)
+                 rot_k, rot_v, attn=attn_path(), **kw)
 
 
 def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None):
@@ -123,7 +157,7 @@ def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend
     if (backend or backend_for(win_k)) != "native" or native.load() is None:
         return None
     from .native.decode_attention import fused_step as native_fused_step
-    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v)
+    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn_path())
 
 
 def step_row(H: int, group: int, layers: list, backend=None):
@@ -131,11 +165,12 @@ def step_row(H: int, group: int, layers: list, backend=None):
     kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
     step of a layer would not be a native kernel call. group: the tail grows by multiples
     of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
-    (Hkv, cap, D), as `fused_step` takes them."""
+    (Hkv, cap, D), as `fused_step` takes them. The kernel's q.K path is attn_path()'s now:
+    the caller rebuilds the row when that changes."""
     if (backend or backend_for(layers[0][2])) != "native" or native.load() is None:
         return None
     from .native.decode_step import row_plan
-    return row_plan(H, group, layers)
+    return row_plan(H, group, layers, attn_path())
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,

@@ -29,6 +29,17 @@ def one_thread_cap():
     configure(None)
 
 
+PREFIX_CHUNK = 64       # small prefill chunks: chunk boundaries within short prompts
+
+
+@pytest.fixture(scope="module")
+def chunked_default():
+    """The default model with a 1024-token context and PREFIX_CHUNK-token prefill chunks,
+    one per module (the prefix-cache tests: its entries sit at chunk boundaries)."""
+    import kvrun
+    return kvrun.load(ctx=1024, prefill_chunk=PREFIX_CHUNK)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """The tiny random model (tests/tiny.py: trained context 512); modules that need another

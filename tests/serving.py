@@ -45,3 +45,28 @@ def openai_client(port: int, timeout: float):
     import openai
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                          timeout=timeout, max_retries=0)
+
+
+def default_model_server(name: str, ctx: int, timeout: float):
+    """Fixtures `model` (the default model, an fp32 cache of ctx tokens; one per module),
+    `server` (`kvrun serve`'s app over it: 4 parallel sequences, a queue of 16) and
+    `client` (openai_client with `timeout`), for a test module to bind by those names:
+    `model, server, client = default_model_server(NAME, CTX, TIMEOUT)`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def model():
+        import kvrun
+        from kvrun.engine.pull import ensure_default_model
+        return kvrun.load(ensure_default_model(progress=None), ctx=ctx, kv="fp32")
+
+    @pytest.fixture(scope="module")
+    def server(model):
+        with served(model, name, parallel=4, max_queue=16, ctx=ctx, kv="fp32") as s:
+            yield s
+
+    @pytest.fixture()
+    def client(server):
+        return openai_client(server[0], timeout)
+
+    return model, server, client

@@ -43,7 +43,8 @@ R = G = 32
 N0 = 32 + R + G - 3                  # tail 32, window R + G - 3: the 3rd single token flushes
 STEPS = [1, 1, 1, 1, 3] + [1] * 26 + [3]   # ... and the last chunk flushes again
 # torch multiplies packed codes in bf16 (test_decode_attention.py's tolerance); native and
-# Triton dequantize and accumulate in fp32
+# Triton dequantize and accumulate in fp32 (native: its fp32 path, KVRUN_ATTN=fp32; the
+# integer q.K over KIVI keys is checked against its own twin in test_int_attention.py)
 TOL = {"torch": dict(atol=5e-2, rtol=0), "native": dict(atol=2e-4, rtol=1e-3),
        "triton": dict(atol=2e-5, rtol=1e-4)}
 
@@ -75,6 +76,7 @@ def _snapshot(c):
 def _run(backend, kv, monkeypatch):
     """Per step: (q, output, state before, state after, new K after RoPE, new V)."""
     monkeypatch.setenv("KVRUN_BACKEND", backend)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
     c = build_cache(CFG, 256, kv)
     k0, v0, steps = _inputs()
     c.ingest(k0, v0)

@@ -2,7 +2,8 @@
 dequantized tail + window + new tokens — in fp32, so to 2e-5, tighter than the torch path's
 bf16 products — for every codec and bit width, K and V codecs that differ, GQA ratios 1, 3
 and 8, head dims 32/64/128, empty / partial / full windows, chunked prefill queries, and its
-attention-mass output equals the torch path's."""
+attention-mass output equals the torch path's. These run the kernel's fp32 path (KVRUN_ATTN=fp32);
+the integer q.K over KIVI keys is checked against its own torch twin in test_int_attention.py."""
 import pytest
 import torch
 from torch.testing import assert_close
@@ -26,7 +27,7 @@ def _check(k_method, v_method, geom, dtype=torch.float32, **kw):
     Hkv, Gq, D, n_tail, W, T = geom
     args = attention_case(k_method, v_method, Hkv, Gq, D, n_tail, W, T, dtype=dtype, **kw)
     q, kt, vt, kwin, vwin, kn, vn = args
-    out = native_attention(q, kt, vt, n_tail, kwin, vwin, kn, vn)
+    out = native_attention(q, kt, vt, n_tail, kwin, vwin, kn, vn, attn="fp32")
     assert out is not None and out.shape == q.shape and out.dtype == q.dtype
     ref = dequantized_reference(q, kt, vt, n_tail, kwin, vwin, kn, vn)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -63,7 +64,7 @@ def test_mass_matches_torch_path():
     N = n_tail + W + T
     m_t, m_n = torch.full((Hkv * Gq, N), 0.5), torch.full((Hkv * Gq, N), 0.5)
     torch_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m_t, mass_from=2)
-    native_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m_n, mass_from=2)
+    native_attention(q, kt, vt, n_tail, kw, vw, kn, vn, mass=m_n, mass_from=2, attn="fp32")
     assert_close(m_n, m_t, atol=1e-3, rtol=0)        # torch path: bf16 products
     assert_close(m_n.sum(1), torch.full((Hkv * Gq,), 0.5 * N + (T - 2)), atol=1e-4, rtol=0)
 

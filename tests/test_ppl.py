@@ -62,11 +62,11 @@ def test_progress_lines_carry_elapsed_and_eta(tiny_dir):
     assert [x.split(":")[0] for x in windows] == ["[ppl] window 1/2", "[ppl] window 2/2"]
     assert all(" elapsed, ETA " in x for x in windows)
     assert windows[-1].endswith("ETA 0 s")                      # nothing left after the last
-    # the first window also reports each cache as it ends (one long window of many caches
-    # printed nothing for minutes)
-    per_cache = [x for x in lines if " on window 1/2: " in x]
-    assert [x.split()[1] for x in per_cache] == ["fp16", "kivi-2"]
-    assert all(" elapsed, ETA " in x for x in per_cache)
+    # the first window also reports each eighth of its scored half (one long window of
+    # many caches printed nothing for minutes)
+    eighths = [x for x in lines if x.startswith("[ppl] scoring window 1/2: ")]
+    assert [x.split()[4] for x in eighths] == ["12%", "25%", "38%", "50%", "62%", "75%", "88%", "100%"]
+    assert all(" elapsed, ETA " in x for x in eighths)
 
 
 def test_ctrl_c_returns_the_windows_done(tiny_dir):
@@ -93,19 +93,20 @@ def test_ctrl_c_returns_the_windows_done(tiny_dir):
 
 
 def test_ctrl_c_mid_window_keeps_only_whole_windows(tiny_dir, monkeypatch):
-    """An interrupt inside window 2, after the baseline scored it but before kivi-2 did,
-    must not leave the baseline with one window more than kivi-2."""
+    """An interrupt inside window 2, after the baseline scored a chunk of it but before
+    kivi-2 did, must not leave the baseline with more tokens than kivi-2."""
     import kvrun
     from kvrun.eval import ppl as P
     m = kvrun.load(tiny_dir, dtype="fp32", ctx=8)
-    real, calls = P.score_window, {"n": 0}
+    real, calls = P.chunk_logprobs, {"n": 0}
+    per_window = 2 * len(range(256, 511, 32))           # 2 methods, the scored half in chunks
 
     def flaky(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 4:                   # window 2, second method
+        if calls["n"] == per_window + 4:    # window 2, its second chunk's second method
             raise KeyboardInterrupt
         return real(*a, **k)
-    monkeypatch.setattr(P, "score_window", flaky)
+    monkeypatch.setattr(P, "chunk_logprobs", flaky)
     with pytest.raises(P.PartialResults) as e:
         P.perplexity(m, TEXT * 2, 512, ["kivi-2"], n_windows=3)
     assert e.value.done == 1 and [r.n_scored for r in e.value.records] == [255, 255]

@@ -11,15 +11,16 @@ from kvrun.engine.prefix_cache import PrefixCache
 from kvrun.engine.sampling import SamplingParams
 from kvrun.engine.scheduler import Scheduler
 from kvrun.errors import KvrunError
+from conftest import PREFIX_CHUNK
 
-CHUNK = 64                      # small prefill chunks: boundaries within short prompts
+CHUNK = PREFIX_CHUNK
 GREEDY = SamplingParams(temp=0)
 pytestmark = pytest.mark.usefixtures("one_thread_cap")       # conftest.py
 
 
 @pytest.fixture(scope="module")
-def m():
-    return kvrun.load(ctx=1024, prefill_chunk=CHUNK)
+def m(chunked_default):                                       # conftest.py
+    return chunked_default
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import kvrun
 from kvrun.errors import KvrunError
 from kvrun.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
 from kvrun.kv.budget import fit_budget
-from kvrun.kv.profile import model_record, read_profile
+from kvrun.kv.profile import model_record, read_profile, shipped_profiles
 from kvrun.eval.search import save_result, search
 
 from tiny import make_tiny_model_dir, tiny_config
@@ -188,7 +188,8 @@ def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
         got = sum(kv_bytes_at(cfg, parse_kv(f"profile:{path}"), ctx).values())
         assert got == prof.meta["bytes"] and got <= budget * fp16, path.name
         names.add(path.name)
-    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json", "gemma-3-270m-0.30.json"} <= names
+    assert {"smollm2-135m-0.30.json", "smollm2-135m-0.25.json", "smollm2-135m-0.20.json",
+            "gemma-3-270m-0.30.json", "gemma-3-270m-0.25.json"} <= names
 
 
 def test_sensitivity_progress_has_an_eta(tiny_model):
@@ -216,3 +217,107 @@ def test_search_on_sliding_window_layers(tmp_path):
                 trials=2, seed=3, windows=2, prefix=48, n_score=32, base=parse_kv("fp16"))
     again = kvrun.load(d, ctx=64, kv=f"profile:{out}")
     assert again.generate("The quick", 4, temp=0)
+
+
+# -- the whole codec menu: KIVI, codebooks (cb-*, rotated by their role), int8, K and V apart --
+
+def test_codec_menus():
+    from kvrun.eval.search import candidate_methods, default_bits
+    assert default_bits("all") == [2, 3, 4, 8] and default_bits("kivi") == [2, 4, 8]
+    assert candidate_methods("all") == ["kivi-2", "cb-2", "cb-3", "kivi-4", "cb-4", "int8"]
+    assert candidate_methods("cb", [4, 3, 16]) == ["cb-3", "cb-4", "fp16"]
+    assert candidate_methods("all", [3]) == ["cb-3"]
+    assert candidate_methods("kivi", None) == ["kivi-2", "kivi-4", "int8"]
+
+
+@pytest.mark.parametrize("family, bits, msg", [
+    ("nope", None, "unknown --family 'nope'"),
+    ("kivi", [3], r"--bits must be a non-empty list from \[2, 4, 8, 16\] for --family kivi"),
+    ("all", [2, 5], r"from \[2, 3, 4, 8, 16\] for --family all, got \[2, 5\]"),
+    ("cb", [], "--bits must be a non-empty list"),
+])
+def test_bad_family_or_bits_refused(tiny_model, family, bits, msg):
+    with pytest.raises(KvrunError, match=msg):
+        search(tiny_model, CALIB, 0.5, **{**KW, "family": family, "bits": bits})
+
+
+@pytest.fixture(scope="module")
+def searched_all(tiny_model):
+    # 0.55× of fp16 at 512 tokens (window included) sits between uniform cb-4 (0.52×) and
+    # kivi-4 (0.64×): the search must spend the bytes unevenly over slots and kinds
+    return search(tiny_model, CALIB, 0.55, **{**KW, "family": "all", "bits": None, "trials": 4})
+
+
+def test_all_family_search_mixes_kinds_under_budget(tiny_model, searched_all):
+    from kvrun.eval.search_objective import Objective
+    r, cfg = searched_all, tiny_model.cfg
+    kind = lambda m: m.split("-")[0]
+    assert {m for pair in r.layers for m in pair} <= {"kivi-2", "cb-2", "cb-3", "kivi-4", "cb-4", "int8"}
+    assert any(kind(k) != kind(v) for k, v in r.layers), r.layers       # a mixed-kind layer
+    kv = parse_kv("fp16").replace(layers=r.layers)
+    cache = build_cache(cfg, KW["ctx"], kv)
+    assert sum(cache.nbytes().values()) == r.bytes <= 0.55 * fp16_bytes(cfg, KW["ctx"])
+    # a cb role is rotated whatever the base says (here: no rotation), and only that role
+    for l, (k, v) in enumerate(r.layers):
+        assert (cache.rot_k[l] is not None, cache.rot_v[l] is not None) == (kind(k) == "cb", kind(v) == "cb")
+    # the KLD reported is the one of the cache that will run: re-scored from scratch
+    obj = Objective(tiny_model, CALIB, KW["windows"], KW["prefix"], KW["n_score"], chunk=kv.group)
+    assert obj.kld(kv) == pytest.approx(r.kld, rel=1e-5, abs=1e-9)
+    # no worse than any uniform method the budget affords (cb-2, kivi-2, cb-3, cb-4)
+    fits = [m for m in r.uniform if sum(kv_bytes_at(cfg, m, KW["ctx"]).values()) <= r.limit]
+    assert sorted(fits) == ["cb-2", "cb-3", "cb-4", "kivi-2"]
+    assert all(r.kld <= r.uniform[m] for m in fits)
+    # ρ per role: each role measured with the other role fp16, for every method
+    assert set(r.role_uniform) == {"k", "v"}
+    assert all(set(u) == set(r.uniform) and u["int8"] <= u["cb-2"] for u in r.role_uniform.values())
+
+
+def test_all_family_reuse_needs_per_role_klds(tiny_model, searched_all, searched, tmp_path):
+    p = tmp_path / "all.json"
+    save_result(p, searched_all, tiny_model, CALIB, budget=0.55, base=parse_kv("fp16"),
+                **{**{k: v for k, v in KW.items() if k not in ("family", "bits")}},
+                family="all", bits=None)
+    prof = read_profile(p)
+    assert prof.meta["search"]["bits"] == [2, 3, 4, 8]
+    assert prof.meta["role_kld"] == searched_all.role_uniform
+    r2 = search(tiny_model, CALIB, 0.6, reuse=prof, **{**KW, "family": "all", "bits": None, "trials": 2})
+    assert r2.sensitivity == searched_all.sensitivity and r2.evaluations <= 3
+    assert r2.bytes <= 0.6 * fp16_bytes(tiny_model.cfg, KW["ctx"])
+    # a kivi-only profile did not measure the codebooks: its pass cannot serve the whole menu
+    old = tmp_path / "kivi.json"
+    save_result(old, searched, tiny_model, CALIB, budget=0.62, base=parse_kv("fp16"),
+                **{k: v for k, v in KW.items()})
+    with pytest.raises(KvrunError, match="did not measure all of kivi-2, cb-2"):
+        search(tiny_model, CALIB, 0.6, reuse=read_profile(old), **{**KW, "family": "all", "bits": None})
+
+
+def test_search_command_family_and_bits(tiny_model, tmp_path):
+    from click.testing import CliRunner
+    from kvrun.cli.search import search_cmd
+    calib, out = tmp_path / "calib.txt", tmp_path / "p.json"
+    calib.write_text(CALIB)
+    args = ["-m", str(tiny_model.path), "--calib", str(calib), "--budget", "0.55", "-c", "512",
+            "--trials", "1", "--calib-ctx", "160", "--calib-tokens", "32", "-o", str(out)]
+    r = CliRunner().invoke(search_cmd, args + ["--family", "cb", "--bits", "3,4"])
+    assert r.exit_code == 0, r.output
+    prof = read_profile(out)
+    assert {m for pair in prof.layers for m in pair} <= {"cb-3", "cb-4"}
+    assert prof.meta["search"] == {**prof.meta["search"], "family": "cb", "bits": [3, 4]}
+    r = CliRunner().invoke(search_cmd, args + ["--family", "bogus"])
+    assert r.exit_code == 2 and "bogus" in r.output and not out.with_suffix(".tmp").exists()
+
+
+def test_auto_names_the_030_profiles_whatever_else_ships():
+    """`--kv auto` stays on the 0.30 profiles (their layers pair kinds the native kernels
+    decode) when lower-budget profiles for the same models ship beside them."""
+    from kvrun.kv.profile import shipped_for
+    geometry = {"llama": dict(num_layers=30, num_heads=9, num_kv_heads=3, hidden_size=576),
+                "gemma3": dict(num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+                               hidden_size=640, sliding_window=512)}
+    for name in ("smollm2-135m-0.30.json", "gemma-3-270m-0.30.json"):
+        prof = read_profile(name[:-len(".json")])
+        cfg = tiny_config(prof.model["architecture"], **geometry[prof.model["architecture"]])
+        cfg.source = {"name": prof.model["name"], "sha256": prof.model["sha256"]}
+        assert shipped_for(cfg).name == name
+    assert {"smollm2-135m-0.20.json", "smollm2-135m-0.25-all.json",
+            "gemma-3-270m-0.25.json"} <= {p.name for p in shipped_profiles()}

@@ -12,10 +12,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a test's do
 
-import kvrun  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
 from hostile_serving import call, openai_error  # noqa: E402
-from serving import openai_client, served  # noqa: E402
+from serving import default_model_server  # noqa: E402
 
 NAME = "smol"
 CTX = 256
@@ -28,21 +27,7 @@ TIMEOUT = 120
 TOL = 0.3
 
 
-@pytest.fixture(scope="module")
-def model():
-    from kvrun.engine.pull import ensure_default_model
-    return kvrun.load(ensure_default_model(progress=None), ctx=CTX, kv="fp32")
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    with served(model, NAME, parallel=4, max_queue=16, ctx=CTX, kv="fp32") as s:
-        yield s
-
-
-@pytest.fixture()
-def client(server):
-    return openai_client(server[0], TIMEOUT)
+model, server, client = default_model_server(NAME, CTX, TIMEOUT)
 
 
 def greedy_ids(model, ids: list[int], n: int) -> list[int]:

@@ -22,7 +22,7 @@ from kvrun.engine import grammar as grammar_mod  # noqa: E402
 from kvrun.engine.sampling import SamplingParams, sample  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
 from hostile_serving import call, openai_error  # noqa: E402
-from serving import openai_client, served  # noqa: E402
+from serving import default_model_server  # noqa: E402
 
 NAME = "smol"
 CTX = 256
@@ -127,21 +127,7 @@ def test_without_the_library_is_one_line_error(tiny, monkeypatch):
 
 
 # -- the default model ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model():
-    from kvrun.engine.pull import ensure_default_model
-    return kvrun.load(ensure_default_model(progress=None), ctx=CTX, kv="fp32")
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    with served(model, NAME, parallel=4, max_queue=16, ctx=CTX, kv="fp32") as s:
-        yield s
-
-
-@pytest.fixture()
-def client(server):
-    return openai_client(server[0], TIMEOUT)
+model, server, client = default_model_server(NAME, CTX, TIMEOUT)
 
 
 def valid(text: str, schema: dict):

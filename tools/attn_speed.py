@@ -4,6 +4,11 @@ each codec, side by side, for 1 and 2 threads.
     python tools/attn_speed.py --depth 4096 8192 --threads 1 2 --kv fp16 int8 kivi-4 tada-4
     python tools/attn_speed.py --depth 64 2048 --threads 1 --kv fp16 kivi-4 --general
 
+`--attn int fp32` times each method on both paths of the native attention's KIVI q.K
+(KVRUN_ATTN, kernels/dispatch.py `attn_path`), the `name [path]` rows, in the same
+round-robin. `--clock cpu` times the process's CPU time instead of the wall clock (on a
+machine other programs share, a descheduled step costs wall time but no CPU time).
+
 `--general` adds each method on the general native route (`attend_append`, its C arguments
 rebuilt per call) beside the default one-token route (`FusedStep`, built once per layer),
 the `name (general)` rows: at small depths the difference is the Python per layer.
@@ -40,14 +45,16 @@ def fill(cache, cfg, depth, chunk=1024):
         cache.ingest(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
 
 
-def step(cache, cfg, q, k, general=False):
+def step(cache, cfg, q, k, general=False, attn=None, clock=time.perf_counter):
     cache.positions(1)
     if general:                             # the arena's one-token route off: attend_append
         arena_mod.fused_step = lambda *a, **kw: None
-    t0 = time.perf_counter()
+    if attn:
+        os.environ["KVRUN_ATTN"] = attn
+    t0 = clock()
     for l in range(cfg.num_layers):
         cache.attend(l, q, k, k)
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     arena_mod.fused_step = FUSED
     cache.commit(1)
     return dt * 1e3
@@ -61,11 +68,16 @@ def main():
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--attn", nargs="+", choices=["int", "fp32"], default=[None],
+                    help="KVRUN_ATTN paths to time side by side (default: the environment's)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--general", action="store_true",
                     help="also time each method on the general native route (module docstring)")
     args = ap.parse_args()
-    rows = [(spec, False) for spec in args.kv] + [(spec, True) for spec in args.kv if args.general]
-    name = {(spec, g): spec + (" (general)" if g else "") for spec, g in rows}
+    rows = [(spec, g, a) for g in (False, True)[:1 + args.general] for spec in args.kv for a in args.attn]
+    name = {(spec, g, a): spec + (" (general)" if g else "") + (f" [{a}]" if len(args.attn) > 1 else "")
+            for spec, g, a in rows}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     cfg = ModelConfig(num_layers=args.layers, num_heads=9, num_kv_heads=3, hidden_size=576,
                       head_dim=64, max_position=32768)
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -83,7 +95,7 @@ def main():
             times = {row: [] for row in rows}
             for i in range(args.steps + 3):
                 for row, c in caches.items():
-                    t = step(c, cfg, q, k, general=row[1])
+                    t = step(c, cfg, q, k, general=row[1], attn=row[2], clock=clock)
                     if i >= 3:
                         times[row].append(t)
             for row in rows:

@@ -1,8 +1,13 @@
 """How far the native decode step's integer GEMVs move the next-token distribution from its
-fp32 GEMVs (KVRUN_GEMV=int against fp32; kernels/native/decode_layer.py), on a text.
+fp32 GEMVs (KVRUN_GEMV=int against fp32; kernels/native/decode_layer.py), on a text; with
+`--switch attn`, how far the native attention's integer q.K over KIVI keys moves it from its
+fp32 q.K (KVRUN_ATTN=int against fp32; use a KIVI --kv), both paths on the GEMVs `--gemv`
+names: fp32 (the default) shows the attention's own effect; on the integer GEMVs a change
+far below their int8 steps still flips an activation's rounding now and then, and that
+shows too.
 
     python tools/gemv_fidelity.py wiki.test.raw [-m MODEL] [-c 2048] [--windows 16] \
-        [--kv fp16] [-t 2] [--json]
+        [--kv fp16] [-t 2] [--switch gemv|attn] [--gemv fp32|int] [--json]
 
 `kvrun ppl` cannot tell: it feeds the scored tokens in chunks through the eager forward,
 which never runs the native step, and it compares caches, not GEMV paths. Here the text is
@@ -20,6 +25,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 
@@ -35,11 +41,19 @@ PATHS = ("fp32", "int")
 
 
 @torch.inference_mode()
-def compare(model, wins: list[list[int]], kv: str, progress=None) -> dict:
+def compare(model, wins: list[list[int]], kv: str, progress=None, switch: str = "gemv",
+            gemv: str = "fp32") -> dict:
     """Sums over the scored tokens of `wins` (at most MAX_ROWS windows): KL, top-1 matches,
-    each path's negative log-likelihood; and the count."""
+    each path's negative log-likelihood; and the count. switch: which kernel's two paths
+    (module docstring)."""
     T = model.transformer
-    steps = {p: NativeDecodeStep(T, gemv=p) for p in PATHS}
+    steps = {p: NativeDecodeStep(T, gemv=p if switch == "gemv" else gemv) for p in PATHS}
+
+    def run(p, x, c):
+        if switch == "attn":              # read by kernels/dispatch.py per attention call
+            os.environ["KVRUN_ATTN"] = p
+        return steps[p].rows(x, c)
+
     ctx, B = len(wins[0]), len(wins)
     half = ctx // 2
     caches = {p: [] for p in PATHS}
@@ -53,7 +67,7 @@ def compare(model, wins: list[list[int]], kv: str, progress=None) -> dict:
         "the native step does not cover this model and cache"
     s = dict(kld=0.0, top1=0, nll_fp32=0.0, nll_int=0.0, n=0)
     for t in range(half, ctx - 1):                           # token t predicts t + 1
-        lp = {p: torch.log_softmax(steps[p].rows(ids[:, t:t + 1], caches[p])[:, 0].double(), -1)
+        lp = {p: torch.log_softmax(run(p, ids[:, t:t + 1], caches[p])[:, 0].double(), -1)
               for p in PATHS}                                # (B, V)
         ref, got = lp["fp32"], lp["int"]
         s["kld"] += (ref.exp() * (ref - got)).sum().item()
@@ -76,6 +90,8 @@ def main():
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--kv", default="fp16")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--switch", choices=["gemv", "attn"], default="gemv")
+    ap.add_argument("--gemv", choices=list(PATHS), default="fp32", help="GEMVs of --switch attn")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     model = kvrun.load(a.model, ctx=a.ctx, kv=a.kv, threads=a.threads)
@@ -88,16 +104,19 @@ def main():
     for i in range(0, len(wins), MAX_ROWS):
         group = wins[i:i + MAX_ROWS]
         print(f"windows {i + 1}-{i + len(group)} of {len(wins)}", file=sys.stderr)
-        for k, v in compare(model, group, a.kv, lambda m: print(m, file=sys.stderr)).items():
+        for k, v in compare(model, group, a.kv, lambda m: print(m, file=sys.stderr), a.switch,
+                            a.gemv).items():
             tot[k] += v
     n = tot["n"]
-    rec = dict(model=str(model.path), ctx=a.ctx, windows=len(wins), kv=a.kv, scored=n,
+    rec = dict(model=str(model.path), ctx=a.ctx, windows=len(wins), kv=a.kv, switch=a.switch,
+               gemv=a.gemv if a.switch == "attn" else None, scored=n,
                kld=tot["kld"] / n, top1=tot["top1"] / n, ppl_fp32=math.exp(tot["nll_fp32"] / n),
                ppl_int=math.exp(tot["nll_int"] / n), seconds=time.perf_counter() - t0)
     if a.json:
         print(json.dumps(rec, indent=2))
     else:
-        print(f"{rec['model']}: {len(wins)} windows of {a.ctx}, {n} scored tokens, --kv {a.kv}\n"
+        print(f"{rec['model']}: {len(wins)} windows of {a.ctx}, {n} scored tokens, --kv {a.kv}, "
+              f"{a.switch} paths\n"
               f"  KL(fp32 || int) {rec['kld']:.5f} nats   top-1 {100 * rec['top1']:.2f} %   "
               f"ppl fp32 {rec['ppl_fp32']:.4f}   int {rec['ppl_int']:.4f}   "
               f"({rec['seconds']:.0f} s)")

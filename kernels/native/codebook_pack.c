@@ -1,4 +1,4 @@
-/* The codebook codecs' flush (kvrun.kernels.native.codebook `store`): window tokens
+/* The codebook codecs' flush (kvrun.kernels.native.pack `store`): window tokens
  * quantized into a cb tail in the layouts codebook_attention.c reads (cbpack.py: K codes
  * (Hkv, S/32, D, 4 bits) per tile and channel, V codes (Hkv, S, D/32, 4 bits) per token and
  * channel group, scale (Hkv, S) fp16).

@@ -12,6 +12,9 @@
  *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
  *            register, scales folded into q or applied per token); without AVX-512 it is
  *            dequantized into a (D, 32) tile in L1 and multiplied by an AVX2/C micro-kernel.
+ *            KIVI keys with Args.qint (KVRUN_ATTN=int, the default): per row and tile the
+ *            folded row q s quantized to int16 and dotted with the codes in int32
+ *            (kivi_tiles_int, kdot_int.c), exact integers on every ISA.
  *            fp tails, the window and the new tokens are dotted token by token; a
  *            codebook (cb) K tile is read by codebook_attention.c's cb_k_tile.
  *   phase 2  causal mask over the new tokens, one exact softmax per row (two-pass
@@ -43,6 +46,7 @@
 #include <omp.h>
 
 #include "codec_desc.h"     /* Codec, the kinds; codec_layout.h */
+#include "kdot_int.h"
 #include "math_inline.h"
 #include "rows_inline.h"
 #include "step_io.h"
@@ -76,6 +80,7 @@ typedef struct {
     const float *rk, *rv;
     void *kdst, *vdst;
     int64_t kds[2], vds[2];
+    int32_t qint;              /* 1: KIVI q.K in int32 (kivi_tiles_int), 0: in fp32 (KVRUN_ATTN) */
 } Args;
 
 /* -- packed code rows -------------------------------------------------------------------- */
@@ -283,6 +288,57 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 }
 
 
+/* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
+ * chanpack block (at most `avail`), rows in blocks of KI_ACC / tiles. Per row and tile the
+ * folded row q s is quantized to int16 with one scale d (ki_fold_quantize) and
+ * logit = fma(d, (q s)_int16 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
+static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
+                          int D, float *sc, int64_t N) {
+    if (D % 4) return 0;
+    const int E = 8 / c->bits, first = (int)((t0 / TILE) % E);
+    const int P = E - first < avail ? E - first : avail, RB = KI_ACC / P;
+    const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, c->bits);
+    float sv[4][MAXD], zv[4][MAXD], qd[KI_ACC], bias[KI_ACC];
+    int16_t qi[KI_ACC * MAXD];
+    int32_t dots[KI_ACC * TILE];
+    for (int p = 0; p < P; p++) {                    /* each tile's channel scales and zeros */
+        const int64_t off = h * c->ss[0] + ((t0 + TILE * p) / c->G) * c->ss[1];
+        if (c->ss[2] == 1) {                         /* contiguous channels: in vectors */
+            f16_to_f32(c->scale + off, D, sv[p]);
+            f16_to_f32(c->zero + off, D, zv[p]);
+        } else {
+            for (int d = 0; d < D; d++) {
+                sv[p][d] = (float)c->scale[off + d * c->ss[2]];
+                zv[p][d] = (float)c->zero[off + d * c->ss[2]];
+            }
+        }
+    }
+    for (int r0 = 0; r0 < R; r0 += RB) {
+        const int nr = R - r0 < RB ? R - r0 : RB;
+        for (int p = 0; p < P; p++) {                /* (P, nr, D) folded and quantized rows */
+            const int same = p && (t0 + TILE * p) / c->G == (t0 + TILE * (p - 1)) / c->G;
+            for (int r = 0; r < nr; r++) {
+                const int k = p * nr + r;
+                if (same) {                          /* the group of the tile before */
+                    memcpy(qi + k * D, qi + (k - nr) * D, sizeof(int16_t) * D);
+                    qd[k] = qd[k - nr];
+                    bias[k] = bias[k - nr];
+                } else {
+                    qd[k] = ki_fold_quantize(q + (r0 + r) * D, sv[p], zv[p], D, qi + k * D, bias + k);
+                }
+            }
+        }
+        ki_dot(b, c->cs[1], D, c->bits, chanpack_shift(t0, c->bits), P, nr, qi, dots);
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < nr; r++) {
+                const int k = p * nr + r;
+                float *s = sc + (int64_t)(r0 + r) * N + p * TILE;
+                for (int j = 0; j < TILE; j++) s[j] = fmaf((float)dots[k * TILE + j], qd[k], bias[k]);
+            }
+    }
+    return P;
+}
+
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
 #if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
@@ -463,7 +519,12 @@ static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R,
     const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
     const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
     float sv[MAXD], zv[MAXD];
-    for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+    if (c->ss[2] == 1) {                   /* contiguous channels: converted in vectors */
+        f16_to_f32(sp, D, sv);
+        f16_to_f32(zp, D, zv);
+    } else {
+        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
+    }
     for (int r = 0; r < R; r++) {
         float bz = 0.f;
         for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
@@ -670,6 +731,119 @@ static void vmix_block(const Codec *c, int h, int64_t t0, int64_t t1, int cb, co
 #undef VM
 }
 
+/* KIVI V (2 or 4 bits, g % 16 == 0) for NR rows over whole tiles [t0, t1) of 64-channel
+ * block cb, the scales and zeros folded out of the token loop: with v = c s_g + z_g,
+ * sum_t p_t v_t = sum_t (p_t s_tg) c_t + sum_t p_t z_tg. Per tile the products p s (per
+ * row, group and token, in vectors over the tile's tokens) become the broadcasts of the
+ * FMAs and sum p z a scalar per row and group, added at the end; per token the 32 bytes are
+ * decoded once into 4 registers of 16 channels (low nibbles then high). */
+static inline __attribute__((always_inline)) void vmix_kivi_rows(const Codec *c, int h, int64_t t0,
+        int64_t t1, int cb, const float *p, int64_t N, int D, float *acc, const float *sT,
+        const float *zT, const int NR, const int BITS) {
+    const int64_t *s = c->cs;
+    const int g = c->g, gpb = g < 64 ? 64 / g : 1, g0 = cb * 64 / g;   /* groups in the block */
+    __m512 a[6][4], zacc[6][4];
+    for (int i = 0; i < NR; i++)
+        for (int k = 0; k < 4; k++) {
+            a[i][k] = _mm512_loadu_ps(acc + i * D + cb * 64 + 16 * k);
+            zacc[i][k] = _mm512_setzero_ps();
+        }
+    const __m512i m = _mm512_set1_epi32(BITS == 2 ? 3 : 15);
+    float pw[4][6][TILE];                  /* p s per (group of the block, row, token) */
+    for (int64_t tt = t0; tt < t1; tt += TILE) {
+        /* -- fold: p s per token into pw, p z summed per group in zacc -- */
+        for (int gb = 0; gb < gpb; gb++) {
+            const float *sv = sT + (g0 + gb) * (t1 - t0) + (tt - t0), *zv = zT + (g0 + gb) * (t1 - t0) + (tt - t0);
+            for (int i = 0; i < NR; i++)
+                for (int j = 0; j < TILE; j += 16) {
+                    const __m512 pv = _mm512_loadu_ps(p + i * N + tt + j);
+                    _mm512_storeu_ps(pw[gb][i] + j, _mm512_mul_ps(pv, _mm512_loadu_ps(sv + j)));
+                    zacc[i][gb] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(zv + j), zacc[i][gb]);
+                }
+        }
+        /* -- tokens: decode once, NR x 4 FMAs -- */
+        int sh;
+        const int64_t row0 = chan_row(tt, c->bits, &sh);
+        const __m128i s0 = _mm_cvtsi32_si128(sh), s1 = _mm_cvtsi32_si128(sh + 4);
+        const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row0 * s[3];
+        for (int j = 0; j < TILE; j++, b += s[3]) {
+            _mm_prefetch((const char *)(b + PREFETCH), _MM_HINT_T0);
+            const __m512i w0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+            const __m512i w1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+            __m512 v[4];
+            if (BITS == 4) {                   /* bytes zero-extended: the high nibble needs no mask */
+                v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(w0, m));
+                v[1] = _mm512_cvtepi32_ps(_mm512_and_si512(w1, m));
+                v[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w0, 4));
+                v[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w1, 4));
+            } else {
+                v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w0, s0), m));
+                v[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w1, s0), m));
+                v[2] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w0, s1), m));
+                v[3] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w1, s1), m));
+            }
+            for (int i = 0; i < NR; i++)
+                for (int k = 0; k < 4; k++)
+                    a[i][k] = _mm512_fmadd_ps(_mm512_set1_ps(pw[16 * k / g][i][j]), v[k], a[i][k]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        float zs[4];                       /* sum_t p z per group of the block */
+        for (int gb = 0; gb < gpb; gb++) zs[gb] = _mm512_reduce_add_ps(zacc[i][gb]);
+        for (int k = 0; k < 4; k++)
+            _mm512_storeu_ps(acc + i * D + cb * 64 + 16 * k,
+                             _mm512_add_ps(a[i][k], _mm512_set1_ps(zs[16 * k / g])));
+    }
+}
+
+/* src (n, ng) fp16 at strides (st, 1) -> dst (ng, n) fp32, n % 16 == 0: the per-token group
+ * scales or zeros of a run of tokens as one vector per group (vmix_kivi_rows' folds) */
+static void groups_T(const f16 *src, int64_t st, int n, int ng, float *restrict dst) {
+    if (st == ng && ng == 1) {
+        f16_to_f32(src, n, dst);
+    } else if (st == ng && ng == 2) {      /* 16 tokens: two registers, deinterleaved */
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+        for (int t = 0; t < n; t += 16) {
+            const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t)));
+            const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t + 16)));
+            _mm512_storeu_ps(dst + t, _mm512_permutex2var_ps(a, ev, b));
+            _mm512_storeu_ps(dst + n + t, _mm512_permutex2var_ps(a, od, b));
+        }
+    } else {
+        for (int t = 0; t < n; t++)
+            for (int g = 0; g < ng; g++) dst[g * n + t] = (float)src[t * st + g];
+    }
+}
+
+/* p.V over whole tiles [t0, t1) of a KIVI V without GEAR terms (vmix_kivi_rows); 0 when the
+ * codec has no such path (8 bits, groups that are not 16, 32 or a multiple of 64 channels,
+ * D % 64 != 0) */
+static int vmix_kivi(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                     int R, int D, float *acc) {
+    if (c->kind != C_KIVI || c->rank || c->k2 || c->bits == 8 || c->g % 16 || (64 % c->g && c->g % 64)
+        || D % 64 || c->ss[2] != 1) return 0;
+    const int RB = R <= 6 ? R : 4, ng = D / c->g;
+    float sT[MAXD / 16 * CHUNK * TILE], zT[MAXD / 16 * CHUNK * TILE];   /* (ng, n) */
+    for (int64_t u0 = t0; u0 < t1; u0 += CHUNK * TILE) {
+        const int64_t u1 = u0 + CHUNK * TILE < t1 ? u0 + CHUNK * TILE : t1;
+        const int64_t off = h * c->ss[0] + u0 * c->ss[1];
+        groups_T(c->scale + off, c->ss[1], (int)(u1 - u0), ng, sT);
+        groups_T(c->zero + off, c->ss[1], (int)(u1 - u0), ng, zT);
+        for (int cb = 0; cb < D / 64; cb++)
+            for (int r0 = 0; r0 < R; r0 += RB) {
+#define VK(nr) (c->bits == 4 ? vmix_kivi_rows(c, h, u0, u1, cb, p + r0 * N, N, D, acc + r0 * D, sT, zT, nr, 4) \
+                       : vmix_kivi_rows(c, h, u0, u1, cb, p + r0 * N, N, D, acc + r0 * D, sT, zT, nr, 2))
+                switch (R - r0 < RB ? R - r0 : RB) {
+                case 6: VK(6); break; case 5: VK(5); break; case 4: VK(4); break;
+                case 3: VK(3); break; case 2: VK(2); break; default: VK(1);
+                }
+#undef VK
+            }
+    }
+    return 1;
+}
+
 /* p.V over tail tokens [t0, t1) of a packed V in the chan layout (int8 / KIVI / GEAR /
  * TaDA), D a multiple of 64: every token's 64-channel blocks decoded in registers,
  * dequantized (c s + z, TaDA mu - (c s + z)) and accumulated into acc (R, D) by vmix_block;
@@ -722,6 +896,8 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
                            int D, float *sc, int64_t N) { return 0; }
 static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
                       int R, int D, float *acc) { return 0; }
+static int vmix_kivi(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                     int R, int D, float *acc) { return 0; }
 #endif
 
 /* -- tail reads ----------------------------------------------------------------------------- */
@@ -904,7 +1080,10 @@ int kvrun_decode_attention(const Args *a) {
                     const float *q = a->q + (int64_t)h * R * D;
                     float *sc = a->sc + (int64_t)h * R * N;
                     for (int64_t ti = c0; ti < c1; ) {
-                        int done = HAVE_FAST && a->kc->kind == C_KIVI && !a->kc->rank
+                        const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
+                        int done = kivi && a->qint
+                            ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
+                            : HAVE_FAST && kivi
                             ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
                         if (!done && a->kc->kind == C_CB) {
                             cb_k_tile(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N);
@@ -968,6 +1147,7 @@ int kvrun_decode_attention(const Args *a) {
                         cb_v_mix(a->vc, h, c0, c1, p, N, R, D, acc);
                         continue;
                     }
+                    if (a->qint && vmix_kivi(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
                     if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
                     for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
                         for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);

@@ -46,10 +46,12 @@ class StepDesc(ctypes.Structure):
         ("head", ctypes.POINTER(WeightDesc)), ("logits", _p)]
 
 
-def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v):
+def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
+               attn: str = "int"):
     """(prebuilt arguments, tail descriptors) of one arena layer's one-token step, or None
     when decode_attention.c does not cover it: k_tail / v_tail (codec, storage), k_win /
-    v_win (Hkv, cap, D) the layer's window, rot_k / rot_v (D, D) float32 or None. The
+    v_win (Hkv, cap, D) the layer's window, rot_k / rot_v (D, D) float32 or None, attn the
+    kernel's q.K path ("int" or "fp32", decode_attention.py's). The
     descriptors stay valid while the storage lives; at n_tail == 0 the kernel does not
     read them."""
     D = k_win.shape[2]
@@ -58,7 +60,7 @@ def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor,
     desc = _descriptors(torch.empty(1, H, 1, D), k_tail, v_tail, TILE)   # a step's q shape
     if desc is None:
         return None
-    a = step_args(H, k_win, v_win, rot_k, rot_v)
+    a = step_args(H, k_win, v_win, rot_k, rot_v, attn)
     a.qdtype = a.ndtype = _FP[torch.float32]            # q and the new rows: the layer scratch
     a.qs[0], a.kns[0], a.vns[0] = D, D, D               # (H, D) / (Hkv, D) rows; Tq = Tn = 1
     a.kc, a.vc = ctypes.pointer(desc[0]), ctypes.pointer(desc[1])
@@ -93,13 +95,13 @@ def splits_max() -> int:
     return _splits_max(load())
 
 
-def row_plan(H: int, group: int, layers: list) -> RowPlan | None:
+def row_plan(H: int, group: int, layers: list, attn: str = "int") -> RowPlan | None:
     """dispatch.step_row on the native kernel: a RowPlan of `layers` (per layer the
     arguments of `layer_args`), or None when a tail of `group`-token blocks may not be whole
-    kernel tiles or some layer is not covered."""
+    kernel tiles or some layer is not covered; attn as `layer_args`'."""
     if group % TILE:
         return None
-    args = [layer_args(H, *x) for x in layers]
+    args = [layer_args(H, *x, attn=attn) for x in layers]
     return None if any(a is None for a in args) else RowPlan(args)
 
 

@@ -41,14 +41,7 @@ void gf_rows(const Weight *w, int n0, int nn, int B, const float *x, int ldx, co
 
 /* -- integer (gemv_quant.c quantizes the inputs, gemv_int.c multiplies) ----------------- */
 
-/* the integer dot products this build compiles: AVX512-VNNI, else AVX2, else plain C */
-#if !defined(KVRUN_NO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define GI_VNNI 1
-#elif !defined(KVRUN_NO_AVX2) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define GI_AVX2 1
-#endif
+#include "int_dot.h"            /* GI_VNNI / GI_AVX2: the dot products compiled */
 
 static inline int pad64(int K) { return (K + 63) / 64 * 64; }
 

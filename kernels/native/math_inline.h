@@ -45,6 +45,7 @@ static inline int token_splits(int64_t ntile) {
  * causally), zeros after: an exact two-pass softmax */
 static inline void softmax_visible(float *s, int64_t vis, int64_t N) {
     float m = -INFINITY;
+#pragma omp simd reduction(max : m)        /* exact in any order: vectorized */
     for (int64_t n = 0; n < vis; n++) m = s[n] > m ? s[n] : m;
     float den = 0.f;
     for (int64_t n = 0; n < vis; n++) { float e = exp_neg(s[n] - m); s[n] = e; den += e; }

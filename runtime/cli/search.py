@@ -9,7 +9,9 @@ from ..errors import KvrunError, read_text_file
 from ..files import check_writable
 
 
-def _bits(s: str) -> list[int]:
+def _bits(s: str | None) -> list[int] | None:
+    if s is None:
+        return None
     try:
         items = [x.strip() for x in s.split(",")]
         if not all(items):
@@ -32,9 +34,12 @@ def _bits(s: str) -> list[int]:
 @click.option("--trials", default=16, show_default=True, type=int,
               help="Random-search trials after the sensitivity pass and the knapsack start.")
 @click.option("-s", "--seed", default=0, show_default=True, type=int)
-@click.option("--bits", default="2,4,8", show_default=True, help="Bit-widths to choose from (16 = fp16).")
-@click.option("--family", default="kivi", show_default=True, type=click.Choice(["kivi", "tada", "any"]),
-              help="Codec family per slot (kivi: kivi-2/kivi-4/int8; any: KIVI, TaDA and int8).")
+@click.option("--bits", default=None,
+              help="Bit-widths to choose from (16 = fp16; default: every width of --family below 16).")
+@click.option("--family", default="kivi", show_default=True,
+              type=click.Choice(["kivi", "tada", "any", "cb", "all"]),
+              help="Codecs per slot (kivi: kivi-2/kivi-4/int8; cb: cb-2/3/4 and int8; "
+                   "all: KIVI, cb and int8, K and V chosen apart; any: KIVI, TaDA and int8).")
 @click.option("--calib-windows", "windows", default=2, show_default=True, type=int,
               help="Calibration windows spread over the text.")
 @click.option("--calib-ctx", "prefix", default=512, show_default=True, type=int,
@@ -75,7 +80,8 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     eprint(f"[search] best KLD {res.kld:.5f} at {res.ratio:.4f}× fp16 ({res.bytes / 2**20:.2f} MiB "
             f"for {ctx} tokens), {res.evaluations} evaluations in {res.seconds:.0f} s")
     for mth, k in sorted(res.uniform.items(), key=lambda x: x[1]):
-        eprint(f"[search]   uniform {mth:<8} KLD {k:.5f}")
+        eprint(f"[search]   uniform {mth:<8} KLD {k:.5f} (K only {res.role_uniform['k'][mth]:.5f}, "
+               f"V only {res.role_uniform['v'][mth]:.5f})")
     eprint("layer  K        V")
     for i, (k, v) in enumerate(res.layers):
         eprint(f"{i:5d}  {k:<8} {v}")

@@ -52,18 +52,20 @@ def windows_of(ids: list[int], ctx: int, n_windows: int | None) -> list[list[int
 
 
 @torch.inference_mode()
-def score_window(transformer, cache, window: list[int], chunk: int, prefill_chunk: int) -> torch.Tensor:
-    """Log-probs (N, V) of the scored half's next tokens; the cache is reset first."""
+def prefill_context(transformer, cache, window: list[int], prefill_chunk: int) -> None:
+    """The context half of `window` into `cache` (reset first), in prefill chunks."""
     cache.reset()
     half = len(window) // 2
     ids = torch.tensor([window])
     for s in range(0, half, prefill_chunk):
         transformer(ids[:, s:min(s + prefill_chunk, half)], cache, last_only=True)
-    out = []
-    for s in range(half, len(window) - 1, chunk):
-        e = min(s + chunk, len(window) - 1)
-        out.append(transformer(ids[:, s:e], cache)[0])          # predicts tokens s+1 .. e
-    return torch.log_softmax(torch.cat(out).float(), dim=-1)
+
+
+@torch.inference_mode()
+def chunk_logprobs(transformer, cache, window: list[int], s: int, e: int) -> torch.Tensor:
+    """Log-probs (e - s, V) of the next tokens of window[s:e] (predicting s+1 .. e), fed to
+    `cache` as one chunk."""
+    return torch.log_softmax(transformer(torch.tensor([window[s:e]]), cache)[0].float(), dim=-1)
 
 
 def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | None = None,
@@ -100,16 +102,15 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
         for w_i, win in enumerate(wins):
             # a window counts only once every method has scored it: Ctrl-C in the middle
             # of one leaves `stats` over whole windows, the same windows for every method
-            # the first window reports each cache as it ends (one window of many caches
-            # at 16k+ tokens is minutes of silence otherwise), later ones once per window
+            # the first window reports each eighth of its scored half (one window of many
+            # caches at 16k+ tokens is minutes of silence otherwise), later ones once each
             tell = None
             if progress and w_i == 0:
-                def tell(m, j, st):
+                def tell(frac):
                     elapsed = time.perf_counter() - t_start
-                    eta = elapsed / (j + 1) * (len(methods) * len(wins) - j - 1)
-                    progress(f"[ppl] {m} on window 1/{len(wins)}: ppl {math.exp(st['nll'] / st['n']):.3f} "
-                             f"({j + 1}/{len(methods)} caches) | {format_duration(elapsed)} "
-                             f"elapsed, ETA {format_duration(eta)}")
+                    eta = elapsed / frac * (len(wins) - frac)
+                    progress(f"[ppl] scoring window 1/{len(wins)}: {frac:.0%} | "
+                             f"{format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
             add = _score_methods(model, caches, win, chunk, tell)
             # one assignment: an interrupt while summing leaves the old totals whole
             stats = {m: {k: x + add[m][k] for k, x in stats[m].items()} for m in methods}
@@ -129,22 +130,36 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
 
 def _score_methods(model, caches: dict, win: list[int], chunk: int, tell=None) -> dict:
     """Per-method sums (nll, kld, top1, n, t) over one window; the baseline comes first.
-    `tell(method, index, sums)` is called as each method ends."""
-    targets = torch.tensor(win[len(win) // 2 + 1:])
-    base, out = None, {}
-    for j, (m, cache) in enumerate(caches.items()):
+    Each cache takes the context half, then the scored half runs chunk by chunk through
+    every cache in turn, so only one chunk of log-probs per cache is ever held: a whole
+    window's (tokens x vocabulary) did not fit in memory for Gemma's 262k vocabulary at
+    16k tokens. `tell(fraction)` is called as each eighth of the scored half ends."""
+    tr, half = model.transformer, len(win) // 2
+    out = {m: dict(nll=0.0, kld=0.0, top1=0, n=0, t=0.0) for m in caches}
+    for m, cache in caches.items():
         t0 = time.perf_counter()
-        lp = score_window(model.transformer, cache, win, chunk, model.engine.prefill_chunk)
-        st = dict(nll=-float(lp.gather(1, targets[:, None]).sum()), n=len(targets),
-                  kld=0.0, top1=0, t=time.perf_counter() - t0)
-        if base is None:
-            base = lp
-        else:
-            st["kld"] = float((base.exp() * (base - lp)).sum())
-            st["top1"] = int((base.argmax(-1) == lp.argmax(-1)).sum())
-        out[m] = st
-        if tell:
-            tell(m, j, st)
+        prefill_context(tr, cache, win, model.engine.prefill_chunk)
+        out[m]["t"] += time.perf_counter() - t0
+    starts = range(half, len(win) - 1, chunk)
+    marks = {starts[max(0, len(starts) * k // 8 - 1)]: k / 8 for k in range(1, 9)} if tell else {}
+    for s in starts:
+        e = min(s + chunk, len(win) - 1)
+        targets = torch.tensor(win[s + 1:e + 1])
+        base = None
+        for m, cache in caches.items():
+            t0 = time.perf_counter()
+            lp = chunk_logprobs(tr, cache, win, s, e)
+            st = out[m]
+            st["nll"] -= float(lp.gather(1, targets[:, None]).sum())
+            st["n"] += len(targets)
+            if base is None:
+                base = lp
+            else:
+                st["kld"] += float((base.exp() * (base - lp)).sum())
+                st["top1"] += int((base.argmax(-1) == lp.argmax(-1)).sum())
+            st["t"] += time.perf_counter() - t0
+        if s in marks:
+            tell(marks[s])
     return out
 
 

@@ -1,21 +1,19 @@
 """`kvrun search`: per-layer KV precision search under a memory budget (kv/profile.py; TaDA §3.3
-"Searching for quantization precision" and Appendix B).
+"Searching for quantization precision" and Appendix B; KVTuner's per-layer (K, V) pairs).
 
-Objective: mean KL(P_fp16 ‖ P_profile) of next-token distributions on a calibration text,
-scored through the compressed read path the way `kvrun ppl` scores: each calibration
-window's context sits in the cache under test (tokens older than the residual window
-compressed), and the scored tokens are fed in chunks of G so each one attends to the
-compressed past as in decode order. The context is prefilled once in fp16 and its K/V
-ingested into every candidate cache through the arena's write path; that is exactly what
-a single-chunk prefill stores (a prefill chunk attends to itself in full precision).
+Objective: mean KL(P_fp16 ‖ P_profile) of next-token distributions on a calibration text
+(search_objective.py), scored through the cache each candidate config builds: a codec that
+rotates its role (cb-*) is scored rotated, and a layer may pair kinds (kivi-4 K, cb-4 V).
 
 Constraint: total KV bytes of the cache for `ctx` tokens, window and metadata included,
 by `kv_bytes_at` (the arena's own accounting) <= budget × fp16 bytes of `ctx` tokens.
 
 Search (seeded, every evaluation is a real forward):
-1. sensitivity: one (layer, K|V) slot at a time at the lowest bit-width, all else fp16,
-   gives s[slot]; each other candidate method m gets ρ_m = KLD(uniform m) / KLD(uniform
-   lowest). Predicted loss of a profile: Σ s[slot] · ρ[method(slot)] (additive model).
+1. sensitivity: one (layer, K|V) slot at a time at the cheapest method, all else fp16,
+   gives s[slot]; each other candidate method m gets a ratio per role r, ρ_r,m =
+   KLD(m on every r slot) / KLD(cheapest on every r slot), the other role fp16 (a codec
+   can be good for V and bad for K: cb on Gemma). Predicted loss of a profile:
+   Σ s[slot] · ρ[role(slot), method(slot)] (additive model).
 2. knapsack: the profile minimising the predicted loss under the budget (multiple-choice
    knapsack, exact by dynamic programming over byte units), evaluated for real.
 3. trials (TaDA's random search): 1 in 4 a random profile cut down to the budget, the rest
@@ -34,87 +32,43 @@ import torch
 from ..errors import KvrunError
 from ..progress import format_duration
 from ..kv.layout import arena_layers
-from ..kv.build import build_cache, check_kv, fp16_bytes, kv_bytes_at
+from ..kv.build import check_kv, fp16_bytes, kv_bytes_at
 from ..kv.config import KVConfig
+from .search_objective import Objective
 
-# bits -> methods per codec family; 8-bit KIVI is the per-token int8 codec
+# bits -> methods per codec family; 8-bit KIVI is the per-token int8 codec. "all" is every
+# codec that fits any model's geometry: TaDA is left out (it refuses one KV head, and its
+# per-token mean costs more than KIVI's metadata on these models)
 FAMILIES = {
     "kivi": {2: ["kivi-2"], 4: ["kivi-4"], 8: ["int8"], 16: ["fp16"]},
     "tada": {2: ["tada-2"], 4: ["tada-4"], 8: ["tada-8"], 16: ["fp16"]},
     "any": {2: ["kivi-2", "tada-2"], 4: ["kivi-4", "tada-4"], 8: ["int8", "tada-8"], 16: ["fp16"]},
+    "cb": {2: ["cb-2"], 3: ["cb-3"], 4: ["cb-4"], 8: ["int8"], 16: ["fp16"]},
+    "all": {2: ["kivi-2", "cb-2"], 3: ["cb-3"], 4: ["kivi-4", "cb-4"], 8: ["int8"], 16: ["fp16"]},
 }
 ROLES = ("k", "v")
 
 
-def candidate_methods(family: str, bits: list[int]) -> list[str]:
+def default_bits(family: str) -> list[int]:
+    """Every bit-width the family has below 16 (fp16 is a choice only when asked for)."""
+    _check_family(family)
+    return sorted(b for b in FAMILIES[family] if b < 16)
+
+
+def _check_family(family: str) -> None:
     if family not in FAMILIES:
         raise KvrunError(f"unknown --family {family!r} ({', '.join(FAMILIES)})")
+
+
+def candidate_methods(family: str, bits: list[int] | None = None) -> list[str]:
+    """The methods a slot may take: the family's at each of `bits` (default: default_bits)."""
+    _check_family(family)
+    bits = default_bits(family) if bits is None else list(bits)
     bad = [b for b in bits if b not in FAMILIES[family]]
     if bad or not bits:
-        raise KvrunError(f"--bits must be a non-empty list from {sorted(FAMILIES[family])}, got {bits}")
+        raise KvrunError(f"--bits must be a non-empty list from {sorted(FAMILIES[family])} "
+                         f"for --family {family}, got {bits}")
     return [m for b in sorted(set(bits)) for m in FAMILIES[family][b]]
-
-
-# -- the objective ------------------------------------------------------------------------------
-
-@dataclass
-class _Window:
-    ids: torch.Tensor           # (1, P + N) context then scored inputs
-    k: torch.Tensor             # (L, Hkv, P, D) fp16 context K (rotated), from the fp16 prefill
-    v: torch.Tensor
-    p: torch.Tensor             # (N, V) fp16-cache next-token probabilities
-    negent: torch.Tensor        # (N,) Σ p log p
-
-
-class Objective:
-    """Mean KLD vs the fp16 cache on calibration windows (prefix tokens + scored tokens)."""
-
-    def __init__(self, model, text: str, n_windows: int = 2, prefix: int = 512,
-                 n_score: int = 32, chunk: int = 32):
-        if n_windows < 1 or prefix < 1 or n_score < 1 or chunk < 1:
-            raise KvrunError("calibration windows, prefix, scored tokens and chunk must be >= 1")
-        self.model, self.cfg, self.chunk = model, model.cfg, chunk
-        self.prefix, self.n_score = prefix, n_score
-        ids = model.tokenize(text)
-        span = prefix + n_score
-        if len(ids) < n_windows * span:
-            raise KvrunError(f"calibration text has {len(ids)} tokens: {n_windows} windows of "
-                             f"{prefix} + {n_score} tokens need {n_windows * span}")
-        step = (len(ids) - span) // max(1, n_windows - 1) if n_windows > 1 else 0
-        self.n_tokens = n_windows * span
-        self.windows = [self._prepare(ids[i * step:i * step + span]) for i in range(n_windows)]
-        self.evaluations = 0
-
-    @torch.inference_mode()
-    def _prepare(self, win: list[int]) -> _Window:
-        cfg, P = self.cfg, self.prefix
-        ids = torch.tensor([win])
-        dense = build_cache(cfg, len(win), "fp16")
-        self.model.transformer(ids[:, :P], dense, last_only=True)        # one chunk: see docstring
-        k, v = dense.all_rows(torch.float16)                              # (L, Hkv, P, D)
-        w = _Window(ids, k, v, None, None)
-        lp = self._logprobs(dense, w)
-        w.p = lp.exp()
-        w.negent = (w.p * lp).sum(-1)
-        return w
-
-    def _logprobs(self, cache, w: _Window) -> torch.Tensor:
-        cache.reset()
-        cache.ingest(w.k, w.v)
-        T = w.ids.shape[1]
-        out = [self.model.transformer(w.ids[:, s:min(s + self.chunk, T)], cache)[0]
-               for s in range(self.prefix, T, self.chunk)]
-        return torch.log_softmax(torch.cat(out).float(), dim=-1)          # (N, V)
-
-    @torch.inference_mode()
-    def kld(self, kv: KVConfig) -> float:
-        cache = build_cache(self.cfg, self.prefix + self.n_score, kv)
-        tot = 0.0
-        for w in self.windows:
-            lq = self._logprobs(cache, w)
-            tot += float((w.negent - (w.p * lq).sum(-1)).sum())
-        self.evaluations += 1
-        return max(0.0, tot / (len(self.windows) * self.n_score))
 
 
 # -- the search ---------------------------------------------------------------------------------
@@ -127,6 +81,7 @@ class SearchResult:
     ratio: float
     limit: int                      # budget in bytes
     uniform: dict = field(default_factory=dict)      # method -> KLD of the uniform config
+    role_uniform: dict = field(default_factory=dict)  # "k"|"v" -> method -> KLD, that role only
     sensitivity: list = field(default_factory=list)  # [layer][role] KLD at the lowest bits
     evaluations: int = 0
     seconds: float = 0.0
@@ -200,8 +155,10 @@ class Search:
                       f"{time.perf_counter() - self.t0:.0f} s)")
         return kld
 
-    def _uniform_kld(self, m: str) -> float:
-        return self.obj.kld(self._kv([(m, m)] * self.L))
+    def _uniform_kld(self, m: str, role: str | None = None) -> float:
+        """KLD with m in every slot (of `role` only, the other role fp16, when given)."""
+        pair = (m, m) if role is None else (m, "fp16") if role == "k" else ("fp16", m)
+        return self.obj.kld(self._kv([pair] * self.L))
 
     # -- phases --
     def sensitivity(self):
@@ -219,24 +176,35 @@ class Search:
             self.progress(f"[search] sensitivity {i + 1}/{n}: layer {l} {ROLES[r].upper()} {m0}: "
                           f"KLD {self.s[i]:.5f} ({time.perf_counter() - self.t0:.0f} s, "
                           f"ETA {format_duration(eta)})")
-        self.uniform = {}
+        self.uniform, self.role_uniform = {}, {r: {} for r in ROLES}
         for m in self.methods:
             if m in ("fp16", "bf16"):
                 self.uniform[m] = 0.0
+                for r in ROLES:
+                    self.role_uniform[r][m] = 0.0
                 continue
             self.uniform[m] = self._uniform_kld(m)
-            self.progress(f"[search] uniform {m}: KLD {self.uniform[m]:.5f}")
-        u0 = max(self.uniform[m0], 1e-12)
-        self.rho = np.array([min(1.0, self.uniform[m] / u0) for m in self.methods])
-        self.rho[0] = 1.0
+            for r in ROLES:
+                self.role_uniform[r][m] = self._uniform_kld(m, r)
+            self.progress(f"[search] uniform {m}: KLD {self.uniform[m]:.5f} (K only "
+                          f"{self.role_uniform['k'][m]:.5f}, V only {self.role_uniform['v'][m]:.5f})")
+        self._set_rho()
 
-    def reuse(self, sensitivity: list, uniform: dict) -> None:
+    def _set_rho(self) -> None:
+        """ρ per role and method from the one-role uniform KLDs; the cheapest method is 1."""
+        self.rho = {}
+        for r in ROLES:
+            u = self.role_uniform[r]
+            u0 = max(u[self.methods[0]], 1e-12)
+            self.rho[r] = np.array([min(1.0, u[m] / u0) for m in self.methods])
+            self.rho[r][0] = 1.0
+
+    def reuse(self, sensitivity: list, uniform: dict, role_uniform: dict) -> None:
         """Take s and ρ from an earlier search on the same calibration (another budget)."""
         self.s = np.array([x for pair in sensitivity for x in pair], dtype=float)
         self.uniform = {m: uniform[m] for m in self.methods}
-        u0 = max(self.uniform[self.methods[0]], 1e-12)
-        self.rho = np.array([min(1.0, self.uniform[m] / u0) for m in self.methods])
-        self.rho[0] = 1.0
+        self.role_uniform = {r: {m: role_uniform[r][m] for m in self.methods} for r in ROLES}
+        self._set_rho()
         self.progress(f"[search] sensitivity and uniform KLDs reused ({len(self.s)} slots)")
 
     def knapsack(self) -> tuple:
@@ -259,7 +227,7 @@ class Search:
         for i in range(n):
             new = np.full(U + 1, -np.inf)
             for j in range(M):
-                c, gain = units[i][j], self.s[i] * (1.0 - self.rho[j])
+                c, gain = units[i][j], self.s[i] * (1.0 - self.rho[ROLES[i % 2]][j])
                 if c > U:
                     continue
                 cand = np.full(U + 1, -np.inf)
@@ -283,14 +251,14 @@ class Search:
         while not self._fits(a):
             best, arg = math.inf, None
             for i, j in enumerate(a):
-                if j == 0 or i in keep:
+                if i in keep:
                     continue
                 r = ROLES[i % 2]
-                for j2 in range(j):
+                for j2 in range(len(self.methods)):
                     saved = self.cost[r][j] - self.cost[r][j2]
                     if saved <= 0:
                         continue
-                    dmg = self.s[i] * (self.rho[j2] - self.rho[j]) / saved
+                    dmg = self.s[i] * (self.rho[r][j2] - self.rho[r][j]) / saved
                     if dmg < best:
                         best, arg = dmg, (i, j2)
             if arg is None:                      # only kept slots left: release them
@@ -310,7 +278,7 @@ class Search:
                 r = ROLES[i % 2]
                 for j2 in range(len(self.methods)):
                     extra = self.cost[r][j2] - self.cost[r][j]
-                    gain = self.s[i] * (self.rho[j] - self.rho[j2])
+                    gain = self.s[i] * (self.rho[r][j] - self.rho[r][j2])
                     if 0 < extra <= slack and gain > 0 and gain / extra > best:
                         best, arg = gain / extra, (i, j2)
             if arg is None:
@@ -354,13 +322,13 @@ class Search:
         layers = self.layers_of(self.best)
         nbytes = self._bytes(layers)
         return SearchResult(layers, self.best_kld, nbytes, nbytes / self.fp16_bytes, self.limit,
-                            dict(self.uniform),
+                            dict(self.uniform), {r: dict(u) for r, u in self.role_uniform.items()},
                             [[float(self.s[2 * l]), float(self.s[2 * l + 1])] for l in range(self.L)],
                             self.obj.evaluations, time.perf_counter() - self.t0)
 
 
 def search(model, text: str, budget: float, ctx: int = 2048, trials: int = 16, seed: int = 0,
-           bits=(2, 4, 8), family: str = "kivi", windows: int = 2, prefix: int = 512,
+           bits=None, family: str = "kivi", windows: int = 2, prefix: int = 512,
            n_score: int = 32, base: KVConfig | None = None, progress=None,
            reuse=None) -> SearchResult:
     """Search per-layer K/V methods for `model` on calibration `text` (see module docstring).
@@ -373,13 +341,13 @@ def search(model, text: str, budget: float, ctx: int = 2048, trials: int = 16, s
     if trials < 0:
         raise KvrunError(f"--trials must be >= 0, got {trials}")
     base = base or KVConfig()
-    methods = candidate_methods(family, list(bits))
+    methods = candidate_methods(family, bits)
     for m in methods:                      # geometry checks (V groups etc.) before any work
         check_kv(model.cfg, base.replace(k_method=m, v_method=m))
     s = Search(None, model.cfg, methods, budget, ctx, trials, seed, base, progress)
     if reuse is not None:
         _check_reuse(reuse, model, text, methods, windows, prefix, n_score, base)
-        s.reuse(reuse.meta["sensitivity"], reuse.meta["uniform_kld"])
+        s.reuse(reuse.meta["sensitivity"], reuse.meta["uniform_kld"], reuse.meta["role_kld"])
     torch.manual_seed(seed)
     s.obj = Objective(model, text, windows, prefix, n_score, chunk=base.group)
     return s.run()
@@ -398,8 +366,9 @@ def _check_reuse(p, model, text, methods, windows, prefix, n_score, base) -> Non
         why = "its KV settings (window, groups …) differ"
     elif not isinstance(p.meta.get("sensitivity"), list) or len(p.meta["sensitivity"]) != arena_layers(model.cfg):
         why = "it has no sensitivity table"
-    elif not all(m in p.meta.get("uniform_kld", {}) for m in methods):
-        why = f"it did not measure all of {', '.join(methods)}"
+    elif not all(m in p.meta.get("uniform_kld", {}) and
+                 all(m in (p.meta.get("role_kld") or {}).get(r, {}) for r in ROLES) for m in methods):
+        why = f"it did not measure all of {', '.join(methods)} on K and V apart"
     if why:
         raise KvrunError(f"--reuse {p.path}: cannot reuse its sensitivity pass: {why}")
 
@@ -413,7 +382,8 @@ def save_result(path, result: SearchResult, model, text: str, *, budget: float, 
                  kld=result.kld,
                  calibration={"sha256": text_sha256(text), "windows": windows, "prefix": prefix,
                               "scored": n_score},
-                 search={"family": family, "bits": list(bits), "trials": trials, "seed": seed,
+                 search={"family": family, "bits": default_bits(family) if bits is None else list(bits),
+                         "trials": trials, "seed": seed,
                          "evaluations": result.evaluations, "seconds": round(result.seconds, 1)},
-                 uniform_kld=result.uniform,
+                 uniform_kld=result.uniform, role_kld=result.role_uniform,
                  sensitivity=result.sensitivity)

@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import weakref
 
-from kvrun.kernels.dispatch import step_row
+from kvrun.kernels.dispatch import attn_path, step_row
 from kvrun.kernels.fused_compress import flush_count
 
-# arena -> (H, RowPlan or None); outside the arena so a copy (deepcopy, snapshot) never
+# arena -> ((H, attention path), RowPlan or None); outside the arena so a copy (deepcopy, snapshot) never
 # carries pointers into another arena's tensors
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def native_row(arena, H: int):
     """The arena's RowPlan with this step's lengths, or None (the module docstring)."""
+    key = (H, attn_path())                   # the attention path `attend` takes this step
     hit = _PLANS.get(arena)
-    if hit is None or hit[0] != H:
-        hit = _PLANS[arena] = (H, _build(arena, H))
+    if hit is None or hit[0] != key:
+        hit = _PLANS[arena] = (key, _build(arena, H))
     plan = hit[1]
     if plan is None or max(arena.n_win) >= arena.win_k.shape[2]:
         return None

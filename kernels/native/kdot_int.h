@@ -1,0 +1,37 @@
+/* The integer q.K of the attention over KIVI keys (decode_attention.c, KVRUN_ATTN=int), in
+ * kdot_int.c. KIVI stores K per channel (chanpack layout, codec_layout.h) with one fp16 scale
+ * s and zero z per (channel, token group), so q . k_t = (q s) . c_t + q . z: the folded row
+ * q s is quantized to int16 (ki_quantize) and dotted with the unsigned codes in int32
+ * (ki_dot); the caller applies the row's scale and adds q . z in fp32. int16, not int8: one
+ * scale per row of D channels, and KIVI's outlier channels (large s) set it, so int8 steps
+ * moved the next-token distribution measurably (docs/measurements.md); int16 costs twice the
+ * dot instructions (vpdpwssd, 2 products per lane) and nothing else. */
+#ifndef KVRUN_KDOT_INT_H
+#define KVRUN_KDOT_INT_H
+
+#include <stdint.h>
+
+enum { KI_ACC = 12 };         /* tiles x rows per ki_dot call: 24 of the 32 zmm registers */
+
+#define KI_QMAX 32767.f   /* |codes| of the quantized rows; 32767 * 255 * 256 < 2^31: exact int32 */
+
+/* x (n,) fp32, n % 4 == 0 -> qi (n,) int16 = rint(x * (KI_QMAX / max|x|)) (all 0 when
+ * max|x| = 0), rounding half to even, in the order ki_dot reads them (within each 4
+ * channels d, d+2, d+1, d+3 on the VNNI build); returns the scale max|x| / KI_QMAX. */
+float ki_quantize(const float *x, int n, int16_t *qi);
+
+/* out[(p * R + r) * 32 + j] = sum_{d < D} qi[(p * R + r) * D + d] * code(d, p, j) for P tiles
+ * of 32 tokens that share their bytes (the planes of one chanpack block), p < P, r < R,
+ * P * R <= KI_ACC, D % 4 == 0: channel d's 32 bytes are at b + d * ds and the code of token
+ * j of tile p is (byte j >> (sh + bits * p)) & (2^bits - 1); bits <= 8, D <= 256. Exact int32
+ * on every ISA. */
+/* ki_quantize of the folded row x = q s (n,) (one fp32 product per channel), and
+ * *bias = q . z in fp32: a row's both inputs of a tile's logits, s and z its channel scales
+ * and zeros; n <= 256 */
+float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
+                       float *bias);
+
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
+            int32_t *out);
+
+#endif

@@ -160,6 +160,19 @@ def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend
     return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn_path())
 
 
+def step_row(H: int, group: int, layers: list, backend=None):
+    """A cache's layers as one row of the one-call decode step (native CPU:
+    kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
+    step of a layer would not be a native kernel call. group: the tail grows by multiples
+    of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
+    (Hkv, cap, D), as `fused_step` takes them. The kernel's q.K path is attn_path()'s now:
+    the caller rebuilds the row when that changes."""
+    if (backend or backend_for(layers[0][2])) != "native" or native.load() is None:
+        return None
+    from .native.decode_step import row_plan
+    return row_plan(H, group, layers, attn_path())
+
+
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,
               backend=None):
     """A quantized sliding ring's one-token step as one op where the backend has it:

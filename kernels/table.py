@@ -13,6 +13,7 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c; KIVI keys' q.K in int32: kdot_int.c, `KVRUN_ATTN`), cb 2/3/4-bit (its tile reads in native/codebook_attention.c); each role read by its own kind, so any K codec pairs with any V codec | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
 | `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | what `decode_attention` covers | — | — |
+| `step_row` (every layer's `fused_step` of one cache, inside the one-call decode step) | what `decode_attention` covers | — | — |
 | `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
@@ -23,7 +24,8 @@ Routes, by cache (kv/):
   free slots, `decode_attention`, then `pack` — when both codecs are in `fused_write`'s
   set with a power-of-two G, for steps of T <= min(R, 64) tokens that fit the window, not
   rotated, not evicting (`takes_new_kv`). Everything else, and every step on native, takes
-  `attend`: for one token without eviction `fused_step`, else `attend_append` where it
+  `attend`: for one token without eviction `fused_step` (inside the model's one-call
+  native step, `step_row`, when every layer has it), else `attend_append` where it
   runs, else `decode_attention` over separate rows and a window write; then `pack`.
 - evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
   layers without `attend_append`), with the attention-mass output; flushes and the
@@ -32,7 +34,8 @@ Routes, by cache (kv/):
 - ring (ring.py, Gemma's sliding layers): one-token steps on 4/8-bit rings take
   `ring_step`; chunks and 16-bit rings take the torch step.
 - the rest of a layer (norms, projections, MLP) runs natively for int4/int8 models on a
-  native cache (model/native_step.py, native/decode_layer.c), else in torch.
+  native cache (model/native_step.py, native/decode_layer.c), on arena rows in one call
+  with every layer's attention (native/decode_step.py); else in torch.
 
 The codebook codecs (cb) have no Triton kernel: on CUDA their layers run `decode_attention`
 on torch. Their roles are always rotated (the codec's `needs_rotation`), so they never take

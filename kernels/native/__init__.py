@@ -36,10 +36,10 @@ SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "kdot_int.c"
 # included by the sources above: the packed layouts attention and pack share, fp32 helpers,
 # the window rows of the arena's attention, the asymmetric quantizer of the flushes and the
 # ring, the GEMVs' interface, the integer q.K's, the integer ISA choice both share, the codec
-# descriptor the attention reads
+# descriptor the attention reads, what the one-call decode step hands the attention
 HEADERS = [Path(__file__).with_name(n) for n in ("codec_layout.h", "math_inline.h", "rows_inline.h",
                                                  "quant_inline.h", "gemv.h", "kdot_int.h", "int_dot.h",
-                                                 "codec_desc.h")]
+                                                 "codec_desc.h", "step_io.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 

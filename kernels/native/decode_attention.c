@@ -49,6 +49,7 @@
 #include "kdot_int.h"
 #include "math_inline.h"
 #include "rows_inline.h"
+#include "step_io.h"
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)   /* each path's intrinsics */
 #include <immintrin.h>
 #endif
@@ -1192,4 +1193,12 @@ int kvrun_decode_attention(const Args *a) {
         }
     }
     return 0;
+}
+
+/* one decode token of an arena layer in the one-call decode step (decode_layer.c): the
+ * layer's prebuilt arguments bound to this row's step (step_io.h), then kvrun_decode_attention */
+int kvrun_decode_attention_step(void *args, const StepIO *io) {
+    Args *a = args;
+    STEP_BIND(a, io);
+    return kvrun_decode_attention(a);
 }

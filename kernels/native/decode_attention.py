@@ -244,15 +244,7 @@ class FusedStep:
                  attn: str = "int"):
         Hkv, cap, D = k_win.shape
         self.lib, self.H, self.cap, self.D, self.attn = load(), H, cap, D, attn
-        a = self.a = Args()
-        a.qint = _qint(attn)
-        a.Hkv, a.D, a.Gq, a.R, a.Tq, a.t0, a.Tn = Hkv, D, H // Hkv, H // Hkv, 1, 0, 1
-        a.wdtype = _FP[k_win.dtype]
-        a.kw, a.vw = k_win.data_ptr(), v_win.data_ptr()
-        a.kws[0], a.kws[1], a.vws[0], a.vws[1] = k_win.stride(0), k_win.stride(1), v_win.stride(0), v_win.stride(1)
-        a.kds[0], a.kds[1], a.vds[0], a.vds[1] = a.kws[0], a.kws[1], a.vws[0], a.vws[1]
-        a.rk = rot_k.data_ptr() if rot_k is not None else None
-        a.rv = rot_v.data_ptr() if rot_v is not None else None
+        a = self.a = step_args(H, k_win, v_win, rot_k, rot_v, attn)
         self.row = k_win.element_size() * a.kws[1]            # bytes from one slot to the next
         self.vrow = v_win.element_size() * a.vws[1]
         self.splits = _splits_max(self.lib)
@@ -285,6 +277,26 @@ class FusedStep:
         rc = self.lib.kvrun_decode_attention(ctypes.byref(a))
         assert rc == 0, f"native decode_attention refused its arguments ({rc})"
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def step_args(H: int, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
+              attn: str = "int") -> Args:
+    """The fields of a one-token arena step that stay from step to step: k_win, v_win (Hkv,
+    cap, D) one layer's window, H query heads, rot_k / rot_v (D, D) float32 or None, attn
+    as decode_attention's. FusedStep and the one-call decode step
+    (decode_step.py) both start from it; a step sets the lengths, q, the new rows and the
+    window slot they go to, the scratch and the tail descriptors."""
+    Hkv, _, D = k_win.shape
+    a = Args()
+    a.qint = _qint(attn)
+    a.Hkv, a.D, a.Gq, a.R, a.Tq, a.t0, a.Tn = Hkv, D, H // Hkv, H // Hkv, 1, 0, 1
+    a.wdtype = _FP[k_win.dtype]
+    a.kw, a.vw = k_win.data_ptr(), v_win.data_ptr()
+    a.kws[0], a.kws[1], a.vws[0], a.vws[1] = k_win.stride(0), k_win.stride(1), v_win.stride(0), v_win.stride(1)
+    a.kds[0], a.kds[1], a.vds[0], a.vds[1] = a.kws[0], a.kws[1], a.vws[0], a.vws[1]
+    a.rk = rot_k.data_ptr() if rot_k is not None else None
+    a.rv = rot_v.data_ptr() if rot_v is not None else None
+    return a
 
 
 _STEPS: dict = {}         # (id(window K tensor), layer) -> (weakref to it, FusedStep)

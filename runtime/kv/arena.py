@@ -51,6 +51,7 @@ from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_m
 from ..errors import KvrunError
 from .arena_evict import ArenaEviction, tail_sizes
 from .arena_shift import shift_layer
+from . import arena_step
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
 from .contract import KVCache
@@ -184,14 +185,19 @@ class KVArena(KVCache):
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
+    def native_row(self, H: int):
+        return arena_step.native_row(self, H)
+
+    def native_stepped(self) -> None:
+        arena_step.stepped(self)
+
     def takes_new_kv(self, layer: int, T: int) -> bool:
         """Whether write_attend runs this step: a layer the fused write ops cover, 1 <= T <=
         min(R, 64) new tokens that fit the window's free slots, on the torch or Triton
         backend (native fuses the window write into its attention call instead). Either
         way the step follows the one contract, so this only picks the faster route."""
-        return (self.fusable[layer] and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
-                and self.n_win[layer] + T <= self.win_k.shape[2]
-                and self.backend != "native")
+        return (self.backend != "native" and self.fusable[layer]            # native: never
+                and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T) and self.n_win[layer] + T <= self.win_k.shape[2])
 
     def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """The decode step from the fused ops' inputs (only when takes_new_kv): q (1, H, T,

@@ -127,6 +127,18 @@ class KVCache(ABC):
         NewKV): the fused ops rotate and project while writing the window."""
         raise NotImplementedError(f"{type(self).__name__} has no fused-write step")
 
+    def native_row(self, H: int):
+        """This cache as a row of the one-call native decode step (model/native_step.py,
+        kernels/native/decode_step.py RowPlan) with this step's lengths set, for H query
+        heads; None when some layer's one-token step is not one of those kernels' calls,
+        and the step keeps the per-layer route (`attend`). Call after `positions`."""
+        return None
+
+    def native_stepped(self) -> None:
+        """After a one-call native step through `native_row`: the new token is in every
+        layer's window; count it and flush, as `attend` does after its kernel call."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-call native step")
+
     def report(self) -> list[str]:
         """Lines `/kv` adds about this cache's structure (rings, eviction)."""
         return []

@@ -1,27 +1,39 @@
 """The decode step on the native CPU kernels: per layer one C call before attention
-(RMSNorm, the stacked q/k/v GEMV, RoPE), the cache's own attention call (the arena's native
-attend_append, or a ring's native step), and one C
-call after it (o_proj, residual,
-RMSNorm, gate+up, SwiGLU, down, residual); then one call for the final norm and lm_head.
+(RMSNorm, the stacked q/k/v GEMV, RoPE), the attention of each row on its own cache, and
+one C call after it (o_proj, residual, RMSNorm, gate+up, SwiGLU, down, residual); then the
+final norm and lm_head.
+
+Two routes, one result. When every cache is an arena row of the one-call step
+(`cache.native_row`: native backend, no eviction, every layer's attention a
+decode_attention.c call), the whole step over all layers and rows is ONE C call
+(kernels/native/decode_step.py, decode_layer.c `kvrun_decode_step`): no Python between
+layers, and the caches count the token and flush after it (`cache.native_stepped`).
+Otherwise (Gemma's rings, eviction, a layer the kernel declines) the per-layer route:
+`LayerPlan.pre`, the cache's `attend` per row (the arena's native attend_append, or a
+ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
+order with the same arguments, so their logits and cache bytes are bit-identical
+(tests/test_decode_step.py); which one runs is decided once per step, never per layer.
 
 Why: the eager step ran ~1,300 torch ops (casts to and from bf16 around every int4 op,
 copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the weights they
-read. Here the activations stay fp32 in preallocated buffers and the weights are read in
-their stored bytes (kernels/native/decode_layer.c). The eager forward stays the oracle
+read; the per-layer route still crossed into C 2 + B times a layer. Here the activations
+stay fp32 in preallocated buffers and the weights are read in their stored bytes
+(kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/test_decode_layer.py) and serves everything this step does not cover.
 
 Covered: the Llama/Qwen2 and Gemma 3 `Transformer` (Gemma's extra norms, QK-norm, GeGLU,
 local RoPE tables and embedding scale are the C layer's optional fields) with int4 or int8
-linear layers (the weights
-`kvrun convert --weights int4|int8` writes, the default model's int4), an int8 lm_head,
-CPU tensors, the native library built, up to MAX_ROWS rows of one new token each, and a
-cache that takes K/V after RoPE (`attend`; a layer whose cache wants the fused-write
-step `write_attend` keeps the eager forward). The rows are a batch axis: `__call__` runs
-B rows on one cache (B = 1 in the engine); `rows` runs row b on its own cache `caches[b]`
-at that cache's position (batched decoding, runtime/engine/batch.py): the norms and GEMVs read
-every weight once for all rows, RoPE takes each row's position, and attention runs per row
-on its own cache, through the same call a lone sequence makes, so each row's logits are
-bit-identical to that sequence's own step (the C code computes every row independently).
+linear layers (the weights `kvrun convert --weights int4|int8` writes, the default model's
+int4), an int8 lm_head, CPU tensors, the native library built, up to MAX_ROWS rows of one
+new token each, and a cache that takes K/V after RoPE (`attend`; a layer whose cache wants
+the fused-write step `write_attend` keeps the eager forward). The rows are a batch axis:
+`__call__` runs one row; `rows` runs row b on its own cache `caches[b]` at that cache's
+position (batched decoding, runtime/engine/batch.py): the norms and GEMVs read every
+weight once for all rows, RoPE takes each row's position, and attention runs per row on
+its own cache through the same kernel call a lone sequence makes, so each row's logits
+are bit-identical to that sequence's own step (the C code computes every row
+independently). Every C call opens its own OpenMP region from the calling thread (none
+nested), on torch.get_num_threads() threads.
 """
 from __future__ import annotations
 
@@ -29,6 +41,7 @@ import torch
 
 from kvrun.kernels import dispatch, native
 from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
+from kvrun.kernels.native.decode_step import DecodeStep, splits_max
 from .. import threads
 from .qlinear import Int4Linear, Int8Linear
 
@@ -113,7 +126,11 @@ class NativeDecodeStep:
         self.keep: list = []
         self.head = weight_desc(_stored(model.lm_head), self.keep)
         self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
-        self.attn = torch.zeros(MAX_ROWS, H * D)          # rows(): each row's attention output
+        self.attn = torch.zeros(MAX_ROWS, H * D)          # _layers(): each row's attention output
+        # the one-call step; None keeps every step on the per-layer route (the reference
+        # tools/step_speed.py times it against)
+        self.one_call: DecodeStep | None = DecodeStep(self.plans, self.local, self.norm, self.head,
+                                                      splits_max())
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
         """One token of one sequence (B rows of B sequences: `rows`)."""
@@ -123,10 +140,7 @@ class NativeDecodeStep:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """ids (1, 1) -> float32 logits (1, 1, V); appends the token to `cache`."""
-        HD = self.cfg.num_heads * self.cfg.head_dim
-        positions = cache.positions(1)                                   # (1,)
-        logits = self._run(ids, positions,
-                           lambda i, q, k, v: cache.attend(i, q, k, v).reshape(1, HD).contiguous())
+        logits = self._run(ids, cache.positions(1), [cache])             # positions (1,)
         cache.commit(1)
         return logits
 
@@ -137,25 +151,18 @@ class NativeDecodeStep:
         B = ids.shape[0]
         assert len(caches) == B <= MAX_ROWS, (len(caches), B)
         threads.tick()                                                   # as forward() does
-        H, D = self.cfg.num_heads, self.cfg.head_dim
         positions = torch.cat([c.positions(1) for c in caches])         # (B,)
-        out = self.attn[:B]                                              # (B, H D)
-
-        def attend(i, q, k, v):
-            for b, c in enumerate(caches):
-                out[b] = c.attend(i, q[b:b + 1], k[b:b + 1], v[b:b + 1]).reshape(H * D)
-            return out
-        logits = self._run(ids, positions, attend)
+        logits = self._run(ids, positions, caches)
         for c in caches:
             c.commit(1)
         return logits
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The layers over B rows at `positions` (B,); attend(layer, q, k, v) -> (B, H D)
-        float32 rows. Returns float32 logits (B, 1, V)."""
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, caches: list) -> torch.Tensor:
+        """The layers over B rows at `positions` (B,), row b on caches[b]: one native call
+        when every cache is a row of it (`native_row`), else per layer. Returns float32
+        logits (B, 1, V)."""
         B = ids.shape[0]
         cfg, s = self.cfg, self.scratch
-        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nth = torch.get_num_threads()
         cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
         s.cos[:B] = cos
@@ -165,14 +172,29 @@ class NativeDecodeStep:
         s.x[:B] = self.model.model.embed_tokens(ids)[:, 0].float()     # (B, hidden)
         if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
             s.x[:B] *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
+        rows = [c.native_row(cfg.num_heads) for c in caches] if self.one_call else [None]
+        if all(r is not None for r in rows):
+            logits = self.one_call(rows, nth).clone()[:, None]
+            for c in caches:
+                c.native_stepped()
+        else:
+            logits = self._layers(B, caches, nth)
+        cap = cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _layers(self, B: int, caches: list, nth: int) -> torch.Tensor:
+        """The per-layer route: pre, each row's `attend` on its cache, post; then the logits
+        (B, 1, V)."""
+        H, Hkv, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         q_end, k_end = self.split
-        qkv = s.qkv[:B]
+        qkv = self.scratch.qkv[:B]
         q = qkv[:, :q_end].view(B, 1, H, D).transpose(1, 2)              # (B, H, 1, D)
         k = qkv[:, q_end:k_end].view(B, 1, Hkv, D).transpose(1, 2)       # (B, Hkv, 1, D)
         v = qkv[:, k_end:].view(B, 1, Hkv, D).transpose(1, 2)
+        out = self.attn[:B]                                              # (B, H D)
         for i, plan in enumerate(self.plans):
             plan.pre(B, nth, self.local[i])
-            plan.post(B, attend(i, q, k, v), nth)
-        logits = self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)
-        cap = cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+            for b, c in enumerate(caches):
+                out[b] = c.attend(i, q[b:b + 1], k[b:b + 1], v[b:b + 1]).reshape(H * D)
+            plan.post(B, out, nth)
+        return self.plans[-1].logits(B, self.norm, self.head, nth).clone()[:, None]  # (B, 1, V)

@@ -1,0 +1,149 @@
+"""The whole decode step of B rows in one native call (decode_layer.c `kvrun_decode_step`):
+per layer the dense part before attention (`kvrun_layer_pre`), each row's attention on
+its own arena cache with the new K/V written into its window, the dense part after it
+(`kvrun_layer_post`), then the final norm and lm_head (`kvrun_logits`).
+
+Why: the per-layer route crosses from Python to C 2 + B times a layer (pre, each row's
+attention, post) and rebinds the attention's arguments each time, which at depth 0 costs
+a sizeable share of a small model's step (docs/measurements.md). Here the per-row,
+per-layer arguments are built once per cache (`RowPlan`, from decode_attention.py
+`step_args`, as its FusedStep builds them) and a step sets only the lengths, a slice
+assignment per row.
+
+Same calls in the same order with the same arguments as the per-layer route, so the same
+bits (tests/test_decode_step.py). The window count advance and the flushes stay with the
+cache, after the call: a layer's flush touches only that layer, which this step has
+finished with. A layer whose attention decode_attention.c does not cover (every codec
+kernels/table.py lists for it, in the shapes it takes) makes `layer_args` None, and the
+caller keeps the per-layer route for that cache.
+"""
+from __future__ import annotations
+
+import ctypes
+import operator
+
+import torch
+
+from . import load
+from .decode_attention import MAX_D, TILE, _FP, _descriptors, _splits_max, step_args
+from .decode_layer import MAX_ROWS, LayerDesc, WeightDesc
+
+_p = ctypes.c_void_p
+_i32 = ctypes.c_int32
+
+
+class RowCache(ctypes.Structure):
+    _fields_ = [("args", ctypes.POINTER(_p)), ("n_tail", ctypes.POINTER(_i32)),
+                ("n_win", ctypes.POINTER(_i32))]
+
+
+class StepDesc(ctypes.Structure):
+    _fields_ = [("n_layers", _i32), ("nthreads", _i32),
+                ("layers", ctypes.POINTER(ctypes.POINTER(LayerDesc))), ("local", _p)] + [
+        (n, _p) for n in ("cos", "sin", "cos_local", "sin_local")] + [
+        ("rows", ctypes.POINTER(ctypes.POINTER(RowCache))),
+        ("attn", _p), ("qs", _p), ("sc", _p), ("part", _p), ("norm", _p),
+        ("head", ctypes.POINTER(WeightDesc)), ("logits", _p)]
+
+
+def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
+               attn: str = "int"):
+    """(prebuilt arguments, tail descriptors) of one arena layer's one-token step, or None
+    when decode_attention.c does not cover it: k_tail / v_tail (codec, storage), k_win /
+    v_win (Hkv, cap, D) the layer's window, rot_k / rot_v (D, D) float32 or None, attn the
+    kernel's q.K path ("int" or "fp32", decode_attention.py's). The
+    descriptors stay valid while the storage lives; at n_tail == 0 the kernel does not
+    read them."""
+    D = k_win.shape[2]
+    if load() is None or D > MAX_D or k_win.dtype not in _FP or k_win.stride(2) != 1:
+        return None
+    desc = _descriptors(torch.empty(1, H, 1, D), k_tail, v_tail, TILE)   # a step's q shape
+    if desc is None:
+        return None
+    a = step_args(H, k_win, v_win, rot_k, rot_v, attn)
+    a.qdtype = a.ndtype = _FP[torch.float32]            # q and the new rows: the layer scratch
+    a.qs[0], a.kns[0], a.vns[0] = D, D, D               # (H, D) / (Hkv, D) rows; Tq = Tn = 1
+    a.kc, a.vc = ctypes.pointer(desc[0]), ctypes.pointer(desc[1])
+    return a, desc
+
+
+class RowPlan:
+    """One cache's layers as a row of the one-call step: their prebuilt arguments and this
+    step's lengths (`lengths`). Holds pointers into the cache's windows
+    and storage: its owner (the cache) keeps it, and those tensors, alive."""
+
+    def __init__(self, layers: list):
+        """layers: `layer_args` of every layer, in order."""
+        L = len(layers)
+        self.keep = layers
+        self.args = (_p * L)(*[ctypes.addressof(a) for a, _ in layers])
+        self.n_tail, self.n_win = (_i32 * L)(), (_i32 * L)()
+        self.keys = 1
+        self.row = RowCache(self.args, self.n_tail, self.n_win)
+
+    def lengths(self, n_tail: list, n_win: list) -> RowPlan:
+        """Set this step's per-layer tail and window token counts (before the new token)."""
+        self.n_tail[:] = n_tail
+        self.n_win[:] = n_win
+        self.keys = max(map(operator.add, n_tail, n_win)) + 1      # the most a layer attends
+        return self
+
+
+def splits_max() -> int:
+    """The most token splits either arena kernel cuts a tail into (the partial outputs'
+    scratch)."""
+    return _splits_max(load())
+
+
+def row_plan(H: int, group: int, layers: list, attn: str = "int") -> RowPlan | None:
+    """dispatch.step_row on the native kernel: a RowPlan of `layers` (per layer the
+    arguments of `layer_args`), or None when a tail of `group`-token blocks may not be whole
+    kernel tiles or some layer is not covered; attn as `layer_args`'."""
+    if group % TILE:
+        return None
+    args = [layer_args(H, *x, attn=attn) for x in layers]
+    return None if any(a is None for a in args) else RowPlan(args)
+
+
+class DecodeStep:
+    """The one-call step over a model's layers: `plans` the decode_layer.py LayerPlans (their
+    scratch shared), `local` which layers take the sliding RoPE tables, `norm` (hidden,)
+    the final norm's weight, `head` lm_head's WeightDesc."""
+
+    def __init__(self, plans: list, local: list, norm: torch.Tensor, head: WeightDesc, splits: int):
+        L = len(plans)
+        s = self.scratch = plans[0].scratch
+        d = plans[0].desc
+        self.H, self.D, self.head = d.H, d.D, head
+        self.keep = [plans, norm]
+        self.local = torch.tensor([1 if x else 0 for x in local], dtype=torch.uint8)
+        self.attn = torch.zeros(MAX_ROWS, d.H * d.D)                    # (B, H D)
+        self.qs, self.part = torch.zeros(d.H * d.D), torch.zeros(d.H * splits * d.D)
+        self.sc = torch.zeros(0)
+        self.rows = (ctypes.POINTER(RowCache) * MAX_ROWS)()
+        st = self.st = StepDesc()
+        st.n_layers = L
+        self.layers = (ctypes.POINTER(LayerDesc) * L)(*[ctypes.pointer(p.desc) for p in plans])
+        st.layers, st.local = self.layers, self.local.data_ptr()
+        st.cos, st.sin = s.cos.data_ptr(), s.sin.data_ptr()
+        st.cos_local, st.sin_local = s.cos_local.data_ptr(), s.sin_local.data_ptr()
+        st.rows, st.attn, st.qs, st.part = self.rows, self.attn.data_ptr(), self.qs.data_ptr(), self.part.data_ptr()
+        st.norm, st.head, st.logits = norm.data_ptr(), ctypes.pointer(head), s.logits.data_ptr()
+        self.lib = plans[0]._lib                # the build the layer plans call
+
+    def __call__(self, rows: list, nthreads: int) -> torch.Tensor:
+        """rows: B RowPlans, lengths set. Reads scratch.x, cos / sin (B rows, set by the
+        caller), runs every layer and returns the (B, V) float32 logits, a view of the
+        scratch."""
+        B = len(rows)
+        assert 1 <= B <= MAX_ROWS, B
+        need = self.H * max(r.keys for r in rows)
+        if self.sc.numel() < need:                      # grown, never shrunk
+            self.sc = torch.zeros(max(need, self.sc.numel() * 3 // 2))
+            self.st.sc = self.sc.data_ptr()
+        for b, r in enumerate(rows):
+            self.rows[b] = ctypes.pointer(r.row)
+        self.st.nthreads = nthreads
+        rc = self.lib.kvrun_decode_step(ctypes.byref(self.st), B)
+        assert rc == 0, f"native decode step refused its arguments ({rc})"
+        return self.scratch.logits[:B, :self.head.N]

@@ -1,0 +1,50 @@
+"""The arena as a row of the one-call native decode step (model/native_step.py,
+kernels/native/decode_step.py): KVArena.native_row / native_stepped.
+
+The step runs, per layer, exactly what `KVArena.attend` runs for one token on the native
+backend without eviction — the prebuilt one-token kernel call (FusedStep's arguments)
+that writes the new K/V into window slot n_win — and
+leaves the rest of `attend` to `stepped`: the window count and the flush. Moving a
+layer's flush after the other layers' steps changes nothing, since it touches that layer
+only. Decided once per step, never per layer: an evicting arena, another backend, a group
+that is not whole kernel tiles, a layer no kernel covers, or a full window keeps `attend`.
+"""
+from __future__ import annotations
+
+import weakref
+
+from kvrun.kernels.dispatch import attn_path, step_row
+from kvrun.kernels.fused_compress import flush_count
+
+# arena -> ((H, attention path), RowPlan or None); outside the arena so a copy (deepcopy, snapshot) never
+# carries pointers into another arena's tensors
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def native_row(arena, H: int):
+    """The arena's RowPlan with this step's lengths, or None (the module docstring)."""
+    key = (H, attn_path())                   # the attention path `attend` takes this step
+    hit = _PLANS.get(arena)
+    if hit is None or hit[0] != key:
+        hit = _PLANS[arena] = (key, _build(arena, H))
+    plan = hit[1]
+    if plan is None or max(arena.n_win) >= arena.win_k.shape[2]:
+        return None
+    return plan.lengths(arena.n_tail, arena.n_win)
+
+
+def _build(arena, H: int):
+    if arena.ev is not None:
+        return None
+    return step_row(H, arena.G, [((arena.k_codecs[l], arena.k_store[l]), (arena.v_codecs[l], arena.v_store[l]),
+                         arena.win_k[l], arena.win_v[l], arena.rot_k[l], arena.rot_v[l])
+                        for l in range(arena.L)], backend=arena.backend)
+
+
+def stepped(arena) -> None:
+    """Count the token each layer's window took in the step and flush, as `attend` does."""
+    nw, R, G = arena.n_win, arena.R, arena.G
+    for l in range(arena.L):
+        nw[l] += 1
+        if flush_count(nw[l], 0, R, G):
+            arena._flush(l)

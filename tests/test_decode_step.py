@@ -1,0 +1,104 @@
+"""The one-call decode step (kernels/native/decode_step.py, decode_layer.c kvrun_decode_step)
+against the per-layer route it replaces (pre, each row's `attend`, post per layer): the
+same logits and the same cache bytes, bit for bit, step after step through several
+flushes, for one row and for three rows of different depths, on every arena kernel (fp16,
+int8, KIVI, TaDA and a mixed per-layer profile on decode_attention.c, cb on
+codebook_attention.c), rotated and not; and the caches it does not take (eviction, Gemma's
+rings) keep the per-layer route."""
+import copy
+import json
+
+import pytest
+import torch
+
+import kvrun
+from kvrun.kernels import native
+from kvrun.kernels.native.decode_step import DecodeStep
+from kvrun.kv.arena import KVArena
+from kvrun.kv.config import parse_kv
+from tiny import make_tiny_model_dir, quantized_copy
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    src = make_tiny_model_dir(root / "m", hidden_size=128, num_layers=3, intermediate_size=96)
+    return kvrun.load(quantized_copy(src, root / "q", "int4"), ctx=CTX)
+
+
+def _kv(spec, tmp_path):
+    kw = dict(residual=32, group=32)                    # a flush every 32 tokens
+    if spec.startswith("profile"):                      # three layers, three kernels' codecs
+        p = tmp_path / "p.json"
+        p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [
+            {"k": "kivi-4", "v": "kivi-2"}, {"k": "int8", "v": "tada-4"}, {"k": "fp16", "v": "kivi-4"}]}))
+        return parse_kv("fp16" + spec[len("profile"):], profile=str(p), **kw)
+    return parse_kv(spec, **kw)
+
+
+def _state(c):
+    """Everything an arena holds: counts, windows and every storage tensor."""
+    return ([c.seq_len, list(c.n_tail), list(c.n_win)], [c.win_k, c.win_v]
+            + [t for st in c.k_store + c.v_store for _, t in sorted(st.items())])
+
+
+def _decode(m, caches, tokens, monkeypatch, one_call):
+    """Logits (steps, B, V) of feeding tokens (steps, B) to `caches` (changed in place);
+    `one_call` False forces the per-layer route. Also returns how many one-call steps ran."""
+    ran = []
+    with monkeypatch.context() as mp:
+        call = DecodeStep.__call__
+        mp.setattr(DecodeStep, "__call__", lambda self, *a: (ran.append(1), call(self, *a))[1])
+        if not one_call:
+            mp.setattr(KVArena, "native_row", lambda self, H: None)
+        out = []
+        for tok in tokens:
+            step = m.transformer.native_step(tok[:1, None], caches[0])
+            assert step is not None
+            out.append(step(tok[:, None], caches[0]) if len(caches) == 1
+                       else step.rows(tok[:, None], caches))
+    return torch.stack(out), len(ran)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "fp16+rot", "int8+rot", "kivi-4", "kivi-4+rot", "tada-4",
+                                "profile", "profile+rot", "cb-4", "cb-3/cb-2"])
+@pytest.mark.parametrize("depths", [[45], [21, 40, 77]])
+def test_one_call_equals_the_per_layer_route(model, tmp_path, monkeypatch, kv, depths):
+    m, steps = model, 80                       # every row crosses two or three flushes
+    g = torch.Generator().manual_seed(len(depths))
+    caches = [kvrun.kv.make_cache(m.cfg, CTX, _kv(kv, tmp_path)) for _ in depths]
+    for c, d in zip(caches, depths):
+        m.transformer(torch.randint(3, 250, (1, d), generator=g), c)    # prefill
+    tokens = torch.randint(3, 250, (steps, len(depths)), generator=g)
+    twins = copy.deepcopy(caches)
+    got, n_one = _decode(m, caches, tokens, monkeypatch, True)
+    want, n_layers = _decode(m, twins, tokens, monkeypatch, False)
+    assert (n_one, n_layers) == (steps, 0)                              # each route ran
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert min(c.n_tail[0] for c in caches) >= 64                       # flushed on the way
+    for c, t in zip(caches, twins):
+        (counts, tensors), (counts_t, tensors_t) = _state(c), _state(t)
+        assert counts == counts_t
+        assert all(torch.equal(a, b) for a, b in zip(tensors, tensors_t))
+
+
+def test_caches_the_one_call_does_not_take(tmp_path):
+    """Eviction and Gemma's sliding rings keep the per-layer route; a full window too."""
+    cfg = kvrun.load(make_tiny_model_dir(tmp_path / "m", hidden_size=128), ctx=CTX).cfg
+    plain = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32))
+    assert plain.native_row(cfg.num_heads) is not None
+    evicting = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32,
+                                                      evict="h2o", budget=128))
+    assert evicting.native_row(cfg.num_heads) is None
+    odd_group = kvrun.kv.make_cache(cfg, CTX, parse_kv("fp16", residual=32, group=16))
+    assert odd_group.native_row(cfg.num_heads) is None
+    plain.n_win[1] = plain.win_k.shape[2]                              # (a restored full window)
+    assert plain.native_row(cfg.num_heads) is None
+    gemma = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128, num_heads=4)
+    gcfg = kvrun.load(gemma, ctx=CTX).cfg
+    assert kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4")).native_row(gcfg.num_heads) is None

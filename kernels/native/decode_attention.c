@@ -444,6 +444,33 @@ static inline __m512 hsum16x16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
+/* out[r * os + j] = q_r . rows_j for 16 token-major fp32 rows (D % 16 == 0, j < 16): the 16
+ * dot products of a row reduced together (hsum16x16) instead of one by one */
+static void rows16_scores(const float *rows, const float *q, int R, int D, float *out, int64_t os) {
+    for (int r = 0; r < R; r++) {
+        const float *qr = q + r * D;
+        __m512 v[16];
+        for (int j = 0; j < 16; j++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(rows + j * D));
+            for (int d = 16; d < D; d += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(rows + j * D + d), a);
+            v[j] = a;
+        }
+        _mm512_storeu_ps(out + r * os, hsum16x16(v));
+    }
+}
+
+/* logits of tokens [t0, t0 + 16 n) of fp rows (fp16 / bf16 / fp32, token-major: the fp
+ * tails, the window, the new tokens) into sc[r * N + col0 + t]; D % 16 == 0 */
+static void fp_rows16(const void *base, int64_t off, int64_t stride, int kind, int64_t n,
+                      const float *q, int R, int D, float *sc, int64_t N) {
+    float rows[16 * MAXD];
+    for (int64_t j0 = 0; j0 < 16 * n; j0 += 16) {
+        for (int j = 0; j < 16; j++) load_row(base, off + (j0 + j) * stride, kind, D, rows + j * D);
+        rows16_scores(rows, q, R, D, sc + j0, N);
+    }
+}
+
 /* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. The means are token-major,
  * so 16 tokens' dot products are reduced together (hsum16x16) instead of one by one. */
 static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
@@ -470,21 +497,12 @@ static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, 
     float mu[16 * MAXD];
     for (int j0 = 0; j0 < TILE; j0 += 16) {
         for (int j = 0; j < 16; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
-        for (int r = 0; r < R; r++) {
-            const float *qr = q + r * D;
-            if (D % 16 == 0) {
-                __m512 v[16];
-                for (int j = 0; j < 16; j++) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int d = 0; d < D; d += 16)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(mu + j * D + d), a);
-                    v[j] = a;
-                }
-                _mm512_storeu_ps(out + r * TILE + j0, hsum16x16(v));
-            } else {
-                for (int j = 0; j < 16; j++) out[r * TILE + j0 + j] = dot(qr, mu + j * D, D);
-            }
+        if (D % 16 == 0) {
+            rows16_scores(mu, q, R, D, out + j0, TILE);
+            continue;
         }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 16; j++) out[r * TILE + j0 + j] = dot(q + r * D, mu + j * D, D);
     }
 }
 
@@ -570,6 +588,10 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
  * sc[r * N + j]; returns 0 when the layout has no fast path */
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) {
+    if (c->kind <= C_FP32 && D % 16 == 0) {            /* fp tail: rows as they are */
+        fp_rows16(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / 16, q, R, D, sc, N);
+        return 1;
+    }
     if (c->kind < C_INT8 || R > 64) return 0;
     const uint8_t *b, *b2;
     int64_t ds;
@@ -1028,6 +1050,13 @@ static void v_row(const Codec *c, int h, int64_t t, int D, float *restrict o) {
 static void fp_scores(const void *base, const int64_t *st, int kind, int h, int64_t n0, int64_t n1,
                       int64_t col0, const float *q, int R, int D, float *sc, int64_t N) {
     float row[MAXD];
+#if HAVE_FAST
+    if (D % 16 == 0 && n1 - n0 >= 16) {                 /* whole blocks of 16 tokens */
+        int64_t nb = (n1 - n0) / 16;
+        fp_rows16(base, h * st[0] + n0 * st[1], st[1], kind, nb, q, R, D, sc + col0 + n0, N);
+        n0 += 16 * nb;
+    }
+#endif
     for (int64_t t = n0; t < n1; t++) {
         load_row(base, h * st[0] + t * st[1], kind, D, row);
         for (int r = 0; r < R; r++) sc[r * N + col0 + t] = dot(q + r * D, row, D);

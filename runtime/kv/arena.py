@@ -185,11 +185,8 @@ class KVArena(KVCache):
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
-    def native_row(self, H: int):
-        return arena_step.native_row(self, H)
-
-    def native_stepped(self) -> None:
-        arena_step.stepped(self)
+    native_row = arena_step.native_row          # the one-call native step (contract.py)
+    native_stepped = arena_step.stepped
 
     def takes_new_kv(self, layer: int, T: int) -> bool:
         """Whether write_attend runs this step: a layer the fused write ops cover, 1 <= T <=

@@ -181,7 +181,7 @@ def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monke
 
     import kvrun
     from kvrun.convert import convert_hf
-    from kvrun.kernels.native.decode_layer import LayerPlan
+    from kvrun.model.native_step import NativeDecodeStep
     from tiny import write_tiny_hf
     spec = importlib.util.spec_from_file_location(
         "gemv_fidelity", Path(__file__).resolve().parents[1] / "tools" / "gemv_fidelity.py")
@@ -190,12 +190,12 @@ def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monke
     convert_hf(write_tiny_hf(tmp_path / "hf", C=128, I=96), tmp_path / "m", dtype="fp32",
                weights="int4", group=32)
     m = kvrun.load(tmp_path / "m", ctx=64)
-    paths = []
-    pre = LayerPlan.pre
-    monkeypatch.setattr(LayerPlan, "pre", lambda self, *a: (paths.append(self.desc.gemv_int),
-                                                            pre(self, *a))[1])
+    paths = []                                       # each native step's GEMV path
+    run = NativeDecodeStep._run
+    monkeypatch.setattr(NativeDecodeStep, "_run", lambda self, *a: (paths.append(self.gemv),
+                                                                    run(self, *a))[1])
     wins = [list(range(3, 67)), list(range(70, 134))]
     s = fid.compare(m, wins, "fp16")
-    assert s["n"] == 2 * 31 and len(paths) == 2 * 31 * m.cfg.num_layers
-    assert sorted(set(paths)) == [0, 1] and paths.count(1) == paths.count(0)
+    assert s["n"] == 2 * 31 and len(paths) == 2 * 31      # 31 steps of both windows, per path
+    assert sorted(set(paths)) == ["fp32", "int"] and paths.count("int") == paths.count("fp32")
     assert 0 < s["kld"] / s["n"] < 0.01 and s["top1"] >= 0.9 * s["n"]      # measured 0.0014, 61/62

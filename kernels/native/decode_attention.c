@@ -288,6 +288,21 @@ static void tile_mix(const float *p, int64_t N, int R, int n, int D, const float
 }
 
 
+/* KIVI keys: the per-channel scales and zeros of token t's group, head h, as fp32 (D,) */
+static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv, float *zv) {
+    const int64_t off = h * c->ss[0] + (t / c->G) * c->ss[1];
+    if (c->ss[2] == 1) {                   /* contiguous channels: converted in vectors */
+        f16_to_f32(c->scale + off, D, sv);
+        f16_to_f32(c->zero + off, D, zv);
+    } else {
+        for (int d = 0; d < D; d++) {
+            sv[d] = (float)c->scale[off + d * c->ss[2]];
+            zv[d] = (float)c->zero[off + d * c->ss[2]];
+        }
+    }
+}
+
+
 /* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
  * chanpack block (at most `avail`), rows in blocks of KI_ACC / tiles. Per row and tile the
  * folded row q s is quantized to int16 with one scale d (ki_fold_quantize) and
@@ -301,18 +316,7 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     float sv[4][MAXD], zv[4][MAXD], qd[KI_ACC], bias[KI_ACC];
     int16_t qi[KI_ACC * MAXD];
     int32_t dots[KI_ACC * TILE];
-    for (int p = 0; p < P; p++) {                    /* each tile's channel scales and zeros */
-        const int64_t off = h * c->ss[0] + ((t0 + TILE * p) / c->G) * c->ss[1];
-        if (c->ss[2] == 1) {                         /* contiguous channels: in vectors */
-            f16_to_f32(c->scale + off, D, sv[p]);
-            f16_to_f32(c->zero + off, D, zv[p]);
-        } else {
-            for (int d = 0; d < D; d++) {
-                sv[p][d] = (float)c->scale[off + d * c->ss[2]];
-                zv[p][d] = (float)c->zero[off + d * c->ss[2]];
-            }
-        }
-    }
+    for (int p = 0; p < P; p++) kivi_group_scales(c, h, t0 + TILE * p, D, sv[p], zv[p]);
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int nr = R - r0 < RB ? R - r0 : RB;
         for (int p = 0; p < P; p++) {                /* (P, nr, D) folded and quantized rows */
@@ -534,15 +538,8 @@ static void transpose_rank(const float *restrict src, int n, int r, float *restr
  * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
 static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
                         float *qx, float *bias) {
-    const f16 *sp = c->scale + h * c->ss[0] + (t / c->G) * c->ss[1];
-    const f16 *zp = c->zero + h * c->ss[0] + (t / c->G) * c->ss[1];
     float sv[MAXD], zv[MAXD];
-    if (c->ss[2] == 1) {                   /* contiguous channels: converted in vectors */
-        f16_to_f32(sp, D, sv);
-        f16_to_f32(zp, D, zv);
-    } else {
-        for (int d = 0; d < D; d++) { sv[d] = (float)sp[d * c->ss[2]]; zv[d] = (float)zp[d * c->ss[2]]; }
-    }
+    kivi_group_scales(c, h, t, D, sv, zv);
     for (int r = 0; r < R; r++) {
         float bz = 0.f;
         for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }

@@ -199,3 +199,38 @@ def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monke
     assert s["n"] == 2 * 31 and len(paths) == 2 * 31      # 31 steps of both windows, per path
     assert sorted(set(paths)) == ["fp32", "int"] and paths.count("int") == paths.count("fp32")
     assert 0 < s["kld"] / s["n"] < 0.01 and s["top1"] >= 0.9 * s["n"]      # measured 0.0014, 61/62
+
+
+def test_fidelity_tool_shared_cache_keeps_only_the_fp32_paths_writes(tmp_path, monkeypatch):
+    """compare(shared=True): before every step the int path gets a fresh copy of the fp32
+    path's caches, so only the fp32 path's writes persist: both paths step at the same
+    lengths, and no int step sees a cache an int step wrote before."""
+    import importlib.util
+
+    import kvrun
+    from kvrun.convert import convert_hf
+    from kvrun.model.native_step import NativeDecodeStep
+    from tiny import write_tiny_hf
+    spec = importlib.util.spec_from_file_location(
+        "gemv_fidelity", Path(__file__).resolve().parents[1] / "tools" / "gemv_fidelity.py")
+    fid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fid)
+    convert_hf(write_tiny_hf(tmp_path / "hf", C=128, I=96), tmp_path / "m", dtype="fp32",
+               weights="int4", group=32)
+    m = kvrun.load(tmp_path / "m", ctx=64)
+    lens = {"fp32": [], "int": []}                   # each step's cache lengths, per path
+    run = NativeDecodeStep._run
+
+    def counted(self, ids, pos, caches):
+        lens[self.gemv].append([c.seq_len for c in caches])
+        if self.gemv == "int":
+            assert not any(getattr(c, "stepped_by_int", False) for c in caches)
+        out = run(self, ids, pos, caches)
+        for c in caches:
+            c.stepped_by_int = self.gemv == "int"
+        return out
+    monkeypatch.setattr(NativeDecodeStep, "_run", counted)
+    wins = [list(range(3, 67)), list(range(70, 134))]
+    s = fid.compare(m, wins, "kivi-4", shared=True)
+    assert s["n"] == 2 * 31 and 0 < s["kld"] / s["n"] < 0.01
+    assert lens["int"] == lens["fp32"] == [[32 + t] * 2 for t in range(31)]

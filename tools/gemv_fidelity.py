@@ -7,7 +7,7 @@ far below their int8 steps still flips an activation's rounding now and then, an
 shows too.
 
     python tools/gemv_fidelity.py wiki.test.raw [-m MODEL] [-c 2048] [--windows 16] \
-        [--kv fp16] [-t 2] [--switch gemv|attn] [--gemv fp32|int] [--json]
+        [--kv fp16] [-t 2] [--switch gemv|attn] [--gemv fp32|int] [--cache own|shared] [--json]
 
 `kvrun ppl` cannot tell: it feeds the scored tokens in chunks through the eager forward,
 which never runs the native step, and it compares caches, not GEMV paths. Here the text is
@@ -18,6 +18,15 @@ path; then every scored token runs through the native decode step of each path
 that path's own. All windows are the rows of one call (NativeDecodeStep.rows; up to
 MAX_ROWS windows at a time). Reported over the scored tokens: mean KL(P_fp32 || P_int) in
 nats, top-1 agreement, and each path's perplexity.
+
+`--cache own` (the default) lets each path write its own K/V, so a difference compounds
+over the scored half as it would in use. Where the cache quantizes every token as it is
+written (Gemma's 4-bit rings), that compounding is chaotic: a last-bit difference flips a
+4-bit rounding now and then, and the flipped code moves later steps by far more than the
+kernel that caused it (Gemma, kivi-4, `--switch attn`: KL 0.0078 with own caches, 2e-8
+with one cache). `--cache shared` measures each step's own effect instead: the int path
+runs on a copy of the fp32 path's cache, made before every step, and only the fp32 path's
+writes are kept (its "ppl int" is then the int path's score of the fp32 path's context).
 """
 from __future__ import annotations
 
@@ -42,10 +51,10 @@ PATHS = ("fp32", "int")
 
 @torch.inference_mode()
 def compare(model, wins: list[list[int]], kv: str, progress=None, switch: str = "gemv",
-            gemv: str = "fp32") -> dict:
+            gemv: str = "fp32", shared: bool = False) -> dict:
     """Sums over the scored tokens of `wins` (at most MAX_ROWS windows): KL, top-1 matches,
-    each path's negative log-likelihood; and the count. switch: which kernel's two paths
-    (module docstring)."""
+    each path's negative log-likelihood; and the count. switch: which kernel's two paths;
+    shared: the int path steps on a copy of the fp32 path's cache (module docstring)."""
     T = model.transformer
     steps = {p: NativeDecodeStep(T, gemv=p if switch == "gemv" else gemv) for p in PATHS}
 
@@ -67,6 +76,8 @@ def compare(model, wins: list[list[int]], kv: str, progress=None, switch: str = 
         "the native step does not cover this model and cache"
     s = dict(kld=0.0, top1=0, nll_fp32=0.0, nll_int=0.0, n=0)
     for t in range(half, ctx - 1):                           # token t predicts t + 1
+        if shared:                                           # before the fp32 path writes
+            caches["int"] = [copy.deepcopy(c) for c in caches["fp32"]]
         lp = {p: torch.log_softmax(run(p, ids[:, t:t + 1], caches[p])[:, 0].double(), -1)
               for p in PATHS}                                # (B, V)
         ref, got = lp["fp32"], lp["int"]
@@ -92,6 +103,8 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--switch", choices=["gemv", "attn"], default="gemv")
     ap.add_argument("--gemv", choices=list(PATHS), default="fp32", help="GEMVs of --switch attn")
+    ap.add_argument("--cache", choices=["own", "shared"], default="own",
+                    help="each path on its own cache, or the int path on the fp32 path's")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     model = kvrun.load(a.model, ctx=a.ctx, kv=a.kv, threads=a.threads)
@@ -105,18 +118,18 @@ def main():
         group = wins[i:i + MAX_ROWS]
         print(f"windows {i + 1}-{i + len(group)} of {len(wins)}", file=sys.stderr)
         for k, v in compare(model, group, a.kv, lambda m: print(m, file=sys.stderr), a.switch,
-                            a.gemv).items():
+                            a.gemv, a.cache == "shared").items():
             tot[k] += v
     n = tot["n"]
     rec = dict(model=str(model.path), ctx=a.ctx, windows=len(wins), kv=a.kv, switch=a.switch,
-               gemv=a.gemv if a.switch == "attn" else None, scored=n,
+               gemv=a.gemv if a.switch == "attn" else None, cache=a.cache, scored=n,
                kld=tot["kld"] / n, top1=tot["top1"] / n, ppl_fp32=math.exp(tot["nll_fp32"] / n),
                ppl_int=math.exp(tot["nll_int"] / n), seconds=time.perf_counter() - t0)
     if a.json:
         print(json.dumps(rec, indent=2))
     else:
         print(f"{rec['model']}: {len(wins)} windows of {a.ctx}, {n} scored tokens, --kv {a.kv}, "
-              f"{a.switch} paths\n"
+              f"{a.switch} paths, {a.cache} caches\n"
               f"  KL(fp32 || int) {rec['kld']:.5f} nats   top-1 {100 * rec['top1']:.2f} %   "
               f"ppl fp32 {rec['ppl_fp32']:.4f}   int {rec['ppl_int']:.4f}   "
               f"({rec['seconds']:.0f} s)")

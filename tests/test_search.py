@@ -266,6 +266,12 @@ def test_sensitivity_is_measured_with_fp16_rings(tiny_gemma):
     with_rings = obj.kld(base.replace(layers=[("kivi-2", "fp16")], ring=4))
     assert s.s[0] == alone and abs(with_rings - alone) > 1e-4
     assert s.ring_kld[4] == obj.kld(base.replace(layers=[("fp16", "fp16")], ring=4))
+    # the knapsack held at each width keeps it, and fits; a width that cannot fit is None
+    for j in (0, 1):
+        a = s.knapsack(ring=j)
+        assert a[-1] == j and s.predicted_bytes(a) <= s.limit
+    s.limit = s.b0 + s.costs[-1][1] - 1
+    assert s.knapsack(ring=1) is None and s.knapsack(ring=0)[-1] == 0
 
 
 def test_ring_reuse_and_refusals(tiny_gemma, tiny_model, tmp_path):
@@ -275,7 +281,7 @@ def test_ring_reuse_and_refusals(tiny_gemma, tiny_model, tmp_path):
     save_result(out, r, tiny_gemma, CALIB, budget=0.7, ctx=KW["ctx"], family="kivi", bits=(2, 4, 8),
                 trials=2, seed=3, windows=2, prefix=160, n_score=32, base=parse_kv("fp16"))
     r2 = search(tiny_gemma, CALIB, 0.8, reuse=read_profile(out), **GKW)
-    assert r2.ring_kld == r.ring_kld and r2.evaluations <= GKW["trials"] + 1
+    assert r2.ring_kld == r.ring_kld and r2.evaluations <= GKW["trials"] + 2   # + a start per width
     d = json.loads(out.read_text())
     del d["ring_kld"]                   # searched before rings were a slot
     out.write_text(json.dumps(d))

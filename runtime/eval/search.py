@@ -15,7 +15,8 @@ Search (seeded, every evaluation is a real forward):
    can be good for V and bad for K: cb on Gemma). Predicted loss of a profile:
    Σ s[slot] · ρ[role(slot), method(slot)] (additive model).
 2. knapsack: the profile minimising the predicted loss under the budget (multiple-choice
-   knapsack, exact by dynamic programming over byte units), evaluated for real.
+   knapsack, exact by dynamic programming over byte units), evaluated for real; on a model
+   with rings also its minimiser at each other ring width (below).
 3. trials (TaDA's random search): 1 in 4 a random profile cut down to the budget, the rest
    perturbations of the best (1–3 slots moved, repaired to fit, refilled greedily).
 
@@ -213,10 +214,14 @@ class Search:
         self._set_rho()
         self.progress(f"[search] sensitivity and uniform KLDs reused ({len(self.s)} slots)")
 
-    def knapsack(self) -> tuple:
-        """Exact minimiser of the predicted loss under the budget (DP over byte units)."""
+    def knapsack(self, ring: int | None = None) -> tuple | None:
+        """Exact minimiser of the predicted loss under the budget (DP over byte units);
+        with `ring` (a ring width's index) the rings are held at that width (None if it
+        cannot fit)."""
         costs, n = self.costs, len(self.costs)
         cap = self.limit - self.b0
+        if ring is not None and costs[-1][ring] > cap:
+            return None
         g = 0
         for row in costs:
             for c in row:
@@ -232,6 +237,8 @@ class Search:
         for i in range(n):
             new = np.full(U + 1, -np.inf)
             for j in range(len(costs[i])):
+                if ring is not None and i == 2 * self.L and j != ring:
+                    continue
                 c, gain = units[i][j], self.loss(i, 0) - self.loss(i, j)
                 if c > U:
                     continue
@@ -313,6 +320,12 @@ class Search:
         if not hasattr(self, "s"):
             self.sensitivity()
         self.evaluate(self.knapsack(), "knapsack start")
+        # the rings' width moves 15 layers at once, where the additive model is least sure:
+        # the best profile at each width is measured too, not only the one it ranks first
+        for j, w in enumerate(self.rings if len(self.rings) > 1 else ()):
+            a = self.knapsack(ring=j)
+            if a is not None and a not in self.seen:
+                self.evaluate(a, f"knapsack start, {w}-bit rings")
         for t in range(self.trials):
             if t % 4 == 3:
                 a, what = self.random_profile(), "random"

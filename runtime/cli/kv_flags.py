@@ -40,8 +40,9 @@ def shipped_profile_names() -> str:
 
 
 KV_HELP = ("KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, tada-2/4/8, "
-           "gear-l, gear; or K/V like kivi-4/kivi-2; suffixes @N (groups of N) and +rot "
-           "(Hadamard rotation), +ring4/8/16 (sliding-window ring width); auto (the per-layer profile shipped for the model in use); "
+           "gear-l, gear; or K/V like kivi-4/kivi-2; suffixes @N (groups of N), +rot "
+           "(Hadamard rotation) and +ring4/8/16 (sliding-window ring width); auto (the "
+           "per-layer profile shipped for the model in use); "
            f"profile:NAME (a shipped profile: {shipped_profile_names()}) or profile:FILE.")
 
 KV_FLAGS = (

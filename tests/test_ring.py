@@ -230,3 +230,79 @@ def test_tiny_gemma_on_the_layered_cache(kv, tol):
             got = m(ids[:, s:e], c)[0]
             assert_close(got, ref, atol=tol, rtol=0, msg=f"{kv} tokens {s}:{e}")
     assert c.seq_len == 120 and c.ring.seq_len == 120
+
+
+# -- the ring's width as a setting (--kv …+ring8, --kv-ring, a profile's "kv" block) -------------
+
+# bytes per token and head of a ring (D = 32) at each width
+WIDTH_BYTES = {16: 32 * 2, 8: 32 + 4, 4: 16 + 4}
+
+
+@pytest.mark.parametrize("spec,bits", [
+    ("kivi-4", 4), ("kivi-4+ring8", 8), ("kivi-4+rot+ring16", 16), ("int8", 8),
+    ("int8+ring4", 4), ("fp16", 16), ("fp16+ring4", 4), ("kivi-4/kivi-2+ring8", 8)])
+@pytest.mark.parametrize("ctx", [9, 100])
+def test_ring_width_setting_is_honoured(spec, bits, ctx):
+    """The width a config sets is the one the ring stores at, and the one every byte count
+    (kv_bytes_at, the /kv report) states; without it the methods pick it (ring_bits)."""
+    cfg, kv = _cfg(), parse_kv(spec)
+    c = build_cache(cfg, ctx, kv)
+    assert c.ring.bits == bits
+    assert kv_bytes_at(cfg, kv, ctx) == c.nbytes()
+    assert c.nbytes()["ring"] == 2 * 5 * 1 * min(W, ctx) * WIDTH_BYTES[bits]
+    assert ("fp16" if bits == 16 else f"{bits}-bit per token") in c.report()[0]
+    assert ("+ring" in spec) == ("+ring" in kv.label())          # ppl tables tell them apart
+
+
+def test_ring_width_changes_what_the_ring_returns():
+    """8-bit rings keep K and V closer to the rows written than 4-bit ones (and fp16 exact)."""
+    q, k, v = _history(24)
+    err = {}
+    for bits in (16, 8, 4):
+        r = SlidingWindowKV(1, 1, 32, W, 64, bits=bits)
+        r.store(0, torch.arange(W), k[0, :, -W:], v[0, :, -W:])
+        r.commit(W)
+        kr, vr = r.rows(0)
+        err[bits] = float((kr - k[0, :, -W:]).abs().max() + (vr - v[0, :, -W:]).abs().max())
+    assert err[16] < 1e-6 < err[8] < err[4] / 4
+
+
+def test_ring_width_from_the_kv_flag_and_a_profile(tmp_path):
+    import json
+    from kvrun.cli.kv_flags import kv_config
+    assert kv_config({"kv": "kivi-4", "kv_ring": 8}).ring == 8
+    cfg = _cfg()
+    body = {"format": "kvrun-kv-profile", "layers": [{"k": "kivi-4", "v": "kivi-2"}]}
+    old = tmp_path / "old.json"                                  # no "ring": picked from methods
+    old.write_text(json.dumps(body))
+    assert build_cache(cfg, 64, parse_kv(f"profile:{old}")).ring.bits == 4
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({**body, "kv": {"ring": 8}}))
+    kv = parse_kv(f"profile:{new}")
+    assert build_cache(cfg, 64, kv).ring.bits == 8 and kv.label() == "profile:new"
+    over = parse_kv(f"profile:{new}+ring16")                     # the spec wins over the file
+    assert build_cache(cfg, 64, over).ring.bits == 16 and over.label() == "profile:new+ring16"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**body, "kv": {"ring": "8"}}))
+    with pytest.raises(KvrunError, match="ring width must be one of 4, 8, 16 bits, got '8'"):
+        parse_kv(f"profile:{bad}")
+
+
+@pytest.mark.parametrize("spec,fields,msg", [
+    ("kivi-4+ring5", {}, "unknown suffix '\\+ring5'"),
+    ("kivi-4+ring", {}, "unknown suffix '\\+ring'"),
+    ("kivi-4+ring8+ring4", {}, "more than one suffix sets the ring"),
+    ("kivi-4", {"ring": 2}, "ring width must be one of 4, 8, 16 bits, got 2"),
+    ("kivi-4", {"ring": 8.0}, "got 8.0"),
+    ("kivi-4", {"ring": True}, "got True"),
+])
+def test_bad_ring_widths_are_refused_in_one_line(spec, fields, msg):
+    with pytest.raises(KvrunError, match=msg) as e:
+        parse_kv(spec, **fields)
+    assert "\n" not in str(e.value)
+
+
+def test_ring_width_on_a_model_without_rings_is_refused():
+    with pytest.raises(KvrunError, match="no sliding-window layers"):
+        build_cache(tiny_config("llama"), 64, "int8+ring8")
+    build_cache(tiny_config("llama"), 64, "int8")

@@ -200,23 +200,97 @@ def test_sensitivity_progress_has_an_eta(tiny_model):
     assert all(", ETA " in x for x in sens) and sens[-1].endswith("ETA 0 s)")
 
 
-def test_search_on_sliding_window_layers(tmp_path):
-    """A tiny Gemma 3 (five sliding layers of window 16, one full layer): the profile lists
-    the full layer only, its bytes (rings included) are the arena's, and it loads back."""
-    d = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128, num_heads=4)
-    m = kvrun.load(d, ctx=8)
-    kw = {**KW, "prefix": 48, "trials": 2}
-    r = search(m, CALIB, 0.7, **kw)
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    """A tiny Gemma 3: five sliding layers of window 16 (rings), one full layer. The logit
+    soft-cap keeps its next-token distributions spread (without it a random Gemma's are
+    one-hot and every KLD is 0)."""
+    d = make_tiny_model_dir(tmp_path_factory.mktemp("gemma") / "g", architecture="gemma3",
+                            hidden_size=128, num_heads=4, final_logit_softcapping=3.0)
+    return kvrun.load(d, ctx=8)
+
+
+GKW = {**KW, "trials": 2}       # 160 context tokens: past the window R, the rings wrapped
+
+
+def test_search_on_sliding_window_layers(tiny_gemma, tmp_path):
+    """The profile lists the full layer only and the rings' width; its bytes (rings
+    included) are the arena's, and it loads back with that width."""
+    m, cfg = tiny_gemma, tiny_gemma.cfg
+    r = search(m, CALIB, 0.7, **GKW)
     assert len(r.layers) == 1 and len(r.sensitivity) == 1
-    kv = parse_kv("fp16").replace(layers=r.layers)
-    cfg = m.cfg
+    assert r.ring in (4, 8) and set(r.ring_kld) == {4, 8}
+    kv = parse_kv("fp16").replace(layers=r.layers, ring=r.ring)
     assert r.bytes == sum(build_cache(cfg, KW["ctx"], kv).nbytes().values())
     assert r.bytes <= 0.7 * sum(kv_bytes_at(cfg, "fp16", KW["ctx"]).values())
     out = tmp_path / "p.json"
     save_result(out, r, m, CALIB, budget=0.7, ctx=KW["ctx"], family="kivi", bits=(2, 4, 8),
-                trials=2, seed=3, windows=2, prefix=48, n_score=32, base=parse_kv("fp16"))
-    again = kvrun.load(d, ctx=64, kv=f"profile:{out}")
+                trials=2, seed=3, windows=2, prefix=160, n_score=32, base=parse_kv("fp16"))
+    prof = read_profile(out)
+    assert prof.kv["ring"] == r.ring and prof.meta["ring_kld"] == {str(w): x for w, x in r.ring_kld.items()}
+    again = kvrun.load(tiny_gemma.path, ctx=64, kv=f"profile:{out}")
+    assert again.cache.ring.bits == r.ring
     assert again.generate("The quick", 4, temp=0)
+
+
+def test_ring_width_is_a_slot_under_the_budget(tiny_gemma):
+    """8-bit rings lose less than 4-bit ones and cost more: a generous budget buys them, a
+    budget just above the smallest cache cannot; one width given is the only choice."""
+    from kvrun.kv.build import fp16_bytes as ideal_fp16
+    cfg = tiny_gemma.cfg
+    fp16 = ideal_fp16(cfg, KW["ctx"])                   # the budget's denominator
+    rich = search(tiny_gemma, CALIB, 0.95, **GKW)
+    assert rich.ring_kld[4] > rich.ring_kld[8] > 0 and rich.ring == 8
+    smallest = parse_kv("fp16").replace(layers=[("kivi-2", "kivi-2")])
+    least, ring8 = (sum(kv_bytes_at(cfg, smallest.replace(ring=w), KW["ctx"]).values()) / fp16
+                    for w in (4, 8))
+    poor = search(tiny_gemma, CALIB, (least + ring8) / 2, **GKW)
+    assert poor.ring == 4 and poor.bytes <= (least + ring8) / 2 * fp16
+    fixed = search(tiny_gemma, CALIB, 0.95, rings=(16,), **GKW)
+    assert fixed.ring == 16 and fixed.ring_kld == {16: 0.0}
+    assert search(tiny_gemma, CALIB, 0.95, base=parse_kv("fp16+ring8"), **GKW).ring == 8
+
+
+def test_sensitivity_is_measured_with_fp16_rings(tiny_gemma):
+    """s[slot] is the slot's own loss: the rings stay fp16 while it is measured (with 4-bit
+    rings every slot would carry their loss too)."""
+    from kvrun.eval.search import Search
+    from kvrun.eval.search_objective import Objective
+    obj = Objective(tiny_gemma, CALIB, 2, GKW["prefix"], 32, chunk=32)
+    base = parse_kv("fp16")
+    s = Search(obj, tiny_gemma.cfg, ["kivi-2", "kivi-4", "int8"], 0.9, KW["ctx"], 0, 3, base,
+               None, (4, 8))
+    s.t0 = 0.0
+    s.sensitivity()
+    alone = obj.kld(base.replace(layers=[("kivi-2", "fp16")], ring=16))
+    with_rings = obj.kld(base.replace(layers=[("kivi-2", "fp16")], ring=4))
+    assert s.s[0] == alone and abs(with_rings - alone) > 1e-4
+    assert s.ring_kld[4] == obj.kld(base.replace(layers=[("fp16", "fp16")], ring=4))
+    # the knapsack held at each width keeps it, and fits; a width that cannot fit is None
+    for j in (0, 1):
+        a = s.knapsack(ring=j)
+        assert a[-1] == j and s.predicted_bytes(a) <= s.limit
+    s.limit = s.b0 + s.costs[-1][1] - 1
+    assert s.knapsack(ring=1) is None and s.knapsack(ring=0)[-1] == 0
+
+
+def test_ring_reuse_and_refusals(tiny_gemma, tiny_model, tmp_path):
+    import json
+    r = search(tiny_gemma, CALIB, 0.7, **GKW)
+    out = tmp_path / "p.json"
+    save_result(out, r, tiny_gemma, CALIB, budget=0.7, ctx=KW["ctx"], family="kivi", bits=(2, 4, 8),
+                trials=2, seed=3, windows=2, prefix=160, n_score=32, base=parse_kv("fp16"))
+    r2 = search(tiny_gemma, CALIB, 0.8, reuse=read_profile(out), **GKW)
+    assert r2.ring_kld == r.ring_kld and r2.evaluations <= GKW["trials"] + 2   # + a start per width
+    d = json.loads(out.read_text())
+    del d["ring_kld"]                   # searched before rings were a slot
+    out.write_text(json.dumps(d))
+    with pytest.raises(KvrunError, match="did not measure the rings at 4, 8 bits"):
+        search(tiny_gemma, CALIB, 0.8, reuse=read_profile(out), **GKW)
+    with pytest.raises(KvrunError, match="no sliding-window layers"):
+        search(tiny_model, CALIB, 0.62, rings=(4, 8), **KW)
+    with pytest.raises(KvrunError, match="ring width must be one of 4, 8, 16 bits, got 5"):
+        search(tiny_gemma, CALIB, 0.7, rings=(5,), **GKW)
 
 
 # -- the whole codec menu: KIVI, codebooks (cb-*, rotated by their role), int8, K and V apart --
@@ -303,6 +377,8 @@ def test_search_command_family_and_bits(tiny_model, tmp_path):
     prof = read_profile(out)
     assert {m for pair in prof.layers for m in pair} <= {"cb-3", "cb-4"}
     assert prof.meta["search"] == {**prof.meta["search"], "family": "cb", "bits": [3, 4]}
+    r = CliRunner().invoke(search_cmd, args + ["--rings", "4,x"])
+    assert isinstance(r.exception, KvrunError) and "--rings must be a comma list" in str(r.exception)
     r = CliRunner().invoke(search_cmd, args + ["--family", "bogus"])
     assert r.exit_code == 2 and "bogus" in r.output and not out.with_suffix(".tmp").exists()
 

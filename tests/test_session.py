@@ -163,6 +163,20 @@ def test_other_kv_method_or_model(saved, tmp_path):
     _refused(m, bad, "saved for model")
 
 
+def test_ring_width_is_recorded_only_when_set(saved, tmp_path):
+    """A file from before the ring setting (no "ring" in its settings) still loads into the
+    same config; a ring width set is part of the record, so a file saved with it differs."""
+    from kvrun.engine.session import kv_record
+    from kvrun.kv import parse_kv
+    assert "ring" not in kv_record(parse_kv("kivi-4"))["settings"]
+    assert kv_record(parse_kv("kivi-4", ring=8))["settings"]["ring"] == 8
+    m, good = saved
+    old = _patched_header(good, tmp_path / "old.kvs", lambda h: h["kv"]["settings"].pop("ring", None))
+    m.load_session(old)
+    bad = _patched_header(good, tmp_path / "r8.kvs", lambda h: h["kv"]["settings"].update(ring=8))
+    _refused(m, bad, "its settings must match")
+
+
 def test_too_long_for_the_context(saved):
     _, good = saved
     with pytest.raises(KvrunError, match="raise -c"):

@@ -40,8 +40,9 @@ def shipped_profile_names() -> str:
 
 
 KV_HELP = ("KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, tada-2/4/8, "
-           "gear-l, gear; or K/V like kivi-4/kivi-2; suffixes @N (groups of N) and +rot "
-           "(Hadamard rotation); auto (the per-layer profile shipped for the model in use); "
+           "gear-l, gear; or K/V like kivi-4/kivi-2; suffixes @N (groups of N), +rot "
+           "(Hadamard rotation) and +ring4/8/16 (sliding-window ring width); auto (the "
+           "per-layer profile shipped for the model in use); "
            f"profile:NAME (a shipped profile: {shipped_profile_names()}) or profile:FILE.")
 
 KV_FLAGS = (
@@ -59,6 +60,8 @@ KV_FLAGS = (
          "Channels per V scale group g for per-token V (default 32)."),
     Flag("--kv-rank",       "rank",           int,                        None,
          "GEAR low-rank rank r (default 4)."),
+    Flag("--kv-ring",       "ring",           int,                        None,
+         "Bits of the sliding-window rings (Gemma 3; default: 4 when a method is below 8 bits)."),
     Flag("--kv-profile",    "profile",        click.Path(),               None,
          "Per-layer profile: a JSON file (kvrun search -o) or a shipped name."),
     Flag("--ctx-policy",    "ctx_policy",     click.Choice(CTX_POLICIES), None,

@@ -9,7 +9,7 @@ from ..errors import KvrunError, read_text_file
 from ..files import check_writable
 
 
-def _bits(s: str | None) -> list[int] | None:
+def _bits(s: str | None, flag: str = "--bits", like: str = "2,4,8") -> list[int] | None:
     if s is None:
         return None
     try:
@@ -18,7 +18,7 @@ def _bits(s: str | None) -> list[int] | None:
             raise ValueError
         return [int(x) for x in items]
     except ValueError:
-        raise KvrunError(f"--bits must be a comma list of integers like 2,4,8, got {s!r}") from None
+        raise KvrunError(f"{flag} must be a comma list of integers like {like}, got {s!r}") from None
 
 
 @click.command("search")
@@ -40,6 +40,9 @@ def _bits(s: str | None) -> list[int] | None:
               type=click.Choice(["kivi", "tada", "any", "cb", "all"]),
               help="Codecs per slot (kivi: kivi-2/kivi-4/int8; cb: cb-2/3/4 and int8; "
                    "all: KIVI, cb and int8, K and V chosen apart; any: KIVI, TaDA and int8).")
+@click.option("--rings", default=None,
+              help="Widths (bits) the search may give the sliding-window rings of a model that has "
+                   "them, e.g. 4,8 (the default) or 8; 16 = fp16.")
 @click.option("--calib-windows", "windows", default=2, show_default=True, type=int,
               help="Calibration windows spread over the text.")
 @click.option("--calib-ctx", "prefix", default=512, show_default=True, type=int,
@@ -56,7 +59,7 @@ def _bits(s: str | None) -> list[int] | None:
 @click.option("--tada-mu", default=None, type=click.Choice(["fp16", "int8"]), help="TaDA mean storage.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @threads_option
-def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windows, prefix, n_score,
+def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, rings, windows, prefix, n_score,
                reuse, kv_residual, kv_group, kv_vgroup, kv_rotate, tada_mu, dtype, threads):
     """Search per-layer K/V bits minimizing KL divergence vs fp16 under a KV memory budget."""
     from ..engine.api import load
@@ -67,7 +70,7 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("v_group", kv_vgroup),
                                 ("rotate", kv_rotate), ("tada_mu", tada_mu)) if x is not None}
     base = KVConfig.from_settings(**fields)
-    bl = _bits(bits)
+    bl, rl = _bits(bits), _bits(rings, "--rings", "4,8")
     m = load(model, dtype=dtype, ctx=8, threads=threads, progress=eprint)
     kw = dict(budget=budget, ctx=ctx, trials=trials, seed=seed, bits=bl, family=family,
               windows=windows, prefix=prefix, n_score=n_score, base=base)
@@ -75,13 +78,16 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, windo
     if reuse is not None:
         from ..kv.profile import read_profile
         prior = read_profile(reuse)
-    res = search(m, text, progress=eprint, reuse=prior, **kw)
+    res = search(m, text, progress=eprint, reuse=prior, rings=rl, **kw)
     save_result(out, res, m, text, **kw)
     eprint(f"[search] best KLD {res.kld:.5f} at {res.ratio:.4f}× fp16 ({res.bytes / 2**20:.2f} MiB "
             f"for {ctx} tokens), {res.evaluations} evaluations in {res.seconds:.0f} s")
     for mth, k in sorted(res.uniform.items(), key=lambda x: x[1]):
         eprint(f"[search]   uniform {mth:<8} KLD {k:.5f} (K only {res.role_uniform['k'][mth]:.5f}, "
                f"V only {res.role_uniform['v'][mth]:.5f})")
+    if res.ring is not None:
+        eprint(f"[search]   rings at {res.ring} bits (alone, arena fp16: " + ", ".join(
+            f"{w}-bit KLD {k:.5f}" for w, k in sorted(res.ring_kld.items())) + ")")
     eprint("layer  K        V")
     for i, (k, v) in enumerate(res.layers):
         eprint(f"{i:5d}  {k:<8} {v}")

@@ -68,9 +68,16 @@ def model_record(m) -> dict:
             "dtype": getattr(m, "dtype", "auto")}
 
 
+# settings added after the session format, left out at their default so that files saved
+# before them still match the config that reads them back the same
+LATER_SETTINGS = {"ring": None}
+
+
 def kv_record(kv) -> dict:
-    """The KV config as a session compares it: every setting but where a profile came from."""
-    settings = {k: v for k, v in kv.settings().items() if k != "profile_info"}
+    """The KV config as a session compares it: every setting but where a profile came from
+    (LATER_SETTINGS only when set)."""
+    settings = {k: v for k, v in kv.settings().items() if k != "profile_info"
+                and not (k in LATER_SETTINGS and v == LATER_SETTINGS[k])}
     return json.loads(json.dumps({"label": kv.label(), "settings": settings}))
 
 

@@ -32,6 +32,9 @@ def check_kv(cfg, kv_config) -> KVConfig:
     model's geometry (one clear line if it does not fit)."""
     kv = _as_config(kv_config).for_model(cfg)
     kv.check_model(cfg.head_dim, arena_layers(cfg), cfg.num_kv_heads)
+    if kv.ring is not None and not any(layer_windows(cfg)):
+        raise KvrunError(f"a ring width ({kv.ring} bits) was given, but this model has no "
+                         f"sliding-window layers to keep in rings")
     if any(layer_windows(cfg)) and kv.context.on_full == "shift":
         raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "
                          "layers (a shift would cut the windows they attend to): raise -c instead")

@@ -10,6 +10,7 @@ keywords, the CLI's KV flags, a profile's "kv" object — and KVConfig.from_sett
     parse_kv("profile:p.json")               the same as a spec (for method lists: kvrun ppl)
     parse_kv("profile:smollm2-135m-0.25")    a shipped profile by name (runtime/kv/profiles/)
     parse_kv("auto")                         the profile shipped for the embedded model
+    parse_kv("kivi-4+ring8")                 sliding-window rings at 8 bits (ring=8)
 
 Defaults follow the papers: residual window R = 128 and group G = 32 (KIVI, TaDA's
 LongBench setting); V channel group g = 32 (KIVI's group size, used for both axes in its
@@ -31,6 +32,7 @@ from .profile import NOT_KV_SETTINGS, check_method, read_profile, shipped_for
 CTX_POLICIES = ("error", "shift")
 DENSE = {"fp16", "bf16", "fp32"}          # uncompressed methods
 ROTATE = ("none", "k", "v", "kv")
+RING_BITS = (4, 8, 16)                    # widths of a sliding-window ring (ring.py)
 
 
 @dataclass
@@ -135,7 +137,7 @@ class Eviction:
 # field of KVConfig itself.
 SETTINGS = {
     **{n: (None, n) for n in ("k_method", "v_method", "residual", "group", "v_group", "rank",
-                              "sparsity", "tada_mu", "layers", "block", "profile_info")},
+                              "sparsity", "tada_mu", "ring", "layers", "block", "profile_info")},
     "ctx_policy": ("context", "on_full"), "n_keep": ("context", "n_keep"),
     "rotate": ("rotation", "which"), "rotate_seed": ("rotation", "seed"),
     "layer_rotate": ("rotation", "per_layer"),
@@ -161,6 +163,7 @@ class KVConfig:
     rank: int = 4                   # r: GEAR low-rank rank per head per block
     sparsity: float = 2.0           # s: GEAR outlier percent (top s/2 % + bottom s/2 %)
     tada_mu: str = "fp16"           # storage of TaDA's per-token mean: fp16 | int8
+    ring: int | None = None         # sliding-window rings' bits (4/8/16); None: ring.ring_bits picks
     layers: list | None = None      # per-layer [(k_method, v_method), ...] from a profile
     block: int = 4096               # read-path block size in tokens (rounded to G)
     context: ContextPolicy = field(default_factory=ContextPolicy)
@@ -194,6 +197,9 @@ class KVConfig:
             x, lo = getattr(self, name), 0 if name == "residual" else 1
             if not isinstance(x, int) or x < lo:
                 raise KvrunError(f"KV {name} must be an integer >= {lo}, got {x!r}")
+        if self.ring is not None and (type(self.ring) is not int or self.ring not in RING_BITS):
+            raise KvrunError(f"KV ring width must be one of {', '.join(map(str, RING_BITS))} bits, "
+                             f"got {self.ring!r}")
         if self.tada_mu not in ("fp16", "int8"):
             raise KvrunError(f"tada_mu must be fp16 or int8, got {self.tada_mu!r}")
         fams = {method_family(m)[0] for m in self.methods()}
@@ -288,12 +294,14 @@ class KVConfig:
             info = self.profile_info or {}
             base = ("auto" if info.get("auto") else
                     f"profile:{Path(info['path']).stem}" if info.get("path") else "profile")
-            return base + self._evict_label()
+            given = info.get("fields", {}).get("ring")       # a width set over the profile's
+            return base + (f"+ring{given}" if given else "") + self._evict_label()
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
         if (self.group, self.v_group) != (32, 32):
             base += f"@{self.group}" if self.group == self.v_group else f"@{self.group}/{self.v_group}"
         rot = self.rotation.which
         base += "" if rot == "none" else f"+rot{'' if rot == 'kv' else '-' + rot}"
+        base += "" if self.ring is None else f"+ring{self.ring}"
         return base + self._evict_label()
 
     def _evict_label(self) -> str:
@@ -305,11 +313,25 @@ class KVConfig:
         return KVConfig.from_settings(**{**self.settings(), **settings})
 
 
+_ROT_SUFFIXES = {"rot": "kv", "rot-k": "k", "rot-v": "v", "rot-kv": "kv"}
+
+
+def _suffix(spec: str, suffix: str) -> tuple[str, object]:
+    """A --kv suffix as (setting name, value): +rot[-k|-v] (rotation), +ringN (ring width)."""
+    if suffix in _ROT_SUFFIXES:
+        return "rotate", _ROT_SUFFIXES[suffix]
+    if suffix.startswith("ring") and suffix[4:] in {str(b) for b in RING_BITS}:
+        return "ring", int(suffix[4:])
+    raise KvrunError(f"--kv {spec!r}: unknown suffix '+{suffix}' (use +rot, +rot-k, +rot-v or "
+                     f"+ring4/+ring8/+ring16)")
+
+
 def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = None,
              profile=None, **fields) -> KVConfig:
     """KVConfig from a --kv spec ("tada-4", or "K/V" like "kivi-4/kivi-2"), optional
     --kv-k / --kv-v overrides, an optional per-layer profile file, and any SETTINGS name.
     A "+rot" suffix turns the Hadamard rotation on for K and V ("+rot-k" / "+rot-v": one);
+    "+ring4" / "+ring8" / "+ring16" sets the sliding-window rings' width (models with rings);
     an "@N" suffix sets both quantization groups to N ("kivi-4@64+rot": K scales per 64
     tokens, V scales per 64 channels), so methods with different groups can be compared
     side by side in one `kvrun ppl` / `kvrun bench` run.
@@ -318,13 +340,15 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
     shipped profile's name or a file path) name a profile; its "kv" settings (window,
     groups …) apply unless given in `fields`."""
     spec = (spec or "fp16").strip()
-    base, plus, rot = spec.partition("+")
-    if plus:
-        kinds = {"rot": "kv", "rot-k": "k", "rot-v": "v", "rot-kv": "kv"}
-        if rot not in kinds:
-            raise KvrunError(f"--kv {spec!r}: unknown suffix '+{rot}' (use +rot, +rot-k or +rot-v)")
-        spec = base
-        fields.setdefault("rotate", kinds[rot])
+    base, *suffixes = spec.split("+")
+    named = set()
+    for suffix in suffixes:
+        name, setting = _suffix(spec, suffix)
+        if name in named:
+            raise KvrunError(f"--kv {spec!r}: more than one suffix sets the {name}")
+        named.add(name)
+        fields.setdefault(name, setting)
+    spec = base
     if "@" in spec:
         spec, _, g = spec.partition("@")
         if not g.strip().isdigit() or int(g) < 1:

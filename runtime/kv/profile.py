@@ -11,9 +11,10 @@ A profile is JSON written by `kvrun search` (or by hand):
      "layers": [{"k": "kivi-4", "v": "kivi-2"}, ...]}     # one entry per layer, in order
 
 Only "format" and "layers" are required (hand-written profiles stay short). "kv" holds the
-KVConfig settings the bytes were computed with (window, groups, TaDA's μ storage and any
-rotation flag the KVConfig has); loading a profile applies them unless the caller sets
-them explicitly. "model" is checked against the model the cache is built for: the
+KVConfig settings the bytes were computed with (window, groups, TaDA's μ storage, any
+rotation flag the KVConfig has, and "ring": the width of a model's sliding-window rings,
+absent or null in older profiles, which leaves it to ring.ring_bits); loading a profile
+applies them unless the caller sets them explicitly. "model" is checked against the model the cache is built for: the
 geometry always, the source hash for `--kv auto` (a shipped profile describes one model's
 sensitivities; any other model must run `kvrun search`).
 """

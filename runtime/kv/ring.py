@@ -21,8 +21,9 @@ codec; 4-bit codes two to a byte), the per-token scheme KIVI uses for V. Per-tok
 a ring cannot hold KIVI's G-token channel groups, and Gemma's QK-norm keeps K free of the
 outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks the
 width from the KV method (build_cache: 16 when nothing is compressed, 8 when every method
-keeps >= 8 bits, else 4). As in the arena, the step's own new rows are attended in full
-precision and quantized when they are written. A one-token step on codes is one op where the
+keeps >= 8 bits, else 4), unless the config sets it (`ring`: "+ring8", a profile's "kv"
+block, `kvrun search` choosing it under the byte budget). As in the arena, the step's own
+new rows are attended in full precision and quantized when they are written. A one-token step on codes is one op where the
 backend has it (kernels/dispatch.py `ring_step`: the native kernel reads the codes in place
 and writes the new slot bit-identical to `_RingStore.write`); `_attend` is its torch oracle
 and serves everything else (fp16 rings, chunks, the torch backend).
@@ -71,8 +72,11 @@ RING_SIGNS_SEED = 0             # the quantized ring's rotation signs (part of i
 
 
 def ring_bits(kv) -> int:
-    """The ring's width for a KV config: 16 (the window dtype) when no layer is compressed,
-    8 when every method keeps >= 8 bits (int8, tada-8, profiles mixing fp16), else 4."""
+    """The ring's width for a KV config: its `ring` setting when given (--kv …+ring8, a
+    profile's "kv"), else 16 (the window dtype) when no layer is compressed, 8 when every
+    method keeps >= 8 bits (int8, tada-8, profiles mixing fp16), else 4."""
+    if kv.ring is not None:
+        return kv.ring
     if kv.uncompressed:
         return 16
     return 8 if min(method_family(m)[1] for m in kv.methods()) >= 8 else 4

@@ -165,3 +165,23 @@ def test_table_columns_stay_aligned_with_long_labels():
     ends = {len(x) for x in rows}
     assert len(ends) == 1                                   # every row as wide as the header
     assert {x.index("17.5000") + 7 for x in rows[2:]} == {rows[0].index("ppl") + 3}   # right-aligned
+
+
+def test_ppl_reads_a_profile_once(tiny_dir, tmp_path):
+    """A profile file rewritten while `kvrun ppl` runs changes neither the caches nor the
+    ratio columns: the spec is parsed once, before the first window."""
+    import kvrun
+    from kvrun.eval.ppl import perplexity
+    from kvrun.kv.profile import save_profile
+    m = kvrun.load(tiny_dir, ctx=512, dtype="fp32")
+    n = m.cfg.num_layers
+    p = tmp_path / "prof.json"
+    save_profile(p, [("kivi-2", "kivi-2")] * n, model="tiny")
+
+    def rewrite(line):                      # the first window's progress line
+        save_profile(p, [("fp16", "fp16")] * n, model="tiny")
+    before = perplexity(m, TEXT, 512, [f"profile:{p}"], n_windows=2)[1]
+    save_profile(p, [("kivi-2", "kivi-2")] * n, model="tiny")
+    during = perplexity(m, TEXT, 512, [f"profile:{p}"], n_windows=2, progress=rewrite)[1]
+    assert before.ratio_32k < 0.3
+    assert (during.ratio, during.ratio_32k, during.kld) == (before.ratio, before.ratio_32k, before.kld)

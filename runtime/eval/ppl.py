@@ -76,18 +76,20 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
     `progress(line)` gets a line per window with the elapsed time and an ETA. Ctrl-C after
     at least one window raises PartialResults carrying the records of the windows done."""
     from ..kv.build import make_cache
+    from ..kv.config import parse_kv
     if ctx < 8 or ctx % 2:
         raise KvrunError(f"-c must be an even number >= 8 (got {ctx})")
     if chunk < 1:
         raise KvrunError(f"--chunk must be >= 1 (got {chunk})")
     if evict:
-        from ..kv.config import parse_kv
         specs = {BASELINE: BASELINE}
         for m in methods:
             spec = parse_kv(m, **evict)
             specs[spec.label()] = spec
     else:
         specs = {m: m for m in [BASELINE] + [m for m in methods if m != BASELINE]}
+    # parsed once: a profile file rewritten during the run changes neither caches nor ratios
+    specs = {m: parse_kv(s) if isinstance(s, str) else s for m, s in specs.items()}
     methods = list(specs)
     caches = {m: make_cache(model.cfg, ctx, specs[m]) for m in methods}     # validates every spec
     ids = model.tokenize(text)

@@ -1060,27 +1060,28 @@ static void fp_scores(const void *base, const int64_t *st, int kind, int h, int6
     }
 }
 
-int kvrun_decode_attention(const Args *a) {
-    const int Hkv = a->Hkv, R = a->R, D = a->D;
-    const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn;
-    if (D > MAXD || (nt % TILE) != 0) return 1;
-    const int64_t ntile = nt / TILE;
-    const int nsplit = token_splits(ntile);
+/* The op in pieces over a range of KV heads [h0, h1): each piece does, for those heads, what
+ * its phase does for all of them, in the same order per head, so a head's bits do not depend
+ * on which heads a call covers. kvrun_decode_attention runs each phase over every head as
+ * `omp for` over token splits or rows; kvrun_decode_attention_rows runs one (row, head) item
+ * through every phase on one thread. */
+
+/* phase 0 for heads [h0, h1): their query rows loaded, rotated, scaled; their new K / V rows
+ * appended to the window (arena) */
+static void heads_prepare(const Args *a, int h0, int h1) {
+    const int D = a->D;
     const float scale = 1.f / sqrtf((float)D);
-    for (int hq = 0; hq < Hkv * a->Gq; hq++)             /* rows of head h: (g, t) */
+    for (int hq = h0 * a->Gq; hq < h1 * a->Gq; hq++)      /* rows of head h: (g, t) */
         for (int t = 0; t < a->Tq; t++) {
             float *dst = a->q + ((int64_t)hq * a->Tq + t) * D;
             load_row(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
             if (a->kdst && a->rk) matvec(dst, a->rk, D);
             for (int d = 0; d < D; d++) dst[d] *= scale;
         }
-    const void *kn = a->kn, *vn = a->vn;
-    const int64_t *kns = a->kns, *vns = a->vns;
-    int ndt = a->ndtype;
     if (a->kdst) {                                       /* fused window append */
         float row[MAXD];
-        for (int h = 0; h < Hkv; h++)
-            for (int64_t t = 0; t < Tn; t++) {
+        for (int h = h0; h < h1; h++)
+            for (int64_t t = 0; t < a->Tn; t++) {
                 load_row(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
                 if (a->rk) matvec(row, a->rk, D);
                 store_row(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
@@ -1088,143 +1089,211 @@ int kvrun_decode_attention(const Args *a) {
                 if (a->rv) matvec(row, a->rv, D);
                 store_row(a->vdst, h * a->vds[0] + t * a->vds[1], a->wdtype, D, row);
             }
-        kn = a->kdst; vn = a->vdst; kns = a->kds; vns = a->vds; ndt = a->wdtype;
     }
+}
 
+/* where the new tokens' K and V are read: the window slots after an append */
+typedef struct { const void *k, *v; const int64_t *ks, *vs; int dtype; } NewRows;
+
+static NewRows new_rows(const Args *a) {
+    return a->kdst ? (NewRows){a->kdst, a->vdst, a->kds, a->vds, a->wdtype}
+                   : (NewRows){a->kn, a->vn, a->kns, a->vns, a->ndtype};
+}
+
+/* phase 1, split sp of nsplit, heads [h0, h1): chunks of CHUNK tiles with the heads
+ * innermost, so data the heads share (TaDA's means) is read from memory once per chunk and
+ * from L1/L2 by the other heads; then the split's window and new tokens */
+static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, int h0, int h1) {
+    const int R = a->R, D = a->D;
+    const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn, ntile = nt / TILE;
+    int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
+    float kt[MAXD * TILE];
+    for (int64_t c0 = a0; c0 < a1; c0 += CHUNK) {
+        int64_t c1 = c0 + CHUNK < a1 ? c0 + CHUNK : a1;
+        for (int h = h0; h < h1; h++) {
+            const float *q = a->q + (int64_t)h * R * D;
+            float *sc = a->sc + (int64_t)h * R * N;
+            for (int64_t ti = c0; ti < c1; ) {
+                const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
+                int done = kivi && a->qint
+                    ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
+                    : HAVE_FAST && kivi
+                    ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
+                if (!done && a->kc->kind == C_CB) {
+                    cb_k_tile(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N);
+                    done = 1;
+                }
+                if (!done) {
+                    if (!k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) {
+                        k_tile(a->kc, h, ti * TILE, D, kt);
+                        tile_scores(q, R, D, kt, sc + ti * TILE, N);
+                    }
+                    done = 1;
+                }
+                ti += done;
+            }
+        }
+    }
+    int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
+    int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
+    for (int h = h0; h < h1; h++) {
+        const float *q = a->q + (int64_t)h * R * D;
+        float *sc = a->sc + (int64_t)h * R * N;
+        fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
+        fp_scores(nr->k, nr->ks, nr->dtype, h, u0, u1, nt + W, q, R, D, sc, N);
+    }
+}
+
+/* phase 2 for row hr of (Hkv, R): causal mask over the new tokens, one exact softmax */
+static void row_softmax(const Args *a, int hr) {
+    const int64_t N = (int64_t)a->n_tail + a->W + a->Tn;
+    float *s = a->sc + (int64_t)hr * N;
+    int r = hr % a->R, t = r % a->Tq;                    /* rows ordered (g, t) */
+    int64_t vis = (int64_t)a->n_tail + a->W + a->t0 + t + 1;      /* keys this query sees */
+    if (vis > N) vis = N;
+    softmax_visible(s, vis, N);
+}
+
+/* phase 2's attention mass of query head hq = kv * Gq + g */
+static void head_mass(const Args *a, int hq) {
+    const int64_t N = (int64_t)a->n_tail + a->W + a->Tn;
+    int h = hq / a->Gq, g = hq % a->Gq;
+    float *m = a->mass + (int64_t)hq * a->mass_stride;
+    for (int t = 0; t < a->Tq; t++) {
+        if (a->t0 + t < a->mass_lo) continue;
+        const float *s = a->sc + ((int64_t)h * a->R + g * a->Tq + t) * N;
+        for (int64_t n = 0; n < N; n++) m[n] += s[n];
+    }
+}
+
+/* phase 3, split sp of nsplit, heads [h0, h1): p.V into the split's partial outputs
+ * part (nsplit, Hkv, R, D), the same chunk order as phase 1 */
+static void split_mix(const Args *a, const NewRows *nr, int sp, int nsplit, int h0, int h1) {
+    const int Hkv = a->Hkv, R = a->R, D = a->D;
+    const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn, ntile = nt / TILE;
+    float *part = a->part + (int64_t)sp * Hkv * R * D;
+    memset(part + (int64_t)h0 * R * D, 0, sizeof(float) * (h1 - h0) * R * D);
+    float vt[TILE * MAXD];
+    int64_t b0 = ntile * sp / nsplit * TILE, b1 = ntile * (sp + 1) / nsplit * TILE;
+    for (int64_t c0 = b0; c0 < b1; c0 += CHUNK * TILE) {
+        int64_t c1 = c0 + CHUNK * TILE < b1 ? c0 + CHUNK * TILE : b1;
+        for (int h = h0; h < h1; h++) {
+            const float *p = a->sc + (int64_t)h * R * N;
+            float *acc = part + (int64_t)h * R * D;
+            if (a->vc->kind == C_CB) {
+                cb_v_mix(a->vc, h, c0, c1, p, N, R, D, acc);
+                continue;
+            }
+            if (a->qint && vmix_kivi(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
+            if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
+            for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
+                for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);
+                tile_mix(p + t0, N, R, TILE, D, vt, acc);
+            }
+        }
+    }
+    int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
+    int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
+    for (int h = h0; h < h1; h++) {
+        const float *p = a->sc + (int64_t)h * R * N;
+        float *acc = part + (int64_t)h * R * D;
+        for (int64_t t0 = w0; t0 < w1; t0 += TILE) {
+            int n = w1 - t0 < TILE ? (int)(w1 - t0) : TILE;
+            for (int j = 0; j < n; j++)
+                load_row(a->vw, h * a->vws[0] + (t0 + j) * a->vws[1], a->wdtype, D, vt + j * D);
+            tile_mix(p + nt + t0, N, R, n, D, vt, acc);
+        }
+        for (int64_t t0 = u0; t0 < u1; t0 += TILE) {
+            int n = u1 - t0 < TILE ? (int)(u1 - t0) : TILE;
+            for (int j = 0; j < n; j++)
+                load_row(nr->v, h * nr->vs[0] + (t0 + j) * nr->vs[1], nr->dtype, D, vt + j * D);
+            tile_mix(p + nt + W + t0, N, R, n, D, vt, acc);
+        }
+    }
+}
+
+/* row hr of (Hkv, R): the splits' partial outputs summed in split order, then un-rotated
+ * (o = o' R_v^T) when phase 0 rotated */
+static void row_output(const Args *a, int hr, int nsplit) {
+    const int D = a->D;
+    float *o = a->out + (int64_t)hr * D;
+    for (int d = 0; d < D; d++) o[d] = 0.f;
+    for (int sp = 0; sp < nsplit; sp++) {
+        const float *pp = a->part + ((int64_t)sp * a->Hkv * a->R + hr) * D;
+        for (int d = 0; d < D; d++) o[d] += pp[d];
+    }
+}
+
+static void row_unrotate(const Args *a, int hr) {
+    const int D = a->D;
+    float y[MAXD], *o = a->out + (int64_t)hr * D;
+    for (int d = 0; d < D; d++) y[d] = dot(o, a->rv + (int64_t)d * D, D);
+    memcpy(o, y, sizeof(float) * D);
+}
+
+static int args_ok(const Args *a) { return a->D <= MAXD && a->n_tail % TILE == 0; }
+
+int kvrun_decode_attention(const Args *a) {
+    const int Hkv = a->Hkv, R = a->R;
+    if (!args_ok(a)) return 1;
+    const int nsplit = token_splits(a->n_tail / TILE);
+    heads_prepare(a, 0, Hkv);
+    const NewRows nr = new_rows(a);
 #pragma omp parallel num_threads(a->nthreads < 1 ? 1 : a->nthreads)
     {
-        /* phase 1: logits. Items: token splits; inside, chunks of CHUNK tiles with the KV
-         * heads innermost, so data the heads share (TaDA's means) is read from memory once
-         * per chunk and from L1/L2 by the other heads. */
 #pragma omp for schedule(static)
-        for (int sp = 0; sp < nsplit; sp++) {
-            int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
-            float kt[MAXD * TILE];
-            for (int64_t c0 = a0; c0 < a1; c0 += CHUNK) {
-                int64_t c1 = c0 + CHUNK < a1 ? c0 + CHUNK : a1;
-                for (int h = 0; h < Hkv; h++) {
-                    const float *q = a->q + (int64_t)h * R * D;
-                    float *sc = a->sc + (int64_t)h * R * N;
-                    for (int64_t ti = c0; ti < c1; ) {
-                        const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
-                        int done = kivi && a->qint
-                            ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
-                            : HAVE_FAST && kivi
-                            ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
-                        if (!done && a->kc->kind == C_CB) {
-                            cb_k_tile(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N);
-                            done = 1;
-                        }
-                        if (!done) {
-                            if (!k_tile_fast(a->kc, h, ti * TILE, q, R, D, sc + ti * TILE, N)) {
-                                k_tile(a->kc, h, ti * TILE, D, kt);
-                                tile_scores(q, R, D, kt, sc + ti * TILE, N);
-                            }
-                            done = 1;
-                        }
-                        ti += done;
-                    }
-                }
-            }
-            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
-            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            for (int h = 0; h < Hkv; h++) {
-                const float *q = a->q + (int64_t)h * R * D;
-                float *sc = a->sc + (int64_t)h * R * N;
-                fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
-                fp_scores(kn, kns, ndt, h, u0, u1, nt + W, q, R, D, sc, N);
-            }
-        }
-        /* phase 2: causal mask over the new tokens, one exact softmax per row, mass */
+        for (int sp = 0; sp < nsplit; sp++) split_logits(a, &nr, sp, nsplit, 0, Hkv);
 #pragma omp for schedule(static)
-        for (int hr = 0; hr < Hkv * R; hr++) {
-            float *s = a->sc + (int64_t)hr * N;
-            int r = hr % R, t = r % a->Tq;                   /* rows ordered (g, t) */
-            int64_t vis = nt + W + a->t0 + t + 1;             /* keys this query sees */
-            if (vis > N) vis = N;
-            softmax_visible(s, vis, N);
-        }
+        for (int hr = 0; hr < Hkv * R; hr++) row_softmax(a, hr);
         if (a->mass) {
 #pragma omp for schedule(static)
-            for (int hq = 0; hq < Hkv * a->Gq; hq++) {       /* query head = kv * Gq + g */
-                int h = hq / a->Gq, g = hq % a->Gq;
-                float *m = a->mass + (int64_t)hq * a->mass_stride;
-                for (int t = 0; t < a->Tq; t++) {
-                    if (a->t0 + t < a->mass_lo) continue;
-                    const float *s = a->sc + ((int64_t)h * R + g * a->Tq + t) * N;
-                    for (int64_t n = 0; n < N; n++) m[n] += s[n];
-                }
-            }
-        }
-        /* phase 3: p.V into per-split partial outputs part (nsplit, Hkv, R, D), the same
-         * chunk order as phase 1 */
-#pragma omp for schedule(static)
-        for (int sp = 0; sp < nsplit; sp++) {
-            float *part = a->part + (int64_t)sp * Hkv * R * D;
-            memset(part, 0, sizeof(float) * Hkv * R * D);
-            float vt[TILE * MAXD];
-            int64_t b0 = ntile * sp / nsplit * TILE, b1 = ntile * (sp + 1) / nsplit * TILE;
-            for (int64_t c0 = b0; c0 < b1; c0 += CHUNK * TILE) {
-                int64_t c1 = c0 + CHUNK * TILE < b1 ? c0 + CHUNK * TILE : b1;
-                for (int h = 0; h < Hkv; h++) {
-                    const float *p = a->sc + (int64_t)h * R * N;
-                    float *acc = part + (int64_t)h * R * D;
-                    if (a->vc->kind == C_CB) {
-                        cb_v_mix(a->vc, h, c0, c1, p, N, R, D, acc);
-                        continue;
-                    }
-                    if (a->qint && vmix_kivi(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
-                    if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
-                    for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
-                        for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);
-                        tile_mix(p + t0, N, R, TILE, D, vt, acc);
-                    }
-                }
-            }
-            int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
-            int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
-            for (int h = 0; h < Hkv; h++) {
-                const float *p = a->sc + (int64_t)h * R * N;
-                float *acc = part + (int64_t)h * R * D;
-                for (int64_t t0 = w0; t0 < w1; t0 += TILE) {
-                    int n = w1 - t0 < TILE ? (int)(w1 - t0) : TILE;
-                    for (int j = 0; j < n; j++)
-                        load_row(a->vw, h * a->vws[0] + (t0 + j) * a->vws[1], a->wdtype, D, vt + j * D);
-                    tile_mix(p + nt + t0, N, R, n, D, vt, acc);
-                }
-                for (int64_t t0 = u0; t0 < u1; t0 += TILE) {
-                    int n = u1 - t0 < TILE ? (int)(u1 - t0) : TILE;
-                    for (int j = 0; j < n; j++)
-                        load_row(vn, h * vns[0] + (t0 + j) * vns[1], ndt, D, vt + j * D);
-                    tile_mix(p + nt + W + t0, N, R, n, D, vt, acc);
-                }
-            }
+            for (int hq = 0; hq < Hkv * a->Gq; hq++) head_mass(a, hq);
         }
 #pragma omp for schedule(static)
-        for (int hr = 0; hr < Hkv * R; hr++) {
-            float *o = a->out + (int64_t)hr * D;
-            for (int d = 0; d < D; d++) o[d] = 0.f;
-            for (int sp = 0; sp < nsplit; sp++) {
-                const float *pp = a->part + ((int64_t)sp * Hkv * R + hr) * D;
-                for (int d = 0; d < D; d++) o[d] += pp[d];
-            }
-        }
+        for (int sp = 0; sp < nsplit; sp++) split_mix(a, &nr, sp, nsplit, 0, Hkv);
+#pragma omp for schedule(static)
+        for (int hr = 0; hr < Hkv * R; hr++) row_output(a, hr, nsplit);
     }
-    if (a->kdst && a->rv) {                              /* o = o' R_v^T */
-        float y[MAXD];
-        for (int64_t i = 0; i < (int64_t)Hkv * R; i++) {
-            float *o = a->out + i * D;
-            for (int d = 0; d < D; d++) y[d] = dot(o, a->rv + (int64_t)d * D, D);
-            memcpy(o, y, sizeof(float) * D);
-        }
-    }
+    if (a->kdst && a->rv)
+        for (int hr = 0; hr < Hkv * R; hr++) row_unrotate(a, hr);
     return 0;
 }
 
-/* one decode token of an arena layer in the one-call decode step (decode_layer.c): the
- * layer's prebuilt arguments bound to this row's step (step_io.h), then kvrun_decode_attention */
-int kvrun_decode_attention_step(void *args, const StepIO *io) {
-    Args *a = args;
-    STEP_BIND(a, io);
-    return kvrun_decode_attention(a);
+/* one KV head h of a: every phase, on the calling thread; the same bits as
+ * kvrun_decode_attention gives that head */
+static void head_attention(const Args *a, int h) {
+    const int R = a->R, nsplit = token_splits(a->n_tail / TILE);
+    heads_prepare(a, h, h + 1);
+    const NewRows nr = new_rows(a);
+    for (int sp = 0; sp < nsplit; sp++) split_logits(a, &nr, sp, nsplit, h, h + 1);
+    for (int hr = h * R; hr < (h + 1) * R; hr++) row_softmax(a, hr);
+    if (a->mass)
+        for (int hq = h * a->Gq; hq < (h + 1) * a->Gq; hq++) head_mass(a, hq);
+    for (int sp = 0; sp < nsplit; sp++) split_mix(a, &nr, sp, nsplit, h, h + 1);
+    for (int hr = h * R; hr < (h + 1) * R; hr++) {
+        row_output(a, hr, nsplit);
+        if (a->kdst && a->rv) row_unrotate(a, hr);
+    }
+}
+
+/* one decode token of an arena layer in the one-call decode step (decode_layer.c) for B rows:
+ * each row's prebuilt arguments args[b] bound to its step io[b] (step_io.h; each row its own
+ * scratch), then every row's attention. One row: kvrun_decode_attention (its token splits
+ * share the threads). Several: one parallel region whose items are (row, KV head) pairs, each
+ * run whole by one thread (head_attention), so a layer costs one fork and one barrier
+ * however many rows, where a region per row cost B forks and 4 B barriers. The same bits
+ * either way. Returns 0, or the first refusing row's kvrun_decode_attention code. */
+int kvrun_decode_attention_rows(void *const *args, const StepIO *io, int B) {
+    for (int b = 0; b < B; b++) {
+        Args *a = args[b];
+        STEP_BIND(a, &io[b]);
+        if (!args_ok(a)) return 1;
+    }
+    if (B == 1) return kvrun_decode_attention(args[0]);
+    const int Hkv = ((const Args *)args[0])->Hkv, n = B * Hkv;
+    const int nth = io[0].nthreads < 1 ? 1 : io[0].nthreads;
+    /* dynamic: rows of different depths cost different times */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth < n ? nth : n)
+    for (int i = 0; i < n; i++) head_attention(args[i / Hkv], i % Hkv);
+    return 0;
 }

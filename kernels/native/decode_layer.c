@@ -260,7 +260,7 @@ int kvrun_gemv(const Weight *w, int B, const float *x, int64_t ldx, float *y, ui
 
 /* -- the whole decode step in one call ---------------------------------------------------- */
 
-int kvrun_decode_attention_step(void *args, const StepIO *io);    /* decode_attention.c */
+int kvrun_decode_attention_rows(void *const *args, const StepIO *io, int B);   /* decode_attention.c */
 
 /* one row's cache: per layer its prebuilt attention arguments, and this step's lengths
  * (native/decode_step.py RowPlan) */
@@ -276,16 +276,18 @@ typedef struct {
     const float *cos, *sin, *cos_local, *sin_local;     /* (MAXB, D) each row's tables */
     const RowCache *const *rows;     /* (B,) */
     float *attn;                     /* (MAXB, H D) the rows' attention outputs */
-    float *qs, *sc, *part;           /* attention scratch (step_io.h) */
+    float *qs, *sc, *part;           /* attention scratch (step_io.h), one block per row: */
+    int64_t qs_row, sc_row, part_row;   /* floats per row's block of qs, sc, part */
     const float *norm;               /* (hidden,) the final norm */
     const Weight *head;              /* lm_head */
     float *logits;                   /* (MAXB, V) */
 } Step;
 
-/* The decode step of B rows over every layer: per layer kvrun_layer_pre, each row's
- * attention on its own cache (the new K/V written to its window slot n_win), then
- * kvrun_layer_post; then kvrun_logits. The same calls in the same order as the per-layer
- * route (runtime/model/native_step.py), so the same bits; each call opens its own parallel
+/* The decode step of B rows over every layer: per layer kvrun_layer_pre, the rows' attention
+ * each on its own cache (the new K/V written to its window slot n_win; all rows in one
+ * parallel region, decode_attention.c kvrun_decode_attention_rows), then kvrun_layer_post;
+ * then kvrun_logits. The same arithmetic as the per-layer route
+ * (runtime/model/native_step.py), so the same bits; each call opens its own parallel
  * region from this thread, none nested. The caller advances the windows and flushes after.
  * Returns 0, -1 for a bad B, or the layer's attention refusal as 1000 * (l + 1) + rc. */
 int kvrun_decode_step(const Step *s, int B)
@@ -296,15 +298,18 @@ int kvrun_decode_step(const Step *s, int B)
         const int H = L->H, Hkv = L->Hkv, D = L->D, NQKV = (H + 2 * Hkv) * D;
         L->nthreads = s->nthreads;
         kvrun_layer_pre(L, B, s->local[l] ? s->cos_local : s->cos, s->local[l] ? s->sin_local : s->sin);
+        void *args[MAXB];
+        StepIO io[MAXB];
         for (int b = 0; b < B; b++) {
             const RowCache *r = s->rows[b];
             const float *qkv = L->qkv_out + (int64_t)b * NQKV;
-            const StepIO io = {r->n_tail[l], r->n_win[l], s->nthreads, qkv, qkv + H * D,
-                               qkv + (H + Hkv) * D, s->attn + (int64_t)b * H * D,
-                               s->qs, s->sc, s->part};
-            const int rc = kvrun_decode_attention_step(r->args[l], &io);
-            if (rc) return 1000 * (l + 1) + rc;
+            args[b] = r->args[l];
+            io[b] = (StepIO){r->n_tail[l], r->n_win[l], s->nthreads, qkv, qkv + H * D,
+                             qkv + (H + Hkv) * D, s->attn + (int64_t)b * H * D,
+                             s->qs + b * s->qs_row, s->sc + b * s->sc_row, s->part + b * s->part_row};
         }
+        const int rc = kvrun_decode_attention_rows(args, io, B);
+        if (rc) return 1000 * (l + 1) + rc;
         kvrun_layer_post(L, B, s->attn, (int64_t)H * D);
     }
     return kvrun_logits(s->layers[s->n_layers - 1], B, s->norm, s->head, s->logits);

@@ -42,7 +42,8 @@ class StepDesc(ctypes.Structure):
                 ("layers", ctypes.POINTER(ctypes.POINTER(LayerDesc))), ("local", _p)] + [
         (n, _p) for n in ("cos", "sin", "cos_local", "sin_local")] + [
         ("rows", ctypes.POINTER(ctypes.POINTER(RowCache))),
-        ("attn", _p), ("qs", _p), ("sc", _p), ("part", _p), ("norm", _p),
+        ("attn", _p), ("qs", _p), ("sc", _p), ("part", _p),
+        ("qs_row", ctypes.c_int64), ("sc_row", ctypes.c_int64), ("part_row", ctypes.c_int64), ("norm", _p),
         ("head", ctypes.POINTER(WeightDesc)), ("logits", _p)]
 
 
@@ -118,7 +119,9 @@ class DecodeStep:
         self.keep = [plans, norm]
         self.local = torch.tensor([1 if x else 0 for x in local], dtype=torch.uint8)
         self.attn = torch.zeros(MAX_ROWS, d.H * d.D)                    # (B, H D)
-        self.qs, self.part = torch.zeros(d.H * d.D), torch.zeros(d.H * splits * d.D)
+        # the rows' attention scratch, one block per row (they run at once): q (H, D), the
+        # partial outputs (splits, H, D), the logits (H, keys) sized per step
+        self.qs, self.part = torch.zeros(MAX_ROWS, d.H * d.D), torch.zeros(MAX_ROWS, d.H * splits * d.D)
         self.sc = torch.zeros(0)
         self.rows = (ctypes.POINTER(RowCache) * MAX_ROWS)()
         st = self.st = StepDesc()
@@ -128,6 +131,7 @@ class DecodeStep:
         st.cos, st.sin = s.cos.data_ptr(), s.sin.data_ptr()
         st.cos_local, st.sin_local = s.cos_local.data_ptr(), s.sin_local.data_ptr()
         st.rows, st.attn, st.qs, st.part = self.rows, self.attn.data_ptr(), self.qs.data_ptr(), self.part.data_ptr()
+        st.qs_row, st.part_row = self.qs.shape[1], self.part.shape[1]
         st.norm, st.head, st.logits = norm.data_ptr(), ctypes.pointer(head), s.logits.data_ptr()
         self.lib = plans[0]._lib                # the build the layer plans call
 
@@ -137,10 +141,11 @@ class DecodeStep:
         scratch."""
         B = len(rows)
         assert 1 <= B <= MAX_ROWS, B
-        need = self.H * max(r.keys for r in rows)
-        if self.sc.numel() < need:                      # grown, never shrunk
-            self.sc = torch.zeros(max(need, self.sc.numel() * 3 // 2))
-            self.st.sc = self.sc.data_ptr()
+        need = self.H * max(r.keys for r in rows)       # floats per row
+        row = self.st.sc_row if self.st.sc_row >= need else max(need, self.st.sc_row * 3 // 2)
+        if row != self.st.sc_row or self.sc.numel() < B * row:     # grown, never shrunk
+            self.sc = torch.zeros(max(B * row, self.sc.numel()))
+            self.st.sc, self.st.sc_row = self.sc.data_ptr(), row
         for b, r in enumerate(rows):
             self.rows[b] = ctypes.pointer(r.row)
         self.st.nthreads = nthreads

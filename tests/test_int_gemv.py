@@ -1,7 +1,7 @@
 """The integer GEMV of the native decode layer (kernels/native/gemv_int.c) against its torch
 twin (decode_layer.py gemv_int_reference: the same input codes, exact integer block sums):
 int4 at every group and int8, odd sizes (K not a multiple of the 64-column chunk, N not a
-multiple of the 4-row call, B not a multiple of the 4-row tile), on each build this CPU can
+multiple of the 4-row call, B not a multiple of the 8-row tile), on each build this CPU can
 run: AVX512-VNNI (the default build where the CPU has it), AVX2 (-DKVRUN_NO_AVX512) and
 plain C (-DKVRUN_NO_AVX512 -DKVRUN_NO_AVX2)."""
 import ctypes
@@ -88,7 +88,7 @@ def _weight(kind, N, K, G, g, bias):
     return _int4(N, K, G, g, bias) if kind == "int4" else _int8(N, K, g, bias)
 
 
-@pytest.mark.parametrize("B", [1, 3, 8, 32])
+@pytest.mark.parametrize("B", [1, 3, 5, 8, 9, 13, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_integer_gemv_equals_the_reference(lib, shape, B):
     """The int32 block sums are exact on both sides, so only the fp32 summation of the scaled
@@ -106,12 +106,13 @@ def test_integer_gemv_equals_the_reference(lib, shape, B):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_rows_and_threads_change_nothing(lib, shape):
     """Row b of a B-row call equals a one-row call bit for bit (every tile shape, the last
-    partial tile), and two threads equal one."""
+    partial tile: 13 rows are a whole 8-row tile and 5, and 2 + 1 on AVX2), and two threads
+    equal one."""
     g = torch.Generator().manual_seed(shape[2])
     w = _weight(*shape, g, bias=True)
-    x = _input(11, shape[2], g)
+    x = _input(13, shape[2], g)
     y = gemv(w, x, "int", lib=lib)
-    single = torch.cat([gemv(w, x[b:b + 1], "int", lib=lib) for b in range(11)])
+    single = torch.cat([gemv(w, x[b:b + 1], "int", lib=lib) for b in range(13)])
     assert torch.equal(y, single)
     assert torch.equal(gemv(w, x, "int", nthreads=2, lib=lib), y)
 

@@ -19,8 +19,9 @@
  * lanes (group g into lane g % 16) and the 16 lanes are summed in one fixed tree. The int32
  * sums are exact, so the builds differ only in the fp32 rounding order.
  *
- * Tiles: one weight row x up to 4 input rows (AVX2: 2). A weight chunk is decoded once per
- * tile and used for every input row. One weight row at a time, not several, so that each
+ * Tiles: one weight row x up to 8 input rows (AVX2: 2). A weight chunk is decoded once per
+ * tile and used for every input row, and the tile's 8 lane sums are reduced together
+ * (hsum512x8, the same tree as one row's). One weight row at a time, not several, so that each
  * load instruction walks the weights in one ascending stream: with 4 rows interleaved the
  * hardware prefetcher loses the stream, and a GEMV that reads its weights from DRAM (as the
  * decode step does) is slower although it is faster with them in cache (docs/measurements.md,
@@ -58,13 +59,42 @@ static inline float sum16(const float *a)
 }
 
 #if GI_VNNI
-enum { NBMAX = 4 };               /* input rows per tile */
+enum { NBMAX = 8 };               /* input rows per tile: 8 accumulators, one decode */
 INLINE float hsum512(__m512 v)
 {
     const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     b = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+/* out[b] = hsum512(v[b]) for b < NB <= 8, bit for bit (the same tree: l + l+8, + 4, + 2,
+ * + 1), the 8 sums reduced together: ~24 operations where 8 hsum512 take ~56. Rows past
+ * NB are zeros. */
+INLINE void hsum512x8(const __m512 *v, int NB, float *out)
+{
+    __m512 x[8], s4[4], s2[2];
+    for (int b = 0; b < 8; b++) x[b] = b < NB ? v[b] : _mm512_setzero_ps();
+    for (int i = 0; i < 4; i++)         /* lanes 0-7 row 2i's l + l+8, lanes 8-15 row 2i+1's */
+        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++)         /* block k of s2[i]: row 4i + k's l + l+4 (t_0..t_3) */
+        s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], 0xdd));
+    /* block k: t0 + t2, t1 + t3 of row k, then of row 4 + k */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x44),
+                                   _mm512_shuffle_ps(s2[0], s2[1], 0xee));
+    const __m512 r = _mm512_add_ps(z, _mm512_permute_ps(z, 0xb1));      /* lanes 4k, 4k + 2 */
+    const __m512 o = _mm512_permutexvar_ps(
+        _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8, 4, 0), r);
+    _mm256_mask_storeu_ps(out, (__mmask8)((1u << NB) - 1), _mm512_castps512_ps256(o));
+}
+
+/* out[b] = hsum512(acc[b]) for b < NB */
+INLINE void sums(const __m512 *acc, int NB, float *out)
+{
+    if (NB == 1) out[0] = hsum512(acc[0]);
+    else hsum512x8(acc, NB, out);
 }
 
 /* -- dequantize int4 chunk -- the 64 codes of chunk i as unsigned bytes, low nibbles then
@@ -87,36 +117,50 @@ INLINE __m512 q4_scales(const f16 *sp, int i, int G, int full)
                                  _mm512_castps128_ps512(f));
 }
 
+/* acc[b] += (c . q_b) s d_b over chunk i for b < NB: x rows at xb[b], their lane scales Kp
+ * bytes after their codes */
+INLINE void q4_chunk(__m512i c, __m512 sw, const uint8_t *const *xb, int Kp, int i, int NB,
+                     __m512 *acc)
+{
+    for (int b = 0; b < NB; b++) {
+        const __m512 is = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
+            _mm512_setzero_si512(), c, _mm512_loadu_si512(xb[b] + 64 * i)));
+        const __m512 d = _mm512_loadu_ps(xb[b] + Kp + 64 * i);
+        acc[b] = _mm512_fmadd_ps(is, _mm512_mul_ps(sw, d), acc[b]);
+    }
+}
+
 /* int4 weight row n times NB quantized rows */
 INLINE void q4_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int NB, float *out)
 {
-    const int K = w->K, G = w->G, ng = K / G, nc = pad64(K) / 64, full = K / 64;
+    const int K = w->K, G = w->G, ng = K / G, nc = pad64(K) / 64, full = K / 64, Kp = pad64(K);
     const uint8_t *wr = w->q + (int64_t)n * (K / 2);
     const f16 *sp = w->s + (int64_t)n * ng, *mp = w->m + (int64_t)n * ng;
-    QRow x[NBMAX];
+    const uint8_t *xb[NBMAX];
     __m512 acc[NBMAX];
     for (int b = 0; b < NB; b++) {
-        x[b] = qrow(xq + b * ldq, K);
+        xb[b] = xq + b * ldq;
         acc[b] = _mm512_setzero_ps();
     }
-    for (int i = 0; i < nc; i++) {
-        const __m512i c = q4_codes(wr + 32 * i, i < full);
-        const __m512 sw = q4_scales(sp, i, G, i < full);
-        for (int b = 0; b < NB; b++) {
-            const __m512 is = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
-                _mm512_setzero_si512(), c, _mm512_loadu_si512(x[b].q + 64 * i)));
-            acc[b] = _mm512_fmadd_ps(is, _mm512_mul_ps(sw, _mm512_loadu_ps(x[b].d + 16 * i)), acc[b]);
-        }
-    }
+    /* whole chunks, the group size's scale pattern hoisted out of the loop; a half chunk */
+    if (G == 32)
+        for (int i = 0; i < full; i++)
+            q4_chunk(q4_codes(wr + 32 * i, 1), q4_scales(sp, i, 32, 1), xb, Kp, i, NB, acc);
+    else
+        for (int i = 0; i < full; i++)
+            q4_chunk(q4_codes(wr + 32 * i, 1), _mm512_set1_ps((float)sp[i * 64 / G]), xb, Kp, i, NB, acc);
+    if (full < nc)
+        q4_chunk(q4_codes(wr + 32 * full, 0), q4_scales(sp, full, G, 0), xb, Kp, full, NB, acc);
     /* -- min terms, 16 groups at a time -- */
     for (int g = 0; g < ng; g += 16) {
         const __mmask16 k = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
         const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mp + g));
         for (int b = 0; b < NB; b++)
-            acc[b] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, x[b].s + g), acc[b]);
+            acc[b] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, qrow(xb[b], K).s + g), acc[b]);
     }
-    for (int b = 0; b < NB; b++)
-        out[b] = hsum512(acc[b]) + (w->bias ? w->bias[n] : 0.f);
+    sums(acc, NB, out);
+    if (w->bias)
+        for (int b = 0; b < NB; b++) out[b] += w->bias[n];
 }
 
 /* int8 weight row n times NB quantized rows */
@@ -132,18 +176,20 @@ INLINE void i8_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int 
     }
     for (int i = 0; i < nc; i++) {
         const int left = K - 64 * i;
-        const __mmask64 k = left >= 64 ? ~0ULL : (1ULL << left) - 1;
-        /* w + 128 as unsigned bytes (past the row: 0, times a zero code) */
-        const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k, wr + 64 * i),
-                                           _mm512_set1_epi8((char)0x80));
+        /* w + 128 as unsigned bytes (past the row: 0, times a zero code); a whole chunk by a
+         * plain load, which streams from memory faster than a masked one */
+        const __m512i wv = left >= 64 ? _mm512_loadu_si512(wr + 64 * i)
+                                      : _mm512_maskz_loadu_epi8((1ULL << left) - 1, wr + 64 * i);
+        const __m512i u = _mm512_xor_si512(wv, _mm512_set1_epi8((char)0x80));
         for (int b = 0; b < NB; b++) {
             const __m512i is = _mm512_dpbusd_epi32(_mm512_loadu_si512(x[b].c + 16 * i), u,
                                                    _mm512_loadu_si512(x[b].q + 64 * i));
             acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_loadu_ps(x[b].d + 16 * i), acc[b]);
         }
     }
+    sums(acc, NB, out);
     for (int b = 0; b < NB; b++)
-        out[b] = fmaf(hsum512(acc[b]), w->scale[n], w->bias ? w->bias[n] : 0.f);
+        out[b] = fmaf(out[b], w->scale[n], w->bias ? w->bias[n] : 0.f);
 }
 
 #define TILE(NB) (w->kind == W_INT4 ? q4_tile(w, n, xb, ldq, NB, o) : i8_tile(w, n, xb, ldq, NB, o))
@@ -155,7 +201,11 @@ static void tile(const Weight *w, int n, const uint8_t *xb, int64_t ldq, int NB,
     case 1: TILE(1); break;
     case 2: TILE(2); break;
     case 3: TILE(3); break;
-    default: TILE(4);
+    case 4: TILE(4); break;
+    case 5: TILE(5); break;
+    case 6: TILE(6); break;
+    case 7: TILE(7); break;
+    default: TILE(8);
     }
 }
 

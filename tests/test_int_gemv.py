@@ -175,14 +175,12 @@ def test_gemv_path_reads_the_environment(monkeypatch):
         dispatch.gemv_path()
 
 
-def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monkeypatch):
-    """tools/gemv_fidelity.py compare(): every scored token runs through the native step of
-    each path (both steps' layer calls counted), and the paths differ, slightly."""
+def _fidelity_tool_and_model(tmp_path):
+    """tools/gemv_fidelity.py as a module, and a tiny int4 model (64 tokens) to run it on."""
     import importlib.util
 
     import kvrun
     from kvrun.convert import convert_hf
-    from kvrun.model.native_step import NativeDecodeStep
     from tiny import write_tiny_hf
     spec = importlib.util.spec_from_file_location(
         "gemv_fidelity", Path(__file__).resolve().parents[1] / "tools" / "gemv_fidelity.py")
@@ -190,7 +188,14 @@ def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monke
     spec.loader.exec_module(fid)
     convert_hf(write_tiny_hf(tmp_path / "hf", C=128, I=96), tmp_path / "m", dtype="fp32",
                weights="int4", group=32)
-    m = kvrun.load(tmp_path / "m", ctx=64)
+    return fid, kvrun.load(tmp_path / "m", ctx=64)
+
+
+def test_fidelity_tool_scores_both_paths_through_the_native_step(tmp_path, monkeypatch):
+    """tools/gemv_fidelity.py compare(): every scored token runs through the native step of
+    each path (both steps' layer calls counted), and the paths differ, slightly."""
+    from kvrun.model.native_step import NativeDecodeStep
+    fid, m = _fidelity_tool_and_model(tmp_path)
     paths = []                                       # each native step's GEMV path
     run = NativeDecodeStep._run
     monkeypatch.setattr(NativeDecodeStep, "_run", lambda self, *a: (paths.append(self.gemv),
@@ -206,19 +211,8 @@ def test_fidelity_tool_shared_cache_keeps_only_the_fp32_paths_writes(tmp_path, m
     """compare(shared=True): before every step the int path gets a fresh copy of the fp32
     path's caches, so only the fp32 path's writes persist: both paths step at the same
     lengths, and no int step sees a cache an int step wrote before."""
-    import importlib.util
-
-    import kvrun
-    from kvrun.convert import convert_hf
     from kvrun.model.native_step import NativeDecodeStep
-    from tiny import write_tiny_hf
-    spec = importlib.util.spec_from_file_location(
-        "gemv_fidelity", Path(__file__).resolve().parents[1] / "tools" / "gemv_fidelity.py")
-    fid = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fid)
-    convert_hf(write_tiny_hf(tmp_path / "hf", C=128, I=96), tmp_path / "m", dtype="fp32",
-               weights="int4", group=32)
-    m = kvrun.load(tmp_path / "m", ctx=64)
+    fid, m = _fidelity_tool_and_model(tmp_path)
     lens = {"fp32": [], "int": []}                   # each step's cache lengths, per path
     run = NativeDecodeStep._run
 

@@ -106,14 +106,12 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
             # of one leaves `stats` over whole windows, the same windows for every method
             # the first window reports each eighth of its scored half (one window of many
             # caches at 16k+ tokens is minutes of silence otherwise), later ones once each
-            tell = None
-            if progress and w_i == 0:
-                def tell(frac):
-                    elapsed = time.perf_counter() - t_start
-                    eta = elapsed / frac * (len(wins) - frac)
-                    progress(f"[ppl] scoring window 1/{len(wins)}: {frac:.0%} | "
-                             f"{format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
-            add = _score_methods(model, caches, win, chunk, tell)
+            def tell(frac):
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / frac * (len(wins) - frac)
+                progress(f"[ppl] scoring window 1/{len(wins)}: {frac:.0%} | "
+                         f"{format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
+            add = _score_methods(model, caches, win, chunk, tell if progress and w_i == 0 else None)
             # one assignment: an interrupt while summing leaves the old totals whole
             stats = {m: {k: x + add[m][k] for k, x in stats[m].items()} for m in methods}
             done = w_i + 1

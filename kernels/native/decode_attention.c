@@ -1212,8 +1212,7 @@ static void split_mix(const Args *a, const NewRows *nr, int sp, int nsplit, int 
     }
 }
 
-/* row hr of (Hkv, R): the splits' partial outputs summed in split order, then un-rotated
- * (o = o' R_v^T) when phase 0 rotated */
+/* row hr of (Hkv, R): the splits' partial outputs summed in split order */
 static void row_output(const Args *a, int hr, int nsplit) {
     const int D = a->D;
     float *o = a->out + (int64_t)hr * D;
@@ -1224,6 +1223,7 @@ static void row_output(const Args *a, int hr, int nsplit) {
     }
 }
 
+/* row hr's output un-rotated, o = o' R_v^T (when phase 0 rotated) */
 static void row_unrotate(const Args *a, int hr) {
     const int D = a->D;
     float y[MAXD], *o = a->out + (int64_t)hr * D;

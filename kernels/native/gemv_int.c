@@ -117,46 +117,43 @@ INLINE __m512 q4_scales(const f16 *sp, int i, int G, int full)
                                  _mm512_castps128_ps512(f));
 }
 
-/* acc[b] += (c . q_b) s d_b over chunk i for b < NB: x rows at xb[b], their lane scales Kp
- * bytes after their codes */
-INLINE void q4_chunk(__m512i c, __m512 sw, const uint8_t *const *xb, int Kp, int i, int NB,
-                     __m512 *acc)
+/* acc[b] += (c . q_b) s d_b over chunk i for the quantized rows x[b], b < NB */
+INLINE void q4_chunk(__m512i c, __m512 sw, const QRow *x, int i, int NB, __m512 *acc)
 {
     for (int b = 0; b < NB; b++) {
         const __m512 is = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
-            _mm512_setzero_si512(), c, _mm512_loadu_si512(xb[b] + 64 * i)));
-        const __m512 d = _mm512_loadu_ps(xb[b] + Kp + 64 * i);
-        acc[b] = _mm512_fmadd_ps(is, _mm512_mul_ps(sw, d), acc[b]);
+            _mm512_setzero_si512(), c, _mm512_loadu_si512(x[b].q + 64 * i)));
+        acc[b] = _mm512_fmadd_ps(is, _mm512_mul_ps(sw, _mm512_loadu_ps(x[b].d + 16 * i)), acc[b]);
     }
 }
 
 /* int4 weight row n times NB quantized rows */
 INLINE void q4_tile(const Weight *w, int n, const uint8_t *xq, int64_t ldq, int NB, float *out)
 {
-    const int K = w->K, G = w->G, ng = K / G, nc = pad64(K) / 64, full = K / 64, Kp = pad64(K);
+    const int K = w->K, G = w->G, ng = K / G, nc = pad64(K) / 64, full = K / 64;
     const uint8_t *wr = w->q + (int64_t)n * (K / 2);
     const f16 *sp = w->s + (int64_t)n * ng, *mp = w->m + (int64_t)n * ng;
-    const uint8_t *xb[NBMAX];
+    QRow x[NBMAX];
     __m512 acc[NBMAX];
     for (int b = 0; b < NB; b++) {
-        xb[b] = xq + b * ldq;
+        x[b] = qrow(xq + b * ldq, K);
         acc[b] = _mm512_setzero_ps();
     }
     /* whole chunks, the group size's scale pattern hoisted out of the loop; a half chunk */
     if (G == 32)
         for (int i = 0; i < full; i++)
-            q4_chunk(q4_codes(wr + 32 * i, 1), q4_scales(sp, i, 32, 1), xb, Kp, i, NB, acc);
+            q4_chunk(q4_codes(wr + 32 * i, 1), q4_scales(sp, i, 32, 1), x, i, NB, acc);
     else
         for (int i = 0; i < full; i++)
-            q4_chunk(q4_codes(wr + 32 * i, 1), _mm512_set1_ps((float)sp[i * 64 / G]), xb, Kp, i, NB, acc);
+            q4_chunk(q4_codes(wr + 32 * i, 1), _mm512_set1_ps((float)sp[i * 64 / G]), x, i, NB, acc);
     if (full < nc)
-        q4_chunk(q4_codes(wr + 32 * full, 0), q4_scales(sp, full, G, 0), xb, Kp, full, NB, acc);
+        q4_chunk(q4_codes(wr + 32 * full, 0), q4_scales(sp, full, G, 0), x, full, NB, acc);
     /* -- min terms, 16 groups at a time -- */
     for (int g = 0; g < ng; g += 16) {
         const __mmask16 k = ng - g >= 16 ? 0xffff : (__mmask16)((1u << (ng - g)) - 1);
         const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mp + g));
         for (int b = 0; b < NB; b++)
-            acc[b] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, qrow(xb[b], K).s + g), acc[b]);
+            acc[b] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, x[b].s + g), acc[b]);
     }
     sums(acc, NB, out);
     if (w->bias)

@@ -81,15 +81,15 @@ def perplexity(model, text: str, ctx: int, methods: list[str], n_windows: int | 
         raise KvrunError(f"-c must be an even number >= 8 (got {ctx})")
     if chunk < 1:
         raise KvrunError(f"--chunk must be >= 1 (got {chunk})")
-    if evict:
-        specs = {BASELINE: BASELINE}
-        for m in methods:
+    # each spec parsed once: a profile file rewritten during the run changes neither the
+    # caches nor the ratio columns
+    specs = {BASELINE: parse_kv(BASELINE)}
+    for m in methods:
+        if evict:                                   # labelled with the policy, fp16 included
             spec = parse_kv(m, **evict)
             specs[spec.label()] = spec
-    else:
-        specs = {m: m for m in [BASELINE] + [m for m in methods if m != BASELINE]}
-    # parsed once: a profile file rewritten during the run changes neither caches nor ratios
-    specs = {m: parse_kv(s) if isinstance(s, str) else s for m, s in specs.items()}
+        elif m != BASELINE:
+            specs[m] = parse_kv(m)
     methods = list(specs)
     caches = {m: make_cache(model.cfg, ctx, specs[m]) for m in methods}     # validates every spec
     ids = model.tokenize(text)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,6 +59,7 @@ def test_cli_needle_runs_every_configuration(tmp_path):
     assert [(x["method"], x["depth"]) for x in recs] == [
         ("fp16", 0.0), ("fp16", 1.0), ("fp16+h2o@224", 0.0), ("fp16+h2o@224", 1.0)]
     assert all(x["accuracy"] in (0.0, 1.0) and x["trials"] == 1 for x in recs)
+    assert all(-1 <= x["lead"] <= 1 and (x["lead"] > 0) == (x["accuracy"] == 1) for x in recs)
     r = CliRunner().invoke(main, ["needle", str(f), "-m", str(d), "--depths", "0.5,2"])
     assert r.exit_code != 0 and "--depths" in r.output
 
@@ -85,3 +87,47 @@ def test_needle_ctrl_c_prints_the_cells_done(tmp_path, monkeypatch):
     rows = [x.split() for x in r.stdout.strip().splitlines()]
     assert rows[0] == ["method", "0.00", "1.00", "mean"]
     assert rows[2][0] == "fp16" and rows[2][2] == "-" and rows[3] == ["int8", "-", "-", "-"]
+
+
+class _Scripted:
+    """An engine whose logits are scripted per step: step i favours want[i] by the given
+    probabilities over a 6-token vocabulary."""
+
+    def __init__(self, steps):
+        self.steps, self.i = steps, 0
+
+    def _logits(self):
+        p = torch.tensor(self.steps[self.i])
+        self.i += 1
+        return p.log()
+
+    def prefill(self, ids):
+        return self._logits()
+
+    def decode_step(self, tok):
+        return self._logits()
+
+
+class _Digits:
+    def decode(self, ids):
+        return "".join(" " if t == 0 else str(t) for t in ids)
+
+
+@pytest.mark.parametrize("steps, text, lead", [
+    # right = [0, 3, 5]; the lowest lead is step 1's 0.5 - 0.3
+    ([[.9, .02, .02, .02, .02, .02], [.1, .05, .05, .5, .3, 0], [0, 0, 0, 0, .2, .8]], " 35", 0.2),
+    # step 1 prefers 4: the lead is negative there, and the later steps (off the answer) are
+    # not counted even where the right token wins
+    ([[.9, .02, .02, .02, .02, .02], [.1, .05, .05, .3, .5, 0], [0, 0, 0, 0, 0, 1.]], " 45", -0.2),
+])
+def test_answer_lead_follows_the_right_tokens(steps, text, lead):
+    from kvrun.eval.needle import answer_with_lead
+    answer, got = answer_with_lead(_Scripted(steps), _Digits(), [1, 2], [0, 3, 5], 3, stop_ids=set())
+    assert answer == text and got == pytest.approx(lead, abs=1e-6)
+
+
+def test_answer_stops_at_a_stop_id():
+    from kvrun.eval.needle import answer_with_lead
+    steps = [[.9, .02, .02, .02, .02, .02], [0, 0, .1, .1, .1, .7], [1., 0, 0, 0, 0, 0]]
+    answer, lead = answer_with_lead(_Scripted(steps), _Digits(), [1], [0, 3], 3, stop_ids={5})
+    assert answer == " " and lead == pytest.approx(0.1 - 0.7)

@@ -7,6 +7,14 @@ a few greedy tokens. A trial passes when the generated continuation contains the
 Accuracy is reported per depth and KV configuration (Kamradt's NIAH; the eviction papers
 use it as their long-context retrieval probe). Every trial uses a fresh random number and
 city, the same across configurations, so configurations differ only in their cache.
+
+Beside the pass/fail, each trial has a lead: while the greedy answer follows the right
+number (its own tokenization: " " and one token per digit on both shipped models), the
+right token's probability minus the best other token's, at the step where it is lowest.
+A found needle has a positive lead; a lost one shows how far the deciding step fell short.
+A needle the fp16 cache finds by a lead of 0.01 is a coin toss for any cache (a 32k
+needle on Gemma 3 flipped between the native and the torch fp16 kernels); one found by
+0.8 that a codec loses is the codec's doing.
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ class NeedleRecord:
     accuracy: float
     trials: int
     seconds: float
+    lead: float                 # mean over trials of each answer's lead (module docstring)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,13 +81,34 @@ def build_prompt(tokenize, filler_ids: list[int], ctx: int, depth: float, needle
     return fill[:at] + fact + fill[at:] + cue, at
 
 
+def answer_with_lead(engine, tokenizer, prompt: list[int], right: list[int], max_tokens: int,
+                     stop_ids) -> tuple[str, float]:
+    """The greedy continuation of `prompt` (at most max_tokens, up to a stop id) and its lead
+    over the `right` token ids (module docstring): min over the steps i where the tokens so
+    far equal right[:i] of p(right[i]) - max p(other)."""
+    logits = engine.prefill(prompt)
+    out, lead = [], 1.0
+    for i in range(max_tokens):
+        t = int(logits.argmax())
+        if i < len(right) and out == right[:i]:
+            p = logits.float().softmax(-1)
+            pr = float(p[right[i]])
+            p[right[i]] = -1.0
+            lead = min(lead, pr - float(p.max()))
+        if t in stop_ids:
+            break
+        out.append(t)
+        if i + 1 < max_tokens:
+            logits = engine.decode_step(t)
+    return tokenizer.decode(out), lead
+
+
 def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, trials: int = 3,
                max_tokens: int = 10, seed: int = 0, progress=None) -> list[NeedleRecord]:
     """Accuracy per (spec label, depth). `specs`: label → KV spec (str or KVConfig).
     Ctrl-C after at least one (label, depth) cell raises PartialResults with the cells done."""
     from ..kv.build import make_cache
     from ..engine.generate import Engine
-    from ..engine.sampling import SamplingParams
     if trials < 1:
         raise KvrunError(f"--trials must be >= 1 (got {trials})")
     tokenize = lambda s: model.tokenizer.encode(s, bos=False)    # noqa: E731 (no BOS mid-text)
@@ -87,7 +117,6 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
     rng = random.Random(seed)
     needles = [make_needle(rng) for _ in range(trials)]
     offsets = [rng.randrange(0, max(1, len(filler_ids) - ctx)) for _ in range(trials)]
-    greedy = SamplingParams(temp=0.0)
     out = []
     cells, t_start = len(specs) * len(depths), time.perf_counter()
     try:
@@ -95,18 +124,20 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
             eng = Engine(model.transformer, model.tokenizer, make_cache(model.cfg, ctx + max_tokens, spec),
                          model.engine.prefill_chunk)
             for depth in depths:
-                t0, ok = time.perf_counter(), 0
+                t0, ok, leads = time.perf_counter(), 0, 0.0
                 for nd, off in zip(needles, offsets):
                     ids, _ = build_prompt(tokenize, filler_ids, ctx - len(prefix), depth, nd, off)
                     eng.reset()
-                    answer = "".join(e.text for e in eng.stream(prefix + ids, max_tokens, greedy,
-                                                                model.stop_ids))
+                    answer, lead = answer_with_lead(eng, model.tokenizer, prefix + ids,
+                                                    tokenize(f" {nd.number}"), max_tokens, model.stop_ids)
                     ok += nd.found(answer)
-                out.append(NeedleRecord(label, depth, ok / trials, trials, time.perf_counter() - t0))
+                    leads += lead
+                out.append(NeedleRecord(label, depth, ok / trials, trials, time.perf_counter() - t0,
+                                        leads / trials))
                 if progress:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / len(out) * (cells - len(out))
-                    progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials} "
+                    progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials}, lead {leads / trials:+.3f} "
                              f"| {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
     except KeyboardInterrupt:
         if not out:
@@ -117,18 +148,25 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
 
 def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
                  labels: list[str] | None = None) -> str:
-    """Accuracy by method (rows) and depth (columns); `depths`/`labels` give the full grid
-    of an interrupted run, whose missing cells show as "-"."""
+    """Accuracy by method (rows) and depth (columns), then the mean lead the same way;
+    `depths`/`labels` give the full grid of an interrupted run, whose missing cells show
+    as "-"."""
     depths = sorted(set(depths or []) | {r.depth for r in records})
     labels = list(dict.fromkeys(list(labels or []) + [r.method for r in records]))
-    acc = {(r.method, r.depth): r.accuracy for r in records}
+    acc = _grid(records, depths, labels, "method", lambda r: r.accuracy, "6.2f")
+    lead = _grid(records, depths, labels, "lead", lambda r: r.lead, "+6.3f")
+    return acc + "\n\n" + lead
+
+
+def _grid(records, depths, labels, title, value, fmt) -> str:
+    at = {(r.method, r.depth): value(r) for r in records}
     w = max([22] + [len(m) for m in labels])                 # profile:NAME labels are long
-    head = f"{'method':<{w}}" + "".join(f" {d:>6.2f}" for d in depths) + "   mean"
+    head = f"{title:<{w}}" + "".join(f" {d:>6.2f}" for d in depths) + "   mean"
     rows = [head, "-" * len(head)]
     for m in labels:                      # a cell missing (interrupted run) shows as "-"
-        a = [acc.get((m, d)) for d in depths]
+        a = [at.get((m, d)) for d in depths]
         got = [x for x in a if x is not None]
-        mean = f" {sum(got) / len(got):6.2f}" if got else f" {'-':>6}"
-        rows.append(f"{m:<{w}}" + "".join(f" {'-':>6}" if x is None else f" {x:6.2f}" for x in a)
+        mean = f" {sum(got) / len(got):{fmt}}" if got else f" {'-':>6}"
+        rows.append(f"{m:<{w}}" + "".join(f" {'-':>6}" if x is None else f" {x:{fmt}}" for x in a)
                     + mean)
     return "\n".join(rows)

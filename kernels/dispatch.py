@@ -26,6 +26,7 @@ import torch
 
 from . import native
 from .decode_attention import decode_attention as decode_attention_torch
+from .hadamard import rotate_step
 from .native.decode_attention import ATTN_PATHS          # ("fp32", "int"): attn_path's choices
 
 BACKENDS = ("triton", "native", "torch")
@@ -160,34 +161,40 @@ def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend
     return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn_path())
 
 
-def step_row(H: int, group: int, layers: list, backend=None):
+def step_row(H: int, group: int, layers: list, backend=None, ring: tuple | None = None):
     """A cache's layers as one row of the one-call decode step (native CPU:
     kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
     step of a layer would not be a native kernel call. group: the tail grows by multiples
     of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
-    (Hkv, cap, D), as `fused_step` takes them. The kernel's q.K path is attn_path()'s now:
-    the caller rebuilds the row when that changes."""
-    if (backend or backend_for(layers[0][2])) != "native" or native.load() is None:
+    (Hkv, cap, D), as `fused_step` takes them — or None for a sliding ring layer, the j-th
+    None being ring layer j of `ring` = (k_parts, v_parts, D, bits, group, dtype, rot_k,
+    rot_v), as `ring_step` takes them. The kernel's q.K path is attn_path()'s now: the
+    caller rebuilds the row when that changes."""
+    if backend is None:
+        backend = backend_for(next(x[2] for x in layers if x is not None))
+    if backend != "native" or native.load() is None:
         return None
     from .native.decode_step import row_plan
-    return row_plan(H, group, layers, attn_path())
+    return row_plan(H, group, layers, attn_path(), ring)
 
 
-def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v=None,
-              backend=None):
-    """A quantized sliding ring's one-token step as one op where the backend has it:
-    attention over the codes in place + the new rows quantized into their slot, bit-
-    identical storage (native CPU: kernels/native/ring_attention.py `ring_step`; Triton:
-    kernels/triton/ring_attention.py `ring_step`). None on torch and where the kernel
-    declines the shape, and the caller runs the torch step (runtime/kv/ring.py)."""
+def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k=None,
+              rot_v=None, backend=None):
+    """A sliding ring's one-token step as one op where the backend has it: q, k, v (the
+    model's space) rotated by rot_k / rot_v, attention over the rows or codes in place + the
+    new rows rounded (quantized) into their slot, the output un-rotated (native CPU, every
+    ring width: kernels/native/ring_attention.py `ring_step`, the rotations inside its call;
+    Triton, 4/8-bit rings: kernels/triton/ring_attention.py `ring_step` after `rotate_step`).
+    None on torch and where the kernel declines the shape, and the caller runs the torch
+    step (runtime/kv/ring.py)."""
     be = backend or backend_for(q)
     if be == "native":
         from .native.ring_attention import ring_step as fused
-    elif be == "triton":
-        fused = _triton().ring_step
-    else:
-        return None
-    return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
+        return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k, rot_v)
+    if be == "triton" and bits != 16:
+        q, k, v = rotate_step(q, k, v, rot_k, rot_v)
+        return _triton().ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
+    return None
 
 
 def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> None:

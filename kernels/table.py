@@ -13,11 +13,11 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `decode_attention` (tail + window + new rows) | fp, int8, KIVI, TaDA, GEAR (native/decode_attention.c; KIVI keys' q.K in int32: kdot_int.c, `KVRUN_ATTN`), cb 2/3/4-bit (its tile reads in native/codebook_attention.c); each role read by its own kind, so any K codec pairs with any V codec | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
 | `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | what `decode_attention` covers | — | — |
-| `step_row` (every layer's `fused_step` of one cache, inside the one-call decode step) | what `decode_attention` covers | — | — |
+| `step_row` (every layer's one-token step of one cache, inside the one-call decode step) | what `decode_attention` covers; sliding rings of every width (native/ring_attention.c) | — | — |
 | `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
-| `ring_step` (a quantized sliding ring's one-token attend + slot write) | 4/8-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
+| `ring_step` (a sliding ring's one-token rotate + attend + slot write) | 4/8/16-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
 
 Routes, by cache (kv/):
 - arena (arena.py): torch and Triton take `write_attend` — `fused_write` into the window's
@@ -31,18 +31,19 @@ Routes, by cache (kv/):
   layers without `attend_append`), with the attention-mass output; flushes and the
   compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's
   backend (`pack_means` for TaDA slots re-packed with their stored means).
-- ring (ring.py, Gemma's sliding layers): one-token steps on 4/8-bit rings take
-  `ring_step`; chunks and 16-bit rings take the torch step.
+- ring (ring.py, Gemma's sliding layers): one-token steps take `ring_step` (on Triton
+  4/8-bit rings only), and on native they are rows of the one-call step (`step_row`) beside
+  the global layers' arena when every layer has a kernel; chunks take the torch step.
 - the rest of a layer (norms, projections, MLP) runs natively for int4/int8 models on a
-  native cache (model/native_step.py, native/decode_layer.c), on arena rows in one call
-  with every layer's attention (native/decode_step.py); else in torch.
+  native cache (model/native_step.py, native/decode_layer.c), on arena (and ring) rows in
+  one call with every layer's attention (native/decode_step.py); else in torch.
 
 The codebook codecs (cb) have no Triton kernel: on CUDA their layers run `decode_attention`
 on torch. Their roles are always rotated (the codec's `needs_rotation`), so they never take
 `write_attend`.
 
-`ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes — so its
-kernels check the ring's bits themselves instead of `COVERAGE`.
+`ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes or rows of the
+window dtype — so its kernels check the ring's bits themselves instead of `COVERAGE`.
 """
 from __future__ import annotations
 

@@ -3,8 +3,10 @@ against the per-layer route it replaces (pre, each row's `attend`, post per laye
 same logits and the same cache bytes, bit for bit, step after step through several
 flushes, for one row and for three rows of different depths, on every arena kernel (fp16,
 int8, KIVI, TaDA and a mixed per-layer profile on decode_attention.c, cb on
-codebook_attention.c), rotated and not; and the caches it does not take (eviction, Gemma's
-rings) keep the per-layer route."""
+codebook_attention.c), rotated and not; on Gemma 3's layered cache (sliding rings of 16,
+8 and 4 bits on ring_attention.c beside the global layers' arena, V rotated and not, rings
+filling and wrapping); and the caches it does not take (eviction) keep the per-layer
+route."""
 import copy
 import json
 
@@ -16,6 +18,7 @@ from kvrun.kernels import native
 from kvrun.kernels.native.decode_step import DecodeStep
 from kvrun.kv.arena import KVArena
 from kvrun.kv.config import parse_kv
+from kvrun.kv.ring import LayeredKVCache
 from tiny import make_tiny_model_dir, quantized_copy
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
@@ -41,7 +44,12 @@ def _kv(spec, tmp_path):
 
 
 def _state(c):
-    """Everything an arena holds: counts, windows and every storage tensor."""
+    """Everything an arena holds: counts, windows and every storage tensor; a layered
+    cache's arena, then its rings' position, torn flag and storage."""
+    if isinstance(c, LayeredKVCache):
+        counts, tensors = _state(c.inner)
+        r = c.ring
+        return counts + [r.seq_len, r.torn], tensors + r.k.parts + r.v.parts
     return ([c.seq_len, list(c.n_tail), list(c.n_win)], [c.win_k, c.win_v]
             + [t for st in c.k_store + c.v_store for _, t in sorted(st.items())])
 
@@ -55,6 +63,7 @@ def _decode(m, caches, tokens, monkeypatch, one_call):
         mp.setattr(DecodeStep, "__call__", lambda self, *a: (ran.append(1), call(self, *a))[1])
         if not one_call:
             mp.setattr(KVArena, "native_row", lambda self, H: None)
+            mp.setattr(LayeredKVCache, "native_row", lambda self, H: None)
         out = []
         for tok in tokens:
             step = m.transformer.native_step(tok[:1, None], caches[0])
@@ -101,4 +110,53 @@ def test_caches_the_one_call_does_not_take(tmp_path):
     assert plain.native_row(cfg.num_heads) is None
     gemma = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128, num_heads=4)
     gcfg = kvrun.load(gemma, ctx=CTX).cfg
-    assert kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4")).native_row(gcfg.num_heads) is None
+    layered = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32))
+    assert layered.native_row(gcfg.num_heads) is not None
+    layered.inner.n_win[0] = layered.inner.win_k.shape[2]              # its arena's window full
+    assert layered.native_row(gcfg.num_heads) is None
+    evicting = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32,
+                                                       evict="h2o", budget=128))
+    assert evicting.native_row(gcfg.num_heads) is None
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """Gemma 3 layers, odd sizes: 7 layers (the 6th global: rings before and after it), GQA
+    3:1 over 2 KV heads, a window of 23 (odd: the filled-slot count takes odd and even
+    values)."""
+    root = tmp_path_factory.mktemp("gemma_step")
+    src = make_tiny_model_dir(root / "m", architecture="gemma3", hidden_size=128, num_layers=7,
+                              num_heads=6, num_kv_heads=2, sliding_window=23, intermediate_size=96)
+    return kvrun.load(quantized_copy(src, root / "q", "int4"), ctx=CTX)
+
+
+@pytest.mark.parametrize("kv,bits", [("fp16", 16), ("kivi-4", 4), ("kivi-4+rot-v", 4),
+                                     ("int8", 8), ("int8+rot", 8), ("kivi-4+ring8", 8)])
+@pytest.mark.parametrize("depths", [[9], [5, 21, 77]])
+def test_gemma_rings_one_call_equals_the_per_layer_route(gemma, tmp_path, monkeypatch, kv, bits,
+                                                         depths):
+    """Rings of every width, V rotated and not, one row and three: a row at depth 5, 9 or
+    21 starts with its ring not yet full (and fills, then wraps, within the 80 steps), the
+    one at 77 has wrapped already; the global layers' arena flushes on the way. Logits, ring
+    storage, ring position and the arena bit for bit; and the one-call route ran every
+    step (a ring layer it declined would have sent the step to the per-layer route)."""
+    m, steps = gemma, 80
+    g = torch.Generator().manual_seed(len(depths) + bits)
+    caches = [kvrun.kv.make_cache(m.cfg, CTX, _kv(kv, tmp_path)) for _ in depths]
+    assert all(isinstance(c, LayeredKVCache) and c.ring.bits == bits for c in caches)
+    assert (caches[0].ring.rot_v is not None) == kv.endswith(("rot-v", "rot"))
+    for c, d in zip(caches, depths):
+        m.transformer(torch.randint(3, 250, (1, d), generator=g), c)    # prefill
+    tokens = torch.randint(3, 250, (steps, len(depths)), generator=g)
+    twins = copy.deepcopy(caches)
+    got, n_one = _decode(m, caches, tokens, monkeypatch, True)
+    want, n_layers = _decode(m, twins, tokens, monkeypatch, False)
+    assert (n_one, n_layers) == (steps, 0)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert min(c.inner.n_tail[0] for c in caches) >= 32                 # the arena flushed
+    for c, t in zip(caches, twins):
+        (counts, tensors), (counts_t, tensors_t) = _state(c), _state(t)
+        assert counts == counts_t
+        assert all(torch.equal(a, b) for a, b in zip(tensors, tensors_t))
+        assert c.ring.seq_len > c.ring.W                                  # every ring wrapped

@@ -1,5 +1,5 @@
-"""The quantized sliding ring's one-token step on the native kernel (kernels/native/
-ring_attention.c) against the torch step (runtime/kv/ring.py `_attend`), its oracle.
+"""The sliding ring's one-token step on the native kernel (kernels/native/ring_attention.c)
+against the torch step (runtime/kv/ring.py `rotate_step`, `_attend`, `unrotate`), its oracle.
 
 Two rings start from the same state and take the same tokens, one through each backend
 (each ring's `backend`: native / torch): after every step their codes, scales and mins are equal
@@ -7,7 +7,11 @@ bit for bit, and their outputs agree to fp32 summation order. Parametrized over 
 bits, channel groups of 32 and 64 (head dims 64 and 256; and 16, which the vector path
 serves on AVX2 but not with AVX-512's wider blocks), GQA (4 query heads over 1 KV head, 6
 over 2), V rotated or not, an odd window so the filled-slot count is odd and even, through
-two wrap-arounds; on the default build and the portable one (-DKVRUN_NO_AVX512).
+two wrap-arounds; 16-bit rings (the window dtype's rows) in fp16, bf16 and fp32; on the
+default build and the portable one (-DKVRUN_NO_AVX512). The kernel rotates q and the new
+rows itself (x R in C, the torch step by a GEMM): the stored codes have matched the torch
+step's bit for bit on every case here, although a rotated value one ulp off could in
+principle cross a rounding boundary.
 """
 import copy
 import ctypes
@@ -90,20 +94,38 @@ def test_degenerate_and_tied_values_quantize_alike(build, monkeypatch, bits):
     steps_agree(a, b, "native", 0, q, k, v)
 
 
-def test_torch_backend_and_fp16_rings_keep_the_torch_step(monkeypatch):
-    """KVRUN_BACKEND=torch and the 16-bit ring never reach the native ring kernel."""
+def test_torch_backend_keeps_the_torch_step(monkeypatch):
+    """KVRUN_BACKEND=torch never reaches the native ring kernel, whatever the ring's width."""
     def refuse(*a, **k):
         raise AssertionError("native ring kernel called")
     monkeypatch.setattr(nra, "ring_step", refuse)
     q, k, v = ring_data(3, 4, 1, 64, seed=0)
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
-    r = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=4)
-    for t in range(3):
-        r.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
-        r.commit(1)
-    monkeypatch.setenv("KVRUN_BACKEND", "native")
-    r = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=16)
-    r.attend(0, q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    for bits in (4, 16):
+        r = SlidingWindowKV(1, 1, 64, W, max_ctx=64, bits=bits)
+        for t in range(3):
+            r.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+            r.commit(1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2),
+                                       (torch.float32, 1e-4)])
+@pytest.mark.parametrize("D", [64, 48])
+@pytest.mark.parametrize("Hkv,H", [(1, 4), (2, 6)])
+def test_16_bit_ring_equals_the_torch_step(build, counted, dtype, tol, D, Hkv, H):
+    """A ring of the window dtype (bits 16, the rings of an uncompressed --kv): the new rows
+    rounded to it, stored as torch's .to(dtype) stores them (bit for bit), attended from
+    their rounded values. Outputs: the torch step runs SDPA in the ring dtype (q, the rows
+    and the output rounded: 2^-11 relative for fp16, 2^-8 for bf16, on values up to ~4),
+    the kernel in fp32; fp32 rings differ by summation order only (as above). D 64 takes
+    the vector path for fp16 rows, D 48 (not whole vector blocks), bf16 and fp32 the plain
+    one; through a wrap-around."""
+    q, k, v = ring_data(W + 20, H, Hkv, D, seed=D + H)
+    a = SlidingWindowKV(2, Hkv, D, W, max_ctx=256, dtype=dtype, bits=16)
+    assert a.rot_k is None and a.rot_v is None                      # never rotated
+    b = copy.deepcopy(a)
+    steps_agree(a, b, "native", 1, q, k, v, dict(atol=tol, rtol=0))
+    assert counted and all(counted)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

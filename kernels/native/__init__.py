@@ -26,7 +26,7 @@ from pathlib import Path
 # one shared object from every C source here: attention (decode_attention.c, with its integer
 # q.K over KIVI keys in kdot_int.c), the flushes
 # into the compressed tail (pack.c), the dense part of a decoder layer (decode_layer.c) with
-# its GEMVs (gemv_quant.c + gemv_int.c, gemv_fp32.c) and the quantized sliding ring's step
+# its GEMVs (gemv_quant.c + gemv_int.c, gemv_fp32.c) and the sliding ring's step
 # (ring_attention.c), and the codebook codecs' tile reads for the attention and their flush
 # (codebook_attention.c, codebook_pack.c)
 SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "kdot_int.c", "pack.c",

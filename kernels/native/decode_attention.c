@@ -1225,10 +1225,7 @@ static void row_output(const Args *a, int hr, int nsplit) {
 
 /* row hr's output un-rotated, o = o' R_v^T (when phase 0 rotated) */
 static void row_unrotate(const Args *a, int hr) {
-    const int D = a->D;
-    float y[MAXD], *o = a->out + (int64_t)hr * D;
-    for (int d = 0; d < D; d++) y[d] = dot(o, a->rv + (int64_t)d * D, D);
-    memcpy(o, y, sizeof(float) * D);
+    matvec_t(a->out + (int64_t)hr * a->D, a->rv, a->D);
 }
 
 static int args_ok(const Args *a) { return a->D <= MAXD && a->n_tail % TILE == 0; }

@@ -261,12 +261,17 @@ int kvrun_gemv(const Weight *w, int B, const float *x, int64_t ldx, float *y, ui
 /* -- the whole decode step in one call ---------------------------------------------------- */
 
 int kvrun_decode_attention_rows(void *const *args, const StepIO *io, int B);   /* decode_attention.c */
+int kvrun_ring_attention_rows(void *const *args, const StepIO *io, int B);     /* ring_attention.c */
 
 /* one row's cache: per layer its prebuilt attention arguments, and this step's lengths
  * (native/decode_step.py RowPlan) */
 typedef struct {
-    void *const *args;               /* (L,) decode_attention.c Args */
-    const int32_t *n_tail, *n_win;   /* (L,) tail and window tokens before this step */
+    void *const *args;               /* (L,) decode_attention.c Args, or ring_attention.c
+                                      * RingArgs where ring[l] */
+    const int32_t *n_tail, *n_win;   /* (L,) arena layers' tail and window tokens before this step */
+    const uint8_t *ring;             /* (L,) 1: a sliding-window ring layer; NULL: none */
+    int32_t ring_slot, ring_n;       /* ring layers: the slot the new token takes, the filled
+                                      * slots it attends (one ring position for all of them) */
 } RowCache;
 
 typedef struct {
@@ -284,12 +289,14 @@ typedef struct {
 } Step;
 
 /* The decode step of B rows over every layer: per layer kvrun_layer_pre, the rows' attention
- * each on its own cache (the new K/V written to its window slot n_win; all rows in one
- * parallel region, decode_attention.c kvrun_decode_attention_rows), then kvrun_layer_post;
- * then kvrun_logits. The same arithmetic as the per-layer route
- * (runtime/model/native_step.py), so the same bits; each call opens its own parallel
- * region from this thread, none nested. The caller advances the windows and flushes after.
- * Returns 0, -1 for a bad B, or the layer's attention refusal as 1000 * (l + 1) + rc. */
+ * each on its own cache (an arena layer's new K/V written to its window slot n_win, a ring
+ * layer's to its slot ring_slot; all rows of a kind in one parallel region:
+ * decode_attention.c kvrun_decode_attention_rows, ring_attention.c
+ * kvrun_ring_attention_rows), then kvrun_layer_post; then kvrun_logits. The same arithmetic
+ * as the per-layer route (runtime/model/native_step.py), so the same bits; each call opens
+ * its own parallel region from this thread, none nested. The caller advances the windows
+ * and flushes after. Returns 0, -1 for a bad B, or the layer's attention refusal as
+ * 1000 * (l + 1) + rc. */
 int kvrun_decode_step(const Step *s, int B)
 {
     if (B < 1 || B > MAXB) return -1;
@@ -298,17 +305,22 @@ int kvrun_decode_step(const Step *s, int B)
         const int H = L->H, Hkv = L->Hkv, D = L->D, NQKV = (H + 2 * Hkv) * D;
         L->nthreads = s->nthreads;
         kvrun_layer_pre(L, B, s->local[l] ? s->cos_local : s->cos, s->local[l] ? s->sin_local : s->sin);
-        void *args[MAXB];
-        StepIO io[MAXB];
+        void *args[MAXB], *rargs[MAXB];                 /* the arena rows, the ring rows */
+        StepIO io[MAXB], rio[MAXB];
+        int na = 0, nr = 0;
         for (int b = 0; b < B; b++) {
             const RowCache *r = s->rows[b];
             const float *qkv = L->qkv_out + (int64_t)b * NQKV;
-            args[b] = r->args[l];
-            io[b] = (StepIO){r->n_tail[l], r->n_win[l], s->nthreads, qkv, qkv + H * D,
-                             qkv + (H + Hkv) * D, s->attn + (int64_t)b * H * D,
-                             s->qs + b * s->qs_row, s->sc + b * s->sc_row, s->part + b * s->part_row};
+            const StepIO x = {.n_tail = r->n_tail[l], .W = r->n_win[l], .nthreads = s->nthreads,
+                              .q = qkv, .k = qkv + H * D, .v = qkv + (H + Hkv) * D,
+                              .out = s->attn + (int64_t)b * H * D, .qs = s->qs + b * s->qs_row,
+                              .sc = s->sc + b * s->sc_row, .part = s->part + b * s->part_row,
+                              .slot = r->ring_slot, .n = r->ring_n};
+            if (r->ring && r->ring[l]) { rargs[nr] = r->args[l]; rio[nr++] = x; }
+            else { args[na] = r->args[l]; io[na++] = x; }
         }
-        const int rc = kvrun_decode_attention_rows(args, io, B);
+        int rc = na ? kvrun_decode_attention_rows(args, io, na) : 0;
+        if (!rc && nr) rc = kvrun_ring_attention_rows(rargs, rio, nr);
         if (rc) return 1000 * (l + 1) + rc;
         kvrun_layer_post(L, B, s->attn, (int64_t)H * D);
     }

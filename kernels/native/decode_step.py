@@ -1,21 +1,22 @@
 """The whole decode step of B rows in one native call (decode_layer.c `kvrun_decode_step`):
 per layer the dense part before attention (`kvrun_layer_pre`), each row's attention on
-its own arena cache with the new K/V written into its window, the dense part after it
+its own cache — an arena layer's with the new K/V written into its window, a sliding ring
+layer's (Gemma 3) with them written into its ring slot — the dense part after it
 (`kvrun_layer_post`), then the final norm and lm_head (`kvrun_logits`).
 
 Why: the per-layer route crosses from Python to C 2 + B times a layer (pre, each row's
 attention, post) and rebinds the attention's arguments each time, which at depth 0 costs
 a sizeable share of a small model's step (docs/measurements.md). Here the per-row,
 per-layer arguments are built once per cache (`RowPlan`, from decode_attention.py
-`step_args`, as its FusedStep builds them) and a step sets only the lengths, a slice
-assignment per row.
+`step_args`, as its FusedStep builds them, and ring_attention.py `step_args`) and a step
+sets only the lengths (and a ring's slot), a slice assignment per row.
 
 Same calls in the same order with the same arguments as the per-layer route, so the same
 bits (tests/test_decode_step.py). The window count advance and the flushes stay with the
 cache, after the call: a layer's flush touches only that layer, which this step has
-finished with. A layer whose attention decode_attention.c does not cover (every codec
-kernels/table.py lists for it, in the shapes it takes) makes `layer_args` None, and the
-caller keeps the per-layer route for that cache.
+finished with. A layer whose attention decode_attention.c or ring_attention.c does not
+cover (every codec kernels/table.py lists for it, in the shapes it takes) makes `row_plan`
+None, and the caller keeps the per-layer route for that cache.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 from . import load
 from .decode_attention import MAX_D, TILE, _FP, _descriptors, _splits_max, step_args
 from .decode_layer import MAX_ROWS, LayerDesc, WeightDesc
+from .ring_attention import step_args as ring_step_args
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -34,7 +36,8 @@ _i32 = ctypes.c_int32
 
 class RowCache(ctypes.Structure):
     _fields_ = [("args", ctypes.POINTER(_p)), ("n_tail", ctypes.POINTER(_i32)),
-                ("n_win", ctypes.POINTER(_i32))]
+                ("n_win", ctypes.POINTER(_i32)), ("ring", ctypes.POINTER(ctypes.c_uint8)),
+                ("ring_slot", _i32), ("ring_n", _i32)]
 
 
 class StepDesc(ctypes.Structure):
@@ -70,40 +73,57 @@ def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor,
 
 class RowPlan:
     """One cache's layers as a row of the one-call step: their prebuilt arguments and this
-    step's lengths (`lengths`). Holds pointers into the cache's windows
-    and storage: its owner (the cache) keeps it, and those tensors, alive."""
+    step's lengths (`lengths`). Holds pointers into the cache's windows, rings and storage:
+    its owner (the cache) keeps it, and those tensors, alive."""
 
-    def __init__(self, layers: list):
-        """layers: `layer_args` of every layer, in order."""
+    def __init__(self, layers: list, ring: list | None = None):
+        """layers: per layer (arguments, what they point into) — `layer_args` of an arena
+        layer, a RingArgs of ring_attention.py `step_args` where ring[l] is true."""
         L = len(layers)
         self.keep = layers
         self.args = (_p * L)(*[ctypes.addressof(a) for a, _ in layers])
         self.n_tail, self.n_win = (_i32 * L)(), (_i32 * L)()
+        self.ring = (ctypes.c_uint8 * L)(*[1 if x else 0 for x in (ring or [0] * L)])
         self.keys = 1
-        self.row = RowCache(self.args, self.n_tail, self.n_win)
+        self.row = RowCache(self.args, self.n_tail, self.n_win, self.ring, 0, 0)
 
-    def lengths(self, n_tail: list, n_win: list) -> RowPlan:
-        """Set this step's per-layer tail and window token counts (before the new token)."""
+    def lengths(self, n_tail: list, n_win: list, slot: int = 0, n: int = 0) -> RowPlan:
+        """Set this step's per-layer tail and window token counts (before the new token;
+        0 for ring layers) and the ring layers' slot for the new token and filled-slot
+        count n (with it)."""
         self.n_tail[:] = n_tail
         self.n_win[:] = n_win
-        self.keys = max(map(operator.add, n_tail, n_win)) + 1      # the most a layer attends
+        self.row.ring_slot, self.row.ring_n = slot, n
+        self.keys = max(max(map(operator.add, n_tail, n_win)) + 1, n)   # the most a layer attends
         return self
 
 
 def splits_max() -> int:
-    """The most token splits either arena kernel cuts a tail into (the partial outputs'
-    scratch)."""
-    return _splits_max(load())
+    """The most token splits the arena kernels cut a tail into, or the ring kernel a ring
+    (the partial outputs' scratch)."""
+    return max(_splits_max(load()), load().kvrun_ring_splits_max())
 
 
-def row_plan(H: int, group: int, layers: list, attn: str = "int") -> RowPlan | None:
-    """dispatch.step_row on the native kernel: a RowPlan of `layers` (per layer the
-    arguments of `layer_args`), or None when a tail of `group`-token blocks may not be whole
-    kernel tiles or some layer is not covered; attn as `layer_args`'."""
-    if group % TILE:
+def row_plan(H: int, group: int, layers: list, attn: str = "int",
+             ring: tuple | None = None) -> RowPlan | None:
+    """dispatch.step_row on the native kernels: a RowPlan of `layers` (per layer the
+    arguments of `layer_args`, or None for a sliding ring layer: the j-th None is ring layer
+    j of `ring`, the arguments of ring_attention.py `step_args` after H), or None when a
+    tail of `group`-token blocks may not be whole kernel tiles or some layer is not
+    covered; attn as `layer_args`'."""
+    arena = [x for x in layers if x is not None]
+    if arena and group % TILE:
         return None
-    args = [layer_args(H, *x, attn=attn) for x in layers]
-    return None if any(a is None for a in args) else RowPlan(args)
+    rings = iter(())
+    if len(arena) < len(layers):
+        built = ring_step_args(H, *ring) if ring is not None else None
+        if built is None:
+            return None
+        rings = iter([(a, built[1]) for a in built[0]])
+    args = [layer_args(H, *x, attn=attn) if x is not None else next(rings) for x in layers]
+    if any(a is None for a in args):
+        return None
+    return RowPlan(args, [x is None for x in layers])
 
 
 class DecodeStep:

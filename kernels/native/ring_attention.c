@@ -1,39 +1,48 @@
-/* ring_attention: one decode token of a quantized sliding-window ring (Gemma 3's local
- * layers, runtime/kv/ring.py), native CPU implementation (kvrun.kernels.native).
+/* ring_attention: one decode token of a sliding-window ring (Gemma 3's local layers,
+ * runtime/kv/ring.py), native CPU implementation (kvrun.kernels.native).
  *
- * A ring slot holds one token's K or V row quantized per token: 4 or 8 bits, asymmetric,
- * an fp16 scale and min per `group` channels, 4-bit codes two per byte as the channel pair
- * (2i, 2i+1) (low nibble = 2i). K is stored Hadamard-rotated, V with rotate_v; q arrives
- * rotated (the caller's one GEMM rotates q, k and v together). One call per layer:
+ * A ring slot holds one token's K or V row: a row of the ring dtype (16-bit rings, the
+ * rings of an uncompressed --kv), or quantized per token: 4 or 8 bits, asymmetric, an fp16
+ * scale and min per `group` channels, 4-bit codes two per byte as the channel pair
+ * (2i, 2i+1) (low nibble = 2i). A quantized ring stores K Hadamard-rotated (R_k), V too
+ * with rotate_v (R_v); q, k and v arrive in the model's space and are rotated here, the
+ * way decode_attention.c's phase 0 rotates an arena layer's (rows_inline.h matvec). One call
+ * per layer (kvrun_ring_attention), or the ring layers of B rows inside the one-call decode
+ * step (kvrun_ring_attention_rows, decode_layer.c):
  *
- *   phase 0  round the new K / V rows to the ring dtype, quantize them into slot `slot`
- *            (bit-identical to _RingStore.write: per group quant_inline.h's asym_params
- *            over the fp32 min/max and quant1's codes, the quantizer kernels/quant.py and
- *            the flushes share), and keep the rounded rows in fp32.
+ *   phase 0  rotate q (R_k) and the new K / V rows (R_k, R_v), round the new rows to the
+ *            ring dtype, write them into slot `slot` (quantized bit-identical to
+ *            _RingStore.write: per group quant_inline.h's asym_params over the fp32
+ *            min/max and quant1's codes, the quantizer kernels/quant.py and the flushes
+ *            share; a 16-bit ring stores the rounded row), and keep them in fp32.
  *   phase 1  logits of the Gq query rows of each KV head over the n filled slots: every slot
- *            dequantized from its codes in registers (c s + m), except slot `slot`, which
- *            uses the new row in full precision (SlidingWindowKV._attend's T == 1 step).
+ *            dequantized from its codes (or converted from its row) in registers (c s + m),
+ *            except slot `slot`, which uses the new row (SlidingWindowKV._attend's T == 1
+ *            step).
  *   phase 2  one exact softmax per row (fp32, exp with |rel err| < 2e-7).
  *   phase 3  p.V in fp32 over per-split partial outputs, summed; then un-rotated by R_v
- *            (rotate_v) so the caller gets the model-space output.
+ *            (rows_inline.h matvec_t, decode_attention.c's row_unrotate) so the caller gets
+ *            the model-space output.
+ *
  * Slots are split over OpenMP threads (torch's libgomp pool, as decode_attention.c), one
  * split per 256 head-slots at most, so a short ring does not wake threads for nothing.
  *
  * Vector path (GCC vectors of the register width: 16 lanes on AVX-512, 8 on AVX2, so the
  * same code is tested on either; needs D and, at 4 bits, the group divisible by BC = 2 lanes,
- * at 8 bits the group by the lane count): a slot's codes are decoded and dequantized in
- * registers, BC channels at a time; 4-bit codes decode as the low nibbles (channels 2i)
- * then the high ones (2i+1), so q, the new rows and the partial outputs are kept in that
- * "pair" order (no shuffle per slot) and restored to channel order once at the end; the
- * logits of VL slots are reduced together (hsum_tokens). The portable path
- * (-DKVRUN_NO_AVX512, the build KVRUN_NATIVE=portable loads, or other groups) dequantizes
- * each slot into L1 in channel order and runs plain loops.
+ * at 8 bits the group by the lane count; 16-bit rings in fp16): a slot's codes are decoded
+ * and dequantized (fp16 rows converted) in registers, BC channels at a time; 4-bit codes
+ * decode as the low nibbles (channels 2i) then the high ones (2i+1), so q, the new rows and
+ * the partial outputs are kept in that "pair" order (no shuffle per slot) and restored to
+ * channel order once at the end; the logits of VL slots are reduced together
+ * (hsum_tokens). The portable path (-DKVRUN_NO_AVX512, the build KVRUN_NATIVE=portable
+ * loads, or other groups, bf16 / fp32 rows) dequantizes each slot into L1 in channel order
+ * and runs plain loops.
  *
  * Bytes read per decode step and layer: the n slots' codes, scales and mins of K and V once
  * each, 2 Hkv n (D bits/8 + 4 D/group) bytes (Gemma 3 270M at n = 512, D 256, group 32,
- * 4 bits: 160 KiB, against 512 KiB for its fp16 ring), plus q, the new rows and, with
- * rotate_v, R_v (4 D^2 bytes, shared by the layers); written: one slot per role. No
- * dequantized copy of the ring is made.
+ * 4 bits: 160 KiB, against 512 KiB for its fp16 ring), plus q, the new rows and the
+ * rotations (4 D^2 bytes each, shared by the layers: R_k for a quantized ring, R_v with
+ * rotate_v); written: one slot per role. No dequantized copy of the ring is made.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,16 +51,15 @@
 
 #include "math_inline.h"
 #include "quant_inline.h"
+#include "rows_inline.h"    /* f16, MAXD, the rows' dtypes, load_row / store_row, the rotations */
+#include "step_io.h"
 #if !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
 #else
 #define HAVE_FAST 0
 #endif
 
-typedef _Float16 f16;
-
-enum { R_FP16 = 0, R_BF16 = 1, R_FP32 = 2 };          /* as native/decode_attention.py */
-enum { MAXD = 256, MAXR = 16, SPLIT_MIN = 256 };
+enum { MAXR = 16, SPLIT_MIN = 256 };
 /* slot splits: one per SPLIT_MIN logits, at most RING_SPLITS, whatever the thread count (their
  * partial outputs are summed in split order: the same bits on 1 or 2 threads) */
 enum { RING_SPLITS = 4 };
@@ -59,7 +67,9 @@ enum { RING_SPLITS = 4 };
 int kvrun_ring_splits_max(void) { return RING_SPLITS; }
 
 /* One role's (K or V) ring storage, all sliding layers: codes (L, Hkv, W, D*bits/8) uint8,
- * scale and min (L, Hkv, W, D/group) fp16; element strides layer, head, slot. */
+ * scale and min (L, Hkv, W, D/group) fp16 — or, for a 16-bit ring, rows (L, Hkv, W, D) of the
+ * ring dtype in `codes` (no scale / min). Strides layer, head, slot: cs in bytes, ss in
+ * elements. */
 typedef struct {
     uint8_t *codes; f16 *scale, *min;
     int64_t cs[3], ss[3];
@@ -67,12 +77,13 @@ typedef struct {
 
 typedef struct {
     int32_t Hkv, Gq, D, n, slot, layer, bits, group, qdtype, kdtype, vdtype, rdtype, nthreads;
-    const void *q; int64_t qs;         /* (H, D) rotated queries in qdtype, head stride      */
-    const void *kn, *vn; int64_t kns, vns;   /* (Hkv, D) new rows (storage space), head stride */
+    const void *q; int64_t qs;         /* (H, D) queries in qdtype (model space), head stride */
+    const void *kn, *vn; int64_t kns, vns;   /* (Hkv, D) new rows (model space), head stride   */
     RingStore k, v;
-    const float *rvt;                  /* (D, D) R_v^T (out = out @ R_v^T) or NULL           */
+    const float *rk, *rv;              /* (D, D) R of K (q and k are rotated by it) and of V
+                                        * (v rotated, the output un-rotated), or NULL         */
     float *out;                        /* (H, D) fp32, H = Hkv * Gq (head = kv * Gq + g)     */
-    float *qp;                         /* scratch (H, D): q / sqrt(D), in the working order  */
+    float *qp;                         /* scratch (H, D): q R / sqrt(D), in the working order */
     float *kx, *vx;                    /* scratch (Hkv, D): the new rows, working order      */
     float *sc;                         /* scratch (H, n): logits, then probabilities         */
     float *part;                       /* scratch (RING_SPLITS, H, D): partial outputs       */
@@ -80,23 +91,11 @@ typedef struct {
 
 /* -- scalar helpers ------------------------------------------------------------------------ */
 
-static inline float bf16f(uint16_t b) {
-    union { uint32_t u; float f; } v = { (uint32_t)b << 16 };
-    return v.f;
-}
-
-/* D values of dtype `kind` to fp32 */
-static void load_row(const void *p, int kind, int D, float *restrict o) {
-    if (kind == R_FP16) for (int d = 0; d < D; d++) o[d] = (float)((const f16 *)p)[d];
-    else if (kind == R_BF16) for (int d = 0; d < D; d++) o[d] = bf16f(((const uint16_t *)p)[d]);
-    else memcpy(o, p, sizeof(float) * D);
-}
-
 /* x rounded to dtype `kind` and back (nearest even), as torch's .to(ring dtype) */
 static void round_row(float *x, int kind, int D) {
-    if (kind == R_FP16) {
+    if (kind == ROW_FP16) {
         for (int d = 0; d < D; d++) x[d] = (float)(f16)x[d];
-    } else if (kind == R_BF16) {
+    } else if (kind == ROW_BF16) {
         for (int d = 0; d < D; d++) {
             union { float f; uint32_t u; } v = { x[d] };
             v.u = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) & 0xFFFF0000u;
@@ -165,8 +164,12 @@ static void quant_row(const float *x, int D, int bits, int group, uint8_t *codes
 /* -- portable path: one slot dequantized into L1 in channel order ----------------------------- */
 
 static void deq_row(const RingStore *s, int layer, int h, int64_t t, int D, int bits, int group,
-                    float *restrict o) {
+                    int rdtype, float *restrict o) {
     const uint8_t *c = codes_at(s, layer, h, t);
+    if (bits == 16) {                                   /* rows of the ring dtype */
+        load_row(c, 0, rdtype, D, o);
+        return;
+    }
     const int64_t po = param_off(s, layer, h, t);
     if (bits == 4) {
         for (int i = 0; i < D / 2; i++) { o[2 * i] = (float)(c[i] & 15); o[2 * i + 1] = (float)(c[i] >> 4); }
@@ -184,7 +187,7 @@ static void k_logits_plain(const RingArgs *a, int h, int64_t t0, int64_t t1, con
                            float *sc) {
     float row[MAXD];
     for (int64_t t = t0; t < t1; t++) {
-        deq_row(&a->k, a->layer, h, t, a->D, a->bits, a->group, row);
+        deq_row(&a->k, a->layer, h, t, a->D, a->bits, a->group, a->rdtype, row);
         for (int r = 0; r < a->Gq; r++) sc[r * a->n + t] = dot(q + r * a->D, row, a->D);
     }
 }
@@ -195,7 +198,7 @@ static void v_mix_plain(const RingArgs *a, int h, int64_t t0, int64_t t1, const 
     float row[MAXD];
     const int D = a->D;
     for (int64_t t = t0; t < t1; t++) {
-        deq_row(&a->v, a->layer, h, t, D, a->bits, a->group, row);
+        deq_row(&a->v, a->layer, h, t, D, a->bits, a->group, a->rdtype, row);
         for (int r = 0; r < a->Gq; r++) {
             float pr = p[r * a->n + t];
             for (int d = 0; d < D; d++) acc[r * D + d] += pr * row[d];
@@ -217,6 +220,7 @@ static void v_mix_plain(const RingArgs *a, int h, int64_t t0, int64_t t1, const 
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef int32_t vi __attribute__((vector_size(4 * VL)));
 typedef uint8_t vb __attribute__((vector_size(VL)));
+typedef f16 vh __attribute__((vector_size(2 * VL)));
 
 static inline __attribute__((always_inline)) vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline __attribute__((always_inline)) void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -229,9 +233,17 @@ static inline __attribute__((always_inline)) vi bytes(const uint8_t *p) {   /* V
 
 /* BC dequantized values of one slot at channel block d0 (working order) into v0, v1;
  * gx[i]: the group of channels VL i .. VL i + VL-1 (a table: an integer division per block
- * cost more than the block's FMAs) */
+ * cost more than the block's FMAs). A 16-bit ring's slot is BC fp16 values (sp, mp unused). */
 static inline __attribute__((always_inline)) void deq(const uint8_t *c, const f16 *sp,
         const f16 *mp, int d0, int bits, const int *gx, vf *v0, vf *v1) {
+    if (bits == 16) {
+        vh h0, h1;
+        memcpy(&h0, c + 2 * d0, sizeof h0);
+        memcpy(&h1, c + 2 * (d0 + VL), sizeof h1);
+        *v0 = __builtin_convertvector(h0, vf);
+        *v1 = __builtin_convertvector(h1, vf);
+        return;
+    }
     const int g0 = gx[d0 / VL], g1 = gx[d0 / VL + 1];
     if (bits == 4) {
         vi w = bytes(c + d0 / 2);
@@ -368,130 +380,198 @@ static inline void around_slot(int64_t t0, int64_t t1, int64_t slot, int64_t cut
     cut[1][1] = t1;
 }
 
-/* -- the op ------------------------------------------------------------------------------------ */
+/* -- the op, in pieces per KV head --------------------------------------------------------
+ * Each piece does for one head h what its phase does, in the same order, so a head's bits do
+ * not depend on which heads a call covers: kvrun_ring_attention runs each phase over every
+ * head (`omp for` over slot splits or rows), kvrun_ring_attention_rows runs one (row, head)
+ * item through every phase on one thread. */
 
-int kvrun_ring_attention(const RingArgs *a) {
-    const int Hkv = a->Hkv, Gq = a->Gq, D = a->D, H = Hkv * Gq;
-    const int64_t n = a->n, slot = a->slot;
-    if (D > MAXD || D < 1 || Gq > MAXR || Gq < 1 || (a->bits != 4 && a->bits != 8)
-        || a->group < 1 || D % a->group || (a->bits == 4 && D % 2) || slot < 0 || slot >= n)
-        return 1;
-    const int fast = HAVE_FAST && D % BC == 0 && a->group % (a->bits == 4 ? BC : BC / 2) == 0;
-    const int pair = fast && a->bits == 4 ? BC : 0;
+/* what a call's arguments select: the vector path, the working order, the slot splits */
+typedef struct { int fast, pair, nsplit; int gx[MAXD / 8 + 1]; } Mode;
+
+static int mode_of(const RingArgs *a, Mode *m) {
+    const int D = a->D, bits = a->bits;
+    if (D > MAXD || D < 1 || a->Gq > MAXR || a->Gq < 1 || (bits != 4 && bits != 8 && bits != 16)
+        || (bits != 16 && (a->group < 1 || D % a->group)) || (bits == 4 && D % 2)
+        || a->slot < 0 || a->slot >= a->n)
+        return 0;
+    m->fast = HAVE_FAST && D % BC == 0
+        && (bits == 16 ? a->rdtype == ROW_FP16 : a->group % (bits == 4 ? BC : BC / 2) == 0);
+    m->pair = m->fast && bits == 4 ? BC : 0;
+    for (int i = 0; i < D / (BC / 2); i++) m->gx[i] = BC / 2 * i / (bits == 16 ? D : a->group);
+    int64_t ns = (int64_t)a->n * a->Hkv / SPLIT_MIN + 1;
+    m->nsplit = ns > RING_SPLITS ? RING_SPLITS : (int)ns;
+    return 1;
+}
+
+/* phase 0 for head h: its query rows loaded, rotated by R_k (decode_attention.c's
+ * heads_prepare order: load, x R, scale) into the working order; its new K / V rows rotated
+ * (R_k, R_v), rounded to the ring dtype, written into slot `slot` (codes bit-identical to
+ * _RingStore.write) and kept in fp32 */
+static void head_prepare(const RingArgs *a, const Mode *m, int h) {
+    const int D = a->D;
     const float qscale = 1.f / sqrtf((float)D);
-    int gx[MAXD / 8 + 1];                                  /* group of each BC/2 channels */
-    for (int i = 0; i < D / (BC / 2); i++) gx[i] = BC / 2 * i / a->group;
-    (void)gx;                                              /* unused without the vector path */
-
-    /* phase 0: the new rows, rounded to the ring dtype, into their slot and kept in fp32 */
     float row[MAXD];
-    for (int h = 0; h < Hkv; h++) {
-        const RingStore *st[2] = { &a->k, &a->v };
-        const void *src[2] = { (const char *)a->kn, (const char *)a->vn };
-        int64_t off[2] = { h * a->kns, h * a->vns };
-        int dt[2] = { a->kdtype, a->vdtype };
-        float *keep[2] = { a->kx + (int64_t)h * D, a->vx + (int64_t)h * D };
-        for (int role = 0; role < 2; role++) {
-            int sz = dt[role] == R_FP32 ? 4 : 2;
-            load_row((const char *)src[role] + off[role] * sz, dt[role], D, row);
-            round_row(row, a->rdtype, D);
-            const int64_t po = param_off(st[role], a->layer, h, slot);
-            quant_row(row, D, a->bits, a->group, (uint8_t *)codes_at(st[role], a->layer, h, slot),
-                      st[role]->scale + po, st[role]->min + po);
-            to_work(row, D, pair, keep[role]);
+    for (int hq = h * a->Gq; hq < (h + 1) * a->Gq; hq++) {
+        load_row(a->q, hq * a->qs, a->qdtype, D, row);
+        if (a->rk) matvec(row, a->rk, D);
+        for (int d = 0; d < D; d++) row[d] *= qscale;
+        to_work(row, D, m->pair, a->qp + (int64_t)hq * D);
+    }
+    const RingStore *st[2] = { &a->k, &a->v };
+    const void *src[2] = { a->kn, a->vn };
+    const int64_t off[2] = { h * a->kns, h * a->vns };
+    const int dt[2] = { a->kdtype, a->vdtype };
+    const float *rot[2] = { a->rk, a->rv };
+    float *keep[2] = { a->kx + (int64_t)h * D, a->vx + (int64_t)h * D };
+    for (int role = 0; role < 2; role++) {
+        load_row(src[role], off[role], dt[role], D, row);
+        if (rot[role]) matvec(row, rot[role], D);
+        round_row(row, a->rdtype, D);
+        uint8_t *dst = (uint8_t *)codes_at(st[role], a->layer, h, a->slot);
+        if (a->bits == 16) {
+            store_row(dst, 0, a->rdtype, D, row);
+        } else {
+            const int64_t po = param_off(st[role], a->layer, h, a->slot);
+            quant_row(row, D, a->bits, a->group, dst, st[role]->scale + po, st[role]->min + po);
+        }
+        to_work(row, D, m->pair, keep[role]);
+    }
+}
+
+/* slots [t0, t1) of split sp of the n filled ones */
+static inline void split_range(const RingArgs *a, const Mode *m, int sp, int64_t *t0, int64_t *t1) {
+    *t0 = (int64_t)a->n * sp / m->nsplit;
+    *t1 = (int64_t)a->n * (sp + 1) / m->nsplit;
+}
+
+/* phase 1, split sp, head h: logits of its Gq rows; the new slot from its fp32 row */
+static void head_logits(const RingArgs *a, const Mode *m, int h, int sp) {
+    const int Gq = a->Gq, D = a->D;
+    const int64_t n = a->n, slot = a->slot;
+    const float *q = a->qp + (int64_t)h * Gq * D;
+    float *sc = a->sc + (int64_t)h * Gq * n;
+    int64_t t0, t1, cut[2][2];
+    split_range(a, m, sp, &t0, &t1);
+    around_slot(t0, t1, slot, cut);
+    for (int k = 0; k < 2; k++) {
+        if (cut[k][0] >= cut[k][1]) continue;
+#if HAVE_FAST
+        if (m->fast) { k_logits_fast(a, h, cut[k][0], cut[k][1], q, m->gx, sc); continue; }
+#endif
+        k_logits_plain(a, h, cut[k][0], cut[k][1], q, sc);
+    }
+    if (slot >= t0 && slot < t1)
+        for (int r = 0; r < Gq; r++) sc[r * n + slot] = dot(q + r * D, a->kx + (int64_t)h * D, D);
+}
+
+/* phase 2 for row hr of (H,): one exact softmax */
+static void row_softmax(const RingArgs *a, int hr) {
+    const int64_t n = a->n;
+    float *s = a->sc + (int64_t)hr * n;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    float den = 0.f;
+    for (int64_t t = 0; t < n; t++) { float e = exp_neg(s[t] - mx); s[t] = e; den += e; }
+    float inv = 1.f / den;
+    for (int64_t t = 0; t < n; t++) s[t] *= inv;
+}
+
+/* phase 3, split sp, head h: p.V into the split's partial outputs part (nsplit, H, D) */
+static void head_mix(const RingArgs *a, const Mode *m, int h, int sp) {
+    const int Gq = a->Gq, D = a->D, H = a->Hkv * Gq;
+    const int64_t n = a->n, slot = a->slot;
+    const float *p = a->sc + (int64_t)h * Gq * n;
+    float *acc = a->part + ((int64_t)sp * H + (int64_t)h * Gq) * D;
+    memset(acc, 0, sizeof(float) * Gq * D);
+    int64_t t0, t1, cut[2][2];
+    split_range(a, m, sp, &t0, &t1);
+    around_slot(t0, t1, slot, cut);
+    for (int k = 0; k < 2; k++) {
+        if (cut[k][0] >= cut[k][1]) continue;
+#if HAVE_FAST
+        if (m->fast) { v_mix_fast(a, h, cut[k][0], cut[k][1], m->gx, p, acc); continue; }
+#endif
+        v_mix_plain(a, h, cut[k][0], cut[k][1], p, acc);
+    }
+    if (slot >= t0 && slot < t1) {
+        const float *vx = a->vx + (int64_t)h * D;
+        for (int r = 0; r < Gq; r++) {
+            float pr = p[r * n + slot];
+            for (int d = 0; d < D; d++) acc[r * D + d] += pr * vx[d];
         }
     }
-    for (int hq = 0; hq < H; hq++) {                       /* rows of KV head h: g = 0..Gq-1 */
-        int sz = a->qdtype == R_FP32 ? 4 : 2;
-        load_row((const char *)a->q + hq * a->qs * sz, a->qdtype, D, row);
-        for (int d = 0; d < D; d++) row[d] *= qscale;
-        to_work(row, D, pair, a->qp + (int64_t)hq * D);
-    }
+}
 
-    int nsplit = (int)(n * Hkv / SPLIT_MIN) + 1;
-    if (nsplit > RING_SPLITS) nsplit = RING_SPLITS;
+/* row hr: the splits summed in split order, back to channel order, un-rotated (o R_v^T) */
+static void row_out(const RingArgs *a, const Mode *m, int hr) {
+    const int D = a->D, H = a->Hkv * a->Gq;
+    float *o = a->out + (int64_t)hr * D;
+    float acc[MAXD] = {0};
+    for (int sp = 0; sp < m->nsplit; sp++) {
+        const float *pp = a->part + ((int64_t)sp * H + hr) * D;
+        for (int d = 0; d < D; d++) acc[d] += pp[d];
+    }
+    from_work(acc, D, m->pair);
+    if (a->rv) matvec_t(acc, a->rv, D);
+    memcpy(o, acc, sizeof(float) * D);
+}
+
+/* One decode token of one ring layer: every phase over every head, slot splits over threads.
+ * Returns 0, or 1 for arguments it does not cover. */
+int kvrun_ring_attention(const RingArgs *a) {
+    Mode m;
+    if (!mode_of(a, &m)) return 1;
+    const int Hkv = a->Hkv, H = Hkv * a->Gq, nsplit = m.nsplit;
+    for (int h = 0; h < Hkv; h++) head_prepare(a, &m, h);
     const int nth = a->nthreads < 1 ? 1 : a->nthreads < nsplit ? a->nthreads : nsplit;
 #pragma omp parallel num_threads(nth) if (nth > 1)
     {
-        /* phase 1: logits, slots split over threads; the new slot from its fp32 row */
 #pragma omp for schedule(static)
-        for (int sp = 0; sp < nsplit; sp++) {
-            int64_t t0 = n * sp / nsplit, t1 = n * (sp + 1) / nsplit;
-            for (int h = 0; h < Hkv; h++) {
-                const float *q = a->qp + (int64_t)h * Gq * D;
-                float *sc = a->sc + (int64_t)h * Gq * n;
-                int64_t cut[2][2];
-                around_slot(t0, t1, slot, cut);
-                for (int k = 0; k < 2; k++) {
-                    if (cut[k][0] >= cut[k][1]) continue;
-#if HAVE_FAST
-                    if (fast) { k_logits_fast(a, h, cut[k][0], cut[k][1], q, gx, sc); continue; }
-#endif
-                    k_logits_plain(a, h, cut[k][0], cut[k][1], q, sc);
-                }
-                if (slot >= t0 && slot < t1)
-                    for (int r = 0; r < Gq; r++) sc[r * n + slot] = dot(q + r * D, a->kx + (int64_t)h * D, D);
-            }
-        }
-        /* phase 2: one exact softmax per row */
+        for (int sp = 0; sp < nsplit; sp++)
+            for (int h = 0; h < Hkv; h++) head_logits(a, &m, h, sp);
 #pragma omp for schedule(static)
-        for (int hr = 0; hr < H; hr++) {
-            float *s = a->sc + (int64_t)hr * n;
-            float m = -INFINITY;
-            for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-            float den = 0.f;
-            for (int64_t t = 0; t < n; t++) { float e = exp_neg(s[t] - m); s[t] = e; den += e; }
-            float inv = 1.f / den;
-            for (int64_t t = 0; t < n; t++) s[t] *= inv;
-        }
-        /* phase 3: p.V into per-split partial outputs (nsplit, H, D), the same splits */
+        for (int hr = 0; hr < H; hr++) row_softmax(a, hr);
 #pragma omp for schedule(static)
-        for (int sp = 0; sp < nsplit; sp++) {
-            float *part = a->part + (int64_t)sp * H * D;
-            memset(part, 0, sizeof(float) * H * D);
-            int64_t t0 = n * sp / nsplit, t1 = n * (sp + 1) / nsplit;
-            for (int h = 0; h < Hkv; h++) {
-                const float *p = a->sc + (int64_t)h * Gq * n;
-                float *acc = part + (int64_t)h * Gq * D;
-                int64_t cut[2][2];
-                around_slot(t0, t1, slot, cut);
-                for (int k = 0; k < 2; k++) {
-                    if (cut[k][0] >= cut[k][1]) continue;
-#if HAVE_FAST
-                    if (fast) { v_mix_fast(a, h, cut[k][0], cut[k][1], gx, p, acc); continue; }
-#endif
-                    v_mix_plain(a, h, cut[k][0], cut[k][1], p, acc);
-                }
-                if (slot >= t0 && slot < t1) {
-                    const float *vx = a->vx + (int64_t)h * D;
-                    for (int r = 0; r < Gq; r++) {
-                        float pr = p[r * n + slot];
-                        for (int d = 0; d < D; d++) acc[r * D + d] += pr * vx[d];
-                    }
-                }
-            }
-        }
-        /* the splits summed, back to channel order, un-rotated (o R_v^T) */
+        for (int sp = 0; sp < nsplit; sp++)
+            for (int h = 0; h < Hkv; h++) head_mix(a, &m, h, sp);
 #pragma omp for schedule(static)
-        for (int hr = 0; hr < H; hr++) {
-            float o[MAXD] = {0};
-            for (int sp = 0; sp < nsplit; sp++) {
-                const float *pp = a->part + ((int64_t)sp * H + hr) * D;
-                for (int d = 0; d < D; d++) o[d] += pp[d];
-            }
-            from_work(o, D, pair);
-            float *dst = a->out + (int64_t)hr * D;
-            if (a->rvt) {
-                float y[MAXD] = {0};
-                for (int e = 0; e < D; e++) {
-                    const float *m = a->rvt + (int64_t)e * D;
-                    for (int d = 0; d < D; d++) y[d] += o[e] * m[d];
-                }
-                memcpy(dst, y, sizeof(float) * D);
-            } else {
-                memcpy(dst, o, sizeof(float) * D);
-            }
-        }
+        for (int hr = 0; hr < H; hr++) row_out(a, &m, hr);
     }
+    return 0;
+}
+
+/* KV head h of a, every phase on the calling thread: the bits kvrun_ring_attention gives it */
+static void head_attention(const RingArgs *a, int h) {
+    Mode m;
+    mode_of(a, &m);                                     /* checked by the caller */
+    head_prepare(a, &m, h);
+    for (int sp = 0; sp < m.nsplit; sp++) head_logits(a, &m, h, sp);
+    for (int hr = h * a->Gq; hr < (h + 1) * a->Gq; hr++) row_softmax(a, hr);
+    for (int sp = 0; sp < m.nsplit; sp++) head_mix(a, &m, h, sp);
+    for (int hr = h * a->Gq; hr < (h + 1) * a->Gq; hr++) row_out(a, &m, hr);
+}
+
+/* one decode token of a ring layer in the one-call decode step (decode_layer.c) for B rows,
+ * as decode_attention.c's kvrun_decode_attention_rows does for arena layers: each row's
+ * prebuilt arguments args[b] (native/decode_step.py: storage, rotations, fp32 q and new rows
+ * of head stride D) bound to its step io[b] (q / k / v / out, scratch, io.slot, io.n), then
+ * one row through kvrun_ring_attention, several in one parallel region of (row, KV head)
+ * items. The same bits either way. Returns 0, or the first refusing row's code. */
+int kvrun_ring_attention_rows(void *const *args, const StepIO *io, int B) {
+    for (int b = 0; b < B; b++) {
+        RingArgs *a = args[b];
+        const StepIO *s = &io[b];
+        a->slot = s->slot; a->n = s->n; a->nthreads = s->nthreads;
+        a->q = s->q; a->kn = s->k; a->vn = s->v; a->out = s->out;
+        a->qp = s->qs; a->sc = s->sc; a->part = s->part;
+        Mode m;
+        if (!mode_of(a, &m)) return 1;
+    }
+    if (B == 1) return kvrun_ring_attention(args[0]);
+    const int Hkv = ((const RingArgs *)args[0])->Hkv, n = B * Hkv;
+    const int nth = io[0].nthreads < 1 ? 1 : io[0].nthreads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth < n ? nth : n)
+    for (int i = 0; i < n; i++) head_attention(args[i / Hkv], i % Hkv);
     return 0;
 }

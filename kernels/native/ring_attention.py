@@ -1,11 +1,17 @@
-"""The quantized sliding-window ring's one-token step on the native kernel
-(ring_attention.c): attention over the ring's codes read in place, the new row in full
-precision, and the new K/V rows quantized into their slot — one C call per layer.
+"""A sliding-window ring's one-token step on the native kernel (ring_attention.c): q, the
+new K and V rotated into the ring's space, attention over the ring's rows or codes read in
+place, the new row in full precision, the new K/V rows rounded (and quantized) into their
+slot, the output un-rotated — one C call per layer (`ring_step`, the per-layer route), or
+every ring layer of a cache inside the one-call decode step (`step_args`,
+native/decode_step.py).
 
-Same result as runtime/kv/ring.py's torch step (`SlidingWindowKV._attend` with T == 1,
-then `unrotate`), up to fp32 summation order (the torch step rounds the dequantized rows,
-q and the output to the ring dtype for SDPA; this kernel keeps them in fp32), and the same
-stored bytes: codes, scales and mins are bit-identical to `_RingStore.write`.
+Same result as runtime/kv/ring.py's torch step (`rotate_step`, `SlidingWindowKV._attend`
+with T == 1, then `unrotate`), up to fp32 summation order (the torch step rounds the
+dequantized rows, q and the output to the ring dtype for SDPA; this kernel keeps them in
+fp32; the rotations are matrix products whose sums run in another order). The stored
+bytes: an unrotated ring's codes, scales and mins are bit-identical to `_RingStore.write`'s,
+a 16-bit ring's rows to `.to(dtype)`'s; a rotated row may land one fp16 ulp, then one code
+at a rounding boundary, away.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ _i64 = ctypes.c_int64
 
 class RingStoreDesc(ctypes.Structure):
     """One role's storage: codes (L, Hkv, W, D*bits/8) uint8, scale / min (L, Hkv, W,
-    D/group) fp16; element strides layer, head, slot."""
+    D/group) fp16 (a 16-bit ring: rows (L, Hkv, W, D) in `codes`, no scale / min); strides
+    layer, head, slot, of the codes in bytes, of scale and min in elements."""
     _fields_ = [("codes", _p), ("scale", _p), ("min", _p), ("cs", _i64 * 3), ("ss", _i64 * 3)]
 
 
@@ -34,33 +41,41 @@ class RingArgs(ctypes.Structure):
                                               "group", "qdtype", "kdtype", "vdtype", "rdtype",
                                               "nthreads")] + [
         ("q", _p), ("qs", _i64), ("kn", _p), ("vn", _p), ("kns", _i64), ("vns", _i64),
-        ("k", RingStoreDesc), ("v", RingStoreDesc), ("rvt", _p), ("out", _p),
+        ("k", RingStoreDesc), ("v", RingStoreDesc), ("rk", _p), ("rv", _p), ("out", _p),
         ("qp", _p), ("kx", _p), ("vx", _p), ("sc", _p), ("part", _p)]
 
 
-def _store(codes, scale, mn) -> RingStoreDesc:
+def _store(parts) -> RingStoreDesc:
+    codes = parts[0]
+    assert codes.stride(3) == 1, "ring storage: channel-contiguous rows"
+    cs = tuple(x * codes.element_size() for x in codes.stride()[:3])
+    if len(parts) == 1:                                 # a 16-bit ring's rows
+        return RingStoreDesc(codes.data_ptr(), None, None, cs, (0, 0, 0))
+    _, scale, mn = parts
     assert codes.dtype == torch.uint8 and scale.dtype == mn.dtype == torch.float16
-    assert codes.stride(3) == 1 and scale.stride(3) == 1 and scale.stride() == mn.stride(), \
+    assert scale.stride(3) == 1 and scale.stride() == mn.stride(), \
         "ring storage: channel-contiguous codes, scale and min of one layout"
-    return RingStoreDesc(codes.data_ptr(), scale.data_ptr(), mn.data_ptr(),
-                         tuple(codes.stride()[:3]), tuple(scale.stride()[:3]))
+    return RingStoreDesc(codes.data_ptr(), scale.data_ptr(), mn.data_ptr(), cs, tuple(scale.stride()[:3]))
+
+
+def _rotation(r):
+    """A (D, D) rotation as the kernel reads it: fp32, row-major (None: none)."""
+    return None if r is None else r.float().contiguous()
 
 
 class _Plan:
-    """The C arguments of one ring (storage pointers, scratch) built once; a call fills in
-    the per-step fields."""
+    """The C arguments of one ring (storage pointers, rotations, scratch) built once; a call
+    fills in the per-step fields."""
 
-    def __init__(self, k_parts, v_parts, bits, group, dtype, rot_v):
-        codes = k_parts[0]
-        _, Hkv, W, _ = codes.shape
-        D = k_parts[1].shape[3] * group
+    def __init__(self, k_parts, v_parts, D, bits, group, dtype, rot_k, rot_v):
+        Hkv, W = k_parts[0].shape[1:3]
         self.W, self.D = W, D
-        self.a = RingArgs()
-        a = self.a
+        self.a = a = RingArgs()
         a.Hkv, a.D, a.bits, a.group, a.rdtype = Hkv, D, bits, group, _FP[dtype]
-        a.k, a.v = _store(*k_parts), _store(*v_parts)
-        self.rvt = rot_v.float().T.contiguous() if rot_v is not None else None
-        a.rvt = self.rvt.data_ptr() if self.rvt is not None else None
+        a.k, a.v = _store(k_parts), _store(v_parts)
+        self.rk, self.rv = _rotation(rot_k), _rotation(rot_v)
+        a.rk = self.rk.data_ptr() if self.rk is not None else None
+        a.rv = self.rv.data_ptr() if self.rv is not None else None
         self.kx, self.vx = torch.empty(Hkv * D), torch.empty(Hkv * D)
         a.kx, a.vx = self.kx.data_ptr(), self.vx.data_ptr()
         self.H = 0
@@ -76,52 +91,59 @@ class _Plan:
         self.a.qp, self.a.sc, self.a.part = self.qp.data_ptr(), self.sc.data_ptr(), self.part.data_ptr()
 
 
-_PLANS: dict = {}       # (id(K codes), id(rot_v)) -> (weakref to the codes, _Plan)
+_PLANS: dict = {}       # (id(K codes), id(rot_k), id(rot_v)) -> (weakref to the codes, _Plan)
 
 
-def _plan(k_parts, v_parts, bits, group, dtype, rot_v) -> _Plan:
+def _plan(k_parts, v_parts, D, bits, group, dtype, rot_k, rot_v) -> _Plan:
     """One plan per ring storage, alive as long as its codes tensor (a weak reference checks
     it is the same live tensor, so a reused id never returns stale pointers)."""
     t = k_parts[0]
-    key = (id(t), id(rot_v))
+    key = (id(t), id(rot_k), id(rot_v))
     hit = _PLANS.get(key)
     if hit is not None and hit[0]() is t:
         return hit[1]
-    p = _Plan(k_parts, v_parts, bits, group, dtype, rot_v)
+    p = _Plan(k_parts, v_parts, D, bits, group, dtype, rot_k, rot_v)
     _PLANS[key] = (weakref.ref(t, lambda _, k=key: _PLANS.pop(k, None)), p)
     return p
 
 
+def covers(H: int, Hkv: int, D: int, bits: int, group: int, dtype) -> bool:
+    """Whether the kernel takes a ring of these shapes: 4- or 8-bit codes in channel groups
+    dividing D, or 16-bit rows; head dim <= 256, at most 16 query heads per KV head,
+    fp16/bf16/fp32 rows; the library built."""
+    return (bits in (4, 8, 16) and D <= MAX_D and (bits == 16 or D % group == 0)
+            and (bits != 4 or D % 2 == 0) and H % Hkv == 0 and H // Hkv <= MAX_GQ
+            and dtype in _FP and load() is not None)
+
+
 def supports(q, k, v, bits: int, group: int, dtype) -> bool:
-    """Whether the kernel covers this step: one token of batch 1 on CPU, 4- or 8-bit codes,
-    head dim <= 256, at most 16 query heads per KV head, fp16/bf16/fp32 rows."""
+    """Whether the kernel covers this step: one token of batch 1 on CPU, a ring `covers`
+    takes, q / k / v of a row dtype with contiguous channels."""
     _, H, T, D = q.shape
-    Hkv = k.shape[1]
-    return (T == 1 and q.shape[0] == 1 and q.device.type == "cpu" and bits in (4, 8)
-            and D <= MAX_D and D % group == 0 and H % Hkv == 0 and H // Hkv <= MAX_GQ
-            and all(x.dtype in _FP and x.stride(3) == 1 for x in (q, k, v)) and dtype in _FP
-            and load() is not None)
+    return (T == 1 and q.shape[0] == 1 and q.device.type == "cpu"
+            and all(x.dtype in _FP and x.stride(3) == 1 for x in (q, k, v))
+            and covers(H, k.shape[1], D, bits, group, dtype))
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: int, slot: int,
-              n: int, rot_v=None):
-    """One decode token of a quantized ring layer. q (1, H, 1, D) and k (1, Hkv, 1, D) rotated
-    by the ring's K rotation, v (1, Hkv, 1, D) rotated by rot_v when given; k_parts / v_parts
-    the (codes, scale, min) tensors of every sliding layer, (L, Hkv, W, ·); dtype the ring's
-    row dtype (the new rows are rounded to it). Writes the new rows into `slot` of `layer`,
-    attends over slots 0 .. n-1 (slot `slot` the new rows in full precision) and returns
-    (1, H, 1, D) in q's dtype, un-rotated by rot_v. None when not covered (the caller then
-    runs the torch step)."""
+              n: int, rot_k=None, rot_v=None):
+    """One decode token of a ring layer. q (1, H, 1, D), k and v (1, Hkv, 1, D) in the
+    model's space (K after RoPE); rot_k / rot_v the ring's rotations of K (q and k) and V,
+    or None; k_parts / v_parts the storage tensors of every sliding layer (ring.py
+    `ring_layout`: (codes, scale, min), or a 16-bit ring's rows), (L, Hkv, W, ·); dtype the
+    ring's row dtype (the new rows are rounded to it). Writes the new rows into `slot` of
+    `layer`, attends over slots 0 .. n-1 (slot `slot` the new rows in full precision) and
+    returns (1, H, 1, D) in q's dtype, in the model's space. None when not covered (the
+    caller then runs the torch step)."""
     if not supports(q, k, v, bits, group, dtype):
         return None
     _, H, _, D = q.shape
     Hkv = k.shape[1]
-    p = _plan(k_parts, v_parts, bits, group, dtype, rot_v)
-    nth = torch.get_num_threads()
+    p = _plan(k_parts, v_parts, D, bits, group, dtype, rot_k, rot_v)
     p.scratch(H)
     a = p.a
     out = torch.empty(1, H, 1, D)
-    a.Gq, a.n, a.slot, a.layer, a.nthreads = H // Hkv, n, slot, layer, nth
+    a.Gq, a.n, a.slot, a.layer, a.nthreads = H // Hkv, n, slot, layer, torch.get_num_threads()
     a.qdtype, a.kdtype, a.vdtype = _FP[q.dtype], _FP[k.dtype], _FP[v.dtype]
     a.q, a.qs = q.data_ptr(), q.stride(1)
     a.kn, a.kns, a.vn, a.vns = k.data_ptr(), k.stride(1), v.data_ptr(), v.stride(1)
@@ -129,3 +151,28 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
     rc = load().kvrun_ring_attention(ctypes.byref(a))
     assert rc == 0, f"native ring_attention refused its arguments ({rc})"
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def step_args(H: int, k_parts, v_parts, D: int, bits: int, group: int, dtype, rot_k=None,
+              rot_v=None):
+    """The arguments of every ring layer's one-token step inside the one-call decode step
+    (native/decode_step.py RowPlan; C kvrun_ring_attention_rows binds q / k / v / out, the
+    scratch, slot and n per step): one RingArgs per sliding layer, in order, fp32 q and new
+    rows of head stride D, as the per-layer route's `ring_step` gets them from the layer
+    scratch; they share the rotations and the kx / vx scratch (a row's layers run one after
+    another). Returns (list of RingArgs, what they point into), or None when `covers`
+    declines."""
+    L, Hkv = k_parts[0].shape[:2]
+    if not covers(H, Hkv, D, bits, group, dtype):
+        return None
+    p = _Plan(k_parts, v_parts, D, bits, group, dtype, rot_k, rot_v)
+    base = p.a
+    base.Gq = H // Hkv
+    base.qdtype = base.kdtype = base.vdtype = _FP[torch.float32]
+    base.qs = base.kns = base.vns = D
+    args = []
+    for layer in range(L):
+        a = RingArgs.from_buffer_copy(base)
+        a.layer = layer
+        args.append(a)
+    return args, p

@@ -1,6 +1,6 @@
 /* Rows of the window and the new tokens, shared by the arena's attention kernels
  * (decode_attention.c, codebook_attention.c): fp16 / bf16 / fp32 rows to and from fp32, and
- * the (D, D) rotation of a row. One definition, inlined into each translation unit. */
+ * the (D, D) rotation of a row and its inverse. Also ring_attention.c's. One definition, inlined into each translation unit. */
 #ifndef KVRUN_ROWS_INLINE_H
 #define KVRUN_ROWS_INLINE_H
 
@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "codec_layout.h"
+#include "math_inline.h"
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -51,6 +52,13 @@ static inline void matvec(float *restrict x, const float *restrict M, int D) {
         const float *m = M + (int64_t)e * D;
         for (int d = 0; d < D; d++) y[d] += xe * m[d];
     }
+    memcpy(x, y, sizeof(float) * D);
+}
+
+/* y = x @ M^T (M: (D, D) row-major), in place: a rotated row back (x R R^T = x) */
+static inline void matvec_t(float *restrict x, const float *restrict M, int D) {
+    float y[MAXD];
+    for (int d = 0; d < D; d++) y[d] = dot(x, M + (int64_t)d * D, D);
     memcpy(x, y, sizeof(float) * D);
 }
 

@@ -1,5 +1,6 @@
-/* step_io.h: what the one-call decode step (decode_layer.c kvrun_decode_step) hands an
- * arena layer's attention for one row, and how an attention kernel takes it.
+/* step_io.h: what the one-call decode step (decode_layer.c kvrun_decode_step) hands a
+ * layer's attention for one row (an arena layer's or a sliding ring's, ring_attention.c
+ * kvrun_ring_attention_rows), and how an arena attention kernel takes it.
  *
  * An arena layer's attention arguments (decode_attention.c Args) are built once per cache
  * and layer by native/decode_step.py, as
@@ -17,6 +18,8 @@ typedef struct {
     const float *k, *v;              /* its new K (roped) and V rows (Hkv, D), fp32 */
     float *out;                      /* (H, D) attention output */
     float *qs, *sc, *part;           /* scratch: (H, D), (H, N), (H, splits, D) floats */
+    int32_t slot, n;                 /* a ring layer (ring_attention.c; n_tail, W unused): the
+                                      * slot the new rows take, the filled slots attended */
 } StepIO;
 
 /* the window dtype's bytes per element (rows_inline.h's ROW_* kinds) */

@@ -28,7 +28,7 @@ def native_row(arena, H: int):
     if hit is None or hit[0] != key:
         hit = _PLANS[arena] = (key, _build(arena, H))
     plan = hit[1]
-    if plan is None or max(arena.n_win) >= arena.win_k.shape[2]:
+    if plan is None or window_full(arena):
         return None
     return plan.lengths(arena.n_tail, arena.n_win)
 
@@ -36,9 +36,19 @@ def native_row(arena, H: int):
 def _build(arena, H: int):
     if arena.ev is not None:
         return None
-    return step_row(H, arena.G, [((arena.k_codecs[l], arena.k_store[l]), (arena.v_codecs[l], arena.v_store[l]),
-                         arena.win_k[l], arena.win_v[l], arena.rot_k[l], arena.rot_v[l])
-                        for l in range(arena.L)], backend=arena.backend)
+    return step_row(H, arena.G, layer_inputs(arena), backend=arena.backend)
+
+
+def layer_inputs(arena) -> list:
+    """Per layer what dispatch.step_row takes of an arena layer."""
+    return [((arena.k_codecs[l], arena.k_store[l]), (arena.v_codecs[l], arena.v_store[l]),
+             arena.win_k[l], arena.win_v[l], arena.rot_k[l], arena.rot_v[l]) for l in range(arena.L)]
+
+
+def window_full(arena) -> bool:
+    """Whether some layer's window has no slot for the step's token (`attend` appends
+    first, then: a restored full window)."""
+    return max(arena.n_win) >= arena.win_k.shape[2]
 
 
 def stepped(arena) -> None:

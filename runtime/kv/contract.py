@@ -136,7 +136,8 @@ class KVCache(ABC):
 
     def native_stepped(self) -> None:
         """After a one-call native step through `native_row`: the new token is in every
-        layer's window; count it and flush, as `attend` does after its kernel call."""
+        layer's window (or ring slot); count it and flush, as `attend` does after its
+        kernel call."""
         raise NotImplementedError(f"{type(self).__name__} has no one-call native step")
 
     def report(self) -> list[str]:

@@ -23,10 +23,14 @@ outlier channels that make per-token K quantization fail. `ring_bits(kv)` picks 
 width from the KV method (build_cache: 16 when nothing is compressed, 8 when every method
 keeps >= 8 bits, else 4), unless the config sets it (`ring`: "+ring8", a profile's "kv"
 block, `kvrun search` choosing it under the byte budget). As in the arena, the step's own
-new rows are attended in full precision and quantized when they are written. A one-token step on codes is one op where the
-backend has it (kernels/dispatch.py `ring_step`: the native kernel reads the codes in place
-and writes the new slot bit-identical to `_RingStore.write`); `_attend` is its torch oracle
-and serves everything else (fp16 rings, chunks, the torch backend).
+new rows are attended in full precision and quantized when they are written. A one-token
+step is one op where the backend has it (kernels/dispatch.py `ring_step`: the native
+kernel, every width, rotates q and the new rows, reads the rows or codes in place and
+writes the new slot as `_RingStore.write` does; Triton: quantized rings); `_attend` is its
+torch oracle and serves everything else (chunks, the torch backend). On the native backend
+a `LayeredKVCache`'s rings are also a row of the model's one-call decode step
+(`native_row`, runtime/kv/layered_step.py): the same kernel code per ring layer, inside
+one C call per step.
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
 too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
 the switch the arena uses for the global layers): rows are kept as x @ R, and attention runs
@@ -63,6 +67,7 @@ from kvrun.kernels.dispatch import ring_step, select
 from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
+from . import layered_step
 from .contract import KVCache
 from .snapshot import Snapshot, nest, part, ring_restore, ring_snapshot
 
@@ -154,7 +159,7 @@ class SlidingWindowKV:
         self.window, self.W, self.bits = window, min(window, max_ctx), bits
         self.k = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device, group)
         self.v = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device, group)
-        self.n_layers, self.dtype = n_layers, dtype
+        self.n_layers, self.dtype, self.head_dim = n_layers, dtype, head_dim
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
         self.backend = select(device)
@@ -172,15 +177,16 @@ class SlidingWindowKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
         rv = self.rot_v                         # rot_k or None; rot_k is None for an fp16 ring
-        q, k, v = rotate_step(q, k, v, self.rot_k, rv)
-        if self.bits != 16 and k.shape[2] == 1:
-            # one token on codes: the backend's fused step (attend + slot write) where it
+        if k.shape[2] == 1:
+            # one token: the backend's fused step (rotations + attend + slot write) where it
             # has one (kernels/dispatch.py), same storage as _attend's
             s, W = self.seq_len, self.W
             o = ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
-                          self.dtype, layer, s % W, min(s + 1, W), rv, backend=self.backend)
+                          self.dtype, layer, s % W, min(s + 1, W), self.rot_k, rv,
+                          backend=self.backend)
             if o is not None:
                 return o
+        q, k, v = rotate_step(q, k, v, self.rot_k, rv)
         o = self._attend(layer, q, k, v)
         return o if rv is None else unrotate(o, rv)
 
@@ -283,6 +289,9 @@ class LayeredKVCache(KVCache):
 
     def write_attend(self, layer: int, q, new):
         return self.inner.write_attend(self.route[layer][1], q, new)
+
+    native_row = layered_step.native_row           # the one-call native step (contract.py)
+    native_stepped = layered_step.stepped
 
     def commit(self, T: int) -> None:
         self.inner.commit(T)

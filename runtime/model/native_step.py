@@ -3,14 +3,14 @@
 one C call after it (o_proj, residual, RMSNorm, gate+up, SwiGLU, down, residual); then the
 final norm and lm_head.
 
-Two routes, one result. When every cache is an arena row of the one-call step
+Two routes, one result. When every cache is a row of the one-call step
 (`cache.native_row`: native backend, no eviction, every layer's attention a
-decode_attention.c call), the whole step over all layers and rows is ONE C call
-(kernels/native/decode_step.py, decode_layer.c `kvrun_decode_step`): no Python between
-layers, and the caches count the token and flush after it (`cache.native_stepped`).
-Otherwise (Gemma's rings, eviction, a layer the kernel declines) the per-layer route:
-`LayerPlan.pre`, the cache's `attend` per row (the arena's native attend_append, or a
-ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
+decode_attention.c call, or for Gemma's sliding layers a ring_attention.c call), the
+whole step over all layers and rows is ONE C call (kernels/native/decode_step.py,
+decode_layer.c `kvrun_decode_step`): no Python between layers, and the caches count the
+token and flush after it (`cache.native_stepped`). Otherwise (eviction, a layer the
+kernels decline) the per-layer route: `LayerPlan.pre`, the cache's `attend` per row (the
+arena's native attend_append, or a ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
 order with the same arguments, so their logits and cache bytes are bit-identical
 (tests/test_decode_step.py); which one runs is decided once per step, never per layer.
 

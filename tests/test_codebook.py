@@ -1,8 +1,8 @@
 """The codebook codecs (cb-2/3/4): their Lloyd-Max levels, the packed group layout, the
 torch codec (the oracle) against explicit dequantization, and the native kernels
-(codebook_attention.c) against it — the flush byte for byte, the attention to fp32
-rounding — for odd head counts, GQA ratios, tails, windows and chunks, with and without
-AVX-512, plus the arena's implied rotation and the `--kv` names."""
+(codebook_attention.c, codebook_portable.c) against it — the flush byte for byte, the
+attention to fp32 rounding — for odd head counts, GQA ratios, tails, windows and chunks,
+with AVX-512, AVX2 and plain C, plus the arena's implied rotation and the `--kv` names."""
 import ctypes
 
 import pytest
@@ -177,16 +177,18 @@ def test_native_mixed_pair_is_the_native_route():
     assert torch.equal(out, nda.decode_attention(args[0], *args[1:3], 64, *args[3:]))
 
 
-@pytest.fixture
-def portable(monkeypatch):
-    """The kernel built without its AVX-512 paths (table reads into an L1 tile)."""
-    lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
+@pytest.fixture(params=[("-DKVRUN_NO_AVX512",), ("-DKVRUN_NO_AVX512", "-DKVRUN_NO_AVX2")],
+                ids=["avx2", "plain-c"])
+def portable(request, monkeypatch):
+    """The kernel built without its AVX-512 paths: the AVX2 lookups (8 codes a register), or
+    with neither, plain C (table reads into an L1 tile)."""
+    lib = ctypes.CDLL(str(native._build(request.param)))
     lib.kvrun_decode_attention.restype = ctypes.c_int
     monkeypatch.setattr(nda, "load", lambda: lib)
 
 
 @has_native
-@pytest.mark.parametrize("kv", ["cb-2", "cb-3/cb-4"])
+@pytest.mark.parametrize("kv", ["cb-2", "cb-3/cb-4", "cb-4/cb-3"])
 def test_portable_path_matches_dequantized_reference(portable, kv):
     km, _, vm = kv.partition("/")
     for geom in GEOMS[:3] + GEOMS[5:]:

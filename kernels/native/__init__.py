@@ -27,19 +27,20 @@ from pathlib import Path
 # q.K over KIVI keys in kdot_int.c), the flushes
 # into the compressed tail (pack.c), the dense part of a decoder layer (decode_layer.c) with
 # its GEMVs (gemv_quant.c + gemv_int.c, gemv_fp32.c) and the sliding ring's step
-# (ring_attention.c), and the codebook codecs' tile reads for the attention and their flush
-# (codebook_attention.c, codebook_pack.c)
+# (ring_attention.c), and the codebook codecs' tile reads for the attention (codebook_attention.c
+# with AVX-512, codebook_portable.c without) and their flush (codebook_pack.c)
 SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "kdot_int.c", "pack.c",
                                               "decode_layer.c", "gemv_quant.c", "gemv_int.c", "gemv_fp32.c",
                                               "ring_attention.c", "codebook_attention.c",
-                                              "codebook_pack.c")]
+                                              "codebook_portable.c", "codebook_pack.c")]
 # included by the sources above: the packed layouts attention and pack share, fp32 helpers,
 # the window rows of the arena's attention, the asymmetric quantizer of the flushes and the
 # ring, the GEMVs' interface, the integer q.K's, the integer ISA choice both share, the codec
-# descriptor the attention reads, what the one-call decode step hands the attention
+# descriptor the attention reads, what the one-call decode step hands the attention, the
+# codebook groups both codebook readers decode
 HEADERS = [Path(__file__).with_name(n) for n in ("codec_layout.h", "math_inline.h", "rows_inline.h",
                                                  "quant_inline.h", "gemv.h", "kdot_int.h", "int_dot.h",
-                                                 "codec_desc.h", "step_io.h")]
+                                                 "codec_desc.h", "step_io.h", "codebook_group.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 

@@ -21,8 +21,8 @@
  * registers with two bit deposits (pdep) and pick the upper half of the table by a masked
  * vpermps. A K lane then holds one parity of channels, so each row's (q_d, q_d+1) is one
  * 64-bit broadcast and the two parities are added per token at the end; a V register holds
- * channels out of order and is put back once per run. Without AVX-512 a K tile is decoded
- * into a (D, 32) table in L1 and V row by row.
+ * channels out of order and is put back once per run. Builds without AVX-512:
+ * codebook_portable.c (the same functions with AVX2, or plain C).
  *
  * Layouts (cbpack.py): K codes (Hkv, S/32, D, 4 bits) — tile, channel; V codes (Hkv, S,
  * D/32, 4 bits) — token, channel group; scale (Hkv, S) fp16. A group of 32 codes: 4 bits
@@ -36,33 +36,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "codec_desc.h"
-#if defined(__AVX512F__)
+#include "codebook_group.h"
+#if CB_FAST
 #include <immintrin.h>
-#endif
 
-enum { CT = 32, VRUN = 256 };      /* tokens per tile, codes per group; p.V tokens per run */
-
-/* -- a packed group of 32 codes -------------------------------------------------------------- */
-
-static inline int group_code(const uint8_t *g, int bits, int j) {
-    if (bits == 4) return j < 16 ? g[j] & 15 : g[j - 16] >> 4;
-    int c = (g[j & 7] >> (2 * (j >> 3))) & 3;
-    if (bits == 3) c |= ((g[8 + (j >> 3)] >> (j & 7)) & 1) << 2;
-    return c;
-}
-
-/* the 32 levels of a group, o[j * stride] */
-static inline void group_levels(const uint8_t *g, int bits, const float *lv, float *o, int stride) {
-    for (int j = 0; j < CT; j++) o[j * stride] = lv[group_code(g, bits, j)];
-}
-
-static inline void f16x32(const f16 *s, int64_t st, float *o) {
-    for (int j = 0; j < CT; j++) o[j] = (float)s[j * st];
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__BMI2__) && !defined(KVRUN_NO_AVX512)
-#define CB_FAST 1
 #define INLINE static inline __attribute__((always_inline))
 /* F(r0, nr) over rows [0, R) in blocks of 8 (4), nr a constant in each call */
 #define ROWS_TAIL3(r0, REM, F) switch (REM) { case 3: F(r0, 3); break; case 2: F(r0, 2); break; \
@@ -314,40 +291,6 @@ void cb_v_mix(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int
             if (c->bits == 4) { VB(4) } else if (c->bits == 3) { VB(3) } else { VB(2) }
 #undef VB
 #undef VM
-        }
-    }
-}
-#else
-#define CB_FAST 0
-/* portable: a K tile's levels into kt[D][32] (L1), one GEMM-like pass per row */
-void cb_k_tile(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
-                          float *sc, int64_t N) {
-    const uint8_t *tile = c->codes + h * c->cs[0] + (t0 / CT) * c->cs[1];
-    float kt[MAXD * CT], sf[CT];
-    for (int d = 0; d < D; d++) group_levels(tile + d * c->cs[2], c->bits, c->lv, kt + d * CT, 1);
-    f16x32(c->scale + h * c->ss[0] + t0 * c->ss[1], c->ss[1], sf);
-    for (int r = 0; r < R; r++) {
-        float acc[CT] = {0};
-        for (int d = 0; d < D; d++) {
-            float qd = q[r * D + d];
-            for (int j = 0; j < CT; j++) acc[j] += qd * kt[d * CT + j];
-        }
-        for (int j = 0; j < CT; j++) sc[r * N + j] = acc[j] * sf[j];
-    }
-}
-
-/* portable: each token's row of levels, accumulated with weight p_t scale_t */
-void cb_v_mix(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
-                  int R, int D, float *acc) {
-    float row[MAXD];
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *g = c->codes + h * c->cs[0] + t * c->cs[1];
-        for (int k = 0; k < D / CT; k++) group_levels(g + k * c->cs[2], c->bits, c->lv, row + k * CT, 1);
-        float s = (float)c->scale[h * c->ss[0] + t * c->ss[1]];
-        for (int r = 0; r < R; r++) {
-            float w = p[r * N + t] * s;
-            float *o = acc + r * D;
-            for (int d = 0; d < D; d++) o[d] += w * row[d];
         }
     }
 }

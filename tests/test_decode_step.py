@@ -77,9 +77,16 @@ def _decode(m, caches, tokens, monkeypatch, one_call):
                                 "profile", "profile+rot", "cb-4", "cb-3/cb-2"])
 @pytest.mark.parametrize("depths", [[45], [21, 40, 77]])
 def test_one_call_equals_the_per_layer_route(model, tmp_path, monkeypatch, kv, depths):
-    m, steps = model, 80                       # every row crosses two or three flushes
-    g = torch.Generator().manual_seed(len(depths))
-    caches = [kvrun.kv.make_cache(m.cfg, CTX, _kv(kv, tmp_path)) for _ in depths]
+    caches = _both_routes(model, _kv(kv, tmp_path), depths, len(depths), monkeypatch)
+    assert min(c.n_tail[0] for c in caches) >= 64                       # flushed on the way
+
+
+def _both_routes(m, kv, depths, seed, monkeypatch, steps=80):
+    """Rows prefilled to `depths`, then `steps` decode steps on the one-call route and on
+    twins of the caches on the per-layer route: each route ran every step, and the logits
+    and every cache's counts and tensors are equal bit for bit. Returns the caches."""
+    g = torch.Generator().manual_seed(seed)
+    caches = [kvrun.kv.make_cache(m.cfg, CTX, kv) for _ in depths]
     for c, d in zip(caches, depths):
         m.transformer(torch.randint(3, 250, (1, d), generator=g), c)    # prefill
     tokens = torch.randint(3, 250, (steps, len(depths)), generator=g)
@@ -89,11 +96,11 @@ def test_one_call_equals_the_per_layer_route(model, tmp_path, monkeypatch, kv, d
     assert (n_one, n_layers) == (steps, 0)                              # each route ran
     assert torch.isfinite(got).all()
     assert torch.equal(got, want), (got - want).abs().max()
-    assert min(c.n_tail[0] for c in caches) >= 64                       # flushed on the way
     for c, t in zip(caches, twins):
         (counts, tensors), (counts_t, tensors_t) = _state(c), _state(t)
         assert counts == counts_t
         assert all(torch.equal(a, b) for a, b in zip(tensors, tensors_t))
+    return caches
 
 
 def test_caches_the_one_call_does_not_take(tmp_path):
@@ -140,23 +147,9 @@ def test_gemma_rings_one_call_equals_the_per_layer_route(gemma, tmp_path, monkey
     one at 77 has wrapped already; the global layers' arena flushes on the way. Logits, ring
     storage, ring position and the arena bit for bit; and the one-call route ran every
     step (a ring layer it declined would have sent the step to the per-layer route)."""
-    m, steps = gemma, 80
-    g = torch.Generator().manual_seed(len(depths) + bits)
-    caches = [kvrun.kv.make_cache(m.cfg, CTX, _kv(kv, tmp_path)) for _ in depths]
+    caches = _both_routes(gemma, _kv(kv, tmp_path), depths, len(depths) + bits, monkeypatch)
     assert all(isinstance(c, LayeredKVCache) and c.ring.bits == bits for c in caches)
     assert (caches[0].ring.rot_v is not None) == kv.endswith(("rot-v", "rot"))
-    for c, d in zip(caches, depths):
-        m.transformer(torch.randint(3, 250, (1, d), generator=g), c)    # prefill
-    tokens = torch.randint(3, 250, (steps, len(depths)), generator=g)
-    twins = copy.deepcopy(caches)
-    got, n_one = _decode(m, caches, tokens, monkeypatch, True)
-    want, n_layers = _decode(m, twins, tokens, monkeypatch, False)
-    assert (n_one, n_layers) == (steps, 0)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got, want), (got - want).abs().max()
     assert min(c.inner.n_tail[0] for c in caches) >= 32                 # the arena flushed
-    for c, t in zip(caches, twins):
-        (counts, tensors), (counts_t, tensors_t) = _state(c), _state(t)
-        assert counts == counts_t
-        assert all(torch.equal(a, b) for a, b in zip(tensors, tensors_t))
+    for c in caches:
         assert c.ring.seq_len > c.ring.W                                  # every ring wrapped

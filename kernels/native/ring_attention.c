@@ -439,10 +439,13 @@ static void head_prepare(const RingArgs *a, const Mode *m, int h) {
     }
 }
 
-/* slots [t0, t1) of split sp of the n filled ones */
-static inline void split_range(const RingArgs *a, const Mode *m, int sp, int64_t *t0, int64_t *t1) {
+/* slots [t0, t1) of split sp of the n filled ones, and the two runs of them around the new
+ * slot (cut: around_slot), which phases 1 and 3 read from the ring */
+static inline void split_cuts(const RingArgs *a, const Mode *m, int sp, int64_t *t0, int64_t *t1,
+                              int64_t cut[2][2]) {
     *t0 = (int64_t)a->n * sp / m->nsplit;
     *t1 = (int64_t)a->n * (sp + 1) / m->nsplit;
+    around_slot(*t0, *t1, a->slot, cut);
 }
 
 /* phase 1, split sp, head h: logits of its Gq rows; the new slot from its fp32 row */
@@ -452,8 +455,7 @@ static void head_logits(const RingArgs *a, const Mode *m, int h, int sp) {
     const float *q = a->qp + (int64_t)h * Gq * D;
     float *sc = a->sc + (int64_t)h * Gq * n;
     int64_t t0, t1, cut[2][2];
-    split_range(a, m, sp, &t0, &t1);
-    around_slot(t0, t1, slot, cut);
+    split_cuts(a, m, sp, &t0, &t1, cut);
     for (int k = 0; k < 2; k++) {
         if (cut[k][0] >= cut[k][1]) continue;
 #if HAVE_FAST
@@ -485,8 +487,7 @@ static void head_mix(const RingArgs *a, const Mode *m, int h, int sp) {
     float *acc = a->part + ((int64_t)sp * H + (int64_t)h * Gq) * D;
     memset(acc, 0, sizeof(float) * Gq * D);
     int64_t t0, t1, cut[2][2];
-    split_range(a, m, sp, &t0, &t1);
-    around_slot(t0, t1, slot, cut);
+    split_cuts(a, m, sp, &t0, &t1, cut);
     for (int k = 0; k < 2; k++) {
         if (cut[k][0] >= cut[k][1]) continue;
 #if HAVE_FAST

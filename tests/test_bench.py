@@ -164,6 +164,10 @@ def test_auto_and_named_profiles_are_labelled_by_name(tiny_dir, tmp_path):
     assert parse_kv("auto").label() == "auto"
     assert parse_kv("profile:smollm2-135m-0.25").label() == "profile:smollm2-135m-0.25"
     assert parse_kv("auto", evict="h2o", budget=1024).label() == "auto+h2o@1024"
+    # settings given over a profile show, so two tables' rows are told apart
+    assert parse_kv("auto+rot-k").label() == "auto+rot-k"
+    assert parse_kv("profile:smollm2-135m-0.25+rot+ring8").label() == "profile:smollm2-135m-0.25+rot+ring8"
+    assert parse_kv("kivi-4/cb-3+rot-k+ring8").label() == "kivi-4/cb-3+rot-k+ring8"
 
 
 def test_depth_beyond_trained_context_is_a_warning(tiny_dir):

@@ -177,6 +177,13 @@ def test_ring_width_is_recorded_only_when_set(saved, tmp_path):
     _refused(m, bad, "its settings must match")
 
 
+def test_the_label_is_not_compared(saved, tmp_path):
+    """A file whose label is spelled otherwise (a profile's label before a rotation given
+    over it was shown) loads when its settings match."""
+    m, good = saved
+    m.load_session(_patched_header(good, tmp_path / "l.kvs", lambda h: h["kv"].update(label="x")))
+
+
 def test_too_long_for_the_context(saved):
     _, good = saved
     with pytest.raises(KvrunError, match="raise -c"):

@@ -214,7 +214,9 @@ def check_origin(path, header: dict, model: dict, kv: dict) -> None:
     if want.get("dtype") != model["dtype"]:
         raise KvrunError(f"{path}: saved with --dtype {want.get('dtype')}, this model runs "
                          f"--dtype {model['dtype']}")
-    if header["kv"] != kv:
+    # the settings decide; the label only names them (and its spelling may change: a rotation
+    # given over a profile joined it later)
+    if header["kv"].get("settings") != kv["settings"]:
         raise KvrunError(f"{path}: saved with --kv {header['kv'].get('label')!r}, this cache is "
                          f"--kv {kv['label']!r} (its settings must match too)")
 

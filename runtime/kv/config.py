@@ -294,15 +294,12 @@ class KVConfig:
             info = self.profile_info or {}
             base = ("auto" if info.get("auto") else
                     f"profile:{Path(info['path']).stem}" if info.get("path") else "profile")
-            given = info.get("fields", {}).get("ring")       # a width set over the profile's
-            return base + (f"+ring{given}" if given else "") + self._evict_label()
+            given = info.get("fields", {})          # a rotation or ring width set over the profile's
+            return base + _suffixes(given.get("rotate", "none"), given.get("ring")) + self._evict_label()
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
         if (self.group, self.v_group) != (32, 32):
             base += f"@{self.group}" if self.group == self.v_group else f"@{self.group}/{self.v_group}"
-        rot = self.rotation.which
-        base += "" if rot == "none" else f"+rot{'' if rot == 'kv' else '-' + rot}"
-        base += "" if self.ring is None else f"+ring{self.ring}"
-        return base + self._evict_label()
+        return base + _suffixes(self.rotation.which, self.ring) + self._evict_label()
 
     def _evict_label(self) -> str:
         ev = self.eviction
@@ -314,6 +311,12 @@ class KVConfig:
 
 
 _ROT_SUFFIXES = {"rot": "kv", "rot-k": "k", "rot-v": "v", "rot-kv": "kv"}
+
+
+def _suffixes(rotate: str, ring: int | None) -> str:
+    """A label's +rot[-k|-v] and +ringN, as a --kv spec writes them."""
+    return ("" if rotate == "none" else f"+rot{'' if rotate == 'kv' else '-' + rotate}") + \
+        ("" if ring is None else f"+ring{ring}")
 
 
 def _suffix(spec: str, suffix: str) -> tuple[str, object]:

@@ -16,18 +16,24 @@ import weakref
 from kvrun.kernels.dispatch import attn_path, step_row
 from kvrun.kernels.fused_compress import flush_count
 
-# arena -> ((H, attention path), RowPlan or None); outside the arena so a copy (deepcopy, snapshot) never
-# carries pointers into another arena's tensors
+# cache -> ((H, attention path), RowPlan or None); outside the cache so a copy (deepcopy,
+# snapshot) never carries pointers into another cache's tensors
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_plan(cache, H: int, build):
+    """The cache's RowPlan (or None) from `build(cache, H)`, built again only when H or the
+    attention path `attend` takes this step changed (layered_step.py's rows use it too)."""
+    key = (H, attn_path())
+    hit = _PLANS.get(cache)
+    if hit is None or hit[0] != key:
+        hit = _PLANS[cache] = (key, build(cache, H))
+    return hit[1]
 
 
 def native_row(arena, H: int):
     """The arena's RowPlan with this step's lengths, or None (the module docstring)."""
-    key = (H, attn_path())                   # the attention path `attend` takes this step
-    hit = _PLANS.get(arena)
-    if hit is None or hit[0] != key:
-        hit = _PLANS[arena] = (key, _build(arena, H))
-    plan = hit[1]
+    plan = cached_plan(arena, H, _build)
     if plan is None or window_full(arena):
         return None
     return plan.lengths(arena.n_tail, arena.n_win)

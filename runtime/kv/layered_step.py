@@ -14,23 +14,13 @@ no kernel covers, or a full arena window keeps the per-layer route.
 """
 from __future__ import annotations
 
-import weakref
-
-from kvrun.kernels.dispatch import attn_path, step_row
+from kvrun.kernels.dispatch import step_row
 from . import arena_step
-
-# cache -> ((H, attention path), RowPlan or None); outside the cache so a copy (deepcopy,
-# snapshot) never carries pointers into another cache's tensors
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def native_row(cache, H: int):
     """The cache's RowPlan with this step's lengths, or None (the module docstring)."""
-    key = (H, attn_path())
-    hit = _PLANS.get(cache)
-    if hit is None or hit[0] != key:
-        hit = _PLANS[cache] = (key, _build(cache, H))
-    plan, arena, ring = hit[1], cache.inner, cache.ring
+    plan, arena, ring = arena_step.cached_plan(cache, H, _build), cache.inner, cache.ring
     if plan is None or arena_step.window_full(arena):
         return None
     n_tail, n_win = [0] * cache.n_layers, [0] * cache.n_layers

@@ -47,19 +47,26 @@ INLINE __m256 dec8(const uint8_t *g, int j0, const int BITS, Luts L) {
                             _mm256_castsi256_ps(hs));
 }
 
+/* a[i] = sum_k x[i * xs + k] * level(codes k, lanes j0 .. j0 + 15), k < n, NR rows: the
+ * loop both reads share (K: k a channel of a tile, x = q; V: k a token, x = p.V weights) */
+INLINE void fma16(const uint8_t *base, int64_t stride, int j0, int n, const float *x, int64_t xs,
+                  Luts L, __m256 a[4][2], const int NR, const int BITS) {
+    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int k = 0; k < n; k++) {
+        const __m256 c0 = dec8(base + k * stride, j0, BITS, L), c1 = dec8(base + k * stride, j0 + 8, BITS, L);
+        for (int i = 0; i < NR; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
+            a[i][0] = _mm256_fmadd_ps(xb, c0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(xb, c1, a[i][1]);
+        }
+    }
+}
+
 /* sc[i * N + j0 ..+16] = scale * (q_i . level), tokens j0 .. j0 + 15 of a K tile, NR rows */
 INLINE void ktile_avx2(const uint8_t *tile, int64_t gs, int j0, const float *q, int D, Luts L,
                         const float *sf, float *sc, int64_t N, const int NR, const int BITS) {
     __m256 a[4][2];
-    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d++) {
-        const __m256 c0 = dec8(tile + d * gs, j0, BITS, L), c1 = dec8(tile + d * gs, j0 + 8, BITS, L);
-        for (int i = 0; i < NR; i++) {
-            const __m256 qb = _mm256_broadcast_ss(q + i * D + d);
-            a[i][0] = _mm256_fmadd_ps(qb, c0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(qb, c1, a[i][1]);
-        }
-    }
+    fma16(tile, gs, j0, D, q, D, L, a, NR, BITS);
     for (int i = 0; i < NR; i++)
         for (int k = 0; k < 2; k++)
             _mm256_storeu_ps(sc + i * N + j0 + 8 * k, _mm256_mul_ps(a[i][k], _mm256_loadu_ps(sf + j0 + 8 * k)));
@@ -86,15 +93,7 @@ void cb_k_tile(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
 INLINE void vmix_avx2(const uint8_t *rows, int64_t rs, int j0, int n, const float *w, Luts L,
                        float *acc, int D, const int NR, const int BITS) {
     __m256 a[4][2];
-    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    for (int t = 0; t < n; t++) {
-        const __m256 c0 = dec8(rows + t * rs, j0, BITS, L), c1 = dec8(rows + t * rs, j0 + 8, BITS, L);
-        for (int i = 0; i < NR; i++) {
-            const __m256 wb = _mm256_broadcast_ss(w + i * VRUN + t);
-            a[i][0] = _mm256_fmadd_ps(wb, c0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(wb, c1, a[i][1]);
-        }
-    }
+    fma16(rows, rs, j0, n, w, VRUN, L, a, NR, BITS);
     for (int i = 0; i < NR; i++)
         for (int k = 0; k < 2; k++)
             _mm256_storeu_ps(acc + i * D + 8 * k, _mm256_add_ps(_mm256_loadu_ps(acc + i * D + 8 * k), a[i][k]));

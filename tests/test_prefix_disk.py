@@ -89,7 +89,8 @@ def _truncate(f):
 
 
 def _foreign_kv(f):
-    _patched_header(f, f, lambda h: h["kv"].update(label="int8"))
+    # the settings are what a file is matched on (a label only names them)
+    _patched_header(f, f, lambda h: h["kv"]["settings"].update(k_method="int8", v_method="int8"))
 
 
 @pytest.mark.parametrize("spoil", [_flip, _truncate, _foreign_model, _foreign_kv, _other_ids,

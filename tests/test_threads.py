@@ -81,3 +81,16 @@ def test_load_sets_the_cap(tiny_dir):
         kvrun.load(tiny_dir, dtype="fp32", ctx=16, kv="fp32", threads=0)
     T.configure(None)
     assert T.governor.cap == T.available_cpus()
+
+
+def test_load_takes_the_governors_count_before_the_weights(tiny_dir, monkeypatch):
+    """The weights' repacks at load are torch ops: they run on the governed count, not on
+    every core while other processes hold them (spinning waits made loads 7-12x slower)."""
+    import kvrun
+    import kvrun.engine.api as A
+    seen = []
+    real = A.load_transformer
+    monkeypatch.setattr(T.governor, "tick", lambda: seen.append("tick") or 1)
+    monkeypatch.setattr(A, "load_transformer", lambda *a, **k: seen.append("load") or real(*a, **k))
+    kvrun.load(tiny_dir, dtype="fp32", ctx=16, kv="fp32")
+    assert seen[:2] == ["tick", "load"]

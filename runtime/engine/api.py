@@ -25,7 +25,7 @@ from ..model.loader import check_model_dir, load_config, load_tokenizer, load_tr
 from .sampling import sampling_params
 from .session import load_session, save_session
 from .stops import with_stops
-from ..threads import MAX_THREADS, configure as configure_threads
+from ..threads import MAX_THREADS, configure as configure_threads, tick as tick_threads
 
 DEFAULT_CTX = 4096
 
@@ -218,6 +218,9 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
         configure_threads(threads)
     compute, gemv = parse_dtype(dtype)
     native.load()                   # built once per machine here, not inside a timed prefill
+    # the weights' repacks are torch ops too: with spinning waits, 2 threads beside a busy
+    # process took 7-12 s to load the default model where 1 thread takes 1 s
+    tick_threads()
     transformer = load_transformer(path, cfg, compute, gemv)
     tokenizer = load_tokenizer(path, cfg)
     cache = make_cache(cfg, ctx, kv)

@@ -55,7 +55,7 @@ def test_load_with_shared_prefixes(client, server, model, wikitext):
     systems = [wikitext[4000 + 1500 * i: 4000 + 1500 * i + 450] for i in range(4)]
     reqs = [[{"role": "system", "content": systems[i % 4]},
              {"role": "user", "content": f"Question {i}: what is {i} plus {i % 7}?"}]
-            for i in range(64)]
+            for i in range(32)]
     before = scrape(server[0])
     with ThreadPoolExecutor(8) as pool:
         served = list(pool.map(lambda msgs: ask(client, msgs), reqs))   # raises on any 5xx
@@ -68,7 +68,7 @@ def test_load_with_shared_prefixes(client, server, model, wikitext):
     hits = moved("kvrun_prefix_cache_requests_total", (("hit", "true"),))
     # each system prompt's first requests (8 at once) run before anything is cached; the
     # others start at least at a chunk boundary inside their system prompt
-    assert hits >= 40 and moved("kvrun_prefix_cache_hits_total") >= hits * CHUNK
+    assert hits >= 16 and moved("kvrun_prefix_cache_hits_total") >= hits * CHUNK
     assert moved("kvrun_prefix_cache_queries_total") >= moved("kvrun_prefix_cache_hits_total")
     assert 0 < after[("kvrun_prefix_cache_bytes", ())] <= 64 << 20
 

@@ -72,13 +72,16 @@ void gi_quantize(const Weight *w, const float *x, uint8_t *row)
     }
 }
 
-/* int4 code of row n, column k in the stored layout: per group byte j holds column j (low
- * nibble) and column j + G/2 (high) */
-static inline int q4_code(const Weight *w, int n, int k)
+/* int4 codes of row n, columns k0 .. k0 + 31 (one group's, G a multiple of 32) in the stored
+ * layout: per group byte j holds column j (low nibble) and column j + G/2 (high) */
+static void q4_span(const Weight *w, int n, int k0, uint8_t *c)
 {
-    const int G = w->G, h = G / 2, o = k % G;
-    const uint8_t b = w->q[(int64_t)n * (w->K / 2) + (k / G) * h + o % h];
-    return o < h ? b & 15 : b >> 4;
+    const int G = w->G, h = G / 2, o = k0 % G;
+    const uint8_t *q = w->q + (int64_t)n * (w->K / 2) + (k0 / G) * h;
+    for (int j = 0; j < GI_KB; j++) {
+        const uint8_t b = q[(o + j) % h];
+        c[j] = o + j < h ? b & 15 : b >> 4;
+    }
 }
 
 int64_t kvrun_gemv_repack_bytes(const Weight *w)
@@ -115,22 +118,24 @@ void kvrun_gemv_repack(const Weight *w, uint8_t *dst)
                     memcpy(o + sizeof s, m, sizeof m);
                     o += sizeof s + sizeof m;
                 }
-                for (int t = 0; t < 8; t++)
-                    for (int r = 0; r < GI_RB; r++)
+                for (int r = 0; r < GI_RB; r++) {
+                    uint8_t c[GI_KB] = {0};
+                    if (r < nr) q4_span(w, n0 + r, k0, c);
+                    for (int t = 0; t < 8; t++)
                         for (int e = 0; e < 2; e++)
-                            o[32 * t + 2 * r + e] = r < nr ? (uint8_t)(
-                                q4_code(w, n0 + r, k0 + 2 * t + e)
-                                | q4_code(w, n0 + r, k0 + 16 + 2 * t + e) << 4) : 0;
+                            o[32 * t + 2 * r + e] = (uint8_t)(c[2 * t + e] | c[16 + 2 * t + e] << 4);
+                }
                 o += 256;
             } else {
-                const int8_t *wq = (const int8_t *)w->q;
-                for (int p = 0; p < 16; p++)
-                    for (int r = 0; r < GI_RB; r++)
-                        for (int e = 0; e < 2; e++) {
-                            const int k = k0 + 2 * p + e;
-                            o[32 * p + 2 * r + e] = (uint8_t)(r < nr && k < K ?
-                                                              wq[(int64_t)(n0 + r) * K + k] : 0);
-                        }
+                const int nc = K - k0 < GI_KB ? K - k0 : GI_KB;      /* live columns */
+                for (int r = 0; r < GI_RB; r++) {
+                    uint8_t c[GI_KB] = {0};
+                    if (r < nr) memcpy(c, w->q + (int64_t)(n0 + r) * K + k0, nc);
+                    for (int p = 0; p < 16; p++) {
+                        o[32 * p + 2 * r] = c[2 * p];
+                        o[32 * p + 2 * r + 1] = c[2 * p + 1];
+                    }
+                }
                 o += 512;
             }
         }

@@ -8,7 +8,7 @@ only in Triton's interpreter (`TRITON_INTERPRET=1`, read by triton when the kern
 first imported); without it, forcing triton on CPU is an error rather than a silent
 fallback. The Triton module is imported lazily, so the torch path never needs triton.
 `gemv_path()` reads `KVRUN_GEMV=fp32|int` the same way, once, when a model's native decode
-step is built: its GEMVs on int8-quantized inputs (the default) or in fp32 (the reference).
+step is built: its GEMVs on int16-quantized inputs (the default) or in fp32 (the reference).
 `attn_path()` reads `KVRUN_ATTN=fp32|int` for the native attention ops below, per call (the
 arena's one-token step keeps its choice while it is the same): KIVI keys' q.K in int32 over
 int16-quantized queries, a KIVI V's p.V with its scales folded into the weights (the
@@ -66,9 +66,10 @@ def select(device="cpu") -> str:
 
 def gemv_path() -> str:
     """'int' (the default) or 'fp32', honouring KVRUN_GEMV: how the native decode step's
-    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built. int8
-    activations move a logit by up to ~0.2-0.5 where an input sits on a rounding boundary,
-    so everything upstream of a GEMV must be the same bits whatever the thread count (the
+    GEMVs multiply (kernels/native/decode_layer.py). Read when the step is built. An input
+    that sits on a rounding boundary of its int16 code moves the logits (by ~1e-3; with the
+    former int8 codes by up to ~0.2-0.5), so everything upstream of a GEMV must be the same
+    bits whatever the thread count (the
     attention kernels split a cache by its length, not by the threads:
     tests/test_thread_invariance.py). fp32 is the reference the model tests compare with
     the eager forward."""

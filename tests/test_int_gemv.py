@@ -1,9 +1,10 @@
-"""The integer GEMV of the native decode layer (kernels/native/gemv_int.c) against its torch
-twin (decode_layer.py gemv_int_reference: the same input codes, exact integer block sums):
-int4 at every group and int8, odd sizes (K not a multiple of the 64-column chunk, N not a
-multiple of the 4-row call, B not a multiple of the 8-row tile), on each build this CPU can
-run: AVX512-VNNI (the default build where the CPU has it), AVX2 (-DKVRUN_NO_AVX512) and
-plain C (-DKVRUN_NO_AVX512 -DKVRUN_NO_AVX2)."""
+"""The integer GEMV of the native decode layer (kernels/native/gemv_int.c over the weights
+gemv_quant.c repacks 16 rows to a block) against its torch twin (gemv_reference.py
+gemv_int_reference: the same int16 input codes, exact integer block sums): int4 at every
+group and int8, odd sizes (N not a multiple of the 16-row block, int8 K not a multiple of the
+32-column block, B not a multiple of the tile), on each build this CPU can run: AVX512-VNNI
+(the default build where the CPU has it), AVX2 (-DKVRUN_NO_AVX512) and plain C
+(-DKVRUN_NO_AVX512 -DKVRUN_NO_AVX2), which give the same bits."""
 import ctypes
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from kvrun.kernels import dispatch, native
-from kvrun.kernels.native.decode_layer import QB, gemv, gemv_int_reference, quantize_input
+from kvrun.kernels.native.decode_layer import gemv
+from kvrun.kernels.native.gemv_reference import QB, gemv_int_reference, quantize_input
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
 
@@ -77,11 +79,11 @@ def _input(B, K, g):
     return x
 
 
-# (kind, N, K, G): K = 96 and 40/100/1000 end in a partial 64-column chunk (int4 G = 32 allows
-# half a chunk; int8 any K, a partial 32-column block too); N = 13, 70, 9 leave partial calls
-SHAPES = [("int4", 13, 96, 32), ("int4", 70, 576, 32), ("int4", 9, 192, 64), ("int4", 8, 384, 128),
-          ("int4", 5, 2048, 32), ("int8", 13, 40, 0), ("int8", 70, 100, 0), ("int8", 6, 576, 0),
-          ("int8", 3, 1000, 0), ("int8", 4, 2048, 0)]
+# (kind, N, K, G): N = 13, 17, 33, 70, 9 leave a partial 16-row block; int8 K = 40, 100, 167,
+# 1000 a partial 32-column block; int4 K is a multiple of G
+SHAPES = [("int4", 13, 96, 32), ("int4", 17, 160, 32), ("int4", 70, 576, 32), ("int4", 9, 192, 64),
+          ("int4", 33, 384, 128), ("int4", 5, 2048, 32), ("int8", 13, 40, 0), ("int8", 70, 100, 0),
+          ("int8", 33, 167, 0), ("int8", 6, 576, 0), ("int8", 3, 1000, 0), ("int8", 17, 2048, 0)]
 
 
 def _weight(kind, N, K, G, g, bias):
@@ -91,10 +93,10 @@ def _weight(kind, N, K, G, g, bias):
 @pytest.mark.parametrize("B", [1, 3, 5, 8, 9, 13, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_integer_gemv_equals_the_reference(lib, shape, B):
-    """The int32 block sums are exact on both sides, so only the fp32 summation of the scaled
-    block terms differs: per lane at most K/64 fused steps and a 4-level tree, so the error is
-    a few K/64 ulps of the terms' magnitude sum (1e-5 of it allows ~40 ulps at K = 2048;
-    one wrong code, scale or lane is of the order of a whole term, >= 1e-3 of the sum)."""
+    """The int32 block sums are exact on both sides, so only the fp32 accumulation of the
+    scaled block terms differs: per output K/32 fused steps, so the error is a few K/32
+    ulps of the terms' magnitude sum (1e-5 of it allows ~80 ulps at K = 2048; one wrong
+    code, scale, row or column is of the order of a whole term, >= 1e-3 of the sum)."""
     g = torch.Generator().manual_seed(B * 1000 + shape[2])
     w = _weight(*shape, g, bias=B % 2 == 1)
     x = _input(B, shape[2], g)
@@ -106,8 +108,8 @@ def test_integer_gemv_equals_the_reference(lib, shape, B):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_rows_and_threads_change_nothing(lib, shape):
     """Row b of a B-row call equals a one-row call bit for bit (every tile shape, the last
-    partial tile: 13 rows are a whole 8-row tile and 5, and 2 + 1 on AVX2), and two threads
-    equal one."""
+    partial tile: 13 rows are a whole 8-row tile and 5 with VNNI, 4 + 4 + 4 + 1 on AVX2),
+    and two threads equal one."""
     g = torch.Generator().manual_seed(shape[2])
     w = _weight(*shape, g, bias=True)
     x = _input(13, shape[2], g)
@@ -117,41 +119,50 @@ def test_rows_and_threads_change_nothing(lib, shape):
     assert torch.equal(gemv(w, x, "int", nthreads=2, lib=lib), y)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_every_build_gives_the_same_bits(lib, shape):
+    """The builds compute the same int32 sums and the same fp32 operations in the same order
+    per output, so AVX2 and plain C equal the default build bit for bit."""
+    g = torch.Generator().manual_seed(shape[1] + shape[2])
+    w = _weight(*shape, g, bias=True)
+    x = _input(9, shape[2], g)
+    assert torch.equal(gemv(w, x, "int", lib=lib), gemv(w, x, "int"))
+
+
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] >= 576], ids=lambda s: "-".join(map(str, s)))
 def test_integer_gemv_is_near_the_fp32_gemv(shape):
     """Against the fp32 path (the dequantized GEMV, tests/test_decode_layer.py): off only by
-    the int8 rounding of the input, |x - x_q| <= d/2 per element, ~0.3 % of the output's
-    norm for Gaussian rows of 32. Guards the reference and the kernel against one shared
-    misreading of the weight layout."""
+    the int16 rounding of the input, |x - x_q| <= d/2 = max|x| / 65534 per element of a
+    block of 32: ~2e-5 of the output's norm for Gaussian rows (int8 codes per 4 columns gave
+    ~3e-3). Guards the reference and the kernel against one shared misreading of the weight
+    layout, and the input format's fidelity."""
     g = torch.Generator().manual_seed(7)
     w = _weight(*shape, g, bias=False)
     x = torch.randn(8, shape[2], generator=g)
     y, y32 = gemv(w, x, "int"), gemv(w, x, "fp32")
-    assert (y - y32).norm() / y32.norm() < 1e-2
+    assert (y - y32).norm() / y32.norm() < 1e-4
 
 
 def test_quantize_input_rounds_half_to_even_and_keeps_zero_blocks():
-    x = torch.zeros(1, 40)
-    x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])       # d = 1: halves go to even codes
-    x[0, 37] = -3.0                                         # the last block
-    x[0, 20] = 1e-31                                        # below TINY: a zero block
+    x = torch.zeros(1, 72)
+    x[0, :4] = torch.tensor([32767.0, 0.5, 1.5, -2.5])     # d = 1: halves go to even codes
+    x[0, 40] = 1e-31                                        # below TINY: a zero block
+    x[0, 69] = -3.0                                         # the last, partial block
     q, d = quantize_input(x)
-    assert q[0, :4].tolist() == [127, 0, 2, -2] and q[0, 37] == -127
-    assert q[0].abs().sum() == 127 + 2 + 2 + 127
-    want = torch.zeros(40 // QB)
-    want[0], want[37 // QB] = 1.0, torch.tensor(3.0) / 127
-    assert torch.equal(d[0], want)
+    assert q[0, :4].tolist() == [32767, 0, 2, -2] and q[0, 69] == -32767
+    assert q[0].abs().sum() == 32767 + 2 + 2 + 32767
+    assert torch.equal(d[0], torch.tensor([1.0, 0.0, 3.0 / 32767], dtype=torch.float32))
 
 
-@pytest.mark.parametrize("kind, K, G", [("int8", 100, 0), ("int4", 96, 32), ("int4", 192, 64),
-                                        ("int4", 384, 128)])
+@pytest.mark.parametrize("kind, K, G", [("int8", 100, 0), ("int8", 167, 0), ("int4", 96, 32),
+                                        ("int4", 192, 64), ("int4", 384, 128)])
 def test_kernel_codes_are_quantize_inputs(lib, kind, K, G):
     """The C quantizer (gi_quantize) gives quantize_input's codes and scales, ties included,
     in the order each weight layout reads them: through an identity weight (s = 1, m = 0),
     y[n] = d_j q_n, one product, rounded once on both sides."""
     g = torch.Generator().manual_seed(K)
     x = torch.randint(-254, 255, (3, K), generator=g).float() / 2          # many halves
-    x[:, ::QB] = 127.0                                                  # d = 1: ties stay ties
+    x[:, ::QB] = 32767.0                                                # d = 1: ties stay ties
     x[1, 40:60] = 0
     x[2] *= torch.rand(K, generator=g) * 3                              # other scales
     eye = torch.eye(K)

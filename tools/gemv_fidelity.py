@@ -3,7 +3,7 @@ fp32 GEMVs (KVRUN_GEMV=int against fp32; kernels/native/decode_layer.py), on a t
 `--switch attn`, how far the native attention's integer q.K over KIVI keys moves it from its
 fp32 q.K (KVRUN_ATTN=int against fp32; use a KIVI --kv), both paths on the GEMVs `--gemv`
 names: fp32 (the default) shows the attention's own effect; on the integer GEMVs a change
-far below their int8 steps still flips an activation's rounding now and then, and that
+far below their input codes' steps still flips an activation's rounding now and then, and that
 shows too.
 
     python tools/gemv_fidelity.py wiki.test.raw [-m MODEL] [-c 2048] [--windows 16] \
@@ -130,7 +130,7 @@ def main():
     else:
         print(f"{rec['model']}: {len(wins)} windows of {a.ctx}, {n} scored tokens, --kv {a.kv}, "
               f"{a.switch} paths, {a.cache} caches\n"
-              f"  KL(fp32 || int) {rec['kld']:.5f} nats   top-1 {100 * rec['top1']:.2f} %   "
+              f"  KL(fp32 || int) {rec['kld']:.2e} nats   top-1 {100 * rec['top1']:.2f} %   "
               f"ppl fp32 {rec['ppl_fp32']:.4f}   int {rec['ppl_int']:.4f}   "
               f"({rec['seconds']:.0f} s)")
 

@@ -1,6 +1,6 @@
 """The native decode layer's GEMV alone, integer path against fp32, in and out of cache.
 
-    python tools/gemv_speed.py [-m MODEL] [--rows 1,8] [-t 1,2] [--reps 200]
+    python tools/gemv_speed.py [-m MODEL] [--rows 1,8] [-t 1,2] [--reps 200] [--stat min]
 
 For each weight of one layer of MODEL (default: the int4 default model; its int8 lm_head
 too) it times kvrun_gemv (kernels/native/decode_layer.c: input preparation + GEMV, one
@@ -8,7 +8,9 @@ OpenMP region per call) on both paths, alternating, in two settings:
 - "hot": the same weight every call, so it stays in cache (what a kernel-only loop measures);
 - "cold": a buffer larger than the last-level cache is written before every call, so the
   call reads its weight from DRAM, as the decode step does (it streams ~95 MB a token).
-Prints µs per call (median of --reps), GB/s of weight bytes, and int / fp32.
+Prints µs per call (median of --reps, or `--stat min`: the least, what the call costs
+when nothing else runs, the steadier figure on a shared machine), GB/s of weight bytes
+(as stored), and int / fp32.
 `--clock cpu` times the calling thread's CPU time instead of wall time: on one thread
 (-t 1) that is all the call's work, and it moves far less than wall time while other
 processes load the machine.
@@ -70,6 +72,7 @@ def main():
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--evict-mb", type=int, default=96, help="the buffer written before a cold call")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--stat", choices=("median", "min"), default="median")
     a = ap.parse_args()
     if a.clock == "cpu" and any(int(t) != 1 for t in a.threads.split(",")):
         raise SystemExit("error: --clock cpu counts only the calling thread: use it with -t 1")
@@ -98,7 +101,8 @@ def main():
                             call(path, nth)
                             if r >= 2:
                                 times[path].append(clock() - t0)
-                    f, i = (statistics.median(times[p]) * 1e6 for p in ("fp32", "int"))
+                    stat = statistics.median if a.stat == "median" else min
+                    f, i = (stat(times[p]) * 1e6 for p in ("fp32", "int"))
                     nb = _nbytes(w)
                     print(f"{name:8} {f'{N} x {K}':>12} {B:>3} {nth:>3} {setting:5} {f:9.1f} {i:9.1f} "
                           f"{nb / f / 1e3:9.1f} {nb / i / 1e3:9.1f} {i / f:8.2f}")

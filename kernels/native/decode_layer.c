@@ -24,8 +24,9 @@
  *         min per (row, group): w = c * s + m.
  *   int8  codes (N, K) int8, one fp32 scale per row.
  * The GEMVs (gemv.h) run on one of two paths, chosen per Layer (gemv_int):
- *   integer (gemv_quant.c, gemv_int.c)  each GEMV input quantized once to int8 blocks of
- *                         QB columns (q/k/v share one, gate and up share one), int32 dots
+ *   integer (gemv_quant.c, gemv_int.c)  each GEMV input quantized once to int16 blocks of
+ *                         32 columns (q/k/v share one, gate and up share one), int32 dots
+ *                         with the weights repacked at load, 16 rows to a register
  *   fp32 (gemv_fp32.c)    codes decoded to fp32, FMAs with the fp32 input: the reference,
  *                         equal to the dequantized fp32 GEMV to rounding
  * Both compute each row independently of the others, so a row's result does not depend on
@@ -246,7 +247,7 @@ int kvrun_logits(const Layer *L, int B, const float *norm, const Weight *head, f
 int kvrun_gemv(const Weight *w, int B, const float *x, int64_t ldx, float *y, uint8_t *xq,
                int64_t ldq, float *xs, int integer, int nthreads)
 {
-    if (B < 1 || B > MAXB || (integer && ldq < gi_row_bytes(w->K))) return -1;
+    if (B < 1 || B > MAXB || (integer && (ldq < gi_row_bytes(w->K) || !w->rp))) return -1;
     const Input in = {integer, xq, ldq, xs, w->K / 32};
 #pragma omp parallel num_threads(nthreads)
     {

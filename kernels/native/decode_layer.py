@@ -5,13 +5,14 @@ Q4_1-order nibbles) or int8 (per-row scale); activations fp32; B <= MAX_ROWS row
 
 The GEMVs run on one of two paths, fixed per `LayerPlan` (`gemv=`; the model's native step
 takes `kvrun.kernels.dispatch.gemv_path()`, i.e. `KVRUN_GEMV=int|fp32`, default int):
-- "int" (gemv_quant.c, gemv_int.c): each GEMV input row quantized once to int8 blocks of
-  QB = 4 columns (one fp32 scale each, and for int4 weights the block sums that fold the min
-  term), int32 dot products (AVX512-VNNI, AVX2, or plain C), the scales applied per block in
-  fp32: llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 with finer input blocks (its 32 gave ~8x the
-  KL divergence). Reads every weight byte once per call, and per weight row the
-  quantized input rows (2-3 bytes per column) from cache. `gemv_int_reference` below is its
-  torch twin (the same codes, exact integer sums).
+- "int" (gemv_quant.c, gemv_int.c): each GEMV input row quantized once to int16 blocks of
+  QB = 32 columns (one fp32 scale each, and for int4 weights the group sums that fold the min
+  term); the weights repacked once, here at load (`weight_desc`), 16 rows interleaved so a
+  register holds 16 outputs; int32 dot products (AVX512-VNNI vpdpwssd, AVX2 vpmaddwd, or
+  plain C, the same bits on each), the scales applied per block in fp32. Reads the repacked
+  weight once per call, and per block of 16 rows the quantized input rows from L1.
+  gemv_reference.py `gemv_int_reference` is its torch twin (the same codes, exact integer
+  sums).
 - "fp32" (gemv_fp32.c): codes decoded to fp32 and multiplied with the fp32 input, equal to
   the dequantized fp32 GEMV to rounding: the reference the model-level tests compare with
   the eager forward.
@@ -32,15 +33,14 @@ from . import load
 W_INT4, W_INT8 = 0, 1
 MAX_ROWS = 32                    # gemv.h MAXB
 GEMV_PATHS = {"int": 1, "fp32": 0}      # decode_layer.c Layer.gemv_int
-QB = 4                           # gemv.h QB: columns per activation block
-TINY = 1e-30                     # gemv_int.c TINY: a block below it quantizes to zeros
 
 _p = ctypes.c_void_p
 
 
 class WeightDesc(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
-                ("G", ctypes.c_int32), ("q", _p), ("s", _p), ("m", _p), ("scale", _p), ("bias", _p)]
+                ("G", ctypes.c_int32), ("q", _p), ("s", _p), ("m", _p), ("scale", _p), ("bias", _p),
+                ("rp", _p)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -62,13 +62,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def qrow_bytes(K: int) -> int:
     """Bytes of one quantized input row of K columns (gemv.h gi_row_bytes)."""
-    return 4 * (-(-K // 64) * 64)
+    Kp = -(-K // 32) * 32
+    return 2 * Kp + 8 * (Kp // 32)
 
 
-def weight_desc(w: dict, keep: list) -> WeightDesc:
+def repack(d: WeightDesc, keep: list, lib=None) -> None:
+    """Point d.rp at the integer path's copy of d's weight, repacked 16 rows to a block
+    (gemv_quant.c kvrun_gemv_repack; the same layout on every build), appended to `keep`."""
+    lib = lib or load()
+    lib.kvrun_gemv_repack_bytes.restype = ctypes.c_int64
+    buf = torch.empty(lib.kvrun_gemv_repack_bytes(ctypes.byref(d)), dtype=torch.uint8)
+    lib.kvrun_gemv_repack(ctypes.byref(d), _p(_ptr(buf)))
+    d.rp = _ptr(buf)
+    keep.append(buf)
+
+
+def weight_desc(w: dict, keep: list, integer: bool = True, lib=None) -> WeightDesc:
     """A C descriptor for one weight in stored form: {"kind": "int4", "qweight", "scales",
     "mins", "group", "bias"} or {"kind": "int8", "qweight", "scales", "bias"}; the tensors
-    are made contiguous and appended to `keep` (they must outlive the descriptor)."""
+    are made contiguous and appended to `keep` (they must outlive the descriptor). integer:
+    also the integer path's repacked copy (`repack`: as many bytes again as the stored
+    weight); without it only the fp32 path can run the descriptor."""
     d = WeightDesc()
     q = w["qweight"].contiguous()
     d.N = q.shape[0]
@@ -89,6 +103,8 @@ def weight_desc(w: dict, keep: list) -> WeightDesc:
     d.bias = _ptr(bias)
     if bias is not None:
         keep.append(bias)
+    if integer:
+        repack(d, keep, lib)
     return d
 
 
@@ -135,7 +151,7 @@ class LayerPlan:
         L.act = ACTS[extra.get("act", "silu")]
         L.q_scale = float(extra.get("q_scale", 1.0))
         for name in ("qkv", "o", "gate", "up", "down"):
-            setattr(L, name, weight_desc(weights[name], self.keep))
+            setattr(L, name, weight_desc(weights[name], self.keep, integer=gemv == "int"))
         for name, t in (("x", scratch.x), ("xn", scratch.xn), ("xsum", scratch.xsum),
                         ("qkv_out", scratch.qkv), ("tmp", scratch.tmp), ("h", scratch.h),
                         ("xq", scratch.xq)):
@@ -177,7 +193,7 @@ def gemv(w: dict, x: torch.Tensor, path: str = "int", nthreads: int = 1, lib=Non
     `path` ("int" or "fp32"), w in weight_desc form, 1 <= B <= MAX_ROWS; `lib` another build
     of the native library (default: load())."""
     keep: list = []
-    d = weight_desc(w, keep)
+    d = weight_desc(w, keep, integer=path == "int", lib=lib)
     B, K = x.shape
     assert K == d.K, f"x has {K} columns, the weight {d.K}"
     assert 1 <= B <= MAX_ROWS, f"{B} rows: the kernel takes 1 to {MAX_ROWS}"
@@ -190,50 +206,3 @@ def gemv(w: dict, x: torch.Tensor, path: str = "int", nthreads: int = 1, lib=Non
                                     GEMV_PATHS[path], nthreads)
     assert rc == 0, rc
     return y
-
-
-def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The integer path's input quantization (gemv_int.c gi_quantize), in torch: x (B, K) ->
-    codes (B, K) int64 in [-127, 127] and scales d (B, ceil(K / QB)) float32. Per block of QB
-    columns d = max|x| / 127 and q = round(x * (127 / max|x|)), ties to even as rintf; a
-    block whose max|x| is below TINY gets d = 0 and zero codes."""
-    B, K = x.shape
-    nb = -(-K // QB)
-    xb = torch.nn.functional.pad(x.float(), (0, nb * QB - K)).view(B, nb, QB)
-    amax = xb.abs().amax(-1)                                           # (B, nb)
-    live = amax >= TINY
-    inv = torch.where(live, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv[..., None]).view(B, nb * QB)[:, :K]
-    return q.long(), torch.where(live, amax / 127.0, torch.zeros_like(amax))
-
-
-def gemv_int_reference(w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The integer path's value in float64: (y, mag), y (B, N) = x W^T on x quantized by
-    quantize_input, exact int block sums, then per block s_g d_j (c . q)_j (+ sum_g m_g xs_g
-    with xs_g the groups' d_j sum(q)_j) for int4, scale_n sum_j d_j (w . q)_j for int8, plus
-    the bias; mag (B, N) the sum of the terms' magnitudes, what fp32 rounding scales with."""
-    q, d = quantize_input(x)
-    B, K = q.shape
-    nb = d.shape[1]
-    pad = nb * QB - K
-    qb = torch.nn.functional.pad(q, (0, pad)).view(B, nb, QB).double()             # (B, nb, QB)
-    if w["kind"] == "int4":
-        G, qw = w["group"], w["qweight"]
-        N = qw.shape[0]
-        v = qw.view(N, K // G, G // 2)
-        codes = torch.cat([v & 15, v >> 4], -1).view(N, nb, QB).double()           # (N, nb, QB)
-        s = w["scales"].double().repeat_interleave(G // QB, 1)                      # (N, nb)
-        isum = torch.einsum("njk,bjk->bnj", codes, qb)                             # (B, N, nb)
-        terms = isum * s[None] * d.double()[:, None]
-        xs = (d.double() * qb.sum(-1)).view(B, K // G, G // QB).sum(-1)             # (B, K/G)
-        mins = w["mins"].double()[None] * xs[:, None]                               # (B, N, K/G)
-        y, mag = terms.sum(-1) + mins.sum(-1), terms.abs().sum(-1) + mins.abs().sum(-1)
-    else:
-        wq = torch.nn.functional.pad(w["qweight"].long(), (0, pad))
-        N = wq.shape[0]
-        isum = torch.einsum("njk,bjk->bnj", wq.view(N, nb, QB).double(), qb)
-        terms = isum * d.double()[:, None] * w["scales"].double()[None, :, None]
-        y, mag = terms.sum(-1), terms.abs().sum(-1)
-    if w.get("bias") is not None:
-        y = y + w["bias"].double()
-    return y, mag

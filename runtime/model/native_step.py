@@ -124,7 +124,7 @@ class NativeDecodeStep:
                                         gemv=self.gemv))
         self.local = [getattr(layer, "sliding", False) for layer in model.model.layers]
         self.keep: list = []
-        self.head = weight_desc(_stored(model.lm_head), self.keep)
+        self.head = weight_desc(_stored(model.lm_head), self.keep, integer=self.gemv == "int")
         self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
         self.attn = torch.zeros(MAX_ROWS, H * D)          # _layers(): each row's attention output
         # the one-call step; None keeps every step on the per-layer route (the reference

@@ -29,6 +29,7 @@ import ctypes
 import torch
 
 from . import load
+from .gemv_reference import QB
 
 W_INT4, W_INT8 = 0, 1
 MAX_ROWS = 32                    # gemv.h MAXB
@@ -61,9 +62,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def qrow_bytes(K: int) -> int:
-    """Bytes of one quantized input row of K columns (gemv.h gi_row_bytes)."""
-    Kp = -(-K // 32) * 32
-    return 2 * Kp + 8 * (Kp // 32)
+    """Bytes of one quantized input row of K columns (gemv.h gi_row_bytes): int16 codes, and
+    per QB-column block its scale and (int4) group sum."""
+    Kp = -(-K // QB) * QB
+    return 2 * Kp + 8 * (Kp // QB)
 
 
 def repack(d: WeightDesc, keep: list, lib=None) -> None:

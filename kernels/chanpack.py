@@ -32,8 +32,17 @@ _IDX: dict = {}
 
 
 def per_byte(bits: int) -> int:
-    assert bits in (2, 4, 8), bits
+    assert bits in (1, 2, 4, 8), bits
     return 8 // bits
+
+
+def planes(bits: int) -> list[tuple[str, int, int]]:
+    """The byte-plane buffers of `bits`-bit codes: (slot name, plane width, code shift).
+    3 bits are split in two buffers, the low two bits ("codes", 2-bit planes) and the third
+    ("hi", 1-bit planes), so every plane keeps the layout above: a 32-token run of a channel
+    is 32 bytes at one shift, and a kernel decodes a 3-bit code as the 2-bit one plus one
+    more masked shift (code = lo + 4·hi), instead of codes straddling bytes."""
+    return [("codes", 2, 0), ("hi", 1, 2)] if bits == 3 else [("codes", bits, 0)]
 
 
 def unit(bits: int) -> int:
@@ -66,7 +75,7 @@ def write(buf: torch.Tensor, codes: torch.Tensor, s0: int, bits: int) -> None:
     dst.copy_((old | full).to(torch.uint8))
 
 
-def unpack_into(buf: torch.Tensor, a: int, s1: int, bits: int, ws) -> torch.Tensor:
+def unpack_into(buf: torch.Tensor, a: int, s1: int, bits: int, ws, key: str = "kc") -> torch.Tensor:
     """Codes of the whole blocks covering [a, s1) (a a multiple of `unit(bits)`) as float32
     (Hkv, D, E, M) in plane-major order, M = 32·(blocks): column e·M + 32·i + j is token
     a + i·U + 32·e + j. Padding tokens past s1 come along (callers drop them)."""
@@ -75,11 +84,11 @@ def unpack_into(buf: torch.Tensor, a: int, s1: int, bits: int, ws) -> torch.Tens
     Hkv, D = buf.shape[:2]
     M = -(-(s1 - a) // U) * 32
     src = buf[:, :, a // E:a // E + M]                                   # (Hkv, D, M) uint8
-    out = ws.get("kc", (Hkv, D, E, M), buf.device)
+    out = ws.get(key, (Hkv, D, E, M), buf.device)
     if E == 1:
         out[:, :, 0].copy_(src)
         return out
-    tmp = ws.get_u8("kc_u8", (Hkv, D, M), buf.device)
+    tmp = ws.get_u8(key + "_u8", (Hkv, D, M), buf.device)
     m = (1 << bits) - 1
     for e in range(E):
         if e == 0:
@@ -90,6 +99,19 @@ def unpack_into(buf: torch.Tensor, a: int, s1: int, bits: int, ws) -> torch.Tens
                 tmp.bitwise_and_(m)
         out[:, :, e].copy_(tmp)
     return out
+
+
+def add_high(u: torch.Tensor, hi: torch.Tensor, a: int, s1: int, ws) -> torch.Tensor:
+    """u = unpack_into(lo, a, s1, 2) of a split 3-bit buffer (planes(3)), a a multiple of
+    unit(1): add 4 × the third bit from the 1-bit buffer `hi`, in u's plane-major order.
+    Token a + 128·i + 32·e + j is run e of 2-bit block i, and run 4·(i % 2) + e of 1-bit
+    block i // 2."""
+    assert a % unit(1) == 0, a
+    Hkv, D, E, M = u.shape
+    h = unpack_into(hi, a, s1, 1, ws, key="kc_hi")                     # (Hkv, D, 8, M1)
+    nb = h.shape[3] // 32
+    h = h.view(Hkv, D, 2, 4, nb, 32).permute(0, 1, 3, 4, 2, 5).reshape(Hkv, D, 4, nb * 64)
+    return u.add_(h[..., :M], alpha=4)
 
 
 def group_index(a: int, s1: int, bits: int, G: int, device) -> torch.Tensor:
@@ -123,7 +145,8 @@ def to_token_order(x: torch.Tensor, skip: int, n: int, bits: int,
 
 
 def codes(buf: torch.Tensor, s0: int, s1: int, bits: int) -> torch.Tensor:
-    """Explicit codes (Hkv, n, D) float32 in token order (dequantization, tests)."""
+    """Explicit codes (Hkv, n, D) float32 in token order (dequantization, tests) of one
+    plane buffer (`bits` its plane width)."""
     a = s0 // unit(bits) * unit(bits)
     u = unpack_into(buf, a, s1, bits, Workspace())                       # (Hkv, D, E, M)
     Hkv, D, E, M = u.shape

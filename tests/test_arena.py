@@ -210,8 +210,8 @@ def test_per_layer_profile(tmp_path):
     assert [c.method for c in a.k_codecs] == ["tada-4", "kivi-2"]
     _feed(a, 150, torch.Generator().manual_seed(0))
     assert a.n_tail == [96, 96]
-    p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [{"k": "kivi-3", "v": "fp16"}]}))
-    with pytest.raises(KvrunError, match="kivi-3"):
+    p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [{"k": "kivi-5", "v": "fp16"}]}))
+    with pytest.raises(KvrunError, match="kivi-5"):
         load_profile(p)
     p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [{"k": "kivi-2", "v": "fp16"}]}))
     with pytest.raises(KvrunError, match="1 layers"):
@@ -219,7 +219,8 @@ def test_per_layer_profile(tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(spec="kivi-3"), "valid: fp16"),
+    (dict(spec="kivi-5"), "valid: fp16"),
+    (dict(spec="kivi-3"), "kivi-3 stores keys only"),
     (dict(spec="kivi-2", residual=100), "multiple of the group"),
     (dict(spec="gear-l", rank=32), "rank"),
     (dict(spec="gear", sparsity=60), "sparsity"),

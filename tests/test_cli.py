@@ -59,7 +59,8 @@ def test_info_json(tiny_dir):
     (["-t", "0"], "--threads"),
     (["-b", "0"], "prefill chunk must be"),
     (["--kv", "fp13"], "unknown KV method"),
-    (["--kv", "kivi-3"], "unknown KV method"),
+    (["--kv", "kivi-3"], "kivi-3 stores keys only"),
+    (["--kv", "kivi-4/kivi-3"], "kivi-3 stores keys only"),
     (["--kv", "kivi-4", "--kv-residual", "100"], "multiple"),
 ])
 def test_generate_user_errors(tiny_dir, args, fragment):

@@ -5,7 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from kvrun.kernels import nibble
-from kvrun.kernels.codecs import METHODS, make_codec
+from kvrun.kernels.codecs import KEY_ONLY, METHODS, make_codec
 from kvrun.kernels.quant import (asym_params, dequantize_asym, pack_codes, quantize_asym,
                                  unpack_codes)
 
@@ -38,8 +38,8 @@ def _packed(method, role, n=96, s0=32, S=160, seed=0, **kw):
     return c, st, x, rec
 
 
-@pytest.mark.parametrize("method", ["kivi-2", "kivi-4"])
-@pytest.mark.parametrize("role", ["k", "v"])
+@pytest.mark.parametrize("method,role", [(m, r) for m in ("kivi-2", "kivi-4") for r in "kv"]
+                         + [("kivi-3", "k")])
 def test_kivi_error_within_bound(method, role):
     c, st, x, _ = _packed(method, role)
     xh = c.dequant(st, 32, 128)
@@ -95,8 +95,10 @@ def _bf16_tol(a, b):
     return 2.0 ** -7 * (a.abs() @ b.abs()).max().item() + 1e-4
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("role", ["k", "v"])
+ROLES = [(m, r) for m in METHODS for r in "kv" if not (r == "v" and m in KEY_ONLY)]
+
+
+@pytest.mark.parametrize("method,role", ROLES)
 @pytest.mark.parametrize("span", [(32, 128), (64, 96), (96, 128)])
 @pytest.mark.parametrize("explicit", [False, True])
 def test_read_path_equals_dequantized(method, role, span, explicit, monkeypatch):
@@ -119,9 +121,23 @@ def test_read_path_equals_dequantized(method, role, span, explicit, monkeypatch)
         assert_close(c.mix(st, p, s0, s1), p @ xh, atol=_bf16_tol(p, xh), rtol=0)
 
 
+def test_three_bit_keys_use_every_code_and_split_their_planes():
+    """kivi-3 keys: all 8 levels occur, the 2-bit planes hold code & 3 and the 1-bit planes
+    code >> 2 (chanpack's order), and a value role is refused (no value layout)."""
+    from kvrun.kernels import chanpack
+    c, st, x, _ = _packed("kivi-3", "k")
+    codes = c.dequant(st, 32, 128).sub(st["zero"][:, 1:4].float().repeat_interleave(G, 1))
+    codes = torch.round(codes / st["scale"][:, 1:4].float().repeat_interleave(G, 1))
+    assert set(codes.unique().tolist()) == set(range(8))
+    assert torch.equal(chanpack.codes(st["codes"], 32, 128, 2), codes.remainder(4))
+    assert torch.equal(chanpack.codes(st["hi"], 32, 128, 1), codes.div(4, rounding_mode="floor"))
+    with pytest.raises(ValueError, match="key codec"):
+        make_codec("kivi-3", "v", G)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_bytes_per_token_is_exact(method):
-    for role in "kv":
+    for role in "k" if method in KEY_ONLY else "kv":
         c = make_codec(method, role, G, tada_mu="int8")
         S = 8 * G                           # whole 128-token blocks of the nibble layouts
         allocated = sum(t.nbytes for t in c.alloc(Hkv, D, S).values())
@@ -131,6 +147,8 @@ def test_bytes_per_token_is_exact(method):
 def test_known_sizes():
     # kivi-4 K per token-head: 32 B codes + (2+2 B) * 64 channels / 32 tokens = 40 B
     assert sum(make_codec("kivi-4", "k", 32).bytes_per_token(1, 64).values()) == 40
+    # kivi-3 K: 24 B codes (16 in 2-bit planes, 8 in 1-bit planes) + the same 8 B of scales
+    assert sum(make_codec("kivi-3", "k", 32).bytes_per_token(1, 64).values()) == 32
     # kivi-2 V, g=32: 16 B codes + 2 groups * 4 B = 24 B
     assert sum(make_codec("kivi-2", "v", 32, v_group=32).bytes_per_token(1, 64).values()) == 24
     # tada-4, 3 heads, fp16 mean: 3 * (32 + 4) + 128 B of mean

@@ -43,7 +43,7 @@ def test_matches_dequantized_reference(method, Gq, case):
 
 
 @pytest.mark.parametrize("kv", [("kivi-4", "kivi-2"), ("tada-4", "fp16"), ("int8", "gear"),
-                                ("tada-2", "tada-8")])
+                                ("tada-2", "tada-8"), ("kivi-3", "kivi-2"), ("kivi-3", "cb-3")])
 def test_mixed_k_v_codecs_and_int8_mean(kv):
     args = _setup(*kv, 3, 224, 40, 3, 3, tada_mu="int8")
     ref = dequantized_reference(*args[:3], 224, *args[3:])

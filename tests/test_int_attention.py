@@ -5,7 +5,7 @@ code does (rint(q s * (32767 / max|q s|)), half to even), the int32 sums over th
 the zero-point term q . z and everything after the logits (softmax, p.V over the dequantized
 V, window, new tokens) in fp32. Only fp32 rounding order separates the two, so the tolerance
 is the fp32 tests' (2e-5). Odd tile counts (a split starting inside a chanpack block), GQA
-rows 1-8, prefill chunks, head dims 64 and 256, 2 and 4 bits, groups of 32 and 64 tokens,
+rows 1-8, prefill chunks, head dims 64 and 256, 2, 3 and 4 bits, groups of 32 and 64 tokens,
 on each build this machine runs (the portable build: the plain C integer path). The integer
 pieces themselves (kdot_int.c ki_quantize, ki_dot) are checked exactly, bit for bit."""
 import ctypes
@@ -35,8 +35,9 @@ def int_reference(q, kt, vt, n_tail, kw, vw, kn, vn):
     z = ks["zero"][:, grp].float()[:, :, None]
     qs = qh[:, None] * s                                                  # (Hkv, nt, R, D)
     amax = qs.abs().amax(-1, keepdim=True)
-    qi = torch.round(qs * torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax)))
-    codes = chanpack.codes(ks["codes"], 0, n_tail, kc.bits).view(Hkv, nt, 32, D)
+    qi = torch.round(qs * torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax)))
+    codes = sum(chanpack.codes(ks[name], 0, n_tail, w) * (1 << sh)         # 3 bits: two planes
+                for name, w, sh in chanpack.planes(kc.bits)).view(Hkv, nt, 32, D)
     dots = torch.einsum("hnrd,hnjd->hnrj", qi.double(), codes.double())  # exact integers
     bias = (qh[:, None] * z).sum(-1, keepdim=True)                        # (Hkv, nt, R, 1)
     tail = (dots.float().double() * (amax / QMAX).double() + bias.double()).float()   # C: fmaf(float(sum), d, q . z)
@@ -62,10 +63,13 @@ def _build_order(lib, D: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("build", ["default", "portable"])
-@pytest.mark.parametrize("bits,P,R,D,plane", [(4, 2, 3, 64, 0), (4, 1, 12, 256, 1), (2, 4, 3, 64, 0),
-                                              (2, 3, 4, 68, 1), (2, 2, 5, 4, 2), (8, 1, 7, 256, 0),
-                                              (4, 2, 6, 36, 0)])
-def test_quantize_and_int_dots_are_exact(build, bits, P, R, D, plane):
+@pytest.mark.parametrize("bits,P,R,D,plane,third", [(4, 2, 3, 64, 0, 0), (4, 1, 12, 256, 1, 0),
+                                                    (2, 4, 3, 64, 0, 0), (2, 3, 4, 68, 1, 0),
+                                                    (2, 2, 5, 4, 2, 0), (8, 1, 7, 256, 0, 0),
+                                                    (4, 2, 6, 36, 0, 0), (2, 4, 3, 64, 0, 4),
+                                                    (2, 3, 4, 68, 1, 1), (2, 1, 12, 252, 3, 7)])
+def test_quantize_and_int_dots_are_exact(build, bits, P, R, D, plane, third):
+    """third: 3-bit keys' third bits from a second buffer at bit `third` + p (0: none)."""
     lib = ctypes.CDLL(str(native._build(() if build == "default" else ("-DKVRUN_NO_AVX512",))))
     lib.ki_quantize.restype = ctypes.c_float
     g = torch.Generator().manual_seed(bits * 100 + D)
@@ -75,7 +79,7 @@ def test_quantize_and_int_dots_are_exact(build, bits, P, R, D, plane):
     d = [lib.ki_quantize(ctypes.c_void_p(x[i].data_ptr()), D, ctypes.c_void_p(qi[i].data_ptr()))
          for i in range(P * R)]
     amax = x.abs().amax(1, keepdim=True)
-    want = torch.round(x * (QMAX / amax)).to(torch.int16)
+    want = torch.round(x * (torch.full_like(amax, QMAX) / amax)).to(torch.int16)  # (QMAX / t: a reciprocal)
     order = _build_order(lib, D)
     assert torch.equal(qi, want[:, order])
     assert d == (amax[:, 0] / QMAX).tolist()
@@ -83,23 +87,30 @@ def test_quantize_and_int_dots_are_exact(build, bits, P, R, D, plane):
     buf = torch.randint(0, 256, (D * ds,), dtype=torch.uint8, generator=g)
     out = torch.empty(P * R, 32, dtype=torch.int32)
     sh = bits * plane
-    lib.ki_dot(ctypes.c_void_p(buf.data_ptr() + 32), ctypes.c_int64(ds), D, bits, sh, P, R,
-               ctypes.c_void_p(qi.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+    hbuf = torch.randint(0, 256, (D * 64,), dtype=torch.uint8, generator=g)   # rows 64 bytes apart
+    hb = ctypes.c_void_p(hbuf.data_ptr() + 32 if third else None)
+    lib.ki_dot(ctypes.c_void_p(buf.data_ptr() + 32), ctypes.c_int64(ds), D, bits, sh, hb,
+               ctypes.c_int64(64), third, P, R, ctypes.c_void_p(qi.data_ptr()),
+               ctypes.c_void_p(out.data_ptr()))
     rows = buf.view(D, ds)[:, 32:64].long()                                   # (D, 32) bytes
     codes = torch.stack([(rows >> (sh + bits * p)) & (2 ** bits - 1) for p in range(P)])  # (P, D, 32)
+    if third:
+        hrows = hbuf.view(D, 64)[:, 32:64].long()
+        codes += torch.stack([((hrows >> (third + p)) & 1) << 2 for p in range(P)])
     ref = torch.einsum("prd,pdj->prj", want.long().view(P, R, D), codes).reshape(P * R, 32)
     assert torch.equal(out.long(), ref)
 
 
 def _case(bits, G, Hkv, Gq, D, tiles, W, T, seed=0):
-    return attention_case(f"kivi-{bits}", f"kivi-{bits}", Hkv, Gq, D, 32 * tiles, W, T, G=G, seed=seed)
+    v = "kivi-4" if bits == 3 else f"kivi-{bits}"        # kivi-3 is a key codec
+    return attention_case(f"kivi-{bits}", v, Hkv, Gq, D, 32 * tiles, W, T, G=G, seed=seed)
 
 
 GEOMS = [(3, 1, 64, 1, 1), (3, 3, 64, 3, 1), (1, 4, 256, 5, 1), (2, 8, 64, 5, 1),
          (1, 4, 256, 3, 3), (2, 3, 64, 9, 4)]       # (Hkv, Gq, D, tiles, T): R = Gq T
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("G", [32, 64])
 @pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "-".join(map(str, g)))
 def test_int_path_matches_its_torch_twin(bits, G, geom):
@@ -163,7 +174,7 @@ def portable(monkeypatch):
     monkeypatch.setattr(nda, "load", lambda: lib)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_portable_build_matches_the_twin(portable, bits):
     for Hkv, Gq, D, tiles, T in GEOMS[1:4]:
         q, kt, vt, kw, vw, kn, vn = _case(bits, 32, Hkv, Gq, D, tiles, 7, T)

@@ -47,6 +47,18 @@ def test_mixed_codecs_and_int8_means(kv, mu):
     _check(*kv, (3, 3, 64, 224, 40, 3), tada_mu=mu)
 
 
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "-".join(map(str, g)))
+@pytest.mark.parametrize("v", ["kivi-2", "cb-3"])
+def test_three_bit_keys(geom, v):
+    """kivi-3 keys (2-bit planes + 1-bit planes, kernels/chanpack.py) beside a V codec."""
+    _check("kivi-3", v, geom)
+
+
+@pytest.mark.parametrize("G", [64, 128])
+def test_three_bit_keys_in_larger_groups(G):
+    _check("kivi-3", "kivi-4", (2, 3, 64, 4 * G, 5, 1), G=G)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs(dtype):
     _check("kivi-4", "tada-4", (2, 3, 64, 128, 9, 2), dtype=dtype)
@@ -159,13 +171,14 @@ def portable(monkeypatch):
     monkeypatch.setattr(native, "_lib", lib)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + ("kivi-3/kivi-4",))
 def test_portable_path_matches_dequantized_reference(portable, method):
+    k, v = method.split("/") if "/" in method else (method, method)
     for geom in (GEOMS[0], GEOMS[1], GEOMS[2]):
-        _check(method, method, geom)
+        _check(k, v, geom)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("G,g,D", [(32, 32, 64), (64, 64, 128), (128, 32, 32)])
 def test_kivi_pack_bit_identical(bits, G, g, D):
     """The C flush writes exactly what KiviCodec.pack writes (codes, fp16 scales and zeros),
@@ -174,7 +187,7 @@ def test_kivi_pack_bit_identical(bits, G, g, D):
     from kvrun.kernels.codecs.kivi import KiviCodec
     from kvrun.kernels.native.pack import store
     torch.manual_seed(bits * 1000 + G + D)
-    for role in ("k", "v"):
+    for role in ("k",) if bits == 3 else ("k", "v"):   # 3 bits: keys only
         c = KiviCodec(role, G, bits, g)                 # (8 bits: profiles' kivi layers)
         a, b = c.alloc(3, D, 8 * G), c.alloc(3, D, 8 * G)
         for s0, scale in ((0, 1.0), (G, 300.0), (2 * G, 0.0), (5 * G, 1e-3)):

@@ -94,8 +94,10 @@ def test_profile_round_trip_and_load(tiny_model, searched, tmp_path):
     ("{not json", "not valid JSON"),
     ('{"format": "other", "layers": []}', "not a kvrun KV profile"),
     ('{"format": "kvrun-kv-profile", "layers": []}', "'layers' must be a non-empty list"),
-    ('{"format": "kvrun-kv-profile", "layers": [{"k": "kivi-3", "v": "fp16"}]}',
-     "layer 0 k: unknown KV method 'kivi-3'"),
+    ('{"format": "kvrun-kv-profile", "layers": [{"k": "kivi-5", "v": "fp16"}]}',
+     "layer 0 k: unknown KV method 'kivi-5'"),
+    ('{"format": "kvrun-kv-profile", "layers": [{"k": "kivi-3", "v": "kivi-3"}]}',
+     "layer 0 v: kivi-3 stores keys only"),
     ('{"format": "kvrun-kv-profile", "layers": [{"k": "kivi-2"}]}', "layer 0 must be an object with 'k' and 'v'"),
     ('{"format": "kvrun-kv-profile", "version": 7, "layers": [{"k": "kivi-2", "v": "fp16"}]}',
      "version 7 is not supported"),
@@ -169,8 +171,10 @@ def test_search_command_writes_a_profile(tiny_model, tmp_path):
     assert r.stdout.strip() == str(out)
     prof = read_profile(out)
     assert prof.meta["budget"] == 0.62 and prof.meta["bytes_ratio"] <= 0.62
-    r = CliRunner().invoke(search_cmd, args[:-2] + ["--bits", "3", "-o", str(out)])
+    r = CliRunner().invoke(search_cmd, args[:-2] + ["--bits", "5", "-o", str(out)])
     assert isinstance(r.exception, KvrunError) and "--bits must be" in str(r.exception)
+    r = CliRunner().invoke(search_cmd, args[:-2] + ["--bits", "3", "-o", str(out)])   # kivi-3 only
+    assert isinstance(r.exception, KvrunError) and "stores keys only" in str(r.exception)
 
 
 def test_shipped_profiles_fit_their_budgets_by_the_arenas_accounting():
@@ -297,16 +301,16 @@ def test_ring_reuse_and_refusals(tiny_gemma, tiny_model, tmp_path):
 
 def test_codec_menus():
     from kvrun.eval.search import candidate_methods, default_bits
-    assert default_bits("all") == [2, 3, 4, 8] and default_bits("kivi") == [2, 4, 8]
-    assert candidate_methods("all") == ["kivi-2", "cb-2", "cb-3", "kivi-4", "cb-4", "int8"]
+    assert default_bits("all") == [2, 3, 4, 8] and default_bits("kivi") == [2, 3, 4, 8]
+    assert candidate_methods("all") == ["kivi-2", "cb-2", "kivi-3", "cb-3", "kivi-4", "cb-4", "int8"]
     assert candidate_methods("cb", [4, 3, 16]) == ["cb-3", "cb-4", "fp16"]
-    assert candidate_methods("all", [3]) == ["cb-3"]
-    assert candidate_methods("kivi", None) == ["kivi-2", "kivi-4", "int8"]
+    assert candidate_methods("all", [3]) == ["kivi-3", "cb-3"]
+    assert candidate_methods("kivi", None) == ["kivi-2", "kivi-3", "kivi-4", "int8"]
 
 
 @pytest.mark.parametrize("family, bits, msg", [
     ("nope", None, "unknown --family 'nope'"),
-    ("kivi", [3], r"--bits must be a non-empty list from \[2, 4, 8, 16\] for --family kivi"),
+    ("kivi", [5], r"--bits must be a non-empty list from \[2, 3, 4, 8, 16\] for --family kivi"),
     ("all", [2, 5], r"from \[2, 3, 4, 8, 16\] for --family all, got \[2, 5\]"),
     ("cb", [], "--bits must be a non-empty list"),
 ])
@@ -326,7 +330,8 @@ def test_all_family_search_mixes_kinds_under_budget(tiny_model, searched_all):
     from kvrun.eval.search_objective import Objective
     r, cfg = searched_all, tiny_model.cfg
     kind = lambda m: m.split("-")[0]
-    assert {m for pair in r.layers for m in pair} <= {"kivi-2", "cb-2", "cb-3", "kivi-4", "cb-4", "int8"}
+    assert {m for pair in r.layers for m in pair} <= {"kivi-2", "cb-2", "kivi-3", "cb-3", "kivi-4", "cb-4", "int8"}
+    assert all(v != "kivi-3" for _, v in r.layers)                      # keys only
     assert any(kind(k) != kind(v) for k, v in r.layers), r.layers       # a mixed-kind layer
     kv = parse_kv("fp16").replace(layers=r.layers)
     cache = build_cache(cfg, KW["ctx"], kv)
@@ -343,7 +348,8 @@ def test_all_family_search_mixes_kinds_under_budget(tiny_model, searched_all):
     assert all(r.kld <= r.uniform[m] for m in fits)
     # ρ per role: each role measured with the other role fp16, for every method
     assert set(r.role_uniform) == {"k", "v"}
-    assert all(set(u) == set(r.uniform) and u["int8"] <= u["cb-2"] for u in r.role_uniform.values())
+    assert all(u["int8"] <= u["cb-2"] for u in r.role_uniform.values())
+    assert set(r.role_uniform["v"]) == set(r.uniform) == set(r.role_uniform["k"]) - {"kivi-3"}
 
 
 def test_all_family_reuse_needs_per_role_klds(tiny_model, searched_all, searched, tmp_path):

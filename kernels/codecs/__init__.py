@@ -1,6 +1,6 @@
 """Codec registry: method names → codec objects (adding a codec: docs/architecture.md).
 
-Method names: fp16, bf16, fp32 (uncompressed), int8, kivi-2, kivi-4, tada-2, tada-4, tada-8, GEAR on a KIVI
+Method names: fp16, bf16, fp32 (uncompressed), int8, kivi-2, kivi-4, kivi-3 (keys only), tada-2, tada-4, tada-8, GEAR on a KIVI
 backbone: gear-l / gear (4-bit backbone), gear-l-2 / gear-2 (2-bit), gear-l-4 / gear-4, and the
 codebooks after rotation cb-2, cb-3, cb-4.
 """
@@ -14,7 +14,7 @@ from .gear import GearCodec
 from .kivi import KiviCodec
 from .tada import TadaCodec
 
-METHODS = ("fp16", "bf16", "fp32", "int8", "kivi-2", "kivi-4", "tada-2", "tada-4", "tada-8",
+METHODS = ("fp16", "bf16", "fp32", "int8", "kivi-2", "kivi-3", "kivi-4", "tada-2", "tada-4", "tada-8",
            "gear-l", "gear-l-2", "gear-l-4", "gear", "gear-2", "gear-4", "cb-2", "cb-3", "cb-4")
 
 
@@ -52,4 +52,7 @@ def make_codec(method: str, role: str, G: int, v_group: int = 32, rank: int = 4,
     return GearCodec(role, G, bits, v_group, rank, sparsity if fam == "gear" else None)
 
 
-__all__ = ["COMPONENTS", "METHODS", "Codec", "Slot", "make_codec", "method_family"]
+KEY_ONLY = ("kivi-3",)    # per-channel codecs with no value layout: a layer's K only
+
+
+__all__ = ["COMPONENTS", "KEY_ONLY", "METHODS", "Codec", "Slot", "make_codec", "method_family"]

@@ -1,4 +1,4 @@
-"""KIVI: asymmetric 2/4-bit KV quantization, K per channel and V per token.
+"""KIVI: asymmetric 2/4-bit KV quantization, K per channel and V per token (and 3-bit keys).
 
 Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache" (described
 in the GEAR paper, seeds/002_…). Keys have outlier *channels*, so K is quantized per channel
@@ -12,7 +12,9 @@ element:
 K codes live in the channel-major byte planes of chanpack.py: a block is unpacked into a
 reused (D, n) buffer per head, scaled in place (the per-channel scale is the wrong axis for
 any fold into q: it changes every G tokens inside the contraction over channels), and
-multiplied by q in one GEMM. V codes live in the channel-major int4-GEMM nibble layout
+multiplied by q in one GEMM. 3-bit codes (keys only, `kivi-3`) are stored as their low
+two bits in 2-bit planes and their third bit in 1-bit planes (chanpack.planes), added into
+the same unpack buffer before the scale. V codes live in the channel-major int4-GEMM nibble layout
 (nibble.py) and are multiplied packed: the per-token scale goes into p, one op call per
 head for all channel groups stacked as rows. Neither builds a dequantized copy of the
 cache: the buffers hold one block and are reused for every block and layer.
@@ -31,7 +33,9 @@ class KiviCodec(Codec):
 
     def __init__(self, role: str, G: int, bits: int, v_group: int):
         super().__init__(role, G)
-        assert bits in (2, 4, 8), bits
+        assert bits in (2, 3, 4, 8), bits
+        if bits == 3 and role != "k":
+            raise ValueError("kivi-3 is a key codec: per-channel keys only")
         self.bits, self.g = bits, v_group
         self.method = f"kivi-{bits}"
 
@@ -42,10 +46,10 @@ class KiviCodec(Codec):
         else:
             par = (Hkv, S, D // self.g)                       # per (head, token, channel group)
             unit = 1
-        codes = (Slot("codes", "codes", chanpack.shape(self.bits, Hkv, D, S), torch.uint8, 2,
-                      chanpack.per_byte(self.bits)) if self.role == "k"
-                 else self._nib_slot(Hkv, D, S, self.bits))
-        return [codes,
+        codes = ([Slot(name, "codes", chanpack.shape(w, Hkv, D, S), torch.uint8, 2, chanpack.per_byte(w))
+                  for name, w, _ in chanpack.planes(self.bits)] if self.role == "k"
+                 else [self._nib_slot(Hkv, D, S, self.bits)])
+        return [*codes,
                 Slot("scale", "scales_zeros", par, torch.float16, 1, unit),
                 Slot("zero", "scales_zeros", par, torch.float16, 1, unit)]
 
@@ -70,14 +74,17 @@ class KiviCodec(Codec):
             st["scale"][:, s0:s0 + n] = scale[..., 0]
             st["zero"][:, s0:s0 + n] = zero[..., 0]
         if self.role == "k":
-            chanpack.write(st["codes"], codes.reshape(Hkv, n, D), s0, self.bits)
+            codes = codes.reshape(Hkv, n, D)
+            for name, w, sh in chanpack.planes(self.bits):
+                chanpack.write(st[name], (codes >> sh) & ((1 << w) - 1), s0, w)
         else:
             self._nib_write(st, codes.reshape(Hkv, n, D), s0, self.bits)
         return rec
 
     def dequant(self, st, s0, s1):
-        if self.role == "k":
-            C = chanpack.codes(st["codes"], s0, s1, self.bits)           # integer codes
+        if self.role == "k":                                             # integer codes
+            C = sum(chanpack.codes(st[name], s0, s1, w) * (1 << sh)
+                    for name, w, sh in chanpack.planes(self.bits))
         else:
             C = self._nib_codes(st, s0, s1, self.bits, self.D)
         Hkv, n, D = C.shape
@@ -98,9 +105,13 @@ class KiviCodec(Codec):
         to token order, plus the zero-point term q·z per token group."""
         assert self.role == "k"
         Hkv, R, D = qg.shape
-        G, n, bits = self.G, s1 - s0, self.bits
-        a = s0 // chanpack.unit(bits) * chanpack.unit(bits)              # block-aligned start
+        G, n = self.G, s1 - s0
+        bits = 2 if self.bits == 3 else self.bits                        # the "codes" planes' width
+        U = chanpack.unit(1 if self.bits == 3 else bits)
+        a = s0 // U * U                                                  # block-aligned start
         u = chanpack.unpack_into(st["codes"], a, s1, bits, self.ws)      # (Hkv, D, E, M)
+        if self.bits == 3:
+            chanpack.add_high(u, st["hi"], a, s1, self.ws)
         E, M = u.shape[2], u.shape[3]
         ga, nb = a // G, (s1 - 1) // G + 1 - a // G                      # groups touched
         sT = st["scale"][:, ga:ga + nb].float().transpose(1, 2)          # (Hkv, D, nb)

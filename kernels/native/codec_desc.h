@@ -18,6 +18,8 @@ typedef struct {
     int32_t kind, role, bits, G, g, rank, k2, mu_int8;
     const void *x;       int64_t xs[2];     /* fp tail (Hkv, S, D): h, t           */
     const uint8_t *codes; int64_t cs[4];    /* packed codes, layout per kind/role   */
+    const uint8_t *hi; int64_t hs[2];       /* KIVI 3-bit K: the third bits' 1-bit
+                                               chanpack planes (Hkv, D, S/8): h, d  */
     const f16 *scale, *zero; int64_t ss[3]; /* scales / zeros                       */
     const void *mu; const f16 *mu_scale; int64_t mus;   /* TaDA means               */
     const f16 *lr_a; int64_t as[2];         /* GEAR A (Hkv, S, r): h, t             */

@@ -11,7 +11,8 @@
  *         token i of the block in row i % 32 at shift 2*(i/32); 8 bits = two planes.
  *   chanpack (KIVI K; chanpack.py): (Hkv, D, S/E), a block of U = 32E tokens (E = 8/bits)
  *         is 32 bytes per channel, token i of the block in byte i % 32 at bits
- *         [bits*(i/32), bits*(i/32 + 1)).
+ *         [bits*(i/32), bits*(i/32 + 1)). 3 bits: the low two in a 2-bit buffer, the
+ *         third in a 1-bit one (E = 8), code = lo + 4 hi.
  */
 #ifndef KVRUN_CODEC_LAYOUT_H
 #define KVRUN_CODEC_LAYOUT_H

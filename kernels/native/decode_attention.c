@@ -91,39 +91,61 @@ static inline void codes32(const uint8_t *restrict b, int shift, int mask, float
 }
 
 /* Where the 32 codes of tail tile t0 (t0 % 32 == 0) of head h live in a packed K layout:
- * channel d's bytes at *b + d * *ds, code = (byte >> *sh) & *mask; *b2 (8-bit tok layout)
- * the second nibble plane, or NULL. */
-static void k_layout(const Codec *c, int h, int64_t t0, const uint8_t **b, const uint8_t **b2,
-                     int64_t *ds, int *sh, int *mask) {
+ * channel d's bytes at b + d * ds, code = (byte >> sh) & mask; with a second plane b2
+ * (bytes at b2 + d * ds2), code = f * code + ((b2 byte >> sh2) & mask2): the 8-bit tok
+ * layout's two nibble planes (f 16), or 3-bit KIVI keys' 1-bit third planes in b and
+ * 2-bit low planes in b2 (f 4). */
+typedef struct {
+    const uint8_t *b, *b2;
+    int64_t ds, ds2;
+    int sh, sh2, mask, mask2;
+    float f;
+} KLay;
+
+static KLay k_layout(const Codec *c, int h, int64_t t0) {
     const int64_t *s = c->cs;
-    *b2 = NULL;
-    if (c->kind == C_KIVI) {
-        *b = c->codes + h * s[0] + chanpack_byte(t0, c->bits);
-        *ds = s[1];
-        *sh = chanpack_shift(t0, c->bits);
-        *mask = (1 << c->bits) - 1;
-        return;
+    KLay L = {0};
+    if (c->kind == C_KIVI && c->bits == 3) {
+        L.b = c->hi + h * c->hs[0] + chanpack_byte(t0, 1);
+        L.ds = c->hs[1];
+        L.sh = chanpack_shift(t0, 1);
+        L.mask = 1;
+        L.b2 = c->codes + h * s[0] + chanpack_byte(t0, 2);
+        L.ds2 = s[1];
+        L.sh2 = chanpack_shift(t0, 2);
+        L.mask2 = 3;
+        L.f = 4.f;
+        return L;
     }
-    *b = c->codes + h * s[0] + (t0 / tok_unit(c->bits)) * s[2];
-    *ds = s[3];
-    *sh = tok_shift(t0, c->bits);
-    *mask = c->bits == 2 ? 3 : 15;
-    if (c->bits == 8) *b2 = *b + s[1];
+    if (c->kind == C_KIVI) {
+        L.b = c->codes + h * s[0] + chanpack_byte(t0, c->bits);
+        L.ds = s[1];
+        L.sh = chanpack_shift(t0, c->bits);
+        L.mask = (1 << c->bits) - 1;
+        return L;
+    }
+    L.b = c->codes + h * s[0] + (t0 / tok_unit(c->bits)) * s[2];
+    L.ds = L.ds2 = s[3];
+    L.sh = L.sh2 = tok_shift(t0, c->bits);
+    L.mask = c->bits == 2 ? 3 : 15;
+    if (c->bits == 8) {
+        L.b2 = L.b + s[1];
+        L.mask2 = 15;
+        L.f = 16.f;
+    }
+    return L;
 }
 
 /* K tile (D, 32) of raw codes for tokens [t0, t0+32) of head h (t0 % 32 == 0), from the
  * tok (int8 / TaDA) or chanpack (KIVI) layout of codec_layout.h. */
 static void k_codes(const Codec *c, int h, int64_t t0, int D, float *restrict kt) {
-    const uint8_t *b, *b2;
-    int64_t ds;
-    int sh, mask;
-    k_layout(c, h, t0, &b, &b2, &ds, &sh, &mask);
+    const KLay L = k_layout(c, h, t0);
     for (int d = 0; d < D; d++) {
-        codes32(b + d * ds, sh, mask, kt + d * TILE);
-        if (b2) {                          /* 8 bits: 16 * hi + lo */
+        codes32(L.b + d * L.ds, L.sh, L.mask, kt + d * TILE);
+        if (L.b2) {                        /* f * first + second */
             float lo[TILE];
-            codes32(b2 + d * ds, sh, 15, lo);
-            for (int j = 0; j < TILE; j++) kt[d * TILE + j] = 16.f * kt[d * TILE + j] + lo[j];
+            codes32(L.b2 + d * L.ds2, L.sh2, L.mask2, lo);
+            for (int j = 0; j < TILE; j++) kt[d * TILE + j] = L.f * kt[d * TILE + j] + lo[j];
         }
     }
 }
@@ -310,9 +332,11 @@ static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N) {
     if (D % 4) return 0;
-    const int E = 8 / c->bits, first = (int)((t0 / TILE) % E);
+    const int lb = c->bits == 3 ? 2 : c->bits;     /* the "codes" planes' width */
+    const int E = 8 / lb, first = (int)((t0 / TILE) % E);
     const int P = E - first < avail ? E - first : avail, RB = KI_ACC / P;
-    const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, c->bits);
+    const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, lb);
+    const uint8_t *hb = c->bits == 3 ? c->hi + h * c->hs[0] + chanpack_byte(t0, 1) : NULL;
     float sv[4][MAXD], zv[4][MAXD], qd[KI_ACC], bias[KI_ACC];
     int16_t qi[KI_ACC * MAXD];
     int32_t dots[KI_ACC * TILE];
@@ -332,7 +356,8 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
                 }
             }
         }
-        ki_dot(b, c->cs[1], D, c->bits, chanpack_shift(t0, c->bits), P, nr, qi, dots);
+        ki_dot(b, c->cs[1], D, lb, chanpack_shift(t0, lb), hb, hb ? c->hs[1] : 0,
+               hb ? chanpack_shift(t0, 1) : 0, P, nr, qi, dots);
         for (int p = 0; p < P; p++)
             for (int r = 0; r < nr; r++) {
                 const int k = p * nr + r;
@@ -354,24 +379,25 @@ static inline __m512 dec16(const uint8_t *b, __m128i sh, __m512i mask) {
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(w, sh), mask));
 }
 
-/* acc[i][j] = sum_d qx[i * D + d] * code(d, j), j < 32, i < NR; channel d's 32 codes are
- * the bytes at b + d * ds ((byte >> sh) & mask); with b2 (8-bit tok layout: two nibble
- * planes) code = 16 * code + ((b2 byte >> sh) & 15). */
-static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int D, const uint8_t *b,
-        const uint8_t *b2, int64_t ds, int sh, int mask, float *acc, const int NR) {
+/* acc[i][j] = sum_d qx[i * D + d] * code(d, j), j < 32, i < NR; channel d's 32 codes as
+ * k_layout's L says (one plane, or two combined as f * first + second). */
+static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int D, const KLay *L,
+        float *acc, const int NR) {
     __m512 a[8][2];                        /* up to 8 rows: 16 of the 32 registers */
     for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
-    __m128i shv = _mm_cvtsi32_si128(sh);
-    __m512i mv = _mm512_set1_epi32(mask), m15 = _mm512_set1_epi32(15);
-    __m512 sixteen = _mm512_set1_ps(16.f);
+    const uint8_t *b = L->b, *b2 = L->b2;
+    const int64_t ds = L->ds, ds2 = L->ds2;
+    __m128i shv = _mm_cvtsi32_si128(L->sh), shv2 = _mm_cvtsi32_si128(L->sh2);
+    __m512i mv = _mm512_set1_epi32(L->mask), mv2 = _mm512_set1_epi32(L->mask2);
+    __m512 f = _mm512_set1_ps(L->f);
     for (int d = 0; d < D; d++) {
         /* channel rows are ds bytes apart (KIVI: one row per channel, 64+ streams, more
          * than the hardware prefetcher follows): fetch this row's bytes 8 tiles ahead */
         _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
         __m512 c0 = dec16(b + d * ds, shv, mv), c1 = dec16(b + d * ds + 16, shv, mv);
         if (b2) {
-            c0 = _mm512_fmadd_ps(c0, sixteen, dec16(b2 + d * ds, shv, m15));
-            c1 = _mm512_fmadd_ps(c1, sixteen, dec16(b2 + d * ds + 16, shv, m15));
+            c0 = _mm512_fmadd_ps(c0, f, dec16(b2 + d * ds2, shv2, mv2));
+            c1 = _mm512_fmadd_ps(c1, f, dec16(b2 + d * ds2 + 16, shv2, mv2));
         }
         for (int i = 0; i < NR; i++) {
             __m512 qb = _mm512_set1_ps(qx[i * D + d]);
@@ -417,9 +443,8 @@ static inline __attribute__((always_inline)) void kdot_multi(const float *qx, in
         }
 }
 
-static void kdot(const float *qx, int R, int D, const uint8_t *b, const uint8_t *b2, int64_t ds,
-                 int sh, int mask, float *acc) {
-#define KR(r0, nr) kdot_rows(qx + (r0) * D, D, b, b2, ds, sh, mask, acc + (r0) * TILE, nr)
+static void kdot(const float *qx, int R, int D, const KLay *L, float *acc) {
+#define KR(r0, nr) kdot_rows(qx + (r0) * D, D, L, acc + (r0) * TILE, nr)
     ROW_BLOCKS8(R, KR);                  /* blocks of 8 rows: a channel row decoded once */
 #undef KR
 }
@@ -553,7 +578,7 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
                            int D, float *sc, int64_t N) {
     int TT = R <= 3 ? 4 : R <= 6 ? 2 : 1;
     if (TT > avail) TT = avail >= 2 && R <= 6 ? 2 : 1;
-    if (TT == 1) return 0;
+    if (TT == 1 || c->bits == 3) return 0;     /* 3 bits: one tile at a time (k_tile_fast) */
     const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, c->bits);
     int off[4], sh[4];
     float qx[4 * 6 * MAXD], acc[4 * 6 * TILE], bias[4 * 6];
@@ -590,10 +615,7 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
         return 1;
     }
     if (c->kind < C_INT8 || R > 64) return 0;
-    const uint8_t *b, *b2;
-    int64_t ds;
-    int sh, mask;
-    k_layout(c, h, t0, &b, &b2, &ds, &sh, &mask);
+    const KLay L = k_layout(c, h, t0);
     float qx[64 * MAXD], acc[64 * TILE], bias[64];
     const float *qd = q;
     if (c->kind == C_KIVI) {
@@ -606,7 +628,7 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
             bias[r] = sq;
         }
     }
-    kdot(qd, R, D, b, b2, ds, sh, mask, acc);
+    kdot(qd, R, D, &L, acc);
     if (c->kind == C_KIVI) {
         for (int r = 0; r < R; r++)
             for (int j = 0; j < TILE; j++) sc[r * N + j] = acc[r * TILE + j] + bias[r];

@@ -28,6 +28,7 @@ class CodecDesc(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("kind", "role", "bits", "G", "g", "rank", "k2", "mu_int8")] + [
         ("x", _p), ("xs", _i64 * 2),
         ("codes", _p), ("cs", _i64 * 4),
+        ("hi", _p), ("hs", _i64 * 2),
         ("scale", _p), ("zero", _p), ("ss", _i64 * 3),
         ("mu", _p), ("mu_scale", _p), ("mus", _i64),
         ("lr_a", _p), ("as_", _i64 * 2),
@@ -105,6 +106,9 @@ def describe(codec, st: dict) -> CodecDesc | None:
             c.mu_int8, c.mu_scale = 1, st["mu_scale"].data_ptr()
         return c
     c.kind, c.g = KIVI, codec.g                 # kivi, and gear: KIVI codes + its own terms
+    if "hi" in st:                              # 3-bit keys: the third bits' planes
+        c.hi = st["hi"].data_ptr()
+        _strides(c.hs, st["hi"], 2)
     if kind == "gear":
         if codec.rank > MAX_RANK or codec.G > 256:
             return None

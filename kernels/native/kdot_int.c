@@ -11,7 +11,11 @@
  * The sums are put back in token order once per tile and row. The plain C path computes the
  * same integers.
  *
- * Bytes read per call: D rows of 32 code bytes once; the quantized rows (2 P R D bytes) from L1.
+ * 3-bit keys add their third bits (a second transpose of the 1-bit planes' rows, shifted
+ * into bit 2 of the same words) before the products: one set of dot instructions still.
+ *
+ * Bytes read per call: D rows of 32 code bytes once (and D of the third bits' 32 with
+ * hb); the quantized rows (2 P R D bytes) from L1.
  */
 #include <math.h>
 #include <string.h>
@@ -40,29 +44,43 @@ INLINE void transpose4(const uint8_t *row, int64_t ds, __m512i *x0, __m512i *x1)
 }
 
 /* ki_dot for PP tiles x NR rows, constants so the accumulators stay in registers */
-INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const int16_t *qi,
-                        int32_t *out, const int PP, const int NR)
+INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb,
+                        int64_t hds, int hsh, const int16_t *qi, int32_t *out, const int PP, const int NR)
 {
     __m512i acc[KI_ACC][2];
     for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
     const __m512i m = _mm512_set1_epi32(((1 << bits) - 1) * 0x10001);  /* word low bits */
-    __m128i cnt[4], cnt8[4];
+    const __m512i m1 = _mm512_set1_epi32(0x10001);                  /* word bit 0 */
+    __m128i cnt[4], cnt8[4], hcnt[4], hcnt8[4];
     for (int p = 0; p < PP; p++) {
         cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
         cnt8[p] = _mm_cvtsi32_si128(sh + bits * p + 8);
+        hcnt[p] = _mm_cvtsi32_si128(hsh + p);
+        hcnt8[p] = _mm_cvtsi32_si128(hsh + p + 8);
     }
     for (int d = 0; d < D; d += 4) {
         const uint8_t *row = b + d * ds;
         /* 4 of the D channel streams, more than the hardware prefetcher follows */
         for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), _MM_HINT_T0);
-        __m512i x0, x1;
+        __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512();
         transpose4(row, ds, &x0, &x1);
+        if (hb) {
+            const uint8_t *hrow = hb + d * hds;
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(hrow + k * hds + PREFETCH), _MM_HINT_T0);
+            transpose4(hrow, hds, &y0, &y1);
+        }
         for (int p = 0; p < PP; p++) {
             /* -- the tile's codes as words: channels (d, d+2) and (d+1, d+3) of each lane -- */
-            const __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt[p]), m);
-            const __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
-            const __m512i o0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt8[p]), m);
-            const __m512i o1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt8[p]), m);
+            __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt[p]), m);
+            __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
+            __m512i o0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt8[p]), m);
+            __m512i o1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt8[p]), m);
+            if (hb) {                       /* + 4 x the third bit */
+                e0 = _mm512_or_si512(e0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y0, hcnt[p]), m1), 2));
+                e1 = _mm512_or_si512(e1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y1, hcnt[p]), m1), 2));
+                o0 = _mm512_or_si512(o0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y0, hcnt8[p]), m1), 2));
+                o1 = _mm512_or_si512(o1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y1, hcnt8[p]), m1), 2));
+            }
             for (int r = 0; r < NR; r++) {
                 int32_t w[2];                   /* the row's words (d, d+2), (d+1, d+3) */
                 memcpy(w, qi + (p * NR + r) * D + d, 8);
@@ -82,12 +100,12 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
     }
 }
 
-#define KI(pp, nr) ki_dot_vnni(b, ds, D, bits, sh, qi, out, pp, nr)
+#define KI(pp, nr) ki_dot_vnni(b, ds, D, bits, sh, hb, hds, hsh, qi, out, pp, nr)
 #define ROWS3(pp) case 1: KI(pp, 1); break; case 2: KI(pp, 2); break; case 3: KI(pp, 3); break
 #define ROWS6(pp) ROWS3(pp); case 4: KI(pp, 4); break; case 5: KI(pp, 5); break; case 6: KI(pp, 6); break
 
-void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
-            int32_t *out)
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
+            int hsh, int P, int R, const int16_t *qi, int32_t *out)
 {
     switch (P) {
     case 1:
@@ -149,8 +167,8 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
 }
 
 #else
-void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
-            int32_t *out)
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
+            int hsh, int P, int R, const int16_t *qi, int32_t *out)
 {
     const int mask = (1 << bits) - 1;
     int32_t acc[KI_ACC][32] = {{0}};
@@ -159,6 +177,8 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R,
         for (int p = 0; p < P; p++) {
             int32_t c[32];
             for (int j = 0; j < 32; j++) c[j] = (row[j] >> (sh + bits * p)) & mask;
+            if (hb)
+                for (int j = 0; j < 32; j++) c[j] |= ((hb[d * hds + j] >> (hsh + p)) & 1) << 2;
             for (int r = 0; r < R; r++) {
                 const int32_t w = qi[(p * R + r) * D + d];
                 for (int j = 0; j < 32; j++) acc[p * R + r][j] += w * c[j];

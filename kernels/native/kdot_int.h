@@ -23,15 +23,16 @@ float ki_quantize(const float *x, int n, int16_t *qi);
 /* out[(p * R + r) * 32 + j] = sum_{d < D} qi[(p * R + r) * D + d] * code(d, p, j) for P tiles
  * of 32 tokens that share their bytes (the planes of one chanpack block), p < P, r < R,
  * P * R <= KI_ACC, D % 4 == 0: channel d's 32 bytes are at b + d * ds and the code of token
- * j of tile p is (byte j >> (sh + bits * p)) & (2^bits - 1); bits <= 8, D <= 256. Exact int32
- * on every ISA. */
+ * j of tile p is (byte j >> (sh + bits * p)) & (2^bits - 1); bits <= 8, D <= 256. With hb
+ * (3-bit keys: bits 2), each code gains 4 x its third bit, the bit (hsh + p) of byte j at
+ * hb + d * hds (chanpack 1-bit planes). Exact int32 on every ISA. */
 /* ki_quantize of the folded row x = q s (n,) (one fp32 product per channel), and
  * *bias = q . z in fp32: a row's both inputs of a tile's logits, s and z its channel scales
  * and zeros; n <= 256 */
 float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
                        float *bias);
 
-void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, int P, int R, const int16_t *qi,
-            int32_t *out);
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
+            int hsh, int P, int R, const int16_t *qi, int32_t *out);
 
 #endif

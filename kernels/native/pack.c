@@ -90,10 +90,12 @@ static void write_tok(uint8_t *codes, const int64_t *cs, int h, int64_t tok, con
 
 /* K: x (Hkv, n, D) fp32 contiguous for tokens [s0, s0+n), per (head, group of G tokens,
  * channel) params into scale/zero (Hkv, S/G, D) (strides ss), codes into the chanpack
- * layout (Hkv, D, M) (strides cs0, cs1). */
+ * layout (Hkv, D, M) (strides cs0, cs1); 3 bits: the low two there and the third into
+ * the 1-bit chanpack planes `third` (strides hs0, hs1). */
 int kvrun_kivi_pack_k(const float *x, int Hkv, int n, int D, int64_t s0, int G, int bits,
-                      uint8_t *codes, int64_t cs0, int64_t cs1, f16 *scale, f16 *zero,
-                      int64_t ss0, int64_t ss1) {
+                      uint8_t *codes, int64_t cs0, int64_t cs1, uint8_t *third, int64_t hs0,
+                      int64_t hs1, f16 *scale, f16 *zero, int64_t ss0, int64_t ss1) {
+    if (bits == 3 && !third) return 1;
     if (n % G || s0 % 32 || G % 32) return 1;
     int qmax = (1 << bits) - 1;
     for (int h = 0; h < Hkv; h++)
@@ -113,12 +115,18 @@ int kvrun_kivi_pack_k(const float *x, int Hkv, int n, int D, int64_t s0, int G, 
                 zero[h * ss0 + grp * ss1 + d] = z;
                 float zf = (float)z, sf = (float)s;
                 uint8_t *row = codes + h * cs0 + d * cs1;
+                const int lb = bits == 3 ? 2 : bits, lm = (1 << lb) - 1;   /* "codes" planes */
                 for (int t = 0; t < G; t++) {
                     int64_t tok = s0 + g0 + t;
-                    int sh = chanpack_shift(tok, bits);
-                    uint8_t *p = row + chanpack_byte(tok, bits);
+                    int sh = chanpack_shift(tok, lb);
+                    uint8_t *p = row + chanpack_byte(tok, lb);
                     uint8_t c = quant1(xs[(int64_t)t * D], zf, sf, qmax);
-                    *p = (uint8_t)((*p & ~(qmax << sh)) | (c << sh));
+                    *p = (uint8_t)((*p & ~(lm << sh)) | ((c & lm) << sh));
+                    if (bits == 3) {
+                        uint8_t *ph = third + h * hs0 + d * hs1 + chanpack_byte(tok, 1);
+                        int hsh = chanpack_shift(tok, 1);
+                        *ph = (uint8_t)((*ph & ~(1 << hsh)) | ((c >> 2) << hsh));
+                    }
                 }
             }
         }

@@ -53,8 +53,11 @@ def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
         rc = lib.kvrun_kivi_pack_v(_ptr(x), Hkv, n, D, _i64(s0), codec.g, codec.bits,
                                    _ptr(codes), cs, _ptr(scale), _ptr(zero), ss0, ss1)
     else:                                                   # chanpack (Hkv, D, M): 3-d
+        hi = st.get("hi")                                   # 3 bits: the third bits' planes
+        hs = hi.stride()[:2] if hi is not None else (0, 0)
         rc = lib.kvrun_kivi_pack_k(_ptr(x), Hkv, n, D, _i64(s0), codec.G, codec.bits,
                                    _ptr(codes), _i64(codes.stride(0)), _i64(codes.stride(1)),
+                                   _ptr(hi), _i64(hs[0]), _i64(hs[1]),
                                    _ptr(scale), _ptr(zero), ss0, ss1)
     return rc == 0
 

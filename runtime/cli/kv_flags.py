@@ -40,7 +40,7 @@ def shipped_profile_names() -> str:
 
 
 KV_HELP = ("KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, tada-2/4/8, "
-           "gear-l, gear; or K/V like kivi-4/kivi-2; suffixes @N (groups of N), +rot "
+           "gear-l, gear, cb-2/3/4; or K/V like kivi-4/kivi-2 (kivi-3: keys only, e.g. kivi-3/cb-3); suffixes @N (groups of N), +rot "
            "(Hadamard rotation) and +ring4/8/16 (sliding-window ring width); auto (the "
            "per-layer profile shipped for the model in use); "
            f"profile:NAME (a shipped profile: {shipped_profile_names()}) or profile:FILE.")

@@ -38,7 +38,7 @@ def _bits(s: str | None, flag: str = "--bits", like: str = "2,4,8") -> list[int]
               help="Bit-widths to choose from (16 = fp16; default: every width of --family below 16).")
 @click.option("--family", default="kivi", show_default=True,
               type=click.Choice(["kivi", "tada", "any", "cb", "all"]),
-              help="Codecs per slot (kivi: kivi-2/kivi-4/int8; cb: cb-2/3/4 and int8; "
+              help="Codecs per slot (kivi: kivi-2/kivi-3 (K only)/kivi-4/int8; cb: cb-2/3/4 and int8; "
                    "all: KIVI, cb and int8, K and V chosen apart; any: KIVI, TaDA and int8).")
 @click.option("--rings", default=None,
               help="Widths (bits) the search may give the sliding-window rings of a model that has "

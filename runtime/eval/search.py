@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvrun.kernels.codecs import KEY_ONLY
 from ..errors import KvrunError
 from ..progress import format_duration
 from ..kv.layout import arena_layers
@@ -79,12 +80,20 @@ class Search:
         fp16 = fp16_bytes(cfg, ctx)
         self.limit = int(math.floor(budget * fp16 + 1e-6))
         self.fp16_bytes = fp16
-        # methods sorted by bytes (cheapest first); per-slot costs relative to the cheapest
-        cost = {m: self._bytes([(m, m)] * self.L) for m in methods}
+        # methods sorted by bytes (cheapest first); per-slot costs relative to the cheapest.
+        # A key-only method (kivi-3) is ranked as if its V cost what its K costs, and only
+        # K slots offer it: each role has its own menu, both led by the same cheapest m0
+        dense = self._bytes([("fp16", "fp16")] * self.L)
+        cost = {m: 2 * self._bytes([(m, "fp16")] * self.L) - dense if m in KEY_ONLY
+                else self._bytes([(m, m)] * self.L) for m in methods}
         self.methods = sorted(methods, key=lambda m: (cost[m], methods.index(m)))
         m0 = self.methods[0]
+        if m0 in KEY_ONLY:
+            raise KvrunError(f"{m0} stores keys only, so it cannot be the cheapest choice of every "
+                             f"slot: add a narrower width to --bits")
+        self.menu = {"k": self.methods, "v": [m for m in self.methods if m not in KEY_ONLY]}
         self.b0 = self._bytes([(m0, m0)] * self.L)
-        self.cost = {r: [self._slot_cost(r, m) for m in self.methods] for r in ROLES}
+        self.cost = {r: [self._slot_cost(r, m) for m in self.menu[r]] for r in ROLES}
         # per slot (layer 0 K, layer 0 V, …, then the rings' width): bytes of each choice
         self.costs = [self.cost[ROLES[i % 2]] for i in range(2 * self.L)]
         if self.rings:
@@ -120,7 +129,7 @@ class Search:
         return self.b0 + sum(self.costs[i][j] for i, j in enumerate(a))
 
     def layers_of(self, a: tuple) -> list[tuple[str, str]]:
-        return [(self.methods[a[2 * l]], self.methods[a[2 * l + 1]]) for l in range(self.L)]
+        return [(self.menu["k"][a[2 * l]], self.menu["v"][a[2 * l + 1]]) for l in range(self.L)]
 
     def ring_of(self, a: tuple) -> int | None:
         return self.rings[a[2 * self.L]] if self.rings else self.base.ring
@@ -179,14 +188,18 @@ class Search:
                           f"ETA {format_duration(eta)})")
         self.uniform, self.role_uniform = {}, {r: {} for r in ROLES}
         for m in self.methods:
+            roles = [r for r in ROLES if m in self.menu[r]]
             if m in ("fp16", "bf16"):
                 self.uniform[m] = 0.0
-                for r in ROLES:
+                for r in roles:
                     self.role_uniform[r][m] = 0.0
                 continue
-            self.uniform[m] = self._uniform_kld(m)
-            for r in ROLES:
+            for r in roles:
                 self.role_uniform[r][m] = self._uniform_kld(m, r)
+            if m in KEY_ONLY:
+                self.progress(f"[search] {m} (keys only): K only KLD {self.role_uniform['k'][m]:.5f}")
+                continue
+            self.uniform[m] = self._uniform_kld(m)
             self.progress(f"[search] uniform {m}: KLD {self.uniform[m]:.5f} (K only "
                           f"{self.role_uniform['k'][m]:.5f}, V only {self.role_uniform['v'][m]:.5f})")
         self.ring_kld = {}
@@ -201,15 +214,15 @@ class Search:
         for r in ROLES:
             u = self.role_uniform[r]
             u0 = max(u[self.methods[0]], 1e-12)
-            self.rho[r] = np.array([min(1.0, u[m] / u0) for m in self.methods])
+            self.rho[r] = np.array([min(1.0, u[m] / u0) for m in self.menu[r]])
             self.rho[r][0] = 1.0
 
     def reuse(self, sensitivity: list, uniform: dict, role_uniform: dict, ring_kld: dict) -> None:
         """Take s, ρ and the rings' KLDs from an earlier search on the same calibration
         (another budget); ring_kld is keyed by the width as a string (JSON)."""
         self.s = np.array([x for pair in sensitivity for x in pair], dtype=float)
-        self.uniform = {m: uniform[m] for m in self.methods}
-        self.role_uniform = {r: {m: role_uniform[r][m] for m in self.methods} for r in ROLES}
+        self.uniform = {m: uniform[m] for m in self.menu["v"]}
+        self.role_uniform = {r: {m: role_uniform[r][m] for m in self.menu[r]} for r in ROLES}
         self.ring_kld = {w: 0.0 if w == 16 else float(ring_kld[str(w)]) for w in self.rings}
         self._set_rho()
         self.progress(f"[search] sensitivity and uniform KLDs reused ({len(self.s)} slots)")
@@ -364,7 +377,7 @@ def search(model, text: str, budget: float, ctx: int = 2048, trials: int = 16, s
     methods = candidate_methods(family, bits)
     rings = ring_choices(model.cfg, base, rings)
     for m in methods:                      # geometry checks (V groups etc.) before any work
-        check_kv(model.cfg, base.replace(k_method=m, v_method=m))
+        check_kv(model.cfg, base.replace(k_method=m, v_method="fp16" if m in KEY_ONLY else m))
     s = Search(None, model.cfg, methods, budget, ctx, trials, seed, base, progress, rings)
     if reuse is not None:
         _check_reuse(reuse, model, text, methods, windows, prefix, n_score, base, rings)
@@ -393,8 +406,9 @@ def _check_reuse(p, model, text, methods, windows, prefix, n_score, base, rings)
                f"bits with the arena in fp16")
     elif not isinstance(p.meta.get("sensitivity"), list) or len(p.meta["sensitivity"]) != arena_layers(model.cfg):
         why = "it has no sensitivity table"
-    elif not all(m in p.meta.get("uniform_kld", {}) and
-                 all(m in (p.meta.get("role_kld") or {}).get(r, {}) for r in ROLES) for m in methods):
+    elif not all((m in KEY_ONLY or m in p.meta.get("uniform_kld", {})) and
+                 all(m in (p.meta.get("role_kld") or {}).get(r, {})
+                     for r in (("k",) if m in KEY_ONLY else ROLES)) for m in methods):
         why = f"it did not measure all of {', '.join(methods)} on K and V apart"
     if why:
         raise KvrunError(f"--reuse {p.path}: cannot reuse its sensitivity pass: {why}")

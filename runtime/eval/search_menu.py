@@ -7,15 +7,16 @@ from ..errors import KvrunError
 from ..kv.config import KVConfig
 from ..kv.layout import layer_windows
 
-# bits -> methods per codec family; 8-bit KIVI is the per-token int8 codec. "all" is every
+# bits -> methods per codec family; 8-bit KIVI is the per-token int8 codec, 3-bit KIVI
+# (kivi-3) has no value layout and the search offers it to K slots only. "all" is every
 # codec that fits any model's geometry: TaDA is left out (it refuses one KV head, and its
 # per-token mean costs more than KIVI's metadata on these models)
 FAMILIES = {
-    "kivi": {2: ["kivi-2"], 4: ["kivi-4"], 8: ["int8"], 16: ["fp16"]},
+    "kivi": {2: ["kivi-2"], 3: ["kivi-3"], 4: ["kivi-4"], 8: ["int8"], 16: ["fp16"]},
     "tada": {2: ["tada-2"], 4: ["tada-4"], 8: ["tada-8"], 16: ["fp16"]},
     "any": {2: ["kivi-2", "tada-2"], 4: ["kivi-4", "tada-4"], 8: ["int8", "tada-8"], 16: ["fp16"]},
     "cb": {2: ["cb-2"], 3: ["cb-3"], 4: ["cb-4"], 8: ["int8"], 16: ["fp16"]},
-    "all": {2: ["kivi-2", "cb-2"], 3: ["cb-3"], 4: ["kivi-4", "cb-4"], 8: ["int8"], 16: ["fp16"]},
+    "all": {2: ["kivi-2", "cb-2"], 3: ["kivi-3", "cb-3"], 4: ["kivi-4", "cb-4"], 8: ["int8"], 16: ["fp16"]},
 }
 ROLES = ("k", "v")
 DEFAULT_RINGS = (4, 8)              # ring widths a search chooses from (16: fp16, on request)

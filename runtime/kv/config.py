@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrun.kernels.codecs import method_family
+from kvrun.kernels.codecs import KEY_ONLY, method_family
 from ..errors import KvrunError
 from .evict import ANCHORS, POLICIES
 from .profile import NOT_KV_SETTINGS, check_method, read_profile, shipped_for
@@ -193,6 +193,10 @@ class KVConfig:
         check_method(self.v_method)
         if self.layers is not None:
             self.layers = [(check_method(k), check_method(v)) for k, v in self.layers]
+        for v in [self.v_method] + [v for _, v in self.layers or []]:
+            if v in KEY_ONLY:
+                raise KvrunError(f"{v} stores keys only (per-channel codes); give the values a "
+                                 f"method of their own, e.g. {v}/kivi-2 or {v}/cb-3")
         for name in ("residual", "group", "v_group", "rank", "block"):
             x, lo = getattr(self, name), 0 if name == "residual" else 1
             if not isinstance(x, int) or x < lo:

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrun.kernels.codecs import METHODS
+from kvrun.kernels.codecs import KEY_ONLY, METHODS
 from ..errors import KvrunError
 from ..files import atomic_output
 
@@ -82,9 +82,11 @@ def check_method(m: str) -> str:
     return m
 
 
-def _check_method(where: str, m) -> str:
+def _check_method(where: str, m, role: str = "k") -> str:
     if not isinstance(m, str):
         raise KvrunError(f"{where}: KV method must be a string, got {m!r}")
+    if role == "v" and m in KEY_ONLY:
+        raise KvrunError(f"{where}: {m} stores keys only")
     try:
         return check_method(m)
     except KvrunError as e:
@@ -106,7 +108,7 @@ def parse_profile(d, where: str = "profile") -> Profile:
         if not isinstance(e, dict) or "k" not in e or "v" not in e:
             raise KvrunError(f"{where}: layer {i} must be an object with 'k' and 'v'")
         out.append((_check_method(f"{where}: layer {i} k", e["k"]),
-                    _check_method(f"{where}: layer {i} v", e["v"])))
+                    _check_method(f"{where}: layer {i} v", e["v"], "v")))
     rots = [e.get("rotate") for e in layers]
     if any(r is not None for r in rots):
         if any(r not in ("none", "k", "v", "kv") for r in rots):

@@ -10,7 +10,7 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 
 | op | native (CPU) | triton (CUDA) | torch |
 |---|---|---|---|
-| `decode_attention` (tail + window + new rows) | fp, int8, KIVI (3-bit keys too), TaDA, GEAR (native/decode_attention.c; KIVI keys' q.K in int32: kdot_int.c, `KVRUN_ATTN`), cb 2/3/4-bit (its tile reads in native/codebook_attention.c, codebook_portable.c without AVX-512); each role read by its own kind, so any K codec pairs with any V codec | fp, int8, KIVI, TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
+| `decode_attention` (tail + window + new rows) | fp, int8, KIVI (3-bit keys too), TaDA, GEAR (native/decode_attention.c; KIVI keys' q.K in int32: kdot_int.c, `KVRUN_ATTN`), cb 2/3/4-bit (its tile reads in native/codebook_attention.c, codebook_portable.c without AVX-512); each role read by its own kind, so any K codec pairs with any V codec | fp, int8, KIVI (3-bit keys too), TaDA, GEAR (triton/decode_attention.py) | every codec (kernels/decode_attention.py) |
 | `attend_append` (rotate + round + window write + attention, one call) | what `decode_attention` covers | — | — |
 | `fused_step` (`attend_append` for one token of one layer, its C arguments built once) | what `decode_attention` covers | — | — |
 | `step_row` (every layer's one-token step of one cache, inside the one-call decode step) | what `decode_attention` covers; sliding rings of every width (native/ring_attention.c) | — | — |
@@ -54,7 +54,7 @@ KQ = (2, 3, 4, 8)           # KIVI's: 3 bits for keys only (chanpack's split pla
 COVERAGE: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {
     "decode_attention": {
         "native": {"fp": ANY, "int8": ANY, "kivi": KQ, "tada": Q, "gear": Q, "cb": (2, 3, 4)},
-        "triton": {"fp": ANY, "int8": ANY, "kivi": Q, "tada": Q, "gear": Q},
+        "triton": {"fp": ANY, "int8": ANY, "kivi": KQ, "tada": Q, "gear": Q},
     },
     "pack": {
         "native": {"int8": ANY, "kivi": KQ, "tada": Q, "cb": (2, 3, 4)},

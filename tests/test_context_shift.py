@@ -16,8 +16,8 @@ from tiny import make_tiny_model_dir
 
 CTX = 128
 GREEDY = SamplingParams(temp=0)
-METHODS = ["fp16", "bf16", "int8", "kivi-4", "kivi-2", "tada-4", "gear-l", "gear", "kivi-4+rot", "cb-3",
-           "tada-4+rot", "profile"]
+METHODS = ["fp16", "bf16", "int8", "kivi-4", "kivi-2", "kivi-3/kivi-2", "tada-4", "gear-l", "gear", "kivi-4+rot",
+           "cb-3", "tada-4+rot", "profile"]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from kvrun.kv.config import parse_kv
 from kvrun.engine.sampling import SamplingParams
 from tiny import make_tiny_model_dir
 
-METHODS = ["fp16", "int8", "kivi-4", "kivi-2", "tada-4", "gear-l", "gear", "kivi-4+rot", "cb-3", "profile"]
+METHODS = ["fp16", "int8", "kivi-4", "kivi-2", "kivi-3/cb-3", "tada-4", "gear-l", "gear", "kivi-4+rot", "cb-3",
+           "profile"]
 GREEDY = SamplingParams(temp=0)
 
 

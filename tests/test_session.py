@@ -265,7 +265,7 @@ def tiny32(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["kivi-2", "tada-4", "gear-l", "gear", "kivi-4+rot", "int8/kivi-2",
-                                    "bf16", "fp32"])
+                                    "kivi-3/cb-3", "bf16", "fp32"])
 @pytest.mark.parametrize("n_prompt", [45, 170])
 def test_every_codec_round_trips(tiny32, tmp_path, method, n_prompt):
     from kvrun.kv.config import parse_kv

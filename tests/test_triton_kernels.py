@@ -63,6 +63,9 @@ CASES = [
     ("fp16", "tada-4", 3, 128, 96, 12, 1, F32),
     ("gear-l-2", "int8", 3, 64, 160, 2, 1, F16),
     ("tada-8", "kivi-4", 8, 128, 224, 50, 5, BF16),
+    # 3-bit keys: a tail across two 256-token blocks of their 1-bit planes
+    ("kivi-3", "kivi-2", 3, 64, 288, 31, 1, F16),
+    ("kivi-3", "int8", 8, 128, 96, 12, 2, BF16),
     # a prefill chunk: R = Gq*T = 90 rows, two row blocks of 64
     ("kivi-4", "tada-2", 3, 64, 96, 10, 30, F16),
     # no tail: window only / new tokens only

@@ -50,24 +50,26 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
     __m512i acc[KI_ACC][2];
     for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
     const __m512i m = _mm512_set1_epi32(((1 << bits) - 1) * 0x10001);  /* word low bits */
-    const __m512i m1 = _mm512_set1_epi32(0x10001);                  /* word bit 0 */
-    __m128i cnt[4], cnt8[4], hcnt[4], hcnt8[4];
+    const __m512i m4 = _mm512_set1_epi32(4 * 0x10001);              /* word bit 2 */
+    __m128i cnt[4], cnt8[4], hcnt[4], hcnt6[4];
     for (int p = 0; p < PP; p++) {
         cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
         cnt8[p] = _mm_cvtsi32_si128(sh + bits * p + 8);
         hcnt[p] = _mm_cvtsi32_si128(hsh + p);
-        hcnt8[p] = _mm_cvtsi32_si128(hsh + p + 8);
+        hcnt6[p] = _mm_cvtsi32_si128(hsh + p + 6);   /* the high byte's bit to bit 2 */
     }
     for (int d = 0; d < D; d += 4) {
         const uint8_t *row = b + d * ds;
         /* 4 of the D channel streams, more than the hardware prefetcher follows */
         for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), _MM_HINT_T0);
-        __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512();
+        __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512(), z0 = y0, z1 = y1;
         transpose4(row, ds, &x0, &x1);
         if (hb) {
             const uint8_t *hrow = hb + d * hds;
             for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(hrow + k * hds + PREFETCH), _MM_HINT_T0);
             transpose4(hrow, hds, &y0, &y1);
+            z0 = _mm512_slli_epi16(y0, 2);     /* bit b of a word's low byte at b + 2 */
+            z1 = _mm512_slli_epi16(y1, 2);
         }
         for (int p = 0; p < PP; p++) {
             /* -- the tile's codes as words: channels (d, d+2) and (d+1, d+3) of each lane -- */
@@ -75,11 +77,11 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
             __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
             __m512i o0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt8[p]), m);
             __m512i o1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt8[p]), m);
-            if (hb) {                       /* + 4 x the third bit */
-                e0 = _mm512_or_si512(e0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y0, hcnt[p]), m1), 2));
-                e1 = _mm512_or_si512(e1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y1, hcnt[p]), m1), 2));
-                o0 = _mm512_or_si512(o0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y0, hcnt8[p]), m1), 2));
-                o1 = _mm512_or_si512(o1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(y1, hcnt8[p]), m1), 2));
+            if (hb) {                       /* + 4 x the third bit: e | (bit moved to 2 & m4) */
+                e0 = _mm512_ternarylogic_epi32(e0, _mm512_srl_epi16(z0, hcnt[p]), m4, 0xF8);
+                e1 = _mm512_ternarylogic_epi32(e1, _mm512_srl_epi16(z1, hcnt[p]), m4, 0xF8);
+                o0 = _mm512_ternarylogic_epi32(o0, _mm512_srl_epi16(y0, hcnt6[p]), m4, 0xF8);
+                o1 = _mm512_ternarylogic_epi32(o1, _mm512_srl_epi16(y1, hcnt6[p]), m4, 0xF8);
             }
             for (int r = 0; r < NR; r++) {
                 int32_t w[2];                   /* the row's words (d, d+2), (d+1, d+3) */

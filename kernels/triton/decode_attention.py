@@ -290,6 +290,9 @@ def _codec_args(codec, st: dict, D: int):
     s_p, s_b = (x.stride(1), x.stride(2)) if x.dim() == 5 else (0, x.stride(1))
     ints = [x.stride(0), s_p, s_b, sc.stride(0), codec.G, getattr(codec, "g", 1),
             la.stride(0), lb.stride(0), oi.stride(0)]
+    if "hi" in st:            # 3-bit KIVI keys: the third bits' planes in MU's place (dequant_tile)
+        mu = st["hi"]
+        ints[6:8] = mu.stride()[:2]
     bits = 8 if kind == INT8 else codec.bits
     mu8 = kind == TADA and codec.mu == "int8"
     rank = codec.rank if kind == GEAR else 0

@@ -9,7 +9,8 @@ the definition of what the bytes mean and tests/test_triton_kernels.py checks ag
   (or four 2-bit codes); token-major for K (W rows = tokens), channel-major for V;
 - pack_codes words (TaDA's int8 means): int32 words holding 32/b codes of consecutive token
   planes of a G-token block, top plane stored two's complement;
-- chanpack byte planes (KIVI / GEAR K codes): per (head, channel) a row of bytes, runs of
+- chanpack byte planes (KIVI / GEAR K codes; 3-bit KIVI keys: 2-bit planes plus 1-bit
+  planes of the third bits): per (head, channel) a row of bytes, runs of
   32 tokens in successive bit fields.
 
 A codec is described to the kernel by one KIND constexpr and a fixed argument bundle (see
@@ -110,6 +111,12 @@ def dequant_tile(X, SC, ZP, MU, MUS, LA, LB, OI, OV,
         if CHAN:
             c = _nibble_codes(X, h, t, d, mask, s_h, s_p, s_b, BITS, CHAN)
             soff = h * sc_h + t * (D // VG) + d // VG
+        elif BITS == 3:
+            # 3-bit keys: the low two bits in 2-bit planes, the third in 1-bit planes passed
+            # as MU (KIVI has no means), its head / channel strides as la_h / lb_h
+            c = _chanpack_codes(X + h * s_h, t, d, mask, s_b, 2)
+            c += 4 * _chanpack_codes(MU + h * la_h, t, d, mask, lb_h, 1)
+            soff = h * sc_h + (t // G) * D + d
         else:
             c = _chanpack_codes(X + h * s_h, t, d, mask, s_b, BITS)
             soff = h * sc_h + (t // G) * D + d

@@ -16,7 +16,7 @@ import torch
 from torch.testing import assert_close
 
 from attention_cases import attention_case
-from kvrun.kernels import chanpack, dense_attention, dispatch, native
+from kvrun.kernels import chanpack, dispatch, native
 from kvrun.kernels.native import decode_attention as nda
 
 QMAX = 32767.0                    # kdot_int.h KI_QMAX

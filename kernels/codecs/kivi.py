@@ -106,8 +106,9 @@ class KiviCodec(Codec):
         assert self.role == "k"
         Hkv, R, D = qg.shape
         G, n = self.G, s1 - s0
-        bits = 2 if self.bits == 3 else self.bits                        # the "codes" planes' width
-        U = chanpack.unit(1 if self.bits == 3 else bits)
+        planes = chanpack.planes(self.bits)
+        bits = planes[0][1]                                              # the "codes" planes' width
+        U = max(chanpack.unit(w) for _, w, _ in planes)
         a = s0 // U * U                                                  # block-aligned start
         u = chanpack.unpack_into(st["codes"], a, s1, bits, self.ws)      # (Hkv, D, E, M)
         if self.bits == 3:

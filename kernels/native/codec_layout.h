@@ -49,4 +49,8 @@ static inline int chanpack_shift(int64_t t, int bits) {
     return bits * (int)((t % chanpack_unit(bits)) / 32);
 }
 
+/* the plane width of a chanpack "codes" buffer holding `bits`-bit codes: 3-bit KIVI keys
+ * keep their low two bits there and the third in a 1-bit buffer (chanpack.py planes) */
+static inline int chanpack_lo_bits(int bits) { return bits == 3 ? 2 : bits; }
+
 #endif

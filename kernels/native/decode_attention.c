@@ -110,9 +110,9 @@ static KLay k_layout(const Codec *c, int h, int64_t t0) {
         L.ds = c->hs[1];
         L.sh = chanpack_shift(t0, 1);
         L.mask = 1;
-        L.b2 = c->codes + h * s[0] + chanpack_byte(t0, 2);
+        L.b2 = c->codes + h * s[0] + chanpack_byte(t0, chanpack_lo_bits(3));
         L.ds2 = s[1];
-        L.sh2 = chanpack_shift(t0, 2);
+        L.sh2 = chanpack_shift(t0, chanpack_lo_bits(3));
         L.mask2 = 3;
         L.f = 4.f;
         return L;
@@ -332,7 +332,7 @@ static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N) {
     if (D % 4) return 0;
-    const int lb = c->bits == 3 ? 2 : c->bits;     /* the "codes" planes' width */
+    const int lb = chanpack_lo_bits(c->bits);      /* the "codes" planes' width */
     const int E = 8 / lb, first = (int)((t0 / TILE) % E);
     const int P = E - first < avail ? E - first : avail, RB = KI_ACC / P;
     const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, lb);

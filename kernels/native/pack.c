@@ -97,7 +97,7 @@ int kvrun_kivi_pack_k(const float *x, int Hkv, int n, int D, int64_t s0, int G, 
                       int64_t hs1, f16 *scale, f16 *zero, int64_t ss0, int64_t ss1) {
     if (bits == 3 && !third) return 1;
     if (n % G || s0 % 32 || G % 32) return 1;
-    int qmax = (1 << bits) - 1;
+    const int qmax = (1 << bits) - 1, lb = chanpack_lo_bits(bits), lm = (1 << lb) - 1;
     for (int h = 0; h < Hkv; h++)
         for (int g0 = 0; g0 < n; g0 += G) {
             int64_t grp = (s0 + g0) / G;
@@ -115,7 +115,6 @@ int kvrun_kivi_pack_k(const float *x, int Hkv, int n, int D, int64_t s0, int G, 
                 zero[h * ss0 + grp * ss1 + d] = z;
                 float zf = (float)z, sf = (float)s;
                 uint8_t *row = codes + h * cs0 + d * cs1;
-                const int lb = bits == 3 ? 2 : bits, lm = (1 << lb) - 1;   /* "codes" planes */
                 for (int t = 0; t < G; t++) {
                     int64_t tok = s0 + g0 + t;
                     int sh = chanpack_shift(tok, lb);

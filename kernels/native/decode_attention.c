@@ -368,6 +368,28 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     return P;
 }
 
+/* src (n, ng) fp16 at strides (st, 1) -> dst (ng, n) fp32, n % 16 == 0: the per-token group
+ * scales or zeros of a run of tokens as one vector per group (the KIVI V folds) */
+static void groups_T(const f16 *src, int64_t st, int n, int ng, float *restrict dst) {
+    if (st == ng && ng == 1) {
+        f16_to_f32(src, n, dst);
+#if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
+    } else if (st == ng && ng == 2) {      /* 16 tokens: two registers, deinterleaved */
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+        for (int t = 0; t < n; t += 16) {
+            const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t)));
+            const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t + 16)));
+            _mm512_storeu_ps(dst + t, _mm512_permutex2var_ps(a, ev, b));
+            _mm512_storeu_ps(dst + n + t, _mm512_permutex2var_ps(a, od, b));
+        }
+#endif
+    } else {
+        for (int t = 0; t < n; t++)
+            for (int g = 0; g < ng; g++) dst[g * n + t] = (float)src[t * st + g];
+    }
+}
+
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
 #if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
@@ -837,26 +859,6 @@ static inline __attribute__((always_inline)) void vmix_kivi_rows(const Codec *c,
     }
 }
 
-/* src (n, ng) fp16 at strides (st, 1) -> dst (ng, n) fp32, n % 16 == 0: the per-token group
- * scales or zeros of a run of tokens as one vector per group (vmix_kivi_rows' folds) */
-static void groups_T(const f16 *src, int64_t st, int n, int ng, float *restrict dst) {
-    if (st == ng && ng == 1) {
-        f16_to_f32(src, n, dst);
-    } else if (st == ng && ng == 2) {      /* 16 tokens: two registers, deinterleaved */
-        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-        for (int t = 0; t < n; t += 16) {
-            const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t)));
-            const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t + 16)));
-            _mm512_storeu_ps(dst + t, _mm512_permutex2var_ps(a, ev, b));
-            _mm512_storeu_ps(dst + n + t, _mm512_permutex2var_ps(a, od, b));
-        }
-    } else {
-        for (int t = 0; t < n; t++)
-            for (int g = 0; g < ng; g++) dst[g * n + t] = (float)src[t * st + g];
-    }
-}
-
 /* p.V over whole tiles [t0, t1) of a KIVI V without GEAR terms (vmix_kivi_rows); 0 when the
  * codec has no such path (8 bits, groups that are not 16, 32 or a multiple of 64 channels,
  * D % 64 != 0) */
@@ -940,6 +942,66 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
 static int vmix_kivi(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
                      int R, int D, float *acc) { return 0; }
 #endif
+
+/* KIVI V (2 or 4 bits, channel groups of a multiple of 32, D % 64 == 0) over tail tokens
+ * [t0, t1) (at most KV_RUN, whole tiles) on the integer path: per query row and channel
+ * group the weights p s of the run are quantized to int16 with one scale (kv_quantize),
+ * dotted with the codes tile by tile into int32 sums (kv_mix), and the sums scaled into acc
+ * with sum p z. Returns 0 when the codec has no such path (then vmix_kivi / v_mix_fast read
+ * it in fp32). */
+static int vmix_kivi_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                         int R, int D, float *acc) {
+    if (c->kind != C_KIVI || c->rank || c->k2 || (c->bits != 2 && c->bits != 4) || c->g % 32
+        || D % 64 || t1 - t0 > KV_RUN) return 0;
+    const int g = c->g, ng = D / g, n = (int)(t1 - t0);
+    const int64_t *s = c->cs;
+    float sT[MAXD / 32 * KV_RUN], zT[MAXD / 32 * KV_RUN], x[KV_RUN];   /* (ng, n) */
+    const int64_t off = h * c->ss[0] + t0 * c->ss[1];
+    if (c->ss[2] == 1) {
+        groups_T(c->scale + off, c->ss[1], n, ng, sT);
+        groups_T(c->zero + off, c->ss[1], n, ng, zT);
+    } else {
+        for (int t = 0; t < n; t++)
+            for (int gi = 0; gi < ng; gi++) {
+                sT[gi * n + t] = (float)c->scale[off + t * c->ss[1] + gi * c->ss[2]];
+                zT[gi * n + t] = (float)c->zero[off + t * c->ss[1] + gi * c->ss[2]];
+            }
+    }
+    int16_t wq[KV_ROWS][MAXD / 32][KV_RUN];
+    float wd[KV_ROWS][MAXD / 32], zs[KV_ROWS][MAXD / 32];
+    int32_t dots[KV_ROWS * 64];
+    for (int r0 = 0; r0 < R; r0 += KV_ROWS) {
+        const int nr = R - r0 < KV_ROWS ? R - r0 : KV_ROWS;
+        for (int r = 0; r < nr; r++)             /* the run's weights, one scale per row and group */
+            for (int gi = 0; gi < ng; gi++) {
+                const float *pr = p + (int64_t)(r0 + r) * N + t0, *sv = sT + gi * n, *zv = zT + gi * n;
+                float z = 0.f;
+                for (int j = 0; j < n; j++) {
+                    x[j] = pr[j] * sv[j];
+                    z += pr[j] * zv[j];
+                }
+                zs[r][gi] = z;
+                wd[r][gi] = kv_quantize(x, n, wq[r][gi]);
+            }
+        for (int cb = 0; cb < D / 64; cb++) {
+            const int glo = cb * 64 / g, ghi = (cb * 64 + 32) / g;
+            memset(dots, 0, sizeof(int32_t) * 64 * nr);
+            for (int64_t tt = t0; tt < t1; tt += TILE) {
+                int sh;
+                const int64_t row0 = chan_row(tt, c->bits, &sh);
+                kv_mix(c->codes + h * s[0] + cb * s[2] + row0 * s[3], s[3], c->bits, sh, nr,
+                       wq[0][glo] + (tt - t0), wq[0][ghi] + (tt - t0), MAXD / 32 * KV_RUN, dots);
+            }
+            for (int r = 0; r < nr; r++) {
+                float *o = acc + (int64_t)(r0 + r) * D + cb * 64;
+                const float dl = wd[r][glo], dh = wd[r][ghi], zl = zs[r][glo], zh = zs[r][ghi];
+                for (int k = 0; k < 32; k++) o[k] += (float)dots[r * 64 + k] * dl + zl;
+                for (int k = 32; k < 64; k++) o[k] += (float)dots[r * 64 + k] * dh + zh;
+            }
+        }
+    }
+    return 1;
+}
 
 /* -- tail reads ----------------------------------------------------------------------------- */
 
@@ -1206,7 +1268,8 @@ static void split_mix(const Args *a, const NewRows *nr, int sp, int nsplit, int 
                 cb_v_mix(a->vc, h, c0, c1, p, N, R, D, acc);
                 continue;
             }
-            if (a->qint && vmix_kivi(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
+            if (a->qint && (vmix_kivi_int(a->vc, h, c0, c1, p, N, R, D, acc)
+                            || vmix_kivi(a->vc, h, c0, c1, p, N, R, D, acc))) continue;
             if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
             for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
                 for (int j = 0; j < TILE; j++) v_row(a->vc, h, t0 + j, D, vt + j * D);

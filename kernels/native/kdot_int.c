@@ -1,5 +1,6 @@
-/* kdot_int: the integer q.K over KIVI's packed keys (kdot_int.h), the attention's
- * counterpart of the integer GEMVs (gemv_int.c), on the ISA int_dot.h picks.
+/* kdot_int: the integer q.K over KIVI's packed keys and p.V over its packed values
+ * (kdot_int.h), the attention's counterpart of the integer GEMVs (gemv_int.c), on the ISA
+ * int_dot.h picks.
  *
  * vpdpwssd sums 2 int16 products into one int32 lane, so a lane must hold channels of one
  * token while the chanpack layout stores 32 tokens of one channel per 32 bytes. Per 4
@@ -14,8 +15,14 @@
  * 3-bit keys add their third bits (a second transpose of the 1-bit planes' rows, shifted
  * into bit 2 of the same words) before the products: one set of dot instructions still.
  *
- * Bytes read per call: D rows of 32 code bytes once (and D of the third bits' 32 with
- * hb); the quantized rows (2 P R D bytes) from L1.
+ * p.V (kv_mix): the chan layout already holds a token's 64 channels in one row of 32 bytes,
+ * so two adjacent rows interleaved byte by byte and widened give each lane a channel of
+ * tokens (j, j+1) as two words, against the pair's two int16 weights broadcast: 4 vpdpwssd
+ * per row and token pair where the fp32 kernel spent 8 FMAs, no transpose.
+ *
+ * Bytes read per call: q.K, D rows of 32 code bytes once (and D of the third bits' 32 with
+ * hb), the quantized rows (2 P R D bytes) from L1; p.V, 32 rows of 32 code bytes once, the
+ * weights (2 x 64 R bytes) and the R x 64 sums from L1.
  */
 #include <math.h>
 #include <string.h>
@@ -26,6 +33,15 @@
 
 #if GI_VNNI
 enum { PREFETCH = 256 };      /* bytes ahead in a channel row: 8 chanpack blocks */
+
+/* acc += the int16 pair products of a and b, in place (vpdpwssd): with the intrinsic GCC 12
+ * copies loop-carried accumulators between registers (kv_mix at 4 rows: ~90 ns a tile
+ * against ~79 here) */
+INLINE __m512i dpw(__m512i acc, __m512i a, __m512i b)
+{
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
 
 /* x0, x1: the 32 bytes of channel rows d..d+3 (ds apart) as 32 int32 lanes, byte k of a
  * lane = channel d + k; x0 holds tokens 0-3, 16-19, 8-11, 24-27, x1 tokens 4-7, 20-23,
@@ -125,10 +141,90 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t
 #undef ROWS3
 #undef KI
 
-float ki_quantize(const float *x, int n, int16_t *qi)
+/* kv_mix, NR rows. Tokens j, j+1 are adjacent rows of 32 bytes: their bytes interleaved
+ * (byte unpacks within 128-bit lanes) and widened to words give 16 lanes of (token j,
+ * token j+1) per 16 bytes, bytes 0-7 and 16-23 in x0, 8-15 and 24-31 in x1; each nibble
+ * field is then a shift and a mask, and the row's weights for the pair are one broadcast
+ * dword per half (two broadcast loads even when the halves share them: the compiler keeps
+ * the accumulators in place then). Register k of a row holds channels 0-7 + 16-23,
+ * 8-15 + 24-31, then + 32. SH: the field's shift (-1: given at run time). */
+INLINE void kv_mix_vnni(const uint8_t *b, int64_t rs, int bits, int sh, const int16_t *wlo,
+                        const int16_t *whi, int ws, int32_t *out, const int NR, const int BITS,
+                        const int SH)
 {
-    /* within each 4 channels: d, d+2, d+1, d+3 (the words ki_dot_vnni pairs) */
-    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    __m512i acc[KV_ROWS][4];
+    for (int r = 0; r < NR; r++)            /* out's sums into the registers' channel order */
+        for (int h = 0; h < 2; h++) {
+            const __m512i a = _mm512_loadu_si512(out + r * 64 + 32 * h);
+            const __m512i c = _mm512_loadu_si512(out + r * 64 + 32 * h + 16);
+            acc[r][2 * h] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(1, 0, 1, 0));
+            acc[r][2 * h + 1] = _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 2, 3, 2));
+        }
+    const __m512i m = _mm512_set1_epi16((short)((1 << BITS) - 1));
+    const __m128i s0 = _mm_cvtsi32_si128(sh), s1 = _mm_cvtsi32_si128(sh + 4);
+    for (int j = 0; j < 32; j += 2) {
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)(b + j * rs));
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(b + (j + 1) * rs));
+        const __m512i x0 = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(r0, r1));
+        const __m512i x1 = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(r0, r1));
+        __m512i v0, v1, v2, v3;
+        if (BITS == 4) {                    /* words are zero-extended bytes: no mask on top */
+            v0 = _mm512_and_si512(x0, m);
+            v1 = _mm512_and_si512(x1, m);
+            v2 = _mm512_srli_epi16(x0, 4);
+            v3 = _mm512_srli_epi16(x1, 4);
+        } else if (SH >= 0) {
+            v0 = _mm512_and_si512(_mm512_srli_epi16(x0, SH), m);
+            v1 = _mm512_and_si512(_mm512_srli_epi16(x1, SH), m);
+            v2 = _mm512_and_si512(_mm512_srli_epi16(x0, SH + 4), m);
+            v3 = _mm512_and_si512(_mm512_srli_epi16(x1, SH + 4), m);
+        } else {
+            v0 = _mm512_and_si512(_mm512_srl_epi16(x0, s0), m);
+            v1 = _mm512_and_si512(_mm512_srl_epi16(x1, s0), m);
+            v2 = _mm512_and_si512(_mm512_srl_epi16(x0, s1), m);
+            v3 = _mm512_and_si512(_mm512_srl_epi16(x1, s1), m);
+        }
+        for (int r = 0; r < NR; r++) {      /* the row's words for tokens (j, j + 1) */
+            const __m512i bl = _mm512_set1_epi32(*(const int32_t *)(wlo + r * ws + j));
+            const __m512i bh = _mm512_set1_epi32(*(const int32_t *)(whi + r * ws + j));
+            acc[r][0] = dpw(acc[r][0], v0, bl);
+            acc[r][1] = dpw(acc[r][1], v1, bl);
+            acc[r][2] = dpw(acc[r][2], v2, bh);
+            acc[r][3] = dpw(acc[r][3], v3, bh);
+        }
+    }
+    /* -- back to channel order: 128-bit quarters (0-3, 4-7 | 16-19, 20-23) and (8-15 | 24-31);
+     * the same shuffle is its own inverse -- */
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2; h++) {
+            const __m512i a = acc[r][2 * h], c = acc[r][2 * h + 1];
+            _mm512_storeu_si512(out + r * 64 + 32 * h, _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(1, 0, 1, 0)));
+            _mm512_storeu_si512(out + r * 64 + 32 * h + 16, _mm512_shuffle_i32x4(a, c, _MM_SHUFFLE(3, 2, 3, 2)));
+        }
+}
+
+#define KV_R(bits_, sh_)                                                                   \
+    switch (R) {                                                                           \
+    case 1: kv_mix_vnni(b, rs, bits, sh, wlo, whi, ws, out, 1, bits_, sh_); break;        \
+    case 2: kv_mix_vnni(b, rs, bits, sh, wlo, whi, ws, out, 2, bits_, sh_); break;        \
+    case 3: kv_mix_vnni(b, rs, bits, sh, wlo, whi, ws, out, 3, bits_, sh_); break;        \
+    default: kv_mix_vnni(b, rs, bits, sh, wlo, whi, ws, out, 4, bits_, sh_); break;       \
+    }
+
+void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t *wlo,
+            const int16_t *whi, int ws, int32_t *out)
+{
+    if (bits == 4 && sh == 0) KV_R(4, 0)
+    else if (bits == 2 && sh == 0) KV_R(2, 0)
+    else if (bits == 2 && sh == 2) KV_R(2, 2)
+    else KV_R(2, -1)
+}
+#undef KV_R
+
+/* x's max |x| and x * (KI_QMAX / max) rounded to int16 (cvtps: nearest even, as rintf), the
+ * words permuted by `order` (ki_quantize's pairs, or none) */
+INLINE float quantize_words(const float *x, int n, int16_t *qi, const __m512i order)
+{
     __m512 mx = _mm512_setzero_ps();
     for (int d = 0; d < n; d += 16) {
         const __mmask16 k = n - d >= 16 ? 0xffff : (__mmask16)((1u << (n - d)) - 1);
@@ -136,12 +232,23 @@ float ki_quantize(const float *x, int n, int16_t *qi)
     }
     const float amax = _mm512_reduce_max_ps(mx);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? KI_QMAX / amax : 0.f);
-    for (int d = 0; d < n; d += 16) {       /* cvtps: the rounding mode, nearest even (rintf) */
+    for (int d = 0; d < n; d += 16) {
         const __mmask16 k = n - d >= 16 ? 0xffff : (__mmask16)((1u << (n - d)) - 1);
         const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + d), inv));
         _mm512_mask_cvtepi32_storeu_epi16(qi + d, k, _mm512_permutexvar_epi32(order, c));
     }
     return amax / KI_QMAX;
+}
+
+float ki_quantize(const float *x, int n, int16_t *qi)
+{
+    /* within each 4 channels: d, d+2, d+1, d+3 (the words ki_dot_vnni pairs) */
+    return quantize_words(x, n, qi, _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
+}
+
+float kv_quantize(const float *x, int n, int16_t *qi)
+{
+    return quantize_words(x, n, qi, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
@@ -210,4 +317,21 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
     *bias = bz;
     return ki_quantize(x, n, qi);
 }
+void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t *wlo,
+            const int16_t *whi, int ws, int32_t *out)
+{
+    const int mask = (1 << bits) - 1;
+    for (int j = 0; j < 32; j++) {
+        const uint8_t *row = b + j * rs;
+        for (int r = 0; r < R; r++) {
+            const int32_t wl = wlo[r * ws + j], wh = whi[r * ws + j];
+            for (int c = 0; c < 32; c++) {
+                out[r * 64 + c] += wl * ((row[c] >> sh) & mask);
+                out[r * 64 + 32 + c] += wh * ((row[c] >> (sh + 4)) & mask);
+            }
+        }
+    }
+}
+
+float kv_quantize(const float *x, int n, int16_t *qi) { return ki_quantize(x, n, qi); }
 #endif

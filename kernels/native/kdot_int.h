@@ -1,5 +1,5 @@
-/* The integer q.K of the attention over KIVI keys (decode_attention.c, KVRUN_ATTN=int), in
- * kdot_int.c. KIVI stores K per channel (chanpack layout, codec_layout.h) with one fp16 scale
+/* The integer q.K and p.V of the attention over KIVI codes (decode_attention.c,
+ * KVRUN_ATTN=int), in kdot_int.c. KIVI stores K per channel (chanpack layout, codec_layout.h) with one fp16 scale
  * s and zero z per (channel, token group), so q . k_t = (q s) . c_t + q . z: the folded row
  * q s is quantized to int16 (ki_quantize) and dotted with the unsigned codes in int32
  * (ki_dot); the caller applies the row's scale and adds q . z in fp32. int16, not int8: one
@@ -34,5 +34,28 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
 
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
             int hsh, int P, int R, const int16_t *qi, int32_t *out);
+
+/* p.V over KIVI values (per token, groups of g channels: v = c s + z): for a 32-token tile
+ * sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t, and the weights w_t = p_t s_t of a
+ * query row and channel group are quantized to int16 with one scale per tile (kv_quantize)
+ * and dotted with the codes in int32 (kv_mix), two tokens per vpdpwssd lane; the caller
+ * scales the sums and adds sum p z in fp32. One scale per run of up to 256 tokens keeps the
+ * sums exact (32767 * 15 * 256 < 2^31) and the quantization and scaling off the tiles. */
+enum { KV_ROWS = 4 };         /* rows per kv_mix call: 16 accumulators of the 32 zmm registers */
+
+/* x (n,) fp32 -> qi (n,) int16 = rint(x * (KI_QMAX / max|x|)) in x's order, as ki_quantize
+ * rounds; returns max|x| / KI_QMAX */
+float kv_quantize(const float *x, int n, int16_t *qi);
+
+enum { KV_RUN = 256 };        /* most tokens per quantized run of weights */
+
+/* out[r * 64 + c] += sum_{j < 32} w(r, c)[j] * code(j, c) for one 32-token tile of a 64-channel
+ * block of the chan layout (codec_layout.h), r < R <= KV_ROWS: token j's 32 bytes at
+ * b + j * rs, the code of channel c = (byte c % 32 >> (sh + 4 (c / 32))) & (2^bits - 1),
+ * bits 2 or 4; w(r, c) = wlo + r * ws for channels 0-31 (the low nibbles), whi + r * ws for
+ * 32-63 (int16, token order; the same pointer when one channel group spans the block).
+ * Exact int32 on every ISA. */
+void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t *wlo,
+            const int16_t *whi, int ws, int32_t *out);
 
 #endif

@@ -93,11 +93,13 @@ def _default_attn() -> str:
 
 def attn_path() -> str:
     """'int' (the default) or 'fp32', honouring KVRUN_ATTN: how the native attention kernel
-    multiplies KIVI caches (kernels/native/decode_attention.py `decode_attention`). int: per
-    query row and 32-token tile the row folded with the tile's channel scales, q s, is
-    quantized to int16 with one scale and dotted with the 2/4-bit codes in int32 (a logit
+    multiplies KIVI and int8 caches (kernels/native/decode_attention.py `decode_attention`).
+    int: per query row and 32-token tile the row folded with the tile's channel scales, q s,
+    is quantized to int16 with one scale and dotted with the 2/3/4-bit codes in int32 (a logit
     moves by at most half a step, max|q s| / 32767, times the sum of the codes: ~1e-4 of its
-    spread), and p.V sums p s c + p z per channel group in fp32. Like the GEMVs, each row's
+    spread; int8 keys: the row quantized once, no fold), and p.V quantizes the weights p s of
+    a row, channel group and run of up to 256 tokens to int16 and sums them over the codes in
+    int32, adding sum p z in fp32. Like the GEMVs, each row's
     result is the same bits on any thread count. fp32 is the reference the kernel tests
     compare with the dequantized cache. Unset, int where the native build has AVX512-VNNI and
     fp32 elsewhere: there the plain C integer loop is slower than the fp32 AVX2 kernel."""

@@ -1,11 +1,13 @@
-"""The native attention's integer q.K over KIVI keys and p.V over KIVI values (KVRUN_ATTN=int:
-decode_attention.c kivi_tiles_int and vmix_kivi_int, kdot_int.c) against its torch twin: per
+"""The native attention's integer q.K over KIVI and int8 keys and p.V over KIVI and int8
+values (KVRUN_ATTN=int: decode_attention.c kivi_tiles_int, int8_tiles_int and vmix_int,
+kdot_int.c) against its torch twin. int8 keys: each query row quantized to int16 once, the
+products with the codes exact, times the row's and the token's scales in fp32. KIVI keys: per
 query row and 32-token tile the row folded with the tile's channel scales, q s, quantized to
 int16 with one scale exactly as the C code does (rint(q s * (32767 / max|q s|)), half to
-even), the int32 sums over the codes exact, the zero-point term q . z in fp32; softmax in
-fp32; p.V over the tail likewise, the weights p s of a row, channel group and run of up to
-256 tokens (`token_runs`) quantized to int16 and summed over the codes in int32, plus sum p z;
-the window and new tokens in fp32.
+even), the int32 sums over the codes exact, the zero-point term q . z in fp32. Softmax in
+fp32. p.V over the tail likewise: the weights p s of a row, channel group and run of up to
+256 tokens (`token_runs`) quantized to int16 and summed over the codes in int32, plus sum p z
+(int8: one group, z = -128 s); the window and new tokens in fp32.
 Only fp32 rounding order separates the two, so the tolerance is the fp32 tests' (2e-5), plus,
 for p.V, the weights whose rounding the C probabilities (a few ulps from torch's softmax) can
 tip to the next integer: each such weight may move an output by one step times its code
@@ -33,10 +35,12 @@ def int_reference(q, kt, vt, n_tail, kw, vw, kn, vn):
     Hkv = kw.shape[1]
     R = H // Hkv * T
     qh = (q.float() * (1.0 / math.sqrt(D)))[0].reshape(Hkv, R, D)           # (Hkv, R, D)
-    if kc.kind != "kivi":                                                 # read in fp32
-        tail = qh @ kc.dequant(ks, 0, n_tail).transpose(1, 2)
-    else:
+    if kc.kind == "kivi":
         tail = kivi_logits(qh, kc, ks, n_tail)
+    elif kc.kind == "int8":
+        tail = int8_logits(qh, ks, n_tail)
+    else:                                                                 # read in fp32
+        tail = qh @ kc.dequant(ks, 0, n_tail).transpose(1, 2)
     # window and new keys' logits and the causal softmax in fp32
     K = torch.cat([kw.float(), kn.float()], 2)[0]                         # (Hkv, W + Tn, D)
     logits = torch.cat([tail, qh @ K.transpose(1, 2)], 2)                 # (Hkv, R, N)
@@ -78,6 +82,16 @@ def kivi_logits(qh, kc, ks, n_tail):
     return tail
 
 
+def int8_logits(qh, ks, n_tail):
+    """The tail's logits over int8 keys: each row quantized to int16 once (no fold: the
+    scale is per token), s_t (d (q_int16 . (u_t - 128))) with the integer exact and the two
+    products in fp32 as the C code orders them."""
+    amax = qh.abs().amax(-1, keepdim=True)                                # (Hkv, R, 1)
+    qi = torch.round(qh * torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax)))
+    u = nibble.tok_codes(ks["codes"], 0, n_tail, 8) - 128                 # (Hkv, n, D)
+    x = torch.einsum("hrd,hnd->hrn", qi.double(), u.double()).float()     # exact, one rounding
+    return ks["scale"][:, None, :n_tail].float() * (x * (amax / QMAX))
+
 def token_runs(n_tail):
     """The runs of tail tokens the C code quantizes p.V's weights over: each token split
     (math_inline.h token_splits) in chunks of up to 256 tokens."""
@@ -90,18 +104,24 @@ def token_runs(n_tail):
 
 def v_tail(p, vt, n_tail):
     """(p (Hkv, R, n_tail) . the tail's V, slack): integer weights over KIVI codes (2 or 4
-    bits, channel groups of a multiple of 32), else over the dequantized V in fp32 (no slack).
+    bits, channel groups of a multiple of 32) and int8 codes, else over the dequantized V in
+    fp32 (no slack).
     A weight w q / d within 1e-5 relative (+ 1e-3) of a rounding tie may round the other way
     in C, whose p differ from torch's by ulps: each adds its step d times its code to the
     slack of the outputs it feeds."""
     vc, vs = vt
-    if vc.kind != "kivi" or vc.bits not in (2, 4) or vc.g % 32:
+    if vc.kind != "int8" and (vc.kind != "kivi" or vc.bits not in (2, 4) or vc.g % 32):
         out = p @ vc.dequant(vs, 0, n_tail)
         return out, torch.zeros_like(out)
     Hkv, R, _ = p.shape
-    D, g = vc.D, vc.g
+    D = vc.D
+    g = D if vc.kind == "int8" else vc.g                                  # int8: one group, z = -128 s
     codes = nibble.chan_codes(vs["codes"], 0, n_tail, vc.bits, D).view(Hkv, n_tail, D // g, g)
-    s, z = (vs[k][:, :n_tail].float() for k in ("scale", "zero"))          # (Hkv, n, ng)
+    if vc.kind == "int8":
+        s = vs["scale"][:, :n_tail, None].float()
+        z = -128 * s
+    else:
+        s, z = (vs[k][:, :n_tail].float() for k in ("scale", "zero"))      # (Hkv, n, ng)
     out = torch.zeros(Hkv, R, D // g, g, dtype=torch.float64)
     slack = torch.zeros_like(out)
     for c0, c1 in token_runs(n_tail):
@@ -209,18 +229,37 @@ def test_the_paths_differ_and_agree_to_the_quantization_step():
 
 
 @pytest.mark.parametrize("vm,g,n", [("kivi-4", 64, 192), ("kivi-2", 32, 192), ("kivi-4", 128, 192),
-                                    ("kivi-4", 16, 192), ("kivi-2", 64, 2560), ("kivi-4", 32, 2560)])
-def test_int_values_beside_fp32_keys(vm, g, n):
-    """int8 keys (read in fp32 on both paths) isolate p.V: the integer weights follow the twin
+                                    ("kivi-4", 16, 192), ("kivi-2", 64, 2560), ("kivi-4", 32, 2560),
+                                    ("int8", 32, 192), ("int8", 32, 2560)])
+def test_int_values_beside_fp16_keys(vm, g, n):
+    """fp16 keys (read in fp32 on both paths) isolate p.V: the integer weights follow the twin
     and are not the fp32 mix; groups of 16 channels have no integer path (the fp32 fold).
     2560 tokens: splits of 320, runs of 256 + 64."""
-    q, kt, vt, kw, vw, kn, vn = attention_case("int8", vm, 2, 4, 128, n, 5, 1, v_group=g, seed=5)
+    q, kt, vt, kw, vw, kn, vn = attention_case("fp16", vm, 2, 4, 128, n, 5, 1, v_group=g, seed=5)
     args = (q, kt, vt, n, kw, vw, kn, vn)
     o_int, o_fp = nda.decode_attention(*args, attn="int"), nda.decode_attention(*args, attn="fp32")
     ref, slack = twin = int_reference(*args)
     assert_twin(o_int, twin)
     moved = ((o_int - o_fp).abs() > 2e-5 + 1e-4 * ref.abs() + slack).any()
     assert bool(moved) == (g % 32 == 0)
+    assert_close(o_int, o_fp, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("build", ["default", "portable"])
+@pytest.mark.parametrize("geom", [(3, 3, 64, 1, 5), (1, 4, 256, 1, 6), (2, 3, 64, 4, 3), (2, 8, 36, 2, 9)],
+                         ids=lambda g: "-".join(map(str, g)))
+def test_int8_keys_on_the_integer_path(build, geom, request):
+    """int8 keys (R = Gq T rows, odd tile counts so calls start inside a 64-token block, D 36
+    with D % 16 != 0), beside an fp16 V, on each build: the twin, and not the fp32 logits."""
+    if build == "portable":
+        request.getfixturevalue("portable")
+    Hkv, Gq, D, T, tiles = geom
+    q, kt, vt, kw, vw, kn, vn = attention_case("int8", "fp16", Hkv, Gq, D, 32 * tiles, 6, T, seed=7)
+    args = (q, kt, vt, 32 * tiles, kw, vw, kn, vn)
+    o_int, o_fp = nda.decode_attention(*args, attn="int"), nda.decode_attention(*args, attn="fp32")
+    ref, slack = twin = int_reference(*args)
+    assert_twin(o_int, twin)
+    assert ((o_fp - ref).abs() > 2e-5 + 1e-4 * ref.abs()).any()
     assert_close(o_int, o_fp, atol=1e-3, rtol=0)
 
 

@@ -390,6 +390,47 @@ static void groups_T(const f16 *src, int64_t st, int n, int ng, float *restrict 
     }
 }
 
+/* int8 keys on the integer path: per call the tiles of t0's 64-token tok block (at most
+ * `avail`). Each query row is quantized to int16 once (ki_quantize: one scale d, no fold,
+ * the int8 scale is per token) and dotted with the codes' two nibble planes (ki_dot, bits 4),
+ * so q . k_t = s_t d (16 hi + lo - 128 sum qi), the integer exact in int64 and rounded to
+ * fp32 once. Returns the number of tiles done (0: D % 4 != 0). */
+static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
+                          int D, float *sc, int64_t N) {
+    if (D % 4) return 0;
+    const int first = (int)((t0 / TILE) % 2);
+    const int P = 2 - first < avail ? 2 - first : avail, RB = KI_ACC / P;
+    const KLay L = k_layout(c, h, t0);
+    int16_t qi[KI_ACC * MAXD];
+    int32_t hi[KI_ACC * TILE], lo[KI_ACC * TILE];
+    float qd[KI_ACC], st[2 * TILE];
+    int64_t qsum[KI_ACC];
+    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
+    for (int j = 0; j < P * TILE; j++) st[j] = (float)sp[j * c->ss[1]];
+    for (int r0 = 0; r0 < R; r0 += RB) {
+        const int nr = R - r0 < RB ? R - r0 : RB;
+        for (int r = 0; r < nr; r++) {
+            qd[r] = ki_quantize(q + (r0 + r) * D, D, qi + r * D);
+            int64_t sum = 0;
+            for (int d = 0; d < D; d++) sum += qi[r * D + d];
+            qsum[r] = sum;
+        }
+        for (int p = 1; p < P; p++) memcpy(qi + p * nr * D, qi, sizeof(int16_t) * nr * D);
+        ki_dot(L.b, L.ds, D, 4, L.sh, NULL, 0, 0, P, nr, qi, hi);
+        ki_dot(L.b2, L.ds2, D, 4, L.sh2, NULL, 0, 0, P, nr, qi, lo);
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < nr; r++) {
+                const int k = p * nr + r;
+                float *o = sc + (int64_t)(r0 + r) * N + p * TILE;
+                for (int j = 0; j < TILE; j++) {
+                    const int64_t x = 16 * (int64_t)hi[k * TILE + j] + lo[k * TILE + j] - 128 * qsum[r];
+                    o[j] = st[p * TILE + j] * ((float)x * qd[r]);
+                }
+            }
+    }
+    return P;
+}
+
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
 #if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
@@ -943,21 +984,30 @@ static int vmix_kivi(const Codec *c, int h, int64_t t0, int64_t t1, const float 
                      int R, int D, float *acc) { return 0; }
 #endif
 
-/* KIVI V (2 or 4 bits, channel groups of a multiple of 32, D % 64 == 0) over tail tokens
- * [t0, t1) (at most KV_RUN, whole tiles) on the integer path: per query row and channel
- * group the weights p s of the run are quantized to int16 with one scale (kv_quantize),
- * dotted with the codes tile by tile into int32 sums (kv_mix), and the sums scaled into acc
- * with sum p z. Returns 0 when the codec has no such path (then vmix_kivi / v_mix_fast read
- * it in fp32). */
-static int vmix_kivi_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
-                         int R, int D, float *acc) {
-    if (c->kind != C_KIVI || c->rank || c->k2 || (c->bits != 2 && c->bits != 4) || c->g % 32
-        || D % 64 || t1 - t0 > KV_RUN) return 0;
-    const int g = c->g, ng = D / g, n = (int)(t1 - t0);
+/* KIVI V (2 or 4 bits, channel groups of a multiple of 32) or int8 V, D % 64 == 0, over tail
+ * tokens [t0, t1) (at most KV_RUN, whole tiles) on the integer path. Both are v = c s + z per
+ * token and channel group (int8: one group, its codes u = c + 128, z = -128 s), so per query
+ * row and group the weights p s of the run are quantized to int16 with one scale
+ * (kv_quantize), dotted with the codes tile by tile into int32 sums (kv_mix; int8: its two
+ * nibble planes, 16 hi + lo, < 32767 * 255 * 256 < 2^31), and the sums scaled into acc with
+ * sum p z. Returns 0 when the codec has no such path (then vmix_kivi / v_mix_fast read it in
+ * fp32). */
+static int vmix_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                    int R, int D, float *acc) {
+    const int i8 = c->kind == C_INT8;
+    if (D % 64 || t1 - t0 > KV_RUN || !(i8 || (c->kind == C_KIVI && !c->rank && !c->k2
+                                                 && (c->bits == 2 || c->bits == 4) && c->g % 32 == 0)))
+        return 0;
+    const int g = i8 ? D : c->g, ng = D / g, n = (int)(t1 - t0), bits = i8 ? 4 : c->bits;
     const int64_t *s = c->cs;
     float sT[MAXD / 32 * KV_RUN], zT[MAXD / 32 * KV_RUN], x[KV_RUN];   /* (ng, n) */
     const int64_t off = h * c->ss[0] + t0 * c->ss[1];
-    if (c->ss[2] == 1) {
+    if (i8) {
+        for (int t = 0; t < n; t++) {
+            sT[t] = (float)c->scale[off + t * c->ss[1]];
+            zT[t] = -128.f * sT[t];
+        }
+    } else if (c->ss[2] == 1) {
         groups_T(c->scale + off, c->ss[1], n, ng, sT);
         groups_T(c->zero + off, c->ss[1], n, ng, zT);
     } else {
@@ -969,7 +1019,7 @@ static int vmix_kivi_int(const Codec *c, int h, int64_t t0, int64_t t1, const fl
     }
     int16_t wq[KV_ROWS][MAXD / 32][KV_RUN];
     float wd[KV_ROWS][MAXD / 32], zs[KV_ROWS][MAXD / 32];
-    int32_t dots[KV_ROWS * 64];
+    int32_t dots[KV_ROWS * 64], lo[KV_ROWS * 64];
     for (int r0 = 0; r0 < R; r0 += KV_ROWS) {
         const int nr = R - r0 < KV_ROWS ? R - r0 : KV_ROWS;
         for (int r = 0; r < nr; r++)             /* the run's weights, one scale per row and group */
@@ -986,12 +1036,19 @@ static int vmix_kivi_int(const Codec *c, int h, int64_t t0, int64_t t1, const fl
         for (int cb = 0; cb < D / 64; cb++) {
             const int glo = cb * 64 / g, ghi = (cb * 64 + 32) / g;
             memset(dots, 0, sizeof(int32_t) * 64 * nr);
+            if (i8) memset(lo, 0, sizeof(int32_t) * 64 * nr);
             for (int64_t tt = t0; tt < t1; tt += TILE) {
                 int sh;
                 const int64_t row0 = chan_row(tt, c->bits, &sh);
-                kv_mix(c->codes + h * s[0] + cb * s[2] + row0 * s[3], s[3], c->bits, sh, nr,
-                       wq[0][glo] + (tt - t0), wq[0][ghi] + (tt - t0), MAXD / 32 * KV_RUN, dots);
+                const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row0 * s[3];
+                kv_mix(b, s[3], bits, sh, nr, wq[0][glo] + (tt - t0), wq[0][ghi] + (tt - t0),
+                       MAXD / 32 * KV_RUN, dots);
+                if (i8)                          /* the low nibbles' plane */
+                    kv_mix(b + s[1], s[3], bits, sh, nr, wq[0][glo] + (tt - t0), wq[0][ghi] + (tt - t0),
+                           MAXD / 32 * KV_RUN, lo);
             }
+            if (i8)
+                for (int k = 0; k < 64 * nr; k++) dots[k] = 16 * dots[k] + lo[k];
             for (int r = 0; r < nr; r++) {
                 float *o = acc + (int64_t)(r0 + r) * D + cb * 64;
                 const float dl = wd[r][glo], dh = wd[r][ghi], zl = zs[r][glo], zh = zs[r][ghi];
@@ -1201,6 +1258,8 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
                 const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
                 int done = kivi && a->qint
                     ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
+                    : a->kc->kind == C_INT8 && a->qint
+                    ? int8_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
                     : HAVE_FAST && kivi
                     ? kivi_tiles_fast(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N) : 0;
                 if (!done && a->kc->kind == C_CB) {
@@ -1268,7 +1327,7 @@ static void split_mix(const Args *a, const NewRows *nr, int sp, int nsplit, int 
                 cb_v_mix(a->vc, h, c0, c1, p, N, R, D, acc);
                 continue;
             }
-            if (a->qint && (vmix_kivi_int(a->vc, h, c0, c1, p, N, R, D, acc)
+            if (a->qint && (vmix_int(a->vc, h, c0, c1, p, N, R, D, acc)
                             || vmix_kivi(a->vc, h, c0, c1, p, N, R, D, acc))) continue;
             if (v_mix_fast(a->vc, h, c0, c1, p, N, R, D, acc)) continue;
             for (int64_t t0 = c0; t0 < c1; t0 += TILE) {

@@ -8,7 +8,9 @@ random cache, one thread, CPU time, medians. A build is the shared object
         from kernels.native import _build; print(_build(()))')
     python tools/attn_ab.py /path/to/A.so /path/to/B.so --depth 4096
 
-Rows: K/V methods; columns: µs per call of A and B and B/A.
+Rows: K/V methods; columns: µs per call of A and B, B/A, the bytes the call reads (the
+packed tail's storage, scales and zeros included, and the fp16 window) and B's rate over them;
+then the rate one thread streams a 256 MB fp32 buffer (torch `sum`), the floor to compare with.
 """
 from __future__ import annotations
 
@@ -47,13 +49,14 @@ def main() -> None:
     torch.set_num_threads(1)
     threads.configure(1)
     Hkv, Gq, D = (int(x) for x in a.geom.split(","))
-    print(f"| K/V | A µs | B µs | B/A |   (depth {a.depth}, Hkv {Hkv}, Gq {Gq}, D {D}, one thread)")
-    print("|---|---|---|---|")
+    print(f"| K/V | A µs | B µs | B/A | MB read | B GB/s |   (depth {a.depth}, Hkv {Hkv}, Gq {Gq}, D {D}, one thread)")
+    print("|---|---|---|---|---|---|")
     for spec in a.kv:
         km, vm = spec.split("/")
         q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, a.depth, 64, 1,
                                                    G=a.group, v_group=a.group)
         args = (q, kt, vt, a.depth, kw, vw, kn, vn)
+        nbytes = sum(t.nbytes for _, st in (kt, vt) for t in st.values()) + kw.nbytes + vw.nbytes
         times: dict = {"A": [], "B": []}
         for _ in range(a.r):
             for name, lib in libs.items():
@@ -63,7 +66,15 @@ def main() -> None:
                     nda.decode_attention(*args, attn=a.attn)
                 times[name].append((time.thread_time_ns() - t0) / a.calls / 1e3)
         ta, tb = statistics.median(times["A"]), statistics.median(times["B"])
-        print(f"| {spec} | {ta:.1f} | {tb:.1f} | {tb / ta:.3f} |", flush=True)
+        print(f"| {spec} | {ta:.1f} | {tb:.1f} | {tb / ta:.3f} | {nbytes / 1e6:.2f} | "
+              f"{nbytes / tb / 1e3:.1f} |", flush=True)
+    buf = torch.ones(64 << 20)
+    rates = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        buf.sum()
+        rates.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
+    print(f"one thread streams {statistics.median(rates):.1f} GB/s (torch sum of 256 MB fp32, median of 7)")
 
 
 if __name__ == "__main__":

@@ -145,8 +145,7 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t
  * (byte unpacks within 128-bit lanes) and widened to words give 16 lanes of (token j,
  * token j+1) per 16 bytes, bytes 0-7 and 16-23 in x0, 8-15 and 24-31 in x1; each nibble
  * field is then a shift and a mask, and the row's weights for the pair are one broadcast
- * dword per half (two broadcast loads even when the halves share them: the compiler keeps
- * the accumulators in place then). Register k of a row holds channels 0-7 + 16-23,
+ * dword per half (channels 0-31, 32-63). Register k of a row holds channels 0-7 + 16-23,
  * 8-15 + 24-31, then + 32. SH: the field's shift (-1: given at run time). */
 INLINE void kv_mix_vnni(const uint8_t *b, int64_t rs, int bits, int sh, const int16_t *wlo,
                         const int16_t *whi, int ws, int32_t *out, const int NR, const int BITS,
@@ -185,8 +184,10 @@ INLINE void kv_mix_vnni(const uint8_t *b, int64_t rs, int bits, int sh, const in
             v3 = _mm512_and_si512(_mm512_srl_epi16(x1, s1), m);
         }
         for (int r = 0; r < NR; r++) {      /* the row's words for tokens (j, j + 1) */
-            const __m512i bl = _mm512_set1_epi32(*(const int32_t *)(wlo + r * ws + j));
-            const __m512i bh = _mm512_set1_epi32(*(const int32_t *)(whi + r * ws + j));
+            int32_t wl, wh;
+            memcpy(&wl, wlo + r * ws + j, 4);
+            memcpy(&wh, whi + r * ws + j, 4);
+            const __m512i bl = _mm512_set1_epi32(wl), bh = _mm512_set1_epi32(wh);
             acc[r][0] = dpw(acc[r][0], v0, bl);
             acc[r][1] = dpw(acc[r][1], v1, bl);
             acc[r][2] = dpw(acc[r][2], v2, bh);

@@ -368,13 +368,13 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     return P;
 }
 
-/* src (n, ng) fp16 at strides (st, 1) -> dst (ng, n) fp32, n % 16 == 0: the per-token group
- * scales or zeros of a run of tokens as one vector per group (the KIVI V folds) */
-static void groups_T(const f16 *src, int64_t st, int n, int ng, float *restrict dst) {
-    if (st == ng && ng == 1) {
+/* src (n, ng) fp16 at strides (st, sg) -> dst (ng, n) fp32, n % 16 == 0: the per-token group
+ * scales or zeros of a run of tokens as one vector per group (the KIVI and int8 V folds) */
+static void groups_T(const f16 *src, int64_t st, int64_t sg, int n, int ng, float *restrict dst) {
+    if (st == 1 && ng == 1) {
         f16_to_f32(src, n, dst);
 #if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
-    } else if (st == ng && ng == 2) {      /* 16 tokens: two registers, deinterleaved */
+    } else if (st == ng && sg == 1 && ng == 2) {   /* 16 tokens: two registers, deinterleaved */
         const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
         for (int t = 0; t < n; t += 16) {
@@ -386,27 +386,23 @@ static void groups_T(const f16 *src, int64_t st, int n, int ng, float *restrict 
 #endif
     } else {
         for (int t = 0; t < n; t++)
-            for (int g = 0; g < ng; g++) dst[g * n + t] = (float)src[t * st + g];
+            for (int g = 0; g < ng; g++) dst[g * n + t] = (float)src[t * st + g * sg];
     }
 }
 
-/* int8 keys on the integer path: per call the tiles of t0's 64-token tok block (at most
- * `avail`). Each query row is quantized to int16 once (ki_quantize: one scale d, no fold,
- * the int8 scale is per token) and dotted with the codes' two nibble planes (ki_dot, bits 4),
- * so q . k_t = s_t d (16 hi + lo - 128 sum qi), the integer exact in int64 and rounded to
- * fp32 once. Returns the number of tiles done (0: D % 4 != 0). */
+/* int8 keys on the integer path: the `avail` tiles from t0. Each query row is quantized to
+ * int16 once per call (ki_quantize: one scale d, no fold, the int8 scale is per token) and
+ * dotted with each 64-token tok block's two nibble planes (ki_dot, bits 4), so
+ * q . k_t = s_t d (16 hi + lo - 128 sum qi), the integer exact in int64 and rounded to fp32
+ * once. Returns the number of tiles done (0: D % 4 != 0). */
 static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N) {
     if (D % 4) return 0;
-    const int first = (int)((t0 / TILE) % 2);
-    const int P = 2 - first < avail ? 2 - first : avail, RB = KI_ACC / P;
-    const KLay L = k_layout(c, h, t0);
+    enum { RB = KI_ACC / 2 };                    /* rows per ki_dot call: 2 tiles a block */
     int16_t qi[KI_ACC * MAXD];
     int32_t hi[KI_ACC * TILE], lo[KI_ACC * TILE];
-    float qd[KI_ACC], st[2 * TILE];
-    int64_t qsum[KI_ACC];
-    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
-    for (int j = 0; j < P * TILE; j++) st[j] = (float)sp[j * c->ss[1]];
+    float qd[RB], st[2 * TILE];
+    int64_t qsum[RB];
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int nr = R - r0 < RB ? R - r0 : RB;
         for (int r = 0; r < nr; r++) {
@@ -415,20 +411,28 @@ static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
             for (int d = 0; d < D; d++) sum += qi[r * D + d];
             qsum[r] = sum;
         }
-        for (int p = 1; p < P; p++) memcpy(qi + p * nr * D, qi, sizeof(int16_t) * nr * D);
-        ki_dot(L.b, L.ds, D, 4, L.sh, NULL, 0, 0, P, nr, qi, hi);
-        ki_dot(L.b2, L.ds2, D, 4, L.sh2, NULL, 0, 0, P, nr, qi, lo);
-        for (int p = 0; p < P; p++)
-            for (int r = 0; r < nr; r++) {
-                const int k = p * nr + r;
-                float *o = sc + (int64_t)(r0 + r) * N + p * TILE;
-                for (int j = 0; j < TILE; j++) {
-                    const int64_t x = 16 * (int64_t)hi[k * TILE + j] + lo[k * TILE + j] - 128 * qsum[r];
-                    o[j] = st[p * TILE + j] * ((float)x * qd[r]);
+        memcpy(qi + nr * D, qi, sizeof(int16_t) * nr * D);   /* the rows again for tile 1 */
+        for (int done = 0, P; done < avail; done += P) {
+            const int64_t tb = t0 + done * TILE;               /* a block's first tile here */
+            const int first = (int)((tb / TILE) % 2);
+            P = 2 - first < avail - done ? 2 - first : avail - done;
+            const KLay L = k_layout(c, h, tb);
+            const f16 *sp = c->scale + h * c->ss[0] + tb * c->ss[1];
+            for (int j = 0; j < P * TILE; j++) st[j] = (float)sp[j * c->ss[1]];
+            ki_dot(L.b, L.ds, D, 4, L.sh, NULL, 0, 0, P, nr, qi, hi);
+            ki_dot(L.b2, L.ds2, D, 4, L.sh2, NULL, 0, 0, P, nr, qi, lo);
+            for (int pt = 0; pt < P; pt++)
+                for (int r = 0; r < nr; r++) {
+                    const int k = pt * nr + r;
+                    float *o = sc + (int64_t)(r0 + r) * N + (done + pt) * TILE;
+                    for (int j = 0; j < TILE; j++) {
+                        const int64_t x = 16 * (int64_t)hi[k * TILE + j] + lo[k * TILE + j] - 128 * qsum[r];
+                        o[j] = st[pt * TILE + j] * ((float)x * qd[r]);
+                    }
                 }
-            }
+        }
     }
-    return P;
+    return avail;
 }
 
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
@@ -912,8 +916,8 @@ static int vmix_kivi(const Codec *c, int h, int64_t t0, int64_t t1, const float 
     for (int64_t u0 = t0; u0 < t1; u0 += CHUNK * TILE) {
         const int64_t u1 = u0 + CHUNK * TILE < t1 ? u0 + CHUNK * TILE : t1;
         const int64_t off = h * c->ss[0] + u0 * c->ss[1];
-        groups_T(c->scale + off, c->ss[1], (int)(u1 - u0), ng, sT);
-        groups_T(c->zero + off, c->ss[1], (int)(u1 - u0), ng, zT);
+        groups_T(c->scale + off, c->ss[1], 1, (int)(u1 - u0), ng, sT);
+        groups_T(c->zero + off, c->ss[1], 1, (int)(u1 - u0), ng, zT);
         for (int cb = 0; cb < D / 64; cb++)
             for (int r0 = 0; r0 < R; r0 += RB) {
 #define VK(nr) (c->bits == 4 ? vmix_kivi_rows(c, h, u0, u1, cb, p + r0 * N, N, D, acc + r0 * D, sT, zT, nr, 4) \
@@ -1002,21 +1006,11 @@ static int vmix_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *
     const int64_t *s = c->cs;
     float sT[MAXD / 32 * KV_RUN], zT[MAXD / 32 * KV_RUN], x[KV_RUN];   /* (ng, n) */
     const int64_t off = h * c->ss[0] + t0 * c->ss[1];
-    if (i8) {
-        for (int t = 0; t < n; t++) {
-            sT[t] = (float)c->scale[off + t * c->ss[1]];
-            zT[t] = -128.f * sT[t];
-        }
-    } else if (c->ss[2] == 1) {
-        groups_T(c->scale + off, c->ss[1], n, ng, sT);
-        groups_T(c->zero + off, c->ss[1], n, ng, zT);
-    } else {
-        for (int t = 0; t < n; t++)
-            for (int gi = 0; gi < ng; gi++) {
-                sT[gi * n + t] = (float)c->scale[off + t * c->ss[1] + gi * c->ss[2]];
-                zT[gi * n + t] = (float)c->zero[off + t * c->ss[1] + gi * c->ss[2]];
-            }
-    }
+    groups_T(c->scale + off, c->ss[1], i8 ? 0 : c->ss[2], n, ng, sT);
+    if (i8)
+        for (int t = 0; t < n; t++) zT[t] = -128.f * sT[t];
+    else
+        groups_T(c->zero + off, c->ss[1], c->ss[2], n, ng, zT);
     int16_t wq[KV_ROWS][MAXD / 32][KV_RUN];
     float wd[KV_ROWS][MAXD / 32], zs[KV_ROWS][MAXD / 32];
     int32_t dots[KV_ROWS * 64], lo[KV_ROWS * 64];

@@ -43,18 +43,27 @@ def main() -> None:
     a = ap.parse_args()
     libs = {}
     for name, path in (("A", a.a), ("B", a.b)):
-        lib = ctypes.CDLL(path)
-        lib.kvrun_decode_attention.restype = ctypes.c_int
+        try:
+            lib = ctypes.CDLL(path)
+            lib.kvrun_decode_attention.restype = ctypes.c_int
+        except (OSError, AttributeError) as e:
+            raise SystemExit(f"error: {path}: not a kvrun native build ({e})")
         libs[name] = lib
     torch.set_num_threads(1)
     threads.configure(1)
-    Hkv, Gq, D = (int(x) for x in a.geom.split(","))
+    try:
+        Hkv, Gq, D = (int(x) for x in a.geom.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --geom {a.geom!r}: expected Hkv,Gq,D, e.g. 3,3,64")
     print(f"| K/V | A µs | B µs | B/A | MB read | B GB/s |   (depth {a.depth}, Hkv {Hkv}, Gq {Gq}, D {D}, one thread)")
     print("|---|---|---|---|---|---|")
     for spec in a.kv:
-        km, vm = spec.split("/")
-        q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, a.depth, 64, 1,
-                                                   G=a.group, v_group=a.group)
+        try:
+            km, vm = spec.split("/")
+            q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, a.depth, 64, 1,
+                                                       G=a.group, v_group=a.group)
+        except (ValueError, AssertionError, KeyError) as e:
+            raise SystemExit(f"error: --kv {spec!r}: expected K/V codecs such as kivi-4/kivi-4 ({e})")
         args = (q, kt, vt, a.depth, kw, vw, kn, vn)
         nbytes = sum(t.nbytes for _, st in (kt, vt) for t in st.values()) + kw.nbytes + vw.nbytes
         times: dict = {"A": [], "B": []}

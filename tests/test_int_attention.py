@@ -147,7 +147,11 @@ def _build_order(lib, D: int) -> torch.Tensor:
     return order
 
 
-@pytest.mark.parametrize("build", ["default", "portable"])
+BUILDS = {"default": (), "portable": ("-DKVRUN_NO_AVX512",),
+          "no-gfni": ("-mno-gfni",)}      # AVX512-VNNI without GFNI: 3-bit keys merged by shifts
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("bits,P,R,D,plane,third", [(4, 2, 3, 64, 0, 0), (4, 1, 12, 256, 1, 0),
                                                     (2, 4, 3, 64, 0, 0), (2, 3, 4, 68, 1, 0),
                                                     (2, 2, 5, 4, 2, 0), (8, 1, 7, 256, 0, 0),
@@ -155,7 +159,7 @@ def _build_order(lib, D: int) -> torch.Tensor:
                                                     (2, 3, 4, 68, 1, 1), (2, 1, 12, 252, 3, 7)])
 def test_quantize_and_int_dots_are_exact(build, bits, P, R, D, plane, third):
     """third: 3-bit keys' third bits from a second buffer at bit `third` + p (0: none)."""
-    lib = ctypes.CDLL(str(native._build(() if build == "default" else ("-DKVRUN_NO_AVX512",))))
+    lib = ctypes.CDLL(str(native._build(BUILDS[build])))
     lib.ki_quantize.restype = ctypes.c_float
     g = torch.Generator().manual_seed(bits * 100 + D)
     x = torch.randn(P * R, D, generator=g) * torch.rand(D, generator=g) * 3     # uneven channels

@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=40, help="alternations")
     ap.add_argument("--calls", type=int, default=10, help="calls per timing")
     ap.add_argument("--attn", default="int", choices=["int", "fp32"])
+    ap.add_argument("--spare", type=int, default=0,
+                    help="storage slots beyond the tail (a multiple of 256: channel rows then are "
+                         "not a power of two bytes apart, as in an arena sized for -c plus a prompt)")
     a = ap.parse_args()
     libs = {}
     for name, path in (("A", a.a), ("B", a.b)):
@@ -61,7 +64,7 @@ def main() -> None:
         try:
             km, vm = spec.split("/")
             q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, a.depth, 64, 1,
-                                                       G=a.group, v_group=a.group)
+                                                       G=a.group, v_group=a.group, spare=a.spare)
         except (ValueError, AssertionError, KeyError) as e:
             raise SystemExit(f"error: --kv {spec!r}: expected K/V codecs such as kivi-4/kivi-4 ({e})")
         args = (q, kt, vt, a.depth, kw, vw, kn, vn)

@@ -12,8 +12,10 @@
  * The sums are put back in token order once per tile and row. The plain C path computes the
  * same integers.
  *
- * 3-bit keys add their third bits (a second transpose of the 1-bit planes' rows, shifted
- * into bit 2 of the same words) before the products: one set of dot instructions still.
+ * 3-bit keys add their third bits (a second transpose of the 1-bit planes' rows) before the
+ * products: one set of dot instructions still. With GFNI each tile's code is gathered from
+ * the two planes by one GF(2) affine bit permutation per plane (bits 0-2 of every byte) and
+ * an OR; without, shifted into bit 2 of the same words.
  *
  * p.V (kv_mix): the chan layout already holds a token's 64 channels in one row of 32 bytes,
  * so two adjacent rows interleaved byte by byte and widened give each lane a channel of
@@ -59,6 +61,25 @@ INLINE void transpose4(const uint8_t *row, int64_t ds, __m512i *x0, __m512i *x1)
     *x1 = _mm512_unpackhi_epi16(p01, p23);
 }
 
+/* the NR query rows' dots with one tile's codes at channels d..d+3: words (d, d+2) in e0 / e1
+ * and (d+1, d+3) in o0 / o1 (x0's and x1's tokens); q: row 0's words at d, rows D apart */
+INLINE void ki_dot_rows(__m512i e0, __m512i e1, __m512i o0, __m512i o1, const int16_t *q, int D,
+                        __m512i (*acc)[2], const int NR)
+{
+    for (int r = 0; r < NR; r++) {
+        int32_t w[2];                       /* the row's words (d, d+2), (d+1, d+3) */
+        memcpy(w, q + r * D, 8);
+        const __m512i qe = _mm512_set1_epi32(w[0]), qo = _mm512_set1_epi32(w[1]);
+        acc[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[r][0], e0, qe), o0, qo);
+        acc[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[r][1], e1, qe), o1, qo);
+    }
+}
+
+#if defined(__GFNI__)
+/* a GF(2) affine matrix row (_mm512_gf2p8affine_epi64_epi8): output bit j = input bit k */
+INLINE uint64_t gf_pick(int j, int k) { return (uint64_t)(1u << k) << (8 * (7 - j)); }
+#endif
+
 /* ki_dot for PP tiles x NR rows, constants so the accumulators stay in registers */
 INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb,
                         int64_t hds, int hsh, const int16_t *qi, int32_t *out, const int PP, const int NR)
@@ -74,6 +95,19 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
         hcnt[p] = _mm_cvtsi32_si128(hsh + p);
         hcnt6[p] = _mm_cvtsi32_si128(hsh + p + 6);   /* the high byte's bit to bit 2 */
     }
+#if defined(__GFNI__)
+    /* 3-bit keys: tile p's code bits gathered into bits 0-2 of each byte by one GF(2) affine
+     * per plane (low bits sh + 2p, sh + 2p + 1 of the codes; the third bit hsh + p of the
+     * 1-bit planes), so a tile costs two affines, an OR and a mask or shift per register:
+     * five instructions where the shifts and bit-2 merges took eight */
+    __m512i gl[4], gh[4];
+    if (hb)
+        for (int p = 0; p < PP; p++) {
+            gl[p] = _mm512_set1_epi64(gf_pick(0, sh + 2 * p) | gf_pick(1, sh + 2 * p + 1));
+            gh[p] = _mm512_set1_epi64(gf_pick(2, hsh + p));
+        }
+    const __m512i mlo = _mm512_set1_epi32(0x00FF00FF);     /* the words' low bytes */
+#endif
     for (int d = 0; d < D; d += 4) {
         const uint8_t *row = b + d * ds;
         /* 4 of the D channel streams, more than the hardware prefetcher follows */
@@ -84,10 +118,23 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
             const uint8_t *hrow = hb + d * hds;
             for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(hrow + k * hds + PREFETCH), _MM_HINT_T0);
             transpose4(hrow, hds, &y0, &y1);
+#if !defined(__GFNI__)
             z0 = _mm512_slli_epi16(y0, 2);     /* bit b of a word's low byte at b + 2 */
             z1 = _mm512_slli_epi16(y1, 2);
+#endif
         }
         for (int p = 0; p < PP; p++) {
+#if defined(__GFNI__)
+            if (hb) {
+                const __m512i c0 = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(x0, gl[p], 0),
+                                                   _mm512_gf2p8affine_epi64_epi8(y0, gh[p], 0));
+                const __m512i c1 = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(x1, gl[p], 0),
+                                                   _mm512_gf2p8affine_epi64_epi8(y1, gh[p], 0));
+                ki_dot_rows(_mm512_and_si512(c0, mlo), _mm512_and_si512(c1, mlo), _mm512_srli_epi16(c0, 8),
+                            _mm512_srli_epi16(c1, 8), qi + p * NR * D + d, D, acc + p * NR, NR);
+                continue;
+            }
+#endif
             /* -- the tile's codes as words: channels (d, d+2) and (d+1, d+3) of each lane -- */
             __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt[p]), m);
             __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
@@ -99,14 +146,7 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
                 o0 = _mm512_ternarylogic_epi32(o0, _mm512_srl_epi16(y0, hcnt6[p]), m4, 0xF8);
                 o1 = _mm512_ternarylogic_epi32(o1, _mm512_srl_epi16(y1, hcnt6[p]), m4, 0xF8);
             }
-            for (int r = 0; r < NR; r++) {
-                int32_t w[2];                   /* the row's words (d, d+2), (d+1, d+3) */
-                memcpy(w, qi + (p * NR + r) * D + d, 8);
-                const __m512i qe = _mm512_set1_epi32(w[0]), qo = _mm512_set1_epi32(w[1]);
-                __m512i *a = acc[p * NR + r];
-                a[0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[0], e0, qe), o0, qo);
-                a[1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[1], e1, qe), o1, qo);
-            }
+            ki_dot_rows(e0, e1, o0, o1, qi + p * NR * D + d, D, acc + p * NR, NR);
         }
     }
     /* -- back to token order: lanes of x0 / x1 (transpose4) -- */

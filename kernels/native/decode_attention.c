@@ -326,15 +326,21 @@ static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv
 
 
 /* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
- * chanpack block (at most `avail`), rows in blocks of KI_ACC / tiles. Per row and tile the
- * folded row q s is quantized to int16 with one scale d (ki_fold_quantize) and
- * logit = fma(d, (q s)_int16 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
+ * chanpack block (at most `avail`), halved until every row shares one pass (P R <= KI_ACC;
+ * one tile when the rows alone fill it), rows in blocks of KI_ACC / tiles. A pass decodes
+ * each of its tiles' codes once, so a second pass over the same tiles for the rows that did
+ * not fit would decode them again: Gemma's 4 rows over 4 two-bit tiles ran as 3 rows + 1 and
+ * now run as 2 tiles + 2, ~10 % less time for kivi-2 and kivi-3 keys (tools/attn_ab.py
+ * --geom 1,4,256). Per row and tile the folded row q s is quantized to int16 with one
+ * scale d (ki_fold_quantize) and logit = fma(d, (q s)_int16 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N) {
     if (D % 4) return 0;
     const int lb = chanpack_lo_bits(c->bits);      /* the "codes" planes' width */
     const int E = 8 / lb, first = (int)((t0 / TILE) % E);
-    const int P = E - first < avail ? E - first : avail, RB = KI_ACC / P;
+    int P = E - first < avail ? E - first : avail;
+    while (P > 1 && P * R > KI_ACC) P /= 2;      /* halves: calls stay on the block's tile grid */
+    const int RB = KI_ACC / P;
     const uint8_t *b = c->codes + h * c->cs[0] + chanpack_byte(t0, lb);
     const uint8_t *hb = c->bits == 3 ? c->hi + h * c->hs[0] + chanpack_byte(t0, 1) : NULL;
     float sv[4][MAXD], zv[4][MAXD], qd[KI_ACC], bias[KI_ACC];

@@ -178,16 +178,25 @@ def test_quantize_and_int_dots_are_exact(build, bits, P, R, D, plane, third):
     sh = bits * plane
     hbuf = torch.randint(0, 256, (D * 64,), dtype=torch.uint8, generator=g)   # rows 64 bytes apart
     hb = ctypes.c_void_p(hbuf.data_ptr() + 32 if third else None)
-    lib.ki_dot(ctypes.c_void_p(buf.data_ptr() + 32), ctypes.c_int64(ds), D, bits, sh, hb,
-               ctypes.c_int64(64), third, P, R, ctypes.c_void_p(qi.data_ptr()),
-               ctypes.c_void_p(out.data_ptr()))
+    hy = torch.zeros(D * 32, dtype=torch.uint8)         # the third bits' transposed rows
+
+    def dots(hmode):
+        lib.ki_dot(ctypes.c_void_p(buf.data_ptr() + 32), ctypes.c_int64(ds), D, bits, sh, hb,
+                   ctypes.c_int64(64), third, ctypes.c_void_p(hy.data_ptr()), hmode, P, R,
+                   ctypes.c_void_p(qi.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+        return out.long()
     rows = buf.view(D, ds)[:, 32:64].long()                                   # (D, 32) bytes
     codes = torch.stack([(rows >> (sh + bits * p)) & (2 ** bits - 1) for p in range(P)])  # (P, D, 32)
     if third:
         hrows = hbuf.view(D, 64)[:, 32:64].long()
         codes += torch.stack([((hrows >> (third + p)) & 1) << 2 for p in range(P)])
     ref = torch.einsum("prd,pdj->prj", want.long().view(P, R, D), codes).reshape(P * R, 32)
-    assert torch.equal(out.long(), ref)
+    assert torch.equal(dots(0), ref)
+    if third:       # kept rows (KI_HY_FILL), then read back (KI_HY_READ) with the bytes gone
+        assert torch.equal(dots(1), ref)
+        hbuf.zero_()
+        if lib.kvrun_gemv_isa() == 2:                    # only the VNNI build keeps them
+            assert torch.equal(dots(2), ref)
 
 
 def _case(bits, G, Hkv, Gq, D, tiles, W, T, seed=0):

@@ -325,6 +325,13 @@ static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv
 }
 
 
+/* 3-bit keys' third-bit rows as ki_dot transposed them (kdot_int.h KI_HY_FILL), for the
+ * next call over the same 8-tile block; `from`: the block's bytes they came from */
+typedef struct {
+    const uint8_t *from;
+    _Alignas(64) uint8_t rows[KI_HY_BYTES(MAXD)];
+} HiRows;
+
 /* KIVI keys on the integer path (kdot_int.h): the logits of the tiles from t0 that share its
  * chanpack block (at most `avail`), halved until every row shares one pass (P R <= KI_ACC;
  * one tile when the rows alone fill it), rows in blocks of KI_ACC / tiles. A pass decodes
@@ -334,7 +341,7 @@ static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv
  * --geom 1,4,256). Per row and tile the folded row q s is quantized to int16 with one
  * scale d (ki_fold_quantize) and logit = fma(d, (q s)_int16 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
-                          int D, float *sc, int64_t N) {
+                          int D, float *sc, int64_t N, HiRows *hr) {
     if (D % 4) return 0;
     const int lb = chanpack_lo_bits(c->bits);      /* the "codes" planes' width */
     const int E = 8 / lb, first = (int)((t0 / TILE) % E);
@@ -346,6 +353,11 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     float sv[4][MAXD], zv[4][MAXD], qd[KI_ACC], bias[KI_ACC];
     int16_t qi[KI_ACC * MAXD];
     int32_t dots[KI_ACC * TILE];
+    int hmode = 0;                                 /* the third bits: transposed once per block */
+    if (hb) {
+        hmode = hr->from == hb ? KI_HY_READ : KI_HY_FILL;
+        hr->from = hb;
+    }
     for (int p = 0; p < P; p++) kivi_group_scales(c, h, t0 + TILE * p, D, sv[p], zv[p]);
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int nr = R - r0 < RB ? R - r0 : RB;
@@ -363,7 +375,8 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
             }
         }
         ki_dot(b, c->cs[1], D, lb, chanpack_shift(t0, lb), hb, hb ? c->hs[1] : 0,
-               hb ? chanpack_shift(t0, 1) : 0, P, nr, qi, dots);
+               hb ? chanpack_shift(t0, 1) : 0, hr->rows, hmode, P, nr, qi, dots);
+        if (hmode) hmode = KI_HY_READ;            /* the next rows' pass */
         for (int p = 0; p < P; p++)
             for (int r = 0; r < nr; r++) {
                 const int k = p * nr + r;
@@ -425,8 +438,8 @@ static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
             const KLay L = k_layout(c, h, tb);
             const f16 *sp = c->scale + h * c->ss[0] + tb * c->ss[1];
             for (int j = 0; j < P * TILE; j++) st[j] = (float)sp[j * c->ss[1]];
-            ki_dot(L.b, L.ds, D, 4, L.sh, NULL, 0, 0, P, nr, qi, hi);
-            ki_dot(L.b2, L.ds2, D, 4, L.sh2, NULL, 0, 0, P, nr, qi, lo);
+            ki_dot(L.b, L.ds, D, 4, L.sh, NULL, 0, 0, NULL, 0, P, nr, qi, hi);
+            ki_dot(L.b2, L.ds2, D, 4, L.sh2, NULL, 0, 0, NULL, 0, P, nr, qi, lo);
             for (int pt = 0; pt < P; pt++)
                 for (int r = 0; r < nr; r++) {
                     const int k = pt * nr + r;
@@ -1249,6 +1262,7 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
     const int64_t nt = a->n_tail, W = a->W, Tn = a->Tn, N = nt + W + Tn, ntile = nt / TILE;
     int64_t a0 = ntile * sp / nsplit, a1 = ntile * (sp + 1) / nsplit;
     float kt[MAXD * TILE];
+    HiRows hr = {0};
     for (int64_t c0 = a0; c0 < a1; c0 += CHUNK) {
         int64_t c1 = c0 + CHUNK < a1 ? c0 + CHUNK : a1;
         for (int h = h0; h < h1; h++) {
@@ -1257,7 +1271,7 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
             for (int64_t ti = c0; ti < c1; ) {
                 const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
                 int done = kivi && a->qint
-                    ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
+                    ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N, &hr)
                     : a->kc->kind == C_INT8 && a->qint
                     ? int8_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N)
                     : HAVE_FAST && kivi

@@ -66,6 +66,7 @@ INLINE void transpose4(const uint8_t *row, int64_t ds, __m512i *x0, __m512i *x1)
 INLINE void ki_dot_rows(__m512i e0, __m512i e1, __m512i o0, __m512i o1, const int16_t *q, int D,
                         __m512i (*acc)[2], const int NR)
 {
+#pragma GCC unroll 12
     for (int r = 0; r < NR; r++) {
         int32_t w[2];                       /* the row's words (d, d+2), (d+1, d+3) */
         memcpy(w, q + r * D, 8);
@@ -82,7 +83,8 @@ INLINE uint64_t gf_pick(int j, int k) { return (uint64_t)(1u << k) << (8 * (7 - 
 
 /* ki_dot for PP tiles x NR rows, constants so the accumulators stay in registers */
 INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb,
-                        int64_t hds, int hsh, const int16_t *qi, int32_t *out, const int PP, const int NR)
+                        int64_t hds, int hsh, uint8_t *hy, int hmode, const int16_t *qi, int32_t *out,
+                        const int PP, const int NR)
 {
     __m512i acc[KI_ACC][2];
     for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
@@ -114,15 +116,25 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
         for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), _MM_HINT_T0);
         __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512(), z0 = y0, z1 = y1;
         transpose4(row, ds, &x0, &x1);
-        if (hb) {
+        if (hb && hmode == KI_HY_READ) {
+            y0 = _mm512_loadu_si512(hy + d * 32);
+            y1 = _mm512_loadu_si512(hy + d * 32 + 64);
+        } else if (hb) {
             const uint8_t *hrow = hb + d * hds;
             for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(hrow + k * hds + PREFETCH), _MM_HINT_T0);
             transpose4(hrow, hds, &y0, &y1);
+            if (hmode == KI_HY_FILL) {
+                _mm512_storeu_si512(hy + d * 32, y0);
+                _mm512_storeu_si512(hy + d * 32 + 64, y1);
+            }
+        }
+        if (hb) {
 #if !defined(__GFNI__)
             z0 = _mm512_slli_epi16(y0, 2);     /* bit b of a word's low byte at b + 2 */
             z1 = _mm512_slli_epi16(y1, 2);
 #endif
         }
+#pragma GCC unroll 8     /* whole: acc[p * NR + r] stays in registers only at constant indices */
         for (int p = 0; p < PP; p++) {
 #if defined(__GFNI__)
             if (hb) {
@@ -158,12 +170,12 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
     }
 }
 
-#define KI(pp, nr) ki_dot_vnni(b, ds, D, bits, sh, hb, hds, hsh, qi, out, pp, nr)
+#define KI(pp, nr) ki_dot_vnni(b, ds, D, bits, sh, hb, hds, hsh, hy, hmode, qi, out, pp, nr)
 #define ROWS3(pp) case 1: KI(pp, 1); break; case 2: KI(pp, 2); break; case 3: KI(pp, 3); break
 #define ROWS6(pp) ROWS3(pp); case 4: KI(pp, 4); break; case 5: KI(pp, 5); break; case 6: KI(pp, 6); break
 
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
-            int hsh, int P, int R, const int16_t *qi, int32_t *out)
+            int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out)
 {
     switch (P) {
     case 1:
@@ -318,8 +330,9 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
 
 #else
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
-            int hsh, int P, int R, const int16_t *qi, int32_t *out)
+            int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out)
 {
+    (void)hy, (void)hmode;                  /* reads the third bits in place */
     const int mask = (1 << bits) - 1;
     int32_t acc[KI_ACC][32] = {{0}};
     for (int d = 0; d < D; d++) {           /* a channel's codes taken out once per tile */

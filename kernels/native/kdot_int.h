@@ -25,7 +25,15 @@ float ki_quantize(const float *x, int n, int16_t *qi);
  * P * R <= KI_ACC, D % 4 == 0: channel d's 32 bytes are at b + d * ds and the code of token
  * j of tile p is (byte j >> (sh + bits * p)) & (2^bits - 1); bits <= 8, D <= 256. With hb
  * (3-bit keys: bits 2), each code gains 4 x its third bit, the bit (hsh + p) of byte j at
- * hb + d * hds (chanpack 1-bit planes). Exact int32 on every ISA. */
+ * hb + d * hds (chanpack 1-bit planes). Exact int32 on every ISA.
+ *
+ * A 1-bit plane's byte holds 8 tiles, the 2-bit planes' 4, so the two calls over one 8-tile
+ * block of 3-bit keys (and a call's passes over more rows) read the same third bits: with
+ * hy (KI_HY_BYTES(D) bytes) and hmode KI_HY_FILL a call keeps their transposed rows there,
+ * and with KI_HY_READ it takes them from there instead of transposing hb's rows again (the
+ * VNNI build; the others read hb in place). hmode 0: hy unused. */
+enum { KI_HY_FILL = 1, KI_HY_READ = 2 };
+#define KI_HY_BYTES(D) ((D) * 32)
 /* ki_quantize of the folded row x = q s (n,) (one fp32 product per channel), and
  * *bias = q . z in fp32: a row's both inputs of a tile's logits, s and z its channel scales
  * and zeros; n <= 256 */
@@ -33,7 +41,7 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
                        float *bias);
 
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
-            int hsh, int P, int R, const int16_t *qi, int32_t *out);
+            int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out);
 
 /* p.V over KIVI values (per token, groups of g channels: v = c s + z): for a 32-token tile
  * sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t, and the weights w_t = p_t s_t of a

@@ -131,3 +131,26 @@ def test_answer_stops_at_a_stop_id():
     steps = [[.9, .02, .02, .02, .02, .02], [0, 0, .1, .1, .1, .7], [1., 0, 0, 0, 0, 0]]
     answer, lead = answer_with_lead(_Scripted(steps), _Digits(), [1], [0, 3], 3, stop_ids={5})
     assert answer == " " and lead == pytest.approx(0.1 - 0.7)
+
+
+def test_evict_overlap_tool_compares_kept_tokens(tmp_path, capsys):
+    """tools/evict_overlap.py: fp16 against itself keeps the same slots (share 1.000); each
+    codec gets a row; a missing file or an unknown policy is one error line."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "evict_overlap", Path(__file__).resolve().parents[1] / "tools" / "evict_overlap.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=1)    # D 32: KIVI's groups
+    f = tmp_path / "fill.txt"
+    f.write_text("Some filler sentence about nothing in particular. " * 40)
+    args = [str(f), "-m", str(d), "-c", "300", "--depth", "0.5", "--evict", "h2o", "--kv-budget", "224",
+            "-b", "64", "-t", "1"]
+    tool.main(args + ["--kv", "int8,kivi-4"])
+    rows = [r.strip("| ").split(" | ") for r in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["fp16", "int8", "kivi-4"]
+    assert rows[0][1] == "1.000" and all(0 < float(r[1]) <= 1 for r in rows)
+    assert all(int(r[2]) >= 0 for r in rows)
+    for file, policy in ((tmp_path / "missing.txt", "h2o"), (f, "bogus")):
+        with pytest.raises(SystemExit, match="^error: "):
+            tool.main([str(file), "-m", str(d), "-c", "300", "--evict", policy, "--kv-budget", "224"])

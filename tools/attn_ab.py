@@ -54,6 +54,8 @@ def main() -> None:
         libs[name] = lib
     torch.set_num_threads(1)
     threads.configure(1)
+    if a.spare < 0 or a.spare % 256:
+        raise SystemExit(f"error: --spare {a.spare}: expected a non-negative multiple of 256")
     try:
         Hkv, Gq, D = (int(x) for x in a.geom.split(","))
     except ValueError:

@@ -339,7 +339,8 @@ typedef struct {
  * not fit would decode them again: Gemma's 4 rows over 4 two-bit tiles ran as 3 rows + 1 and
  * now run as 2 tiles + 2, ~10 % less time for kivi-2 and kivi-3 keys (tools/attn_ab.py
  * --geom 1,4,256). Per row and tile the folded row q s is quantized to int16 with one
- * scale d (ki_fold_quantize) and logit = fma(d, (q s)_int16 . c, q . z). Returns the number of tiles done (0: D % 4 != 0). */
+ * scale d (ki_fold_quantize) and logit = fma(d, (q s)_int16 . c, q . z). Returns the number
+ * of tiles done (0: D % 4 != 0). */
 static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
                           int D, float *sc, int64_t N, HiRows *hr) {
     if (D % 4) return 0;

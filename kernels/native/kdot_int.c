@@ -89,15 +89,20 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
     __m512i acc[KI_ACC][2];
     for (int k = 0; k < PP * NR; k++) acc[k][0] = acc[k][1] = _mm512_setzero_si512();
     const __m512i m = _mm512_set1_epi32(((1 << bits) - 1) * 0x10001);  /* word low bits */
-    const __m512i m4 = _mm512_set1_epi32(4 * 0x10001);              /* word bit 2 */
-    __m128i cnt[4], cnt8[4], hcnt[4], hcnt6[4];
+    __m128i cnt[4], cnt8[4];
     for (int p = 0; p < PP; p++) {
         cnt[p] = _mm_cvtsi32_si128(sh + bits * p);
         cnt8[p] = _mm_cvtsi32_si128(sh + bits * p + 8);
+    }
+#if !defined(__GFNI__)
+    /* 3-bit keys: the third bit shifted to bit 2 of each word and merged per register */
+    const __m512i m4 = _mm512_set1_epi32(4 * 0x10001);              /* word bit 2 */
+    __m128i hcnt[4], hcnt6[4];
+    for (int p = 0; p < PP; p++) {
         hcnt[p] = _mm_cvtsi32_si128(hsh + p);
         hcnt6[p] = _mm_cvtsi32_si128(hsh + p + 6);   /* the high byte's bit to bit 2 */
     }
-#if defined(__GFNI__)
+#else
     /* 3-bit keys: tile p's code bits gathered into bits 0-2 of each byte by one GF(2) affine
      * per plane (low bits sh + 2p, sh + 2p + 1 of the codes; the third bit hsh + p of the
      * 1-bit planes), so a tile costs two affines, an OR and a mask or shift per register:
@@ -114,7 +119,7 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
         const uint8_t *row = b + d * ds;
         /* 4 of the D channel streams, more than the hardware prefetcher follows */
         for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), _MM_HINT_T0);
-        __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512(), z0 = y0, z1 = y1;
+        __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512();
         transpose4(row, ds, &x0, &x1);
         if (hb && hmode == KI_HY_READ) {
             y0 = _mm512_loadu_si512(hy + d * 32);
@@ -128,12 +133,13 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
                 _mm512_storeu_si512(hy + d * 32 + 64, y1);
             }
         }
-        if (hb) {
 #if !defined(__GFNI__)
+        __m512i z0 = y0, z1 = y1;
+        if (hb) {
             z0 = _mm512_slli_epi16(y0, 2);     /* bit b of a word's low byte at b + 2 */
             z1 = _mm512_slli_epi16(y1, 2);
-#endif
         }
+#endif
 #pragma GCC unroll 8     /* whole: acc[p * NR + r] stays in registers only at constant indices */
         for (int p = 0; p < PP; p++) {
 #if defined(__GFNI__)
@@ -152,12 +158,14 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
             __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt[p]), m);
             __m512i o0 = _mm512_and_si512(_mm512_srl_epi16(x0, cnt8[p]), m);
             __m512i o1 = _mm512_and_si512(_mm512_srl_epi16(x1, cnt8[p]), m);
+#if !defined(__GFNI__)
             if (hb) {                       /* + 4 x the third bit: e | (bit moved to 2 & m4) */
                 e0 = _mm512_ternarylogic_epi32(e0, _mm512_srl_epi16(z0, hcnt[p]), m4, 0xF8);
                 e1 = _mm512_ternarylogic_epi32(e1, _mm512_srl_epi16(z1, hcnt[p]), m4, 0xF8);
                 o0 = _mm512_ternarylogic_epi32(o0, _mm512_srl_epi16(y0, hcnt6[p]), m4, 0xF8);
                 o1 = _mm512_ternarylogic_epi32(o1, _mm512_srl_epi16(y1, hcnt6[p]), m4, 0xF8);
             }
+#endif
             ki_dot_rows(e0, e1, o0, o1, qi + p * NR * D + d, D, acc + p * NR, NR);
         }
     }

@@ -20,6 +20,12 @@ enum { KI_ACC = 12 };         /* tiles x rows per ki_dot call: 24 of the 32 zmm 
  * channels d, d+2, d+1, d+3 on the VNNI build); returns the scale max|x| / KI_QMAX. */
 float ki_quantize(const float *x, int n, int16_t *qi);
 
+/* ki_quantize of the folded row x = q s (n,) (one fp32 product per channel), and
+ * *bias = q . z in fp32: a row's both inputs of a tile's logits, s and z its channel scales
+ * and zeros; n <= 256 */
+float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
+                       float *bias);
+
 /* out[(p * R + r) * 32 + j] = sum_{d < D} qi[(p * R + r) * D + d] * code(d, p, j) for P tiles
  * of 32 tokens that share their bytes (the planes of one chanpack block), p < P, r < R,
  * P * R <= KI_ACC, D % 4 == 0: channel d's 32 bytes are at b + d * ds and the code of token
@@ -34,11 +40,6 @@ float ki_quantize(const float *x, int n, int16_t *qi);
  * VNNI build; the others read hb in place). hmode 0: hy unused. */
 enum { KI_HY_FILL = 1, KI_HY_READ = 2 };
 #define KI_HY_BYTES(D) ((D) * 32)
-/* ki_quantize of the folded row x = q s (n,) (one fp32 product per channel), and
- * *bias = q . z in fp32: a row's both inputs of a tile's logits, s and z its channel scales
- * and zeros; n <= 256 */
-float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
-                       float *bias);
 
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
             int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out);

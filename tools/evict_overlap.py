@@ -15,7 +15,6 @@ lead shrinks).
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from kvrun.engine.api import load
 from kvrun.engine.generate import Engine
 from kvrun.errors import KvrunError, read_text_file
-from kvrun.eval.needle import build_prompt, make_needle
+from kvrun.eval.needle import build_prompt, trial_needles
 from kvrun.kv.build import make_cache
 from kvrun.kv.config import parse_kv
 
@@ -57,9 +56,7 @@ def main(argv=None) -> None:
         model = load(a.model, ctx=8, prefill_chunk=a.batch_size, threads=a.threads)
         tok = lambda s: model.tokenizer.encode(s, bos=False)     # noqa: E731 (no BOS mid-text)
         prefix, filler = model.tokenizer.encode(""), tok(text)
-        rng = random.Random(a.seed)                               # run_needle's first trial
-        needle = make_needle(rng)
-        offset = rng.randrange(0, max(1, len(filler) - a.ctx_size))
+        needle, offset = trial_needles(a.seed, 1, len(filler), a.ctx_size)[0]
         ids, at = build_prompt(tok, filler, a.ctx_size - len(prefix), a.depth, needle, offset)
         fact = set(range(len(prefix) + at, len(prefix) + at + len(tok(needle.fact))))
         with torch.inference_mode():

@@ -64,6 +64,14 @@ def make_needle(rng: random.Random) -> Needle:
     return Needle(rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000)))
 
 
+def trial_needles(seed: int, trials: int, n_filler: int, ctx: int) -> list[tuple[Needle, int]]:
+    """Each trial's needle and filler offset (token index), as `kvrun needle -s SEED` draws
+    them for a filler of n_filler tokens cut to ctx: the same in every configuration."""
+    rng = random.Random(seed)
+    needles = [make_needle(rng) for _ in range(trials)]
+    return list(zip(needles, [rng.randrange(0, max(1, n_filler - ctx)) for _ in range(trials)]))
+
+
 def build_prompt(tokenize, filler_ids: list[int], ctx: int, depth: float, needle: Needle,
                  offset: int = 0) -> tuple[list[int], int]:
     """Token ids of filler[offset:] with the needle at `depth` (0 = start, 1 = just before the
@@ -114,9 +122,7 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
     tokenize = lambda s: model.tokenizer.encode(s, bos=False)    # noqa: E731 (no BOS mid-text)
     prefix = model.tokenizer.encode("")                          # the model's BOS, if any
     filler_ids = tokenize(filler)
-    rng = random.Random(seed)
-    needles = [make_needle(rng) for _ in range(trials)]
-    offsets = [rng.randrange(0, max(1, len(filler_ids) - ctx)) for _ in range(trials)]
+    drawn = trial_needles(seed, trials, len(filler_ids), ctx)
     out = []
     cells, t_start = len(specs) * len(depths), time.perf_counter()
     try:
@@ -125,7 +131,7 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
                          model.engine.prefill_chunk)
             for depth in depths:
                 t0, ok, leads = time.perf_counter(), 0, 0.0
-                for nd, off in zip(needles, offsets):
+                for nd, off in drawn:
                     ids, _ = build_prompt(tokenize, filler_ids, ctx - len(prefix), depth, nd, off)
                     eng.reset()
                     answer, lead = answer_with_lead(eng, model.tokenizer, prefix + ids,

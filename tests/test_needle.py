@@ -13,7 +13,8 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent))
 from kvrun.cli.main import main  # noqa: E402
 from kvrun.errors import KvrunError  # noqa: E402
-from kvrun.eval.needle import Needle, build_prompt, make_needle  # noqa: E402
+from kvrun.eval.needle import (Needle, NeedleRecord, build_prompt, format_table,  # noqa: E402
+                               make_needle)
 from tiny import make_tiny_model_dir  # noqa: E402
 
 
@@ -60,8 +61,26 @@ def test_cli_needle_runs_every_configuration(tmp_path):
         ("fp16", 0.0), ("fp16", 1.0), ("fp16+h2o@224", 0.0), ("fp16+h2o@224", 1.0)]
     assert all(x["accuracy"] in (0.0, 1.0) and x["trials"] == 1 for x in recs)
     assert all(-1 <= x["lead"] <= 1 and (x["lead"] > 0) == (x["accuracy"] == 1) for x in recs)
+    assert all(x["found"] == [x["accuracy"] == 1] and x["leads"] == [x["lead"]] for x in recs)
     r = CliRunner().invoke(main, ["needle", str(f), "-m", str(d), "--depths", "0.5,2"])
     assert r.exit_code != 0 and "--depths" in r.output
+
+
+def test_needles_are_paired_with_the_reference_trial_by_trial():
+    """lost/gained counts the same trial's needle in both methods, never totals: two methods
+    with the same accuracy can lose and gain different needles; the largest lead is the
+    reference's own on a needle the method lost."""
+    ref, m = "fp16+snapkv@64", "kivi-4+snapkv@64"
+    recs = [NeedleRecord(ref, 0.5, 2 / 3, 3, 1.0, 0.0, [True, True, False], [0.31, 0.02, -0.2]),
+            NeedleRecord(m, 0.5, 2 / 3, 3, 1.0, 0.0, [False, True, True], [-0.1, 0.2, 0.1]),
+            NeedleRecord(ref, 0.9, 1.0, 3, 1.0, 0.5, [True] * 3, [0.5] * 3),
+            NeedleRecord(m, 0.9, 1 / 3, 3, 1.0, 0.0, [False, True, False], [-0.1, 0.4, -0.3])]
+    lines = format_table(recs, ref=ref).splitlines()
+    assert lines[-1].split() == [m, "1/1", "2/0", "3/1", "+0.500"]
+    assert lines[-3].split()[1:] == ["0.50", "0.90", "total", "largest", "lead", "lost"]
+    assert "against" not in format_table(recs)                       # no reference: no pairs
+    one = [NeedleRecord(x, 0.5, 1.0, 1, 1.0, 0.3, [True], [0.3]) for x in (ref, m)]
+    assert format_table(one, ref=ref).splitlines()[-1].split() == [m, "0/0", "0/0", "-"]
 
 
 def test_needle_ctrl_c_prints_the_cells_done(tmp_path, monkeypatch):

@@ -127,7 +127,8 @@ def needle_cmd(file, kv_list, ctx, depths, trials, baseline, as_json, model, dty
         specs[spec.label()] = spec
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=prefill_chunk, threads=threads, progress=eprint)
     warn_ctx(m.cfg, ctx, "-c")
-    table = lambda rs: format_table(rs, ds, list(specs))    # noqa: E731 (the whole grid)
+    ref = parse_kv("fp16", **evict).label()     # each needle against fp16 under the same policy
+    table = lambda rs: format_table(rs, ds, list(specs), ref)    # noqa: E731 (the whole grid)
     with partial_on_interrupt(as_json, table):
         records = run_needle(m, text, ctx, ds, specs, trials, seed=seed, progress=eprint)
     print_records(records, as_json, table)

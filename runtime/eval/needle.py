@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..errors import KvrunError, PartialResults
 from ..progress import format_duration
@@ -55,6 +55,8 @@ class NeedleRecord:
     trials: int
     seconds: float
     lead: float                 # mean over trials of each answer's lead (module docstring)
+    found: list[bool] = field(default_factory=list)     # each trial's pass, in draw order
+    leads: list[float] = field(default_factory=list)    # each trial's lead, in draw order
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,20 +132,21 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
             eng = Engine(model.transformer, model.tokenizer, make_cache(model.cfg, ctx + max_tokens, spec),
                          model.engine.prefill_chunk)
             for depth in depths:
-                t0, ok, leads = time.perf_counter(), 0, 0.0
+                t0, found, leads = time.perf_counter(), [], []
                 for nd, off in drawn:
                     ids, _ = build_prompt(tokenize, filler_ids, ctx - len(prefix), depth, nd, off)
                     eng.reset()
                     answer, lead = answer_with_lead(eng, model.tokenizer, prefix + ids,
                                                     tokenize(f" {nd.number}"), max_tokens, model.stop_ids)
-                    ok += nd.found(answer)
-                    leads += lead
+                    found.append(nd.found(answer))
+                    leads.append(lead)
+                ok = sum(found)
                 out.append(NeedleRecord(label, depth, ok / trials, trials, time.perf_counter() - t0,
-                                        leads / trials))
+                                        sum(leads) / trials, found, leads))
                 if progress:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / len(out) * (cells - len(out))
-                    progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials}, lead {leads / trials:+.3f} "
+                    progress(f"[needle] {label} depth {depth:.2f}: {ok}/{trials}, lead {sum(leads) / trials:+.3f} "
                              f"| {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
     except KeyboardInterrupt:
         if not out:
@@ -153,15 +156,50 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
 
 
 def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
-                 labels: list[str] | None = None) -> str:
-    """Accuracy by method (rows) and depth (columns), then the mean lead the same way;
+                 labels: list[str] | None = None, ref: str | None = None) -> str:
+    """Accuracy by method (rows) and depth (columns), then the mean lead the same way, then
+    with `ref` (a method's label) every other method's needles against ref's (`paired`);
     `depths`/`labels` give the full grid of an interrupted run, whose missing cells show
     as "-"."""
     depths = sorted(set(depths or []) | {r.depth for r in records})
     labels = list(dict.fromkeys(list(labels or []) + [r.method for r in records]))
     acc = _grid(records, depths, labels, "method", lambda r: r.accuracy, "6.2f")
     lead = _grid(records, depths, labels, "lead", lambda r: r.lead, "+6.3f")
-    return acc + "\n\n" + lead
+    out = acc + "\n\n" + lead
+    if ref in labels and len(labels) > 1:
+        out += "\n\n" + paired(records, depths, labels, ref)
+    return out
+
+
+def paired(records: list[NeedleRecord], depths: list[float], labels: list[str], ref: str) -> str:
+    """Trial by trial against `ref` (the same needles in every method): per method and depth
+    "lost/gained", the needles ref finds that the method loses and the ones it finds that ref
+    loses, then their totals and the largest lead ref had on a needle the method lost. A
+    needle ref found by a lead of 0.01 is a coin toss for any cache; one found by 0.5 and
+    lost is the method's doing (module docstring)."""
+    at = {(r.method, r.depth): r for r in records}
+    w = max([22] + [len(m) for m in labels])
+    head = f"{'method':<{w}}" + "".join(f" {d:>6.2f}" for d in depths) + "  total  largest lead lost"
+    rows = [f"against {ref}, needle by needle: lost/gained, and its largest lead on one lost",
+            head, "-" * len(head)]
+    for m in labels:
+        if m == ref:
+            continue
+        cells, lost, gained, worst = [], 0, 0, None
+        for d in depths:
+            a, b = at.get((ref, d)), at.get((m, d))
+            if a is None or b is None:
+                cells.append(f" {'-':>6}")
+                continue
+            lo = [i for i, (x, y) in enumerate(zip(a.found, b.found)) if x and not y]
+            ga = sum(1 for x, y in zip(a.found, b.found) if y and not x)
+            lost, gained = lost + len(lo), gained + ga
+            for i in lo:
+                worst = a.leads[i] if worst is None else max(worst, a.leads[i])
+            cells.append(f" {f'{len(lo)}/{ga}':>6}")
+        tail = f"{'-' if worst is None else f'{worst:+.3f}':>19}"
+        rows.append(f"{m:<{w}}" + "".join(cells) + f" {f'{lost}/{gained}':>6}" + tail)
+    return "\n".join(rows)
 
 
 def _grid(records, depths, labels, title, value, fmt) -> str:

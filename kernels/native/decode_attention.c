@@ -359,14 +359,17 @@ static int kivi_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
         hmode = hr->from == hb ? KI_HY_READ : KI_HY_FILL;
         hr->from = hb;
     }
-    for (int p = 0; p < P; p++) kivi_group_scales(c, h, t0 + TILE * p, D, sv[p], zv[p]);
+    int same[4];                                   /* 1: tile p is in tile p - 1's group */
+    for (int p = 0; p < P; p++) {
+        same[p] = p && (t0 + TILE * p) / c->G == (t0 + TILE * (p - 1)) / c->G;
+        if (!same[p]) kivi_group_scales(c, h, t0 + TILE * p, D, sv[p], zv[p]);
+    }
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int nr = R - r0 < RB ? R - r0 : RB;
         for (int p = 0; p < P; p++) {                /* (P, nr, D) folded and quantized rows */
-            const int same = p && (t0 + TILE * p) / c->G == (t0 + TILE * (p - 1)) / c->G;
             for (int r = 0; r < nr; r++) {
                 const int k = p * nr + r;
-                if (same) {                          /* the group of the tile before */
+                if (same[p]) {                       /* the group of the tile before */
                     memcpy(qi + k * D, qi + (k - nr) * D, sizeof(int16_t) * D);
                     qd[k] = qd[k - nr];
                     bias[k] = bias[k - nr];

@@ -165,3 +165,40 @@ def test_a_prefill_chunk_keeps_what_the_policy_chooses_with_block_keys(tiny32_di
         kept.append([ev.kept_positions(l) for l in range(m.cfg.num_layers)])
     for l, (a, b) in enumerate(zip(*kept)):
         assert torch.equal(a, b), l
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_a_prefill_chunk_frees_every_dirty_block_of_fine_keys(tiny32_dir, policy):
+    """Per-channel keys of 4 bits or more (FINE_KEY_BITS): a chunk flushing f tokens re-packs
+    every dirty block, not only f / G, so its compaction keeps exactly the policy's choice
+    however the victims spread over the tail; 2- and 3-bit keys keep f / G blocks and then
+    differ from it. On the lossless fp16 codec with the block-keys rule, as above: a tail of
+    4 blocks, then a chunk of 2."""
+    G, R = 32, 32
+    S = 4 * G
+    kv = parse_kv("fp16", residual=R, group=G, evict=policy, budget=R + G + S, snap_window=8)
+    kept = {}
+    for rule in ("policy", "fine", "coarse"):
+        m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+        ids = torch.randint(3, m.cfg.vocab_size, (R + S + 2 * G,),
+                            generator=torch.Generator().manual_seed(6))
+        ev, L = m.engine.cache.ev, m.cfg.num_layers
+        if rule != "policy":
+            ev.token_groups, ev.fine_keys = [True] * L, [rule == "fine"] * L
+        with torch.inference_mode():
+            m.transformer(ids[None, :R + S], m.engine.cache)
+            m.transformer(ids[None, R + S:], m.engine.cache)
+        assert ev.n_compactions == L
+        kept[rule] = [ev.kept_positions(l) for l in range(L)]
+    assert all(torch.equal(a, b) for a, b in zip(kept["policy"], kept["fine"]))
+    assert not all(torch.equal(a, b) for a, b in zip(kept["policy"], kept["coarse"]))
+
+
+@pytest.mark.parametrize("method, fine", [("kivi-4", True), ("kivi-2", False), ("kivi-3/kivi-4", False),
+                                          ("gear-l", True), ("int8", False)])
+def test_fine_keys_follow_the_key_bits(tiny32_dir, method, fine):
+    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=1024,
+                   kv=parse_kv(method, residual=32, group=32, evict="snapkv", budget=256))
+    ev = m.engine.cache.ev
+    assert ev.fine_keys == [fine] * m.cfg.num_layers
+    assert ev.token_groups == [method != "int8"] * m.cfg.num_layers

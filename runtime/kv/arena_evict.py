@@ -37,7 +37,12 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   re-packs one block; a prefill chunk of f tokens up to f / G, so a selection made from
   the question's chunk can take in as many of its tokens as fp16 would (with one block
   per chunk, a 512-token chunk could keep only G of its tokens: the needle left with
-  the rest);
+  the rest). Keys of 4 bits or more (FINE_KEY_BITS) re-quantize cheaply, so a prefill
+  chunk re-packs every dirty block of theirs and keeps exactly the policy's choice: with
+  f / G blocks the victims left in the other blocks kept out tokens fp16 takes in, and
+  kivi-4 + snapkv lost 5 of 17 needles fp16 + snapkv found (kivi-4's ppl under eviction
+  moved +0.14 %, kivi-2's +130 % when its blocks were all re-packed: 2- and 3-bit keys
+  keep f / G; docs/eviction.md);
   (2) dirty slots are refilled in position order, so a block holds neighbouring tokens
   (RoPE turns each channel pair by an angle growing with the position, so a block of
   far-apart tokens spreads every channel's range);
@@ -111,6 +116,9 @@ class ArenaEviction:
         self.n_compactions = 0
         self.n_repacked = 0                   # kept tail tokens re-packed (per head, summed)
         self.token_groups = [token_groups(c, a.Hkv, a.D, S) for c, S in zip(a.k_codecs, a.S_l)]
+        # per-channel keys of 4 bits or more: a prefill chunk re-packs every dirty block (rule 1)
+        self.fine_keys = [tg and getattr(c, "bits", 0) >= FINE_KEY_BITS
+                          for tg, c in zip(self.token_groups, a.k_codecs)]
         # a sink block of per-channel keys is kept whole, so it is never re-quantized
         sinks = kv.eviction.sinks
         self.sinks = [-(-sinks // a.G) * a.G if tg and sinks else sinks for tg in self.token_groups]
@@ -208,7 +216,8 @@ class ArenaEviction:
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
         per_head = self.per_head[l]
         if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block
-            kept = dirty_blocks(kept, self._value(score, pos), nt, G, per_head, -(-f // G))
+            n_blocks = nt // G if f > G and self.fine_keys[l] else -(-f // G)
+            kept = dirty_blocks(kept, self._value(score, pos), nt, G, per_head, n_blocks)
         # -- clean blocks (in [0, K), all G tokens kept) stay as packed --------------------------
         clean = torch.zeros(Hkv, S // G, dtype=torch.bool)
         clean[:, :nt // G] = kept[:, :nt].view(Hkv, nt // G, G).all(-1)
@@ -348,6 +357,9 @@ def _lex_order(*keys) -> torch.Tensor:
 
 def _lex_first(*keys) -> torch.Tensor:
     return _lex_order(*keys)[..., 0]
+
+
+FINE_KEY_BITS = 4      # keys this fine re-quantize cheaply: a prefill chunk frees every dirty block
 
 
 def token_groups(codec, Hkv: int, D: int, S: int) -> bool:

@@ -40,9 +40,9 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   the rest). Keys of 4 bits or more (FINE_KEY_BITS) re-quantize cheaply, so a prefill
   chunk re-packs every dirty block of theirs and keeps exactly the policy's choice: with
   f / G blocks the victims left in the other blocks kept out tokens fp16 takes in, and
-  kivi-4 + snapkv lost 5 of 17 needles fp16 + snapkv found (kivi-4's ppl under eviction
-  moved +0.14 %, kivi-2's +130 % when its blocks were all re-packed: 2- and 3-bit keys
-  keep f / G; docs/eviction.md);
+  kivi-4 + snapkv lost 6 of the 19 needles fp16 + snapkv found, now 2. With every dirty
+  block re-packed at every compaction, kivi-4's ppl under eviction moved 20.99 → 21.01
+  and kivi-2's 28.6 → 54.2, so 2- and 3-bit keys keep f / G (docs/eviction.md);
   (2) dirty slots are refilled in position order, so a block holds neighbouring tokens
   (RoPE turns each channel pair by an angle growing with the position, so a block of
   far-apart tokens spreads every channel's range);

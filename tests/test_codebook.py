@@ -174,7 +174,8 @@ def test_native_mixed_pair_is_the_native_route():
     """dispatch sends a mixed pair to the native kernel, not to torch."""
     args = attention_case("kivi-4", "cb-4", 2, 3, 64, 64, 5, 1)
     out = dispatch.decode_attention(args[0], *args[1:3], 64, *args[3:], backend="native")
-    assert torch.equal(out, nda.decode_attention(args[0], *args[1:3], 64, *args[3:]))
+    ref = nda.decode_attention(args[0], *args[1:3], 64, *args[3:], attn=dispatch.attn_path())
+    assert torch.equal(out, ref)
 
 
 @pytest.fixture(params=[("-DKVRUN_NO_AVX512",), ("-DKVRUN_NO_AVX512", "-DKVRUN_NO_AVX2")],

@@ -28,7 +28,7 @@ from kvrun.kernels import make_codec                                     # noqa:
 from kvrun.kernels import triton as tri                                  # noqa: E402
 from kvrun.kernels.codecs.base import FpCodec                             # noqa: E402
 from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
-from kvrun.kernels.dispatch import BackendError, backend_for             # noqa: E402
+from kvrun.kernels.dispatch import BackendError, attn_path, backend_for  # noqa: E402
 from kvrun.kernels.dispatch import decode_attention as dispatch_attention  # noqa: E402
 
 G = 32
@@ -176,7 +176,7 @@ def test_dispatch_backends(monkeypatch):
     assert backend_for(args[0]) == default                       # CPU tensors → native C / torch
     by_default = dispatch_attention(*args, block=64)
     if default == "native":
-        assert torch.equal(by_default, native_attention(*args))
+        assert torch.equal(by_default, native_attention(*args, attn=attn_path()))
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     by_torch = dispatch_attention(*args, block=64)
     assert torch.equal(by_torch, torch_attention(*args, block=64))

@@ -159,23 +159,54 @@ def test_a_killed_builds_temp_is_removed_later(tmp_path, monkeypatch):
     assert sorted(p.name for p in d.iterdir()) == sorted([a.name, fresh.name])
 
 
-@pytest.fixture
-def portable(monkeypatch):
-    """The kernel built without its AVX-512 paths: the (D, 32) tile path machines without
-    AVX-512 run (AVX2 micro-kernels), checked here on every codec too."""
+@pytest.fixture(params=[("-DKVRUN_NO_AVX512",), ("-DKVRUN_NO_AVX512", "-DKVRUN_NO_AVX2")],
+                ids=["avx2", "plain-c"])
+def portable(request, monkeypatch):
+    """The kernel built without its AVX-512 paths: what machines without AVX-512 run (AVX2:
+    int8 / KIVI / TaDA codes decoded in 8-lane registers, the other layouts through the
+    (D, 32) tile and its AVX2 micro-kernels), or with neither, plain C (every layout through
+    the tile), checked here on every codec too."""
     import ctypes
     import kvrun.kernels.native.decode_attention as nd
-    lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
+    lib = ctypes.CDLL(str(native._build(request.param)))
     lib.kvrun_decode_attention.restype = ctypes.c_int
     monkeypatch.setattr(nd, "load", lambda: lib)
     monkeypatch.setattr(native, "_lib", lib)
 
 
-@pytest.mark.parametrize("method", METHODS + ("kivi-3/kivi-4",))
-def test_portable_path_matches_dequantized_reference(portable, method):
+@pytest.mark.parametrize("method", METHODS + ("kivi-3/kivi-4", "int8/kivi-b8"))
+def test_portable_path_matches_dequantized_reference(portable, monkeypatch, method):
     k, v = method.split("/") if "/" in method else (method, method)
+    if v == "kivi-b8":
+        _kivi_bits(monkeypatch, 8)
+        v = "kivi-b"
     for geom in (GEOMS[0], GEOMS[1], GEOMS[2]):
         _check(k, v, geom)
+
+
+def _kivi_bits(monkeypatch, bits):
+    """attention_case's "kivi-b" for any width, 8 bits included (profiles' kivi layers,
+    no method name of their own): KiviCodec with the case's V channel group"""
+    import attention_cases
+    from kvrun.kernels.codecs.kivi import KiviCodec
+    make = attention_cases.make_codec
+    monkeypatch.setattr(attention_cases, "make_codec", lambda m, role, G, v_group=32, **kw:
+                        KiviCodec(role, G, bits, v_group) if m == "kivi-b" else make(m, role, G, v_group=v_group, **kw))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("g", [16, 32, 64, 128])
+@pytest.mark.parametrize("geom", [(1, 4, 256, 288, 17, 1), (2, 3, 128, 96, 5, 3), (2, 5, 64, 160, 7, 1)],
+                         ids=lambda g: "-".join(map(str, g)))
+def test_kivi_widths_and_value_groups(monkeypatch, bits, g, geom):
+    """KIVI V at every width (8 bits: two nibble planes) and channel group (the register paths
+    fold the scales per group of a 16-channel quarter), beside int8 and KIVI keys, head dims
+    64 to 256, GQA rows 3 to 5."""
+    if g > geom[2]:
+        pytest.skip("group wider than the head")
+    _kivi_bits(monkeypatch, bits)
+    for k in ("kivi-b", "int8"):
+        _check(k, "kivi-b", geom, v_group=g)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

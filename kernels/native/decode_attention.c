@@ -10,8 +10,10 @@
  *            in chunks of CHUNK tiles of 32 tokens with the KV heads innermost (TaDA's
  *            means, shared by the heads, come from memory once per chunk). A packed K
  *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
- *            register, scales folded into q or applied per token); without AVX-512 it is
- *            dequantized into a (D, 32) tile in L1 and multiplied by an AVX2/C micro-kernel.
+ *            register, scales folded into q or applied per token; AVX2: the same in two
+ *            halves of 16 tokens on 8-lane registers, for int8 and KIVI keys); the layouts
+ *            without such a path (and every one in plain C) are dequantized into a (D, 32)
+ *            tile in L1 and multiplied by an AVX2/C micro-kernel.
  *            KIVI keys with Args.qint (KVRUN_ATTN=int, the default): per row and tile the
  *            folded row q s quantized to int16 and dotted with the codes in int32
  *            (kivi_tiles_int, kdot_int.c), exact integers on every ISA.
@@ -20,7 +22,8 @@
  *   phase 2  causal mask over the new tokens, one exact softmax per row (two-pass
  *            flash-decoding: a row's logits are few, R*N floats), optional attention mass.
  *   phase 3  p.V in the same chunk order: every V row is decoded and dequantized in
- *            registers (c s + z; TaDA mu - (c s + z); GEAR adds (p A) B^T per block) and
+ *            registers (c s + z; TaDA mu - (c s + z); GEAR adds (p A) B^T per block; AVX2:
+ *            int8 and KIVI with p s folded out of the token loop, TaDA per token) and
  *            accumulated into the rows' per-split partial outputs (a cb V by
  *            codebook_attention.c's cb_v_mix), summed at the end;
  *            then the output is un-rotated (phase 0's rotation).
@@ -325,6 +328,19 @@ static void kivi_group_scales(const Codec *c, int h, int64_t t, int D, float *sv
 }
 
 
+/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
+ * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
+static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
+                        float *qx, float *bias) {
+    float sv[MAXD], zv[MAXD];
+    kivi_group_scales(c, h, t, D, sv, zv);
+    for (int r = 0; r < R; r++) {
+        float bz = 0.f;
+        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
+        bias[r] = bz;
+    }
+}
+
 /* 3-bit keys' third-bit rows as ki_dot transposed them (kdot_int.h KI_HY_FILL), for the
  * next call over the same 8-tile block; `from`: the block's bytes they came from */
 typedef struct {
@@ -405,6 +421,17 @@ static void groups_T(const f16 *src, int64_t st, int64_t sg, int n, int ng, floa
             const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * t + 16)));
             _mm512_storeu_ps(dst + t, _mm512_permutex2var_ps(a, ev, b));
             _mm512_storeu_ps(dst + n + t, _mm512_permutex2var_ps(a, od, b));
+        }
+#elif defined(__AVX2__) && !defined(KVRUN_NO_AVX2)
+    } else if (st == ng && sg == 1 && ng == 2) {   /* 8 tokens: two registers, deinterleaved */
+        for (int t = 0; t < n; t += 8) {
+            const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * t)));
+            const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * t + 8)));
+            /* per 128-bit lane (a0 a2 b0 b2 | a4 a6 b4 b6), then the 64-bit pairs in order */
+            const __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+            const __m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+            _mm256_storeu_ps(dst + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)));
+            _mm256_storeu_ps(dst + n + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8)));
         }
 #endif
     } else {
@@ -647,19 +674,6 @@ static void transpose_rank(const float *restrict src, int n, int r, float *restr
     }
     for (int i = 0; i < n; i++)
         for (int k = 0; k < r; k++) dst[k * n + i] = src[i * r + k];
-}
-
-/* KIVI keys, q . (s c + z) = (q s) . c + q . z: the rows scaled by the per-channel scales
- * of tile t's group, qx (R, D), and the zero-point term per row, bias (R,) */
-static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R, int D,
-                        float *qx, float *bias) {
-    float sv[MAXD], zv[MAXD];
-    kivi_group_scales(c, h, t, D, sv, zv);
-    for (int r = 0; r < R; r++) {
-        float bz = 0.f;
-        for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
-        bias[r] = bz;
-    }
 }
 
 /* KIVI: logits of up to `avail` consecutive tiles from t0 in one pass over the channel
@@ -999,6 +1013,297 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
     }
     return 1;
 }
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(KVRUN_NO_AVX2)
+/* -- AVX2 fast paths: the same register decode on 8-lane registers --------------------------
+ * With 16 registers of 8 lanes a K tile is taken in two halves of 16 tokens (up to 4 rows: 8
+ * accumulators, 2 code registers) and a V block in four quarters of 16 channels, so every code
+ * is still decoded once per call and nothing goes through a tile buffer. The fp rows (tails,
+ * window, new tokens) are dotted 8 tokens at a time, reduced together (hsum8x8). KIVI keys
+ * one tile at a time (no multi-tile pass), GEAR terms, TaDA's int8 means and 3-bit V take the
+ * tile path. */
+#define HAVE_FAST 0
+#define HAVE_FAST8 1
+#define PREFETCH 256
+
+/* 16 codes from 16 bytes, (b >> sh) & mask, as fp32 in two registers: shifted and masked
+ * as bytes in one 16-byte register (sh + bits <= 8, so a 16-bit shift brings no bit of the
+ * next byte under the mask), then widened 8 at a time */
+static inline void dec16x(const uint8_t *b, __m128i sh, __m128i mask, __m256 *c0, __m256 *c1) {
+    const __m128i x = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)b), sh), mask);
+    *c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+    *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
+}
+
+/* lane i of the result = sum of the 8 lanes of v[i] */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* out[r * os + j] = q_r . rows_j for 8 token-major fp32 rows (D % 8 == 0, j < 8) */
+static void rows8_scores(const float *rows, const float *q, int R, int D, float *out, int64_t os) {
+    for (int r = 0; r < R; r++) {
+        const float *qr = q + r * D;
+        __m256 v[8];
+        for (int j = 0; j < 8; j++) {
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(rows + j * D));
+            for (int d = 8; d < D; d += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(rows + j * D + d), a);
+            v[j] = a;
+        }
+        _mm256_storeu_ps(out + r * os, hsum8x8(v));
+    }
+}
+
+/* logits of tokens [t0, t0 + 8 n) of fp rows into sc[r * N + col0 + t]; D % 8 == 0 */
+static void fp_rows8(const void *base, int64_t off, int64_t stride, int kind, int64_t n,
+                     const float *q, int R, int D, float *sc, int64_t N) {
+    float rows[8 * MAXD];
+    for (int64_t j0 = 0; j0 < 8 * n; j0 += 8) {
+        for (int j = 0; j < 8; j++) load_row(base, off + (j0 + j) * stride, kind, D, rows + j * D);
+        rows8_scores(rows, q, R, D, sc + j0, N);
+    }
+}
+
+/* kivi_fold_q in 8-lane registers (D % 8 == 0): the zero-point term summed in 8 lanes, where
+ * the plain loop's running sum does not vectorize */
+static void kivi_fold_q8(const Codec *c, int h, int64_t t, const float *q, int R, int D,
+                         float *qx, float *bias) {
+    float sv[MAXD], zv[MAXD];
+    kivi_group_scales(c, h, t, D, sv, zv);
+    for (int r = 0; r < R; r++) {
+        __m256 bz = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+            _mm256_storeu_ps(qx + r * D + d, _mm256_mul_ps(qv, _mm256_loadu_ps(sv + d)));
+            bz = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zv + d), bz);
+        }
+        const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(bz), _mm256_extractf128_ps(bz, 1));
+        const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        bias[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+    }
+}
+
+/* acc[i * 32 + j0 + j] = sum_d qx[i * D + d] * code(d, j0 + j), j < 16, i < NR: half j0 of a
+ * K tile, channel d's codes as k_layout's L says */
+static inline __attribute__((always_inline)) void kdot8_rows(const float *qx, int D, const KLay *L,
+        int j0, float *acc, const int NR, const int TWO) {
+    __m256 a[4][2];
+    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    const uint8_t *b = L->b + j0, *b2 = TWO ? L->b2 + j0 : NULL;
+    const int64_t ds = L->ds, ds2 = L->ds2;
+    const __m128i shv = _mm_cvtsi32_si128(L->sh), shv2 = _mm_cvtsi32_si128(L->sh2);
+    const __m128i mv = _mm_set1_epi8((char)L->mask), mv2 = _mm_set1_epi8((char)L->mask2);
+    const __m256 f = _mm256_set1_ps(L->f);
+    for (int d = 0; d < D; d++) {
+        if (!j0) _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
+        __m256 c0, c1;
+        dec16x(b + d * ds, shv, mv, &c0, &c1);
+        if (TWO) {
+            __m256 l0, l1;
+            dec16x(b2 + d * ds2, shv2, mv2, &l0, &l1);
+            c0 = _mm256_fmadd_ps(c0, f, l0);
+            c1 = _mm256_fmadd_ps(c1, f, l1);
+        }
+        for (int i = 0; i < NR; i++) {
+            const __m256 qb = _mm256_broadcast_ss(qx + i * D + d);
+            a[i][0] = _mm256_fmadd_ps(qb, c0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(qb, c1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        _mm256_storeu_ps(acc + i * TILE + j0, a[i][0]);
+        _mm256_storeu_ps(acc + i * TILE + j0 + 8, a[i][1]);
+    }
+}
+
+/* logits of a packed K tile (int8, KIVI without GEAR terms) or an fp tail tile straight
+ * into sc[r * N + j]; returns 0 when the layout has no fast path here */
+static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
+                       float *sc, int64_t N) {
+    if (c->kind <= C_FP32 && D % 8 == 0) {
+        fp_rows8(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / 8, q, R, D, sc, N);
+        return 1;
+    }
+    if (!(c->kind == C_INT8 || (c->kind == C_KIVI && !c->rank && !c->k2)) || R > 64) return 0;
+    const KLay L = k_layout(c, h, t0);
+    float qx[64 * MAXD], acc[64 * TILE], bias[64];
+    const float *qd = q;
+    if (c->kind == C_KIVI) {
+        if (D % 8) kivi_fold_q(c, h, t0, q, R, D, qx, bias);
+        else kivi_fold_q8(c, h, t0, q, R, D, qx, bias);
+        qd = qx;
+    } else {
+        for (int r = 0; r < R; r++) {
+            float sq = 0.f;
+            for (int d = 0; d < D; d++) sq += q[r * D + d];
+            bias[r] = sq;
+        }
+    }
+    for (int j0 = 0; j0 < TILE; j0 += 16) {
+#define KR(r0, nr) (L.b2 ? kdot8_rows(qd + (r0) * D, D, &L, j0, acc + (r0) * TILE, nr, 1) \
+                           : kdot8_rows(qd + (r0) * D, D, &L, j0, acc + (r0) * TILE, nr, 0))
+        ROW_BLOCKS4(R, KR);
+#undef KR
+    }
+    if (c->kind == C_KIVI) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < TILE; j++) sc[r * N + j] = acc[r * TILE + j] + bias[r];
+        return 1;
+    }
+    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
+    for (int j = 0; j < TILE; j++) {                 /* int8: s (q . c - 128 sum q) */
+        const float st = (float)sp[j * c->ss[1]];
+        for (int r = 0; r < R; r++) sc[r * N + j] = st * (acc[r * TILE + j] - 128.f * bias[r]);
+    }
+    return 1;
+}
+
+/* the 16 codes of quarter k of a chan-layout V row at b: bytes 16 (k % 2), nibble half k / 2
+ * (2 bits: sh the row's token pair), 8 bits 16 hi + lo from the second plane b + pl */
+static inline __attribute__((always_inline)) void vquarter(const uint8_t *b, int64_t pl, const int bits,
+                                                           int sh, int k, __m256 *v0, __m256 *v1) {
+    const int hk = k / 2;
+    b += 16 * (k % 2);
+    dec16x(b, _mm_cvtsi32_si128(sh + 4 * hk), _mm_set1_epi8(bits == 2 ? 3 : 15), v0, v1);
+    if (bits == 8) {
+        __m256 l0, l1;
+        const __m256 sixteen = _mm256_set1_ps(16.f);
+        dec16x(b + pl, _mm_cvtsi32_si128(4 * hk), _mm_set1_epi8(15), &l0, &l1);
+        *v0 = _mm256_fmadd_ps(*v0, sixteen, l0);
+        *v1 = _mm256_fmadd_ps(*v1, sixteen, l1);
+    }
+}
+
+/* The channels of quarter k of 64-channel block cb: cb * 64 + 32 (k / 2) + 16 (k % 2) + [0, 16) */
+static inline int vquarter_ch(int cb, int k) { return cb * 64 + 32 * (k / 2) + 16 * (k % 2); }
+
+/* KIVI / int8 V, v = c s + z per token and group (int8: z = -128 s), quarter k of block cb
+ * over tokens [t0, t1) for NR rows: sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t, the
+ * products p s (pw, (NR, n)) the broadcasts of the FMAs and sum p z (zs) added at the end,
+ * so the token loop is decode + FMAs only */
+static inline __attribute__((always_inline)) void vmix8_fold(const Codec *c, int h, int64_t t0, int64_t t1,
+        int cb, int k, const float *pw, const float *zs, int D, float *acc, const int NR, const int BITS) {
+    const int64_t *s = c->cs, n = t1 - t0;
+    const int ch = vquarter_ch(cb, k);
+    __m256 a[4][2];
+    for (int i = 0; i < NR; i++) {
+        a[i][0] = _mm256_loadu_ps(acc + i * D + ch);
+        a[i][1] = _mm256_loadu_ps(acc + i * D + ch + 8);
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        int sh;
+        const int64_t row = chan_row(t, BITS, &sh);
+        const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
+        __m256 v0, v1;
+        vquarter(b, s[1], BITS, sh, k, &v0, &v1);
+        for (int i = 0; i < NR; i++) {
+            const __m256 pb = _mm256_broadcast_ss(pw + i * n + (t - t0));
+            a[i][0] = _mm256_fmadd_ps(pb, v0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(pb, v1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        const __m256 z = _mm256_set1_ps(zs[i]);
+        _mm256_storeu_ps(acc + i * D + ch, _mm256_add_ps(a[i][0], z));
+        _mm256_storeu_ps(acc + i * D + ch + 8, _mm256_add_ps(a[i][1], z));
+    }
+}
+
+/* TaDA V with fp16 means, v = mu - (c s + z) per token, quarter k of block cb: dequantized
+ * in registers per token (the means are a vector per token, so nothing folds out) */
+static inline __attribute__((always_inline)) void vmix8_tada(const Codec *c, int h, int64_t t0, int64_t t1,
+        int cb, int k, const float *p, int64_t N, int D, float *acc, const int NR) {
+    const int64_t *s = c->cs;
+    const int ch = vquarter_ch(cb, k);
+    __m256 a[4][2];
+    for (int i = 0; i < NR; i++) {
+        a[i][0] = _mm256_loadu_ps(acc + i * D + ch);
+        a[i][1] = _mm256_loadu_ps(acc + i * D + ch + 8);
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        int sh;
+        const int64_t row = chan_row(t, c->bits, &sh);
+        __m256 v0, v1;
+        vquarter(c->codes + h * s[0] + cb * s[2] + row * s[3], s[1], c->bits, sh, k, &v0, &v1);
+        const int64_t so = h * c->ss[0] + t * c->ss[1];
+        const __m256 sv = _mm256_set1_ps((float)c->scale[so]), zv = _mm256_set1_ps((float)c->zero[so]);
+        const f16 *mp = (const f16 *)c->mu + t * c->mus + ch;
+        v0 = _mm256_sub_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mp)), _mm256_fmadd_ps(v0, sv, zv));
+        v1 = _mm256_sub_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 8))), _mm256_fmadd_ps(v1, sv, zv));
+        for (int i = 0; i < NR; i++) {
+            const __m256 pb = _mm256_broadcast_ss(p + i * N + t);
+            a[i][0] = _mm256_fmadd_ps(pb, v0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(pb, v1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        _mm256_storeu_ps(acc + i * D + ch, a[i][0]);
+        _mm256_storeu_ps(acc + i * D + ch + 8, a[i][1]);
+    }
+}
+
+/* p.V over tail tokens [t0, t1) (at most CHUNK tiles) of a packed V in the chan layout (int8,
+ * KIVI without GEAR terms, TaDA with fp16 means), D a multiple of 64, every quarter of every
+ * block in row blocks of 4; 0 when there is no fast path here */
+static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                      int R, int D, float *acc) {
+    const int fold = c->kind == C_INT8 || (c->kind == C_KIVI && !c->rank && !c->k2 && c->g % 16 == 0);
+    if (D % 64 || t1 - t0 > CHUNK * TILE || !(fold || (c->kind == C_TADA && !c->mu_int8))) return 0;
+    if (!fold) {
+        for (int cb = 0; cb < D / 64; cb++)
+            for (int k = 0; k < 4; k++) {
+#define VT(r0, nr) vmix8_tada(c, h, t0, t1, cb, k, p + (r0) * N, N, D, acc + (r0) * D, nr)
+                ROW_BLOCKS4(R, VT);
+#undef VT
+            }
+        return 1;
+    }
+    const int n = (int)(t1 - t0), i8 = c->kind == C_INT8, g = i8 ? D : c->g, ng = D / g;
+    float sT[MAXD / 16 * CHUNK * TILE], zT[MAXD / 16 * CHUNK * TILE];     /* (ng, n) */
+    float pw[4 * CHUNK * TILE], zs[4];
+    const int64_t off = h * c->ss[0] + t0 * c->ss[1];
+    groups_T(c->scale + off, c->ss[1], i8 ? 0 : c->ss[2], n, ng, sT);
+    if (i8)
+        for (int t = 0; t < n; t++) zT[t] = -128.f * sT[t];
+    else
+        groups_T(c->zero + off, c->ss[1], c->ss[2], n, ng, zT);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int nr = R - r0 < 4 ? R - r0 : 4;
+        for (int cb = 0; cb < D / 64; cb++)
+            for (int k = 0; k < 4; k++) {
+                const int gi = vquarter_ch(cb, k) / g;
+                if (k == 0 || gi != vquarter_ch(cb, k - 1) / g)   /* a new group: its p s, sum p z */
+                    for (int i = 0; i < nr; i++) {
+                        const float *pr = p + (int64_t)(r0 + i) * N + t0, *sv = sT + gi * n, *zv = zT + gi * n;
+                        float z = 0.f;
+                        for (int j = 0; j < n; j++) {
+                            pw[i * n + j] = pr[j] * sv[j];
+                            z += pr[j] * zv[j];
+                        }
+                        zs[i] = z;
+                    }
+                float *ar = acc + (int64_t)r0 * D;
+#define VF(nr) (c->bits == 4 ? vmix8_fold(c, h, t0, t1, cb, k, pw, zs, D, ar, nr, 4)          \
+                : c->bits == 2 ? vmix8_fold(c, h, t0, t1, cb, k, pw, zs, D, ar, nr, 2)        \
+                : vmix8_fold(c, h, t0, t1, cb, k, pw, zs, D, ar, nr, 8))
+                switch (nr) {
+                case 4: VF(4); break;
+                case 3: VF(3); break;
+                case 2: VF(2); break;
+                default: VF(1);
+                }
+#undef VF
+            }
+    }
+    return 1;
+}
+static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const float *q, int R,
+                           int D, float *sc, int64_t N) { return 0; }
+static int vmix_kivi(const Codec *c, int h, int64_t t0, int64_t t1, const float *p, int64_t N,
+                     int R, int D, float *acc) { return 0; }
 #else
 #define HAVE_FAST 0
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
@@ -1210,6 +1515,12 @@ static void fp_scores(const void *base, const int64_t *st, int kind, int h, int6
         int64_t nb = (n1 - n0) / 16;
         fp_rows16(base, h * st[0] + n0 * st[1], st[1], kind, nb, q, R, D, sc + col0 + n0, N);
         n0 += 16 * nb;
+    }
+#elif defined(HAVE_FAST8)
+    if (D % 8 == 0 && n1 - n0 >= 8) {                   /* whole blocks of 8 tokens */
+        int64_t nb = (n1 - n0) / 8;
+        fp_rows8(base, h * st[0] + n0 * st[1], st[1], kind, nb, q, R, D, sc + col0 + n0, N);
+        n0 += 8 * nb;
     }
 #endif
     for (int64_t t = n0; t < n1; t++) {

@@ -1034,14 +1034,6 @@ static inline void dec16x(const uint8_t *b, __m128i sh, __m128i mask, __m256 *c0
     *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
 }
 
-/* lane i of the result = sum of the 8 lanes of v[i] */
-static inline __m256 hsum8x8(const __m256 v[8]) {
-    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
 /* out[r * os + j] = q_r . rows_j for 8 token-major fp32 rows (D % 8 == 0, j < 8) */
 static void rows8_scores(const float *rows, const float *q, int R, int D, float *out, int64_t os) {
     for (int r = 0; r < R; r++) {

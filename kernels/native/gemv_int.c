@@ -166,6 +166,13 @@ int kvrun_gemv_isa(void) { return 2; }
 #elif GI_AVX2
 enum { NBMAX = 4 };               /* input rows per tile; rows 0-7 and 8-15 in turn per block */
 
+/* two adjacent int16 codes broadcast to every int32 lane: one load-broadcast instruction
+ * (vbroadcastss of the same 4 bytes), where the int32 set1 went through a general register */
+INLINE __m256i bc32(const int16_t *p)
+{
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)p));
+}
+
 static inline __m256i ld128w(const uint8_t *p, int sign)     /* 16 bytes -> 16 int16 */
 {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
@@ -205,8 +212,8 @@ INLINE void tile(const Weight *w, const uint8_t *p, const QRow *x, int NB, const
                     const __m256i hi = _mm256_srli_epi16(z, 4);
                     for (int b = 0; b < NB; b++) {
                         const int16_t *xq = x[b].q + GI_KB * kb;
-                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(lo, _mm256_set1_epi32(ld32(xq + 2 * t))));
-                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(hi, _mm256_set1_epi32(ld32(xq + 16 + 2 * t))));
+                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(lo, bc32(xq + 2 * t)));
+                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(hi, bc32(xq + 16 + 2 * t)));
                     }
                 }
             } else {
@@ -214,7 +221,7 @@ INLINE void tile(const Weight *w, const uint8_t *p, const QRow *x, int NB, const
                     const __m256i wv = ld128w(p + 32 * t + 16 * h, 1);
                     for (int b = 0; b < NB; b++)
                         is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(
-                            wv, _mm256_set1_epi32(ld32(x[b].q + GI_KB * kb + 2 * t))));
+                            wv, bc32(x[b].q + GI_KB * kb + 2 * t)));
                 }
             }
             for (int b = 0; b < NB; b++) {

@@ -5,7 +5,8 @@
  * Per block of 16 weight rows, per 32-column block, per input row b: one int32 lane per
  * weight row r accumulates the exact dot of the block, (c_r . q_b) over 32 columns, two
  * columns per instruction with the input's two int16 codes broadcast to every lane
- * (AVX512-VNNI vpdpwssd: 16 instructions a block; AVX2 vpmaddwd + vpaddd, 8 rows per ymm;
+ * (AVX512-VNNI vpdpwssd: 16 instructions a block; AVX2 vpmaddwd + vpaddd, 8 rows per ymm,
+ * both halves of the block per column pair so each broadcast serves two products;
  * plain C). Then per lane, in fp32:
  *   int4  at a group's first block  acc = fma(m_g, xs_g, acc)    (w = c s + m)
  *         every block               acc = fma(float(sum), s_g * d_j, acc)
@@ -164,7 +165,7 @@ void gi_rows(const Weight *w, int n0, int nn, int B, const uint8_t *xq, int64_t 
 int kvrun_gemv_isa(void) { return 2; }
 
 #elif GI_AVX2
-enum { NBMAX = 4 };               /* input rows per tile; rows 0-7 and 8-15 in turn per block */
+enum { NBMAX = 4 };               /* input rows per tile; rows 0-7 and 8-15 side by side per t */
 
 /* two adjacent int16 codes broadcast to every int32 lane: one load-broadcast instruction
  * (vbroadcastss of the same 4 bytes), where the int32 set1 went through a general register */
@@ -202,33 +203,43 @@ INLINE void tile(const Weight *w, const uint8_t *p, const QRow *x, int NB, const
             }
             p += 64;
         }
-        for (int h = 0; h < 2; h++) {
-            __m256i is[NBMAX];
-            for (int b = 0; b < NB; b++) is[b] = _mm256_setzero_si256();
-            if (int4) {
-                for (int t = 0; t < 8; t++) {
-                    const __m256i z = ld128w(p + 32 * t + 16 * h, 0);
-                    const __m256i lo = _mm256_and_si256(z, _mm256_set1_epi16(15));
-                    const __m256i hi = _mm256_srli_epi16(z, 4);
-                    for (int b = 0; b < NB; b++) {
-                        const int16_t *xq = x[b].q + GI_KB * kb;
-                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(lo, bc32(xq + 2 * t)));
-                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(hi, bc32(xq + 16 + 2 * t)));
-                    }
-                }
-            } else {
-                for (int t = 0; t < 16; t++) {
-                    const __m256i wv = ld128w(p + 32 * t + 16 * h, 1);
-                    for (int b = 0; b < NB; b++)
-                        is[b] = _mm256_add_epi32(is[b], _mm256_madd_epi16(
-                            wv, bc32(x[b].q + GI_KB * kb + 2 * t)));
+        if (int4) {                     /* both halves per t: each broadcast used twice */
+            __m256i is[NBMAX][2];
+            for (int b = 0; b < NB; b++) is[b][0] = is[b][1] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i z0 = ld128w(p + 32 * t, 0), z1 = ld128w(p + 32 * t + 16, 0);
+                const __m256i m = _mm256_set1_epi16(15);
+                const __m256i lo0 = _mm256_and_si256(z0, m), hi0 = _mm256_srli_epi16(z0, 4);
+                const __m256i lo1 = _mm256_and_si256(z1, m), hi1 = _mm256_srli_epi16(z1, 4);
+                for (int b = 0; b < NB; b++) {
+                    const int16_t *xq = x[b].q + GI_KB * kb;
+                    const __m256i ql = bc32(xq + 2 * t), qh = bc32(xq + 16 + 2 * t);
+                    is[b][0] = _mm256_add_epi32(is[b][0], _mm256_madd_epi16(lo0, ql));
+                    is[b][1] = _mm256_add_epi32(is[b][1], _mm256_madd_epi16(lo1, ql));
+                    is[b][0] = _mm256_add_epi32(is[b][0], _mm256_madd_epi16(hi0, qh));
+                    is[b][1] = _mm256_add_epi32(is[b][1], _mm256_madd_epi16(hi1, qh));
                 }
             }
-            for (int b = 0; b < NB; b++) {
-                const __m256 d = _mm256_set1_ps(x[b].d[kb]);
-                acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[b]), int4 ? _mm256_mul_ps(s[h], d) : d,
-                                            acc[b][h]);
+            for (int h = 0; h < 2; h++)
+                for (int b = 0; b < NB; b++) {
+                    const __m256 d = _mm256_set1_ps(x[b].d[kb]);
+                    acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[b][h]), _mm256_mul_ps(s[h], d), acc[b][h]);
+                }
+        }
+        else {
+            __m256i is[NBMAX][2];
+            for (int b = 0; b < NB; b++) is[b][0] = is[b][1] = _mm256_setzero_si256();
+            for (int t = 0; t < 16; t++) {
+                const __m256i w0 = ld128w(p + 32 * t, 1), w1 = ld128w(p + 32 * t + 16, 1);
+                for (int b = 0; b < NB; b++) {
+                    const __m256i q = bc32(x[b].q + GI_KB * kb + 2 * t);
+                    is[b][0] = _mm256_add_epi32(is[b][0], _mm256_madd_epi16(w0, q));
+                    is[b][1] = _mm256_add_epi32(is[b][1], _mm256_madd_epi16(w1, q));
+                }
             }
+            for (int h = 0; h < 2; h++)
+                for (int b = 0; b < NB; b++)
+                    acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[b][h]), _mm256_set1_ps(x[b].d[kb]), acc[b][h]);
         }
         p += int4 ? 256 : 512;
     }

@@ -1019,8 +1019,8 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
  * accumulators, 2 code registers) and a V block in four quarters of 16 channels, so every code
  * is still decoded once per call and nothing goes through a tile buffer. The fp rows (tails,
  * window, new tokens) are dotted 8 tokens at a time, reduced together (hsum8x8). KIVI keys
- * one tile at a time (no multi-tile pass), GEAR terms, TaDA's int8 means and 3-bit V take the
- * tile path. */
+ * one tile at a time (no multi-tile pass); GEAR terms and TaDA values with int8 means take
+ * the tile path. */
 #define HAVE_FAST 0
 #define HAVE_FAST8 1
 #define PREFETCH 256
@@ -1111,15 +1111,16 @@ static inline __attribute__((always_inline)) void kdot8_rows(const float *qx, in
     }
 }
 
-/* logits of a packed K tile (int8, KIVI without GEAR terms) or an fp tail tile straight
- * into sc[r * N + j]; returns 0 when the layout has no fast path here */
+/* logits of a packed K tile (int8, TaDA, KIVI without GEAR terms) or an fp tail tile
+ * straight into sc[r * N + j]; returns 0 when the layout has no fast path here */
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) {
     if (c->kind <= C_FP32 && D % 8 == 0) {
         fp_rows8(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / 8, q, R, D, sc, N);
         return 1;
     }
-    if (!(c->kind == C_INT8 || (c->kind == C_KIVI && !c->rank && !c->k2)) || R > 64) return 0;
+    if (!(c->kind == C_INT8 || c->kind == C_TADA || (c->kind == C_KIVI && !c->rank && !c->k2))
+        || R > 64 || (c->kind == C_TADA && D % 8)) return 0;
     const KLay L = k_layout(c, h, t0);
     float qx[64 * MAXD], acc[64 * TILE], bias[64];
     const float *qd = q;
@@ -1146,9 +1147,23 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
         return 1;
     }
     const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
-    for (int j = 0; j < TILE; j++) {                 /* int8: s (q . c - 128 sum q) */
-        const float st = (float)sp[j * c->ss[1]];
-        for (int r = 0; r < R; r++) sc[r * N + j] = st * (acc[r * TILE + j] - 128.f * bias[r]);
+    if (c->kind == C_INT8) {
+        for (int j = 0; j < TILE; j++) {             /* s (q . c - 128 sum q) */
+            const float st = (float)sp[j * c->ss[1]];
+            for (int r = 0; r < R; r++) sc[r * N + j] = st * (acc[r * TILE + j] - 128.f * bias[r]);
+        }
+        return 1;
+    }
+    /* TaDA: q . mu_t - s (q . c) - z sum q, the means' dots 8 tokens at a time */
+    const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
+    float mu[8 * MAXD], qm[64 * TILE];
+    for (int j0 = 0; j0 < TILE; j0 += 8) {
+        for (int j = 0; j < 8; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
+        rows8_scores(mu, q, R, D, qm + j0, TILE);
+    }
+    for (int j = 0; j < TILE; j++) {
+        const float st = (float)sp[j * c->ss[1]], z = (float)zp[j * c->ss[1]];
+        for (int r = 0; r < R; r++) sc[r * N + j] = qm[r * TILE + j] - st * acc[r * TILE + j] - z * bias[r];
     }
     return 1;
 }

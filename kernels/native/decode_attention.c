@@ -334,11 +334,45 @@ static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R,
                         float *qx, float *bias) {
     float sv[MAXD], zv[MAXD];
     kivi_group_scales(c, h, t, D, sv, zv);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVRUN_NO_AVX2) \
+    && !(defined(__AVX512F__) && !defined(KVRUN_NO_AVX512))
+    if (D % 8 == 0) {       /* AVX2 builds: q . z in 8 lanes (the plain running sum does not vectorize) */
+        for (int r = 0; r < R; r++) {
+            __m256 bz = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+                _mm256_storeu_ps(qx + r * D + d, _mm256_mul_ps(qv, _mm256_loadu_ps(sv + d)));
+                bz = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zv + d), bz);
+            }
+            const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(bz), _mm256_extractf128_ps(bz, 1));
+            const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+            bias[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+        }
+        return;
+    }
+#endif
     for (int r = 0; r < R; r++) {
         float bz = 0.f;
         for (int d = 0; d < D; d++) { qx[r * D + d] = q[r * D + d] * sv[d]; bz += q[r * D + d] * zv[d]; }
         bias[r] = bz;
     }
+}
+
+/* The rows a packed K tile is dotted with and each row's constant term: KIVI's rows folded
+ * with the tile group's scales (qx) and q . z; the other codecs' q itself and sum q (int8's
+ * -128 offset, TaDA's zero point) */
+static const float *tile_rows(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
+                              float *qx, float *bias) {
+    if (c->kind == C_KIVI) {
+        kivi_fold_q(c, h, t0, q, R, D, qx, bias);
+        return qx;
+    }
+    for (int r = 0; r < R; r++) {
+        float sq = 0.f;
+        for (int d = 0; d < D; d++) sq += q[r * D + d];
+        bias[r] = sq;
+    }
+    return q;
 }
 
 /* 3-bit keys' third-bit rows as ki_dot transposed them (kdot_int.h KI_HY_FILL), for the
@@ -440,6 +474,18 @@ static void groups_T(const f16 *src, int64_t st, int64_t sg, int n, int ng, floa
     }
 }
 
+/* V tokens [t0, t0 + n) of an int8 or KIVI V: per channel group (ng of them) the tokens'
+ * scales and zeros as one vector each, sT, zT (ng, n); int8's zero is -128 s (u = c + 128) */
+static void run_scales(const Codec *c, int h, int64_t t0, int n, int ng, float *sT, float *zT) {
+    const int i8 = c->kind == C_INT8;
+    const int64_t off = h * c->ss[0] + t0 * c->ss[1];
+    groups_T(c->scale + off, c->ss[1], i8 ? 0 : c->ss[2], n, ng, sT);
+    if (i8)
+        for (int t = 0; t < n; t++) zT[t] = -128.f * sT[t];
+    else
+        groups_T(c->zero + off, c->ss[1], c->ss[2], n, ng, zT);
+}
+
 /* int8 keys on the integer path: the `avail` tiles from t0. Each query row is quantized to
  * int16 once per call (ki_quantize: one scale d, no fold, the int8 scale is per token) and
  * dotted with each 64-token tok block's two nibble planes (ki_dot, bits 4), so
@@ -484,6 +530,69 @@ static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     }
     return avail;
 }
+
+/* -- fp rows VW tokens at a time, VW the register's lanes (AVX-512 16, AVX2 8): the fp tails,
+ * the window, the new tokens and TaDA's means -------------------------------------------- */
+#if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
+enum { VW = 16 };
+typedef __m512 vrow;
+#define VR_LOAD _mm512_loadu_ps
+#define VR_STORE _mm512_storeu_ps
+#define VR_MUL _mm512_mul_ps
+#define VR_FMA _mm512_fmadd_ps
+#define VR_HSUM hsum16x16
+/* lane i of the result = sum of the 16 lanes of v[i] */
+static inline __m512 hsum16x16(const __m512 v[16]) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(KVRUN_NO_AVX2)
+enum { VW = 8 };
+typedef __m256 vrow;
+#define VR_LOAD _mm256_loadu_ps
+#define VR_STORE _mm256_storeu_ps
+#define VR_MUL _mm256_mul_ps
+#define VR_FMA _mm256_fmadd_ps
+#define VR_HSUM hsum8x8                  /* rows_inline.h */
+#endif
+
+#if defined(VR_HSUM)
+/* out[r * os + j] = q_r . rows_j for VW token-major fp32 rows (D % VW == 0, j < VW): the VW
+ * dot products of a row reduced together (VR_HSUM) instead of one by one */
+static void rows_scores(const float *rows, const float *q, int R, int D, float *out, int64_t os) {
+    for (int r = 0; r < R; r++) {
+        const float *qr = q + r * D;
+        vrow v[VW];
+        for (int j = 0; j < VW; j++) {
+            vrow a = VR_MUL(VR_LOAD(qr), VR_LOAD(rows + j * D));
+            for (int d = VW; d < D; d += VW) a = VR_FMA(VR_LOAD(qr + d), VR_LOAD(rows + j * D + d), a);
+            v[j] = a;
+        }
+        VR_STORE(out + r * os, VR_HSUM(v));
+    }
+}
+
+/* logits of tokens [t0, t0 + VW n) of fp rows (fp16 / bf16 / fp32, token-major) into
+ * sc[r * N + col0 + t]; D % VW == 0 */
+static void fp_rows(const void *base, int64_t off, int64_t stride, int kind, int64_t n,
+                    const float *q, int R, int D, float *sc, int64_t N) {
+    float rows[VW * MAXD];
+    for (int64_t j0 = 0; j0 < VW * n; j0 += VW) {
+        for (int j = 0; j < VW; j++) load_row(base, off + (j0 + j) * stride, kind, D, rows + j * D);
+        rows_scores(rows, q, R, D, sc + j0, N);
+    }
+}
+#endif
 
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
 #if defined(__AVX512F__) && !defined(KVRUN_NO_AVX512)
@@ -575,48 +684,6 @@ static inline float hsum_dot(const float *a, const float *b, int D) {
     return r;
 }
 
-/* lane i of the result = sum of the 16 lanes of v[i] */
-static inline __m512 hsum16x16(const __m512 v[16]) {
-    __m512 s[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-/* out[r * os + j] = q_r . rows_j for 16 token-major fp32 rows (D % 16 == 0, j < 16): the 16
- * dot products of a row reduced together (hsum16x16) instead of one by one */
-static void rows16_scores(const float *rows, const float *q, int R, int D, float *out, int64_t os) {
-    for (int r = 0; r < R; r++) {
-        const float *qr = q + r * D;
-        __m512 v[16];
-        for (int j = 0; j < 16; j++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(rows + j * D));
-            for (int d = 16; d < D; d += 16)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(rows + j * D + d), a);
-            v[j] = a;
-        }
-        _mm512_storeu_ps(out + r * os, hsum16x16(v));
-    }
-}
-
-/* logits of tokens [t0, t0 + 16 n) of fp rows (fp16 / bf16 / fp32, token-major: the fp
- * tails, the window, the new tokens) into sc[r * N + col0 + t]; D % 16 == 0 */
-static void fp_rows16(const void *base, int64_t off, int64_t stride, int kind, int64_t n,
-                      const float *q, int R, int D, float *sc, int64_t N) {
-    float rows[16 * MAXD];
-    for (int64_t j0 = 0; j0 < 16 * n; j0 += 16) {
-        for (int j = 0; j < 16; j++) load_row(base, off + (j0 + j) * stride, kind, D, rows + j * D);
-        rows16_scores(rows, q, R, D, sc + j0, N);
-    }
-}
-
 /* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. The means are token-major,
  * so 16 tokens' dot products are reduced together (hsum16x16) instead of one by one. */
 static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
@@ -644,7 +711,7 @@ static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, 
     for (int j0 = 0; j0 < TILE; j0 += 16) {
         for (int j = 0; j < 16; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
         if (D % 16 == 0) {
-            rows16_scores(mu, q, R, D, out + j0, TILE);
+            rows_scores(mu, q, R, D, out + j0, TILE);
             continue;
         }
         for (int r = 0; r < R; r++)
@@ -715,23 +782,13 @@ static int kivi_tiles_fast(const Codec *c, int h, int64_t t0, int avail, const f
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) {
     if (c->kind <= C_FP32 && D % 16 == 0) {            /* fp tail: rows as they are */
-        fp_rows16(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / 16, q, R, D, sc, N);
+        fp_rows(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / VW, q, R, D, sc, N);
         return 1;
     }
     if (c->kind < C_INT8 || R > 64) return 0;
     const KLay L = k_layout(c, h, t0);
     float qx[64 * MAXD], acc[64 * TILE], bias[64];
-    const float *qd = q;
-    if (c->kind == C_KIVI) {
-        kivi_fold_q(c, h, t0, q, R, D, qx, bias);
-        qd = qx;
-    } else {
-        for (int r = 0; r < R; r++) {
-            float sq = 0.f;
-            for (int d = 0; d < D; d++) sq += q[r * D + d];
-            bias[r] = sq;
-        }
-    }
+    const float *qd = tile_rows(c, h, t0, q, R, D, qx, bias);
     kdot(qd, R, D, &L, acc);
     if (c->kind == C_KIVI) {
         for (int r = 0; r < R; r++)
@@ -1022,7 +1079,6 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
  * one tile at a time (no multi-tile pass); GEAR terms and TaDA values with int8 means take
  * the tile path. */
 #define HAVE_FAST 0
-#define HAVE_FAST8 1
 #define PREFETCH 256
 
 /* 16 codes from 16 bytes, (b >> sh) & mask, as fp32 in two registers: shifted and masked
@@ -1034,47 +1090,30 @@ static inline void dec16x(const uint8_t *b, __m128i sh, __m128i mask, __m256 *c0
     *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
 }
 
-/* out[r * os + j] = q_r . rows_j for 8 token-major fp32 rows (D % 8 == 0, j < 8) */
-static void rows8_scores(const float *rows, const float *q, int R, int D, float *out, int64_t os) {
-    for (int r = 0; r < R; r++) {
-        const float *qr = q + r * D;
-        __m256 v[8];
-        for (int j = 0; j < 8; j++) {
-            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(rows + j * D));
-            for (int d = 8; d < D; d += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(rows + j * D + d), a);
-            v[j] = a;
-        }
-        _mm256_storeu_ps(out + r * os, hsum8x8(v));
+/* The step every AVX2 path ends a token or channel with, for NR rows of two registers (16
+ * floats) each: a[i] += broadcast(x[i * xs]) * (c0, c1); and the rows' loads and stores. */
+static inline __attribute__((always_inline)) void fma_rows2(__m256 (*a)[2], const float *x, int64_t xs,
+                                                            __m256 c0, __m256 c1, const int NR) {
+    for (int i = 0; i < NR; i++) {
+        const __m256 xb = _mm256_broadcast_ss(x + i * xs);
+        a[i][0] = _mm256_fmadd_ps(xb, c0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(xb, c1, a[i][1]);
     }
 }
 
-/* logits of tokens [t0, t0 + 8 n) of fp rows into sc[r * N + col0 + t]; D % 8 == 0 */
-static void fp_rows8(const void *base, int64_t off, int64_t stride, int kind, int64_t n,
-                     const float *q, int R, int D, float *sc, int64_t N) {
-    float rows[8 * MAXD];
-    for (int64_t j0 = 0; j0 < 8 * n; j0 += 8) {
-        for (int j = 0; j < 8; j++) load_row(base, off + (j0 + j) * stride, kind, D, rows + j * D);
-        rows8_scores(rows, q, R, D, sc + j0, N);
+static inline __attribute__((always_inline)) void load_rows2(__m256 (*a)[2], const float *o, int64_t os,
+                                                             const int NR) {
+    for (int i = 0; i < NR; i++) {
+        a[i][0] = _mm256_loadu_ps(o + i * os);
+        a[i][1] = _mm256_loadu_ps(o + i * os + 8);
     }
 }
 
-/* kivi_fold_q in 8-lane registers (D % 8 == 0): the zero-point term summed in 8 lanes, where
- * the plain loop's running sum does not vectorize */
-static void kivi_fold_q8(const Codec *c, int h, int64_t t, const float *q, int R, int D,
-                         float *qx, float *bias) {
-    float sv[MAXD], zv[MAXD];
-    kivi_group_scales(c, h, t, D, sv, zv);
-    for (int r = 0; r < R; r++) {
-        __m256 bz = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + r * D + d);
-            _mm256_storeu_ps(qx + r * D + d, _mm256_mul_ps(qv, _mm256_loadu_ps(sv + d)));
-            bz = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zv + d), bz);
-        }
-        const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(bz), _mm256_extractf128_ps(bz, 1));
-        const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-        bias[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+static inline __attribute__((always_inline)) void store_rows2(float *o, int64_t os, __m256 (*a)[2],
+                                                              const int NR) {
+    for (int i = 0; i < NR; i++) {
+        _mm256_storeu_ps(o + i * os, a[i][0]);
+        _mm256_storeu_ps(o + i * os + 8, a[i][1]);
     }
 }
 
@@ -1099,42 +1138,24 @@ static inline __attribute__((always_inline)) void kdot8_rows(const float *qx, in
             c0 = _mm256_fmadd_ps(c0, f, l0);
             c1 = _mm256_fmadd_ps(c1, f, l1);
         }
-        for (int i = 0; i < NR; i++) {
-            const __m256 qb = _mm256_broadcast_ss(qx + i * D + d);
-            a[i][0] = _mm256_fmadd_ps(qb, c0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(qb, c1, a[i][1]);
-        }
+        fma_rows2(a, qx + d, D, c0, c1, NR);
     }
-    for (int i = 0; i < NR; i++) {
-        _mm256_storeu_ps(acc + i * TILE + j0, a[i][0]);
-        _mm256_storeu_ps(acc + i * TILE + j0 + 8, a[i][1]);
-    }
+    store_rows2(acc + j0, TILE, a, NR);
 }
 
 /* logits of a packed K tile (int8, TaDA, KIVI without GEAR terms) or an fp tail tile
  * straight into sc[r * N + j]; returns 0 when the layout has no fast path here */
 static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
                        float *sc, int64_t N) {
-    if (c->kind <= C_FP32 && D % 8 == 0) {
-        fp_rows8(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / 8, q, R, D, sc, N);
+    if (c->kind <= C_FP32 && D % VW == 0) {
+        fp_rows(c->x, h * c->xs[0] + t0 * c->xs[1], c->xs[1], c->kind, TILE / VW, q, R, D, sc, N);
         return 1;
     }
     if (!(c->kind == C_INT8 || c->kind == C_TADA || (c->kind == C_KIVI && !c->rank && !c->k2))
-        || R > 64 || (c->kind == C_TADA && D % 8)) return 0;
+        || R > 64 || (c->kind == C_TADA && D % VW)) return 0;
     const KLay L = k_layout(c, h, t0);
     float qx[64 * MAXD], acc[64 * TILE], bias[64];
-    const float *qd = q;
-    if (c->kind == C_KIVI) {
-        if (D % 8) kivi_fold_q(c, h, t0, q, R, D, qx, bias);
-        else kivi_fold_q8(c, h, t0, q, R, D, qx, bias);
-        qd = qx;
-    } else {
-        for (int r = 0; r < R; r++) {
-            float sq = 0.f;
-            for (int d = 0; d < D; d++) sq += q[r * D + d];
-            bias[r] = sq;
-        }
-    }
+    const float *qd = tile_rows(c, h, t0, q, R, D, qx, bias);
     for (int j0 = 0; j0 < TILE; j0 += 16) {
 #define KR(r0, nr) (L.b2 ? kdot8_rows(qd + (r0) * D, D, &L, j0, acc + (r0) * TILE, nr, 1) \
                            : kdot8_rows(qd + (r0) * D, D, &L, j0, acc + (r0) * TILE, nr, 0))
@@ -1156,10 +1177,10 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
     }
     /* TaDA: q . mu_t - s (q . c) - z sum q, the means' dots 8 tokens at a time */
     const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
-    float mu[8 * MAXD], qm[64 * TILE];
-    for (int j0 = 0; j0 < TILE; j0 += 8) {
-        for (int j = 0; j < 8; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
-        rows8_scores(mu, q, R, D, qm + j0, TILE);
+    float mu[VW * MAXD], qm[64 * TILE];
+    for (int j0 = 0; j0 < TILE; j0 += VW) {
+        for (int j = 0; j < VW; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
+        rows_scores(mu, q, R, D, qm + j0, TILE);
     }
     for (int j = 0; j < TILE; j++) {
         const float st = (float)sp[j * c->ss[1]], z = (float)zp[j * c->ss[1]];
@@ -1196,27 +1217,21 @@ static inline __attribute__((always_inline)) void vmix8_fold(const Codec *c, int
     const int64_t *s = c->cs, n = t1 - t0;
     const int ch = vquarter_ch(cb, k);
     __m256 a[4][2];
-    for (int i = 0; i < NR; i++) {
-        a[i][0] = _mm256_loadu_ps(acc + i * D + ch);
-        a[i][1] = _mm256_loadu_ps(acc + i * D + ch + 8);
-    }
+    load_rows2(a, acc + ch, D, NR);
     for (int64_t t = t0; t < t1; t++) {
         int sh;
         const int64_t row = chan_row(t, BITS, &sh);
         const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row * s[3];
         __m256 v0, v1;
         vquarter(b, s[1], BITS, sh, k, &v0, &v1);
-        for (int i = 0; i < NR; i++) {
-            const __m256 pb = _mm256_broadcast_ss(pw + i * n + (t - t0));
-            a[i][0] = _mm256_fmadd_ps(pb, v0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(pb, v1, a[i][1]);
-        }
+        fma_rows2(a, pw + (t - t0), n, v0, v1, NR);
     }
     for (int i = 0; i < NR; i++) {
         const __m256 z = _mm256_set1_ps(zs[i]);
-        _mm256_storeu_ps(acc + i * D + ch, _mm256_add_ps(a[i][0], z));
-        _mm256_storeu_ps(acc + i * D + ch + 8, _mm256_add_ps(a[i][1], z));
+        a[i][0] = _mm256_add_ps(a[i][0], z);
+        a[i][1] = _mm256_add_ps(a[i][1], z);
     }
+    store_rows2(acc + ch, D, a, NR);
 }
 
 /* TaDA V with fp16 means, v = mu - (c s + z) per token, quarter k of block cb: dequantized
@@ -1226,10 +1241,7 @@ static inline __attribute__((always_inline)) void vmix8_tada(const Codec *c, int
     const int64_t *s = c->cs;
     const int ch = vquarter_ch(cb, k);
     __m256 a[4][2];
-    for (int i = 0; i < NR; i++) {
-        a[i][0] = _mm256_loadu_ps(acc + i * D + ch);
-        a[i][1] = _mm256_loadu_ps(acc + i * D + ch + 8);
-    }
+    load_rows2(a, acc + ch, D, NR);
     for (int64_t t = t0; t < t1; t++) {
         int sh;
         const int64_t row = chan_row(t, c->bits, &sh);
@@ -1240,16 +1252,9 @@ static inline __attribute__((always_inline)) void vmix8_tada(const Codec *c, int
         const f16 *mp = (const f16 *)c->mu + t * c->mus + ch;
         v0 = _mm256_sub_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mp)), _mm256_fmadd_ps(v0, sv, zv));
         v1 = _mm256_sub_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + 8))), _mm256_fmadd_ps(v1, sv, zv));
-        for (int i = 0; i < NR; i++) {
-            const __m256 pb = _mm256_broadcast_ss(p + i * N + t);
-            a[i][0] = _mm256_fmadd_ps(pb, v0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(pb, v1, a[i][1]);
-        }
+        fma_rows2(a, p + t, N, v0, v1, NR);
     }
-    for (int i = 0; i < NR; i++) {
-        _mm256_storeu_ps(acc + i * D + ch, a[i][0]);
-        _mm256_storeu_ps(acc + i * D + ch + 8, a[i][1]);
-    }
+    store_rows2(acc + ch, D, a, NR);
 }
 
 /* p.V over tail tokens [t0, t1) (at most CHUNK tiles) of a packed V in the chan layout (int8,
@@ -1271,12 +1276,7 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
     const int n = (int)(t1 - t0), i8 = c->kind == C_INT8, g = i8 ? D : c->g, ng = D / g;
     float sT[MAXD / 16 * CHUNK * TILE], zT[MAXD / 16 * CHUNK * TILE];     /* (ng, n) */
     float pw[4 * CHUNK * TILE], zs[4];
-    const int64_t off = h * c->ss[0] + t0 * c->ss[1];
-    groups_T(c->scale + off, c->ss[1], i8 ? 0 : c->ss[2], n, ng, sT);
-    if (i8)
-        for (int t = 0; t < n; t++) zT[t] = -128.f * sT[t];
-    else
-        groups_T(c->zero + off, c->ss[1], c->ss[2], n, ng, zT);
+    run_scales(c, h, t0, n, ng, sT, zT);
     for (int r0 = 0; r0 < R; r0 += 4) {
         const int nr = R - r0 < 4 ? R - r0 : 4;
         for (int cb = 0; cb < D / 64; cb++)
@@ -1340,12 +1340,7 @@ static int vmix_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *
     const int g = i8 ? D : c->g, ng = D / g, n = (int)(t1 - t0), bits = i8 ? 4 : c->bits;
     const int64_t *s = c->cs;
     float sT[MAXD / 32 * KV_RUN], zT[MAXD / 32 * KV_RUN], x[KV_RUN];   /* (ng, n) */
-    const int64_t off = h * c->ss[0] + t0 * c->ss[1];
-    groups_T(c->scale + off, c->ss[1], i8 ? 0 : c->ss[2], n, ng, sT);
-    if (i8)
-        for (int t = 0; t < n; t++) zT[t] = -128.f * sT[t];
-    else
-        groups_T(c->zero + off, c->ss[1], c->ss[2], n, ng, zT);
+    run_scales(c, h, t0, n, ng, sT, zT);
     int16_t wq[KV_ROWS][MAXD / 32][KV_RUN];
     float wd[KV_ROWS][MAXD / 32], zs[KV_ROWS][MAXD / 32];
     int32_t dots[KV_ROWS * 64], lo[KV_ROWS * 64];
@@ -1517,17 +1512,11 @@ static void v_row(const Codec *c, int h, int64_t t, int D, float *restrict o) {
 static void fp_scores(const void *base, const int64_t *st, int kind, int h, int64_t n0, int64_t n1,
                       int64_t col0, const float *q, int R, int D, float *sc, int64_t N) {
     float row[MAXD];
-#if HAVE_FAST
-    if (D % 16 == 0 && n1 - n0 >= 16) {                 /* whole blocks of 16 tokens */
-        int64_t nb = (n1 - n0) / 16;
-        fp_rows16(base, h * st[0] + n0 * st[1], st[1], kind, nb, q, R, D, sc + col0 + n0, N);
-        n0 += 16 * nb;
-    }
-#elif defined(HAVE_FAST8)
-    if (D % 8 == 0 && n1 - n0 >= 8) {                   /* whole blocks of 8 tokens */
-        int64_t nb = (n1 - n0) / 8;
-        fp_rows8(base, h * st[0] + n0 * st[1], st[1], kind, nb, q, R, D, sc + col0 + n0, N);
-        n0 += 8 * nb;
+#if defined(VR_HSUM)
+    if (D % VW == 0 && n1 - n0 >= VW) {                 /* whole blocks of VW tokens */
+        int64_t nb = (n1 - n0) / VW;
+        fp_rows(base, h * st[0] + n0 * st[1], st[1], kind, nb, q, R, D, sc + col0 + n0, N);
+        n0 += VW * nb;
     }
 #endif
     for (int64_t t = n0; t < n1; t++) {

@@ -11,7 +11,7 @@
  *            means, shared by the heads, come from memory once per chunk). A packed K
  *            tile is decoded in registers and dotted with the rows (AVX-512: 16 codes per
  *            register, scales folded into q or applied per token; AVX2: the same in two
- *            halves of 16 tokens on 8-lane registers, for int8 and KIVI keys); the layouts
+ *            halves of 16 tokens on 8-lane registers, for int8, TaDA and KIVI keys); the layouts
  *            without such a path (and every one in plain C) are dequantized into a (D, 32)
  *            tile in L1 and multiplied by an AVX2/C micro-kernel.
  *            KIVI keys with Args.qint (KVRUN_ATTN=int, the default): per row and tile the
@@ -336,7 +336,7 @@ static void kivi_fold_q(const Codec *c, int h, int64_t t, const float *q, int R,
     kivi_group_scales(c, h, t, D, sv, zv);
 #if defined(__AVX2__) && defined(__FMA__) && !defined(KVRUN_NO_AVX2) \
     && !(defined(__AVX512F__) && !defined(KVRUN_NO_AVX512))
-    if (D % 8 == 0) {       /* AVX2 builds: q . z in 8 lanes (the plain running sum does not vectorize) */
+    if (D % 8 == 0) {       /* AVX2 builds: q . z in 8 lanes (a kivi-4 call ~2 % faster, tools/attn_ab.py) */
         for (int r = 0; r < R; r++) {
             __m256 bz = _mm256_setzero_ps();
             for (int d = 0; d < D; d += 8) {

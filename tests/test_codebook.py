@@ -37,6 +37,18 @@ def test_levels_are_the_gaussian_lloyd_max_quantizer_at_large_D(bits, mse):
     assert abs(got - mse) < 0.02 * mse
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("D", [64, 256, 4096])
+def test_levels_are_fp16_values(bits, D):
+    """The AVX2 tile reads look levels up as fp16 halves: every level must be one exactly,
+    and within fp16's rounding of the unrounded Lloyd-Max level."""
+    lv, bd = cbpack.levels(bits, D)
+    assert torch.equal(lv.half().float(), lv)
+    exact = torch.tensor(cbpack._lloyd_max(bits, D)[0], dtype=torch.float64)
+    assert torch.all((lv.double() - exact).abs() <= exact.abs() * 2.0 ** -11)
+    assert torch.equal(bd, (lv[1:] + lv[:-1]) / 2)
+
+
 def test_levels_follow_the_head_dim():
     """A small D has lighter tails than the Gaussian: its outer level sits further in."""
     assert cbpack.levels(4, 64)[0][-1] < cbpack.levels(4, 256)[0][-1] < cbpack.levels(4, 4096)[0][-1]

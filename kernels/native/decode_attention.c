@@ -1081,13 +1081,26 @@ static int v_mix_fast(const Codec *c, int h, int64_t t0, int64_t t1, const float
 #define HAVE_FAST 0
 #define PREFETCH 256
 
-/* 16 codes from 16 bytes, (b >> sh) & mask, as fp32 in two registers: shifted and masked
- * as bytes in one 16-byte register (sh + bits <= 8, so a 16-bit shift brings no bit of the
- * next byte under the mask), then widened 8 at a time */
-static inline void dec16x(const uint8_t *b, __m128i sh, __m128i mask, __m256 *c0, __m256 *c1) {
-    const __m128i x = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)b), sh), mask);
+/* 16 codes from 16 bytes, (b >> sh) & mask, one a byte: a 16-bit shift brings no bit of the
+ * next byte under the mask (sh + bits <= 8) */
+static inline __m128i codes16x(const uint8_t *b, __m128i sh, __m128i mask) {
+    return _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)b), sh), mask);
+}
+
+/* 16 byte codes as fp32 in two registers, widened 8 at a time */
+static inline void widen16x(__m128i x, __m256 *c0, __m256 *c1) {
     *c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
     *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
+}
+
+static inline void dec16x(const uint8_t *b, __m128i sh, __m128i mask, __m256 *c0, __m256 *c1) {
+    widen16x(codes16x(b, sh, mask), c0, c1);
+}
+
+/* two planes' codes joined as bytes before one widening, hi << fsh | lo: 3-bit KIVI keys'
+ * 1-bit and 2-bit planes (fsh 2), 8-bit codes' nibble planes (fsh 4); each fits in its byte */
+static inline void dec16x2(__m128i hi, __m128i lo, __m128i fsh, __m256 *c0, __m256 *c1) {
+    widen16x(_mm_or_si128(_mm_sll_epi16(hi, fsh), lo), c0, c1);
 }
 
 /* The step every AVX2 path ends a token or channel with, for NR rows of two registers (16
@@ -1127,17 +1140,12 @@ static inline __attribute__((always_inline)) void kdot8_rows(const float *qx, in
     const int64_t ds = L->ds, ds2 = L->ds2;
     const __m128i shv = _mm_cvtsi32_si128(L->sh), shv2 = _mm_cvtsi32_si128(L->sh2);
     const __m128i mv = _mm_set1_epi8((char)L->mask), mv2 = _mm_set1_epi8((char)L->mask2);
-    const __m256 f = _mm256_set1_ps(L->f);
+    const __m128i fsh = _mm_cvtsi32_si128(L->f == 16.f ? 4 : 2);
     for (int d = 0; d < D; d++) {
         if (!j0) _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
         __m256 c0, c1;
-        dec16x(b + d * ds, shv, mv, &c0, &c1);
-        if (TWO) {
-            __m256 l0, l1;
-            dec16x(b2 + d * ds2, shv2, mv2, &l0, &l1);
-            c0 = _mm256_fmadd_ps(c0, f, l0);
-            c1 = _mm256_fmadd_ps(c1, f, l1);
-        }
+        if (TWO) dec16x2(codes16x(b + d * ds, shv, mv), codes16x(b2 + d * ds2, shv2, mv2), fsh, &c0, &c1);
+        else dec16x(b + d * ds, shv, mv, &c0, &c1);
         fma_rows2(a, qx + d, D, c0, c1, NR);
     }
     store_rows2(acc + j0, TILE, a, NR);
@@ -1195,14 +1203,11 @@ static inline __attribute__((always_inline)) void vquarter(const uint8_t *b, int
                                                            int sh, int k, __m256 *v0, __m256 *v1) {
     const int hk = k / 2;
     b += 16 * (k % 2);
-    dec16x(b, _mm_cvtsi32_si128(sh + 4 * hk), _mm_set1_epi8(bits == 2 ? 3 : 15), v0, v1);
-    if (bits == 8) {
-        __m256 l0, l1;
-        const __m256 sixteen = _mm256_set1_ps(16.f);
-        dec16x(b + pl, _mm_cvtsi32_si128(4 * hk), _mm_set1_epi8(15), &l0, &l1);
-        *v0 = _mm256_fmadd_ps(*v0, sixteen, l0);
-        *v1 = _mm256_fmadd_ps(*v1, sixteen, l1);
-    }
+    const __m128i x = codes16x(b, _mm_cvtsi32_si128(sh + 4 * hk), _mm_set1_epi8(bits == 2 ? 3 : 15));
+    if (bits == 8)
+        dec16x2(x, codes16x(b + pl, _mm_cvtsi32_si128(4 * hk), _mm_set1_epi8(15)), _mm_cvtsi32_si128(4), v0, v1);
+    else
+        widen16x(x, v0, v1);
 }
 
 /* The channels of quarter k of 64-channel block cb: cb * 64 + 32 (k / 2) + 16 (k % 2) + [0, 16) */

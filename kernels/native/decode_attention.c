@@ -468,6 +468,29 @@ static void groups_T(const f16 *src, int64_t st, int64_t sg, int n, int ng, floa
             _mm256_storeu_ps(dst + n + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8)));
         }
 #endif
+#if defined(__AVX2__) && defined(__F16C__) && !defined(KVRUN_NO_AVX2)
+    } else if (st == ng && sg == 1 && ng % 8 == 0) {   /* 8 tokens x 8 groups: one 8x8 transpose */
+        for (int g0 = 0; g0 < ng; g0 += 8)
+            for (int t = 0; t < n; t += 8) {
+                __m256 r[8], u[8], v[8];
+                for (int k = 0; k < 8; k++)
+                    r[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + (int64_t)(t + k) * st + g0)));
+                for (int k = 0; k < 8; k += 2) {            /* pairs of tokens interleaved */
+                    u[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+                    u[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+                }
+                for (int k = 0; k < 8; k += 4) {            /* four tokens per 128-bit lane */
+                    v[k] = _mm256_shuffle_ps(u[k], u[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+                    v[k + 1] = _mm256_shuffle_ps(u[k], u[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+                    v[k + 2] = _mm256_shuffle_ps(u[k + 1], u[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+                    v[k + 3] = _mm256_shuffle_ps(u[k + 1], u[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+                }
+                for (int j = 0; j < 4; j++) {               /* groups g0 + j (low lanes), g0 + 4 + j */
+                    _mm256_storeu_ps(dst + (int64_t)(g0 + j) * n + t, _mm256_permute2f128_ps(v[j], v[4 + j], 0x20));
+                    _mm256_storeu_ps(dst + (int64_t)(g0 + 4 + j) * n + t, _mm256_permute2f128_ps(v[j], v[4 + j], 0x31));
+                }
+            }
+#endif
     } else {
         for (int t = 0; t < n; t++)
             for (int g = 0; g < ng; g++) dst[g * n + t] = (float)src[t * st + g * sg];

@@ -45,8 +45,8 @@ def group_bytes(bits: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _lloyd_max(bits: int, D: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(levels, boundaries) in float64, unrounded."""
+def _lloyd_max(bits: int, D: int) -> tuple[float, ...]:
+    """The levels in float64, unrounded (levels() rounds them and takes the boundaries)."""
     assert bits in BITS and D >= 4, (bits, D)
     lim = min(float(np.sqrt(D)), 12.0)                     # beyond 12 the mass is < 1e-30
     y = np.linspace(-lim, lim, 200001)
@@ -65,14 +65,13 @@ def _lloyd_max(bits: int, D: int) -> tuple[tuple[float, ...], tuple[float, ...]]
             c = new
             break
         c = new
-    b = (c[1:] + c[:-1]) / 2
-    return tuple(float(v) for v in c), tuple(float(v) for v in b)
+    return tuple(float(v) for v in c)
 
 
 def levels(bits: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(levels (2^bits,), boundaries (2^bits − 1,)) float32, ascending: the Lloyd-Max
     quantizer of a unit-RMS coordinate of a randomly rotated D-vector (module docstring)."""
-    c = torch.tensor(_lloyd_max(bits, D)[0], dtype=torch.float16).float()
+    c = torch.tensor(_lloyd_max(bits, D), dtype=torch.float16).float()
     return c, (c[1:] + c[:-1]) / 2
 
 

@@ -44,7 +44,7 @@ def test_levels_are_fp16_values(bits, D):
     and within fp16's rounding of the unrounded Lloyd-Max level."""
     lv, bd = cbpack.levels(bits, D)
     assert torch.equal(lv.half().float(), lv)
-    exact = torch.tensor(cbpack._lloyd_max(bits, D)[0], dtype=torch.float64)
+    exact = torch.tensor(cbpack._lloyd_max(bits, D), dtype=torch.float64)
     assert torch.all((lv.double() - exact).abs() <= exact.abs() * 2.0 ** -11)
     assert torch.equal(bd, (lv[1:] + lv[:-1]) / 2)
 

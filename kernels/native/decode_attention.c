@@ -95,14 +95,13 @@ static inline void codes32(const uint8_t *restrict b, int shift, int mask, float
 
 /* Where the 32 codes of tail tile t0 (t0 % 32 == 0) of head h live in a packed K layout:
  * channel d's bytes at b + d * ds, code = (byte >> sh) & mask; with a second plane b2
- * (bytes at b2 + d * ds2), code = f * code + ((b2 byte >> sh2) & mask2): the 8-bit tok
- * layout's two nibble planes (f 16), or 3-bit KIVI keys' 1-bit third planes in b and
- * 2-bit low planes in b2 (f 4). */
+ * (bytes at b2 + d * ds2), code = code << fsh | ((b2 byte >> sh2) & mask2): the 8-bit tok
+ * layout's two nibble planes (fsh 4), or 3-bit KIVI keys' 1-bit third planes in b and
+ * 2-bit low planes in b2 (fsh 2). */
 typedef struct {
     const uint8_t *b, *b2;
     int64_t ds, ds2;
-    int sh, sh2, mask, mask2;
-    float f;
+    int sh, sh2, mask, mask2, fsh;
 } KLay;
 
 static KLay k_layout(const Codec *c, int h, int64_t t0) {
@@ -117,7 +116,7 @@ static KLay k_layout(const Codec *c, int h, int64_t t0) {
         L.ds2 = s[1];
         L.sh2 = chanpack_shift(t0, chanpack_lo_bits(3));
         L.mask2 = 3;
-        L.f = 4.f;
+        L.fsh = 2;
         return L;
     }
     if (c->kind == C_KIVI) {
@@ -134,7 +133,7 @@ static KLay k_layout(const Codec *c, int h, int64_t t0) {
     if (c->bits == 8) {
         L.b2 = L.b + s[1];
         L.mask2 = 15;
-        L.f = 16.f;
+        L.fsh = 4;
     }
     return L;
 }
@@ -145,10 +144,10 @@ static void k_codes(const Codec *c, int h, int64_t t0, int D, float *restrict kt
     const KLay L = k_layout(c, h, t0);
     for (int d = 0; d < D; d++) {
         codes32(L.b + d * L.ds, L.sh, L.mask, kt + d * TILE);
-        if (L.b2) {                        /* f * first + second */
+        if (L.b2) {                        /* first << fsh, plus second */
             float lo[TILE];
             codes32(L.b2 + d * L.ds2, L.sh2, L.mask2, lo);
-            for (int j = 0; j < TILE; j++) kt[d * TILE + j] = L.f * kt[d * TILE + j] + lo[j];
+            for (int j = 0; j < TILE; j++) kt[d * TILE + j] = (float)(1 << L.fsh) * kt[d * TILE + j] + lo[j];
         }
     }
 }
@@ -629,7 +628,7 @@ static inline __m512 dec16(const uint8_t *b, __m128i sh, __m512i mask) {
 }
 
 /* acc[i][j] = sum_d qx[i * D + d] * code(d, j), j < 32, i < NR; channel d's 32 codes as
- * k_layout's L says (one plane, or two combined as f * first + second). */
+ * k_layout's L says (one plane, or two combined as (first << fsh) + second). */
 static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int D, const KLay *L,
         float *acc, const int NR) {
     __m512 a[8][2];                        /* up to 8 rows: 16 of the 32 registers */
@@ -638,7 +637,7 @@ static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int
     const int64_t ds = L->ds, ds2 = L->ds2;
     __m128i shv = _mm_cvtsi32_si128(L->sh), shv2 = _mm_cvtsi32_si128(L->sh2);
     __m512i mv = _mm512_set1_epi32(L->mask), mv2 = _mm512_set1_epi32(L->mask2);
-    __m512 f = _mm512_set1_ps(L->f);
+    __m512 f = _mm512_set1_ps((float)(1 << L->fsh));
     for (int d = 0; d < D; d++) {
         /* channel rows are ds bytes apart (KIVI: one row per channel, 64+ streams, more
          * than the hardware prefetcher follows): fetch this row's bytes 8 tiles ahead */
@@ -1163,7 +1162,7 @@ static inline __attribute__((always_inline)) void kdot8_rows(const float *qx, in
     const int64_t ds = L->ds, ds2 = L->ds2;
     const __m128i shv = _mm_cvtsi32_si128(L->sh), shv2 = _mm_cvtsi32_si128(L->sh2);
     const __m128i mv = _mm_set1_epi8((char)L->mask), mv2 = _mm_set1_epi8((char)L->mask2);
-    const __m128i fsh = _mm_cvtsi32_si128(L->f == 16.f ? 4 : 2);
+    const __m128i fsh = _mm_cvtsi32_si128(L->fsh);
     for (int d = 0; d < D; d++) {
         if (!j0) _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
         __m256 c0, c1;

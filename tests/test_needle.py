@@ -152,14 +152,18 @@ def test_answer_stops_at_a_stop_id():
     assert answer == " " and lead == pytest.approx(0.1 - 0.7)
 
 
+def _tool(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def test_evict_overlap_tool_compares_kept_tokens(tmp_path, capsys):
     """tools/evict_overlap.py: fp16 against itself keeps the same slots (share 1.000); each
     codec gets a row; a missing file or an unknown policy is one error line."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "evict_overlap", Path(__file__).resolve().parents[1] / "tools" / "evict_overlap.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool("evict_overlap")
     d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=1)    # D 32: KIVI's groups
     f = tmp_path / "fill.txt"
     f.write_text("Some filler sentence about nothing in particular. " * 40)
@@ -170,6 +174,46 @@ def test_evict_overlap_tool_compares_kept_tokens(tmp_path, capsys):
     assert [r[0] for r in rows] == ["fp16", "int8", "kivi-4"]
     assert rows[0][1] == "1.000" and all(0 < float(r[1]) <= 1 for r in rows)
     assert all(int(r[2]) >= 0 for r in rows)
+    for file, policy in ((tmp_path / "missing.txt", "h2o"), (f, "bogus")):
+        with pytest.raises(SystemExit, match="^error: "):
+            tool.main([str(file), "-m", str(d), "-c", "300", "--evict", policy, "--kv-budget", "224"])
+
+
+def test_evict_replay_forces_fp16s_selection(tmp_path, capsys):
+    """tools/evict_replay.py: a cache replaying fp16 + policy's choices keeps fp16's tokens in
+    every layer and head; fp16 beside itself answers with the reference's lead, own choice or
+    forced; a missing file or an unknown policy is one error line."""
+    import kvrun
+    from kvrun.engine.generate import Engine
+    from kvrun.kv import parse_kv
+    from kvrun.kv.build import make_cache
+    tool = _tool("evict_replay")
+    d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=2)    # D 32, heads choose apart
+    m = kvrun.load(str(d), dtype="fp32", ctx=8, threads=1)
+    # 5 chunks of 64: every flush after the first is a chunk of 2 G (a flush of G re-packs one
+    # block of per-channel keys and need not keep the policy's choice)
+    ids = torch.randint(3, m.cfg.vocab_size, (320,), generator=torch.Generator().manual_seed(3)).tolist()
+    log, kept = {}, {}
+    for kv, hook in (("fp16", tool.recording), ("kivi-4", tool.replaying)):
+        cache = make_cache(m.cfg, 330, parse_kv(kv, evict="snapkv", budget=224, residual=32, group=32,
+                                                snap_window=8))
+        hook(cache.ev, log)
+        with torch.inference_mode():
+            Engine(m.transformer, m.tokenizer, cache, 64).prefill(ids)
+        assert cache.ev.n_compactions > 0
+        kept[kv] = [cache.ev.kept_positions(l) for l in range(cache.L)]
+    assert all(torch.equal(a, b) for a, b in zip(kept["fp16"], kept["kivi-4"]))
+    assert any(not torch.equal(k[0], k[1]) for k in kept["fp16"])    # the two KV heads keep apart
+    f = tmp_path / "fill.txt"
+    f.write_text("Some filler sentence about nothing in particular. " * 40)
+    args = [str(f), "-m", str(d), "-c", "300", "--depths", "0.5", "--trials", "2", "--evict", "h2o",
+            "--kv-budget", "224", "-b", "64", "-t", "1"]
+    tool.main(args + ["--kv", "fp16,kivi-4", "--own-last"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [r.strip("| ").split(" | ") for r in out[2:4]]
+    assert [r[:2] for r in rows] == [["0.5", "0"], ["0.5", "1"]] and all(len(r) == 10 for r in rows)
+    assert all(r[2] == r[3] == r[4] == r[5] for r in rows)    # fp16 beside fp16: every run alike
+    assert out[-1].startswith("kivi-4 + h2o: of ")
     for file, policy in ((tmp_path / "missing.txt", "h2o"), (f, "bogus")):
         with pytest.raises(SystemExit, match="^error: "):
             tool.main([str(file), "-m", str(d), "-c", "300", "--evict", policy, "--kv-budget", "224"])

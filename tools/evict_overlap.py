@@ -37,18 +37,25 @@ def kept(model, ids: list[int], spec, chunk: int) -> list[list[set]]:
             for l in range(cache.L)]
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def needle_args(doc: str) -> argparse.ArgumentParser:
+    """The options this tool and evict_replay.py share: the `kvrun needle` prompt, the codecs,
+    the policy and its budget."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("file", help="filler text, as `kvrun needle FILE`")
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("-c", "--ctx-size", type=int, default=2048)
-    ap.add_argument("--depth", type=float, default=0.9)
     ap.add_argument("--kv", default="kivi-4", help="comma list of codecs, each beside fp16")
     ap.add_argument("--evict", required=True)
     ap.add_argument("--kv-budget", type=int, required=True)
     ap.add_argument("-b", "--batch-size", type=int, default=512, help="prefill chunk")
     ap.add_argument("-s", "--seed", type=int, default=0)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = needle_args(__doc__)
+    ap.add_argument("--depth", type=float, default=0.9)
     a = ap.parse_args(argv)
     try:
         specs = {kv: parse_kv(kv, evict=a.evict, budget=a.kv_budget) for kv in ["fp16", *a.kv.split(",")]}

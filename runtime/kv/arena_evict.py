@@ -210,9 +210,7 @@ class ArenaEviction:
         n = nt + f
         pos = torch.cat([self.pos_tail[l][:, :nt], xpos[None].expand(Hkv, f)], 1)   # (Hkv, n)
         score = self.acc[l][:, :n]                                                  # (H, n)
-        keep = select(self.policy, score, pos, K, sinks=self.sinks[l], n_recent=self.n_recent(l),
-                      crush_fraction=self.kv.eviction.crush_fraction,
-                      crush_anchor=self.kv.eviction.crush_anchor)
+        keep = self.choose(l, score, pos, K)
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
         per_head = self.per_head[l]
         if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block
@@ -270,6 +268,14 @@ class ArenaEviction:
         self.n_drop[l] += n - K
         self.n_compactions += 1
         return K
+
+    def choose(self, l: int, score: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
+        """The policy's choice at a compaction of layer l: (Hkv, K) sorted candidate indices
+        from the scores (H, n) and positions (Hkv, n). A diagnostic can replace it on an
+        instance (tools/evict_replay.py forces another cache's selection)."""
+        return select(self.policy, score, pos, K, sinks=self.sinks[l], n_recent=self.n_recent(l),
+                      crush_fraction=self.kv.eviction.crush_fraction,
+                      crush_anchor=self.kv.eviction.crush_anchor)
 
     def _value(self, score, pos):
         """(Hkv, n): dirty_blocks' order within the policy's kept / evicted tokens: the

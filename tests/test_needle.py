@@ -182,7 +182,8 @@ def test_evict_overlap_tool_compares_kept_tokens(tmp_path, capsys):
 def test_evict_replay_forces_fp16s_selection(tmp_path, capsys):
     """tools/evict_replay.py: a cache replaying fp16 + policy's choices keeps fp16's tokens in
     every layer and head; fp16 beside itself answers with the reference's lead, own choice or
-    forced; a missing file or an unknown policy is one error line."""
+    forced; a replay that cannot be exact, a missing file or an unknown policy is one error
+    line."""
     import kvrun
     from kvrun.engine.generate import Engine
     from kvrun.kv import parse_kv
@@ -206,7 +207,7 @@ def test_evict_replay_forces_fp16s_selection(tmp_path, capsys):
     assert any(not torch.equal(k[0], k[1]) for k in kept["fp16"])    # the two KV heads keep apart
     f = tmp_path / "fill.txt"
     f.write_text("Some filler sentence about nothing in particular. " * 40)
-    args = [str(f), "-m", str(d), "-c", "300", "--depths", "0.5", "--trials", "2", "--evict", "h2o",
+    args = [str(f), "-m", str(d), "-c", "320", "--depths", "0.5", "--trials", "2", "--evict", "h2o",
             "--kv-budget", "224", "-b", "64", "-t", "1"]
     tool.main(args + ["--kv", "fp16,kivi-4", "--own-last"])
     out = capsys.readouterr().out.splitlines()
@@ -214,6 +215,10 @@ def test_evict_replay_forces_fp16s_selection(tmp_path, capsys):
     assert [r[:2] for r in rows] == [["0.5", "0"], ["0.5", "1"]] and all(len(r) == 10 for r in rows)
     assert all(r[2] == r[3] == r[4] == r[5] for r in rows)    # fp16 beside fp16: every run alike
     assert out[-1].startswith("kivi-4 + h2o: of ")
+    # 300 tokens in chunks of 64 end with a flush of one block: 4-bit keys then re-pack one
+    # block only, the replay cannot be exact, and the tool says so instead of printing leads
+    with pytest.raises(SystemExit, match="^error: layer .* the replay kept other tokens"):
+        tool.main([a if a != "320" else "300" for a in args] + ["--kv", "kivi-4"])
     for file, policy in ((tmp_path / "missing.txt", "h2o"), (f, "bogus")):
         with pytest.raises(SystemExit, match="^error: "):
             tool.main([str(file), "-m", str(d), "-c", "300", "--evict", policy, "--kv-budget", "224"])

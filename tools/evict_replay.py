@@ -8,15 +8,16 @@ separates them. For each `kvrun needle` prompt (the same needles and filler offs
 positions each KV head keeps; then each --kv codec + POLICY twice: as it runs, and with
 every compaction forced to keep fp16's positions (ArenaEviction.choose replaced on the
 instance). The fp16 cache takes each codec's window and group, which set the tail's blocks
-and pyramidkv's per-layer budgets (a profile may use groups of 64). A replay needs a codec
-whose compactions keep exactly the policy's choice in a prefill chunk: per-token codecs and
-per-channel keys of 4 bits or more (runtime/kv/arena_evict.py); 2- and 3-bit keys stop it
-with an error. It prints each cache's answer lead (`kvrun needle`'s: the right digit's
-probability minus the best other token's, at its lowest; > 0 = found) and counts the
-needles fp16 finds that the codec loses, and of those the ones it finds with fp16's
-selection (lost to the selection) or not (lost to the precision). With --own-last, one more
-run per codec takes fp16's selection at every compaction but each layer's last, and its own
-there: which compaction a lost needle goes at.
+and pyramidkv's per-layer budgets (a profile may use groups of 64). A replay is exact when
+every compaction keeps exactly the policy's choice: always for per-token codecs and 4-bit
+keys in a prefill chunk; 2- and 3-bit keys re-pack at most one block per G flushing tokens
+(runtime/kv/arena_evict.py), and when that is too few the tool stops with an error (a
+forced run must hold fp16's tokens after the prompt). It prints each cache's answer lead (`kvrun
+needle`'s: the right digit's probability minus the best other token's, at its lowest;
+> 0 = found) and counts the needles fp16 finds that the codec loses, and of those the ones
+it finds with fp16's selection (lost to the selection) or not (lost to the precision). With
+--own-last, one more run per codec takes fp16's selection at every compaction but each
+layer's last, and its own there: which compaction a lost needle goes at.
 
     python tools/evict_replay.py essays.txt -c 2048 --depths 0.7,0.9 --trials 10 \\
         --evict pyramidkv --kv-budget 1024 --kv kivi-4,tada-4
@@ -67,20 +68,39 @@ def replaying(ev, log: dict, own_last: bool = False) -> None:
         keep = torch.stack([torch.isin(p, w) for p, w in zip(pos, want)])    # per KV head
         if want.shape[1] != K or (keep.sum(1) != K).any():
             raise KvrunError(f"layer {l}, compaction {i}: fp16's kept positions are not among this "
-                             f"cache's candidates: an earlier compaction could not keep them (per-channel "
-                             f"keys below 4 bits re-pack at most one block per G flushing tokens)")
+                             f"cache's candidates (its keys re-pack at most one block per G flushing tokens)")
         return torch.stack([torch.nonzero(k)[:, 0] for k in keep])
     ev.choose = choose
 
 
-def run(model, ids, right, spec, ctx, chunk, hook=None) -> float:
+def run(model, ids, right, spec, ctx, chunk, hook=None) -> tuple[float, list]:
+    """The answer's lead with this cache, and the positions each layer holds after the prompt."""
     cache = make_cache(model.cfg, ctx + MAX_TOKENS, spec)
     if cache.ev is None:
         raise KvrunError("the cache does not evict: give --evict and --kv-budget")
     if hook:
         hook(cache.ev)
     eng = Engine(model.transformer, model.tokenizer, cache, chunk)
-    return answer_with_lead(eng, model.tokenizer, ids, right, MAX_TOKENS, model.stop_ids)[1]
+    held, prefill = [], eng.prefill
+
+    def prefill_and_note(prompt):
+        logits = prefill(prompt)
+        held.extend(cache.ev.kept_positions(l) for l in range(cache.L))
+        return logits
+    eng.prefill = prefill_and_note
+    lead = answer_with_lead(eng, model.tokenizer, ids, right, MAX_TOKENS, model.stop_ids)[1]
+    return lead, held
+
+
+def exact(kept, ref) -> None:
+    """A forced run must hold fp16's tokens after the prompt: a compaction of 2- or 3-bit keys
+    may re-pack too few blocks to keep the choice. (A decode compaction during the answer,
+    at most one in MAX_TOKENS tokens, re-packs one block of per-channel keys of any width and
+    may keep a few other tokens: not checked.)"""
+    for l, (a, b) in enumerate(zip(kept, ref)):
+        if not torch.equal(a, b):
+            raise KvrunError(f"layer {l}: the replay kept other tokens than fp16 (its keys re-pack at most "
+                             f"one block per G flushing tokens)")
 
 
 def main(argv=None) -> None:
@@ -117,15 +137,16 @@ def main(argv=None) -> None:
                     row = []
                     for kv in codecs:
                         log: dict = {}
-                        ref = run(model, ids, right, refs[kv], a.ctx_size, a.batch_size,
-                                  lambda ev: recording(ev, log))
-                        own = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size)
-                        forced = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size,
-                                     lambda ev: replaying(ev, log))
+                        ref, ref_kept = run(model, ids, right, refs[kv], a.ctx_size, a.batch_size,
+                                            lambda ev: recording(ev, log))
+                        own, _ = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size)
+                        forced, kept = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size,
+                                           lambda ev: replaying(ev, log))
+                        exact(kept, ref_kept)
                         row += [f"{ref:+.3f}", f"{own:+.3f}", f"{forced:+.3f}"]
                         if a.own_last:
-                            mixed = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size,
-                                        lambda ev: replaying(ev, log, own_last=True))
+                            mixed, _ = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size,
+                                           lambda ev: replaying(ev, log, own_last=True))
                             row.append(f"{mixed:+.3f}")
                         if ref > 0:
                             lost[kv][2] += 1

@@ -116,9 +116,10 @@ def main(argv=None) -> None:
         codecs = a.kv.split(",")
         specs = {kv: parse_kv(kv, evict=a.evict, budget=a.kv_budget) for kv in codecs}
         # fp16 + policy in each codec's geometry: the window and group set the tail's blocks
-        # (and pyramidkv's per-layer budgets), which a replay must share
-        refs = {kv: parse_kv("fp16", evict=a.evict, budget=a.kv_budget, residual=sp.residual,
-                             group=sp.group) for kv, sp in specs.items()}
+        # (and pyramidkv's per-layer budgets), which a replay must share; one run per geometry
+        geom = {kv: (sp.residual, sp.group) for kv, sp in specs.items()}
+        refs = {g: parse_kv("fp16", evict=a.evict, budget=a.kv_budget, residual=g[0], group=g[1])
+                for g in dict.fromkeys(geom.values())}
         text = read_text_file(a.file)
         model = load(a.model, ctx=8, prefill_chunk=a.batch_size, threads=a.threads)
         tok = lambda s: model.tokenizer.encode(s, bos=False)     # noqa: E731 (no BOS mid-text)
@@ -134,11 +135,12 @@ def main(argv=None) -> None:
                 for t, (needle, offset) in enumerate(drawn):
                     ids, _ = build_prompt(tok, filler, a.ctx_size - len(prefix), d, needle, offset)
                     ids, right = prefix + ids, tok(f" {needle.number}")
+                    logs = {g: {} for g in refs}
+                    done = {g: run(model, ids, right, spec, a.ctx_size, a.batch_size,
+                                   lambda ev, log=logs[g]: recording(ev, log)) for g, spec in refs.items()}
                     row = []
                     for kv in codecs:
-                        log: dict = {}
-                        ref, ref_kept = run(model, ids, right, refs[kv], a.ctx_size, a.batch_size,
-                                            lambda ev: recording(ev, log))
+                        log, (ref, ref_kept) = logs[geom[kv]], done[geom[kv]]
                         own, _ = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size)
                         forced, kept = run(model, ids, right, specs[kv], a.ctx_size, a.batch_size,
                                            lambda ev: replaying(ev, log))

@@ -1,4 +1,4 @@
-"""`kvrun serve --cache-ram` through the official `openai` client: a bounded load test (64
+"""`kvrun serve --cache-ram` through the official `openai` client: a bounded load test (32
 chat requests, 8 at a time, four shared system prompts) where no request fails and every
 reply equals the same request's output run alone on a cold cache; a conversation's next
 turn starts from the cache; /metrics shows the hits."""

@@ -614,6 +614,50 @@ static void fp_rows(const void *base, int64_t off, int64_t stride, int kind, int
         rows_scores(rows, q, R, D, sc + j0, N);
     }
 }
+
+/* TaDA's q . mu_t for the 32 tokens of a tile, VW means at a time: out[r * 32 + j] */
+static void mu_rows_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
+    float mu[VW * MAXD];
+    for (int j0 = 0; j0 < TILE; j0 += VW) {
+        for (int j = 0; j < VW; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
+        if (D % VW == 0) {
+            rows_scores(mu, q, R, D, out + j0, TILE);
+            continue;
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < VW; j++) out[r * TILE + j0 + j] = dot(q + r * D, mu + j * D, D);
+    }
+}
+
+static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out);
+
+/* The logits of a packed K tile (int8 / KIVI / TaDA) into sc[r * N + j] from the products of
+ * tile_rows' query rows with its codes, acc[r * 32 + j], and tile_rows' per-row bias:
+ * KIVI acc + q . z; int8 s (q . c - 128 sum q); TaDA q . mu_t - s (q . c) - z sum q (the
+ * means' dots from the fast path's mu_scores) */
+static void k_tile_logits(const Codec *c, int h, int64_t t0, const float *q, int R, int D,
+                          const float *acc, const float *bias, float *sc, int64_t N) {
+    if (c->kind == C_KIVI) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < TILE; j++) sc[r * N + j] = acc[r * TILE + j] + bias[r];
+        return;
+    }
+    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
+    if (c->kind == C_INT8) {
+        for (int j = 0; j < TILE; j++) {
+            const float st = (float)sp[j * c->ss[1]];
+            for (int r = 0; r < R; r++) sc[r * N + j] = st * (acc[r * TILE + j] - 128.f * bias[r]);
+        }
+        return;
+    }
+    const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
+    float qm[64 * TILE];
+    mu_scores(c, t0, q, R, D, qm);
+    for (int j = 0; j < TILE; j++) {
+        const float st = (float)sp[j * c->ss[1]], z = (float)zp[j * c->ss[1]];
+        for (int r = 0; r < R; r++) sc[r * N + j] = qm[r * TILE + j] - st * acc[r * TILE + j] - z * bias[r];
+    }
+}
 #endif
 
 /* -- AVX-512 fast paths: packed codes decoded in registers, no tile buffer -------------------- */
@@ -706,8 +750,9 @@ static inline float hsum_dot(const float *a, const float *b, int D) {
     return r;
 }
 
-/* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. The means are token-major,
- * so 16 tokens' dot products are reduced together (hsum16x16) instead of one by one. */
+/* TaDA's q . mu_t for the 32 tokens of a tile: out[r * 32 + j]. At decode (fp16 means,
+ * D 64, up to 3 rows) each mean row is converted once and FMA'd into every row's partials,
+ * 16 tokens reduced together (hsum16x16); else mu_rows_scores. */
 static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
     if (!c->mu_int8 && D == 64 && R <= 3) {  /* decode: each mean row converted once, */
         __m512 part[3][16];                    /* FMAs into every query row's partials  */
@@ -729,16 +774,7 @@ static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, 
         }
         return;
     }
-    float mu[16 * MAXD];
-    for (int j0 = 0; j0 < TILE; j0 += 16) {
-        for (int j = 0; j < 16; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
-        if (D % 16 == 0) {
-            rows_scores(mu, q, R, D, out + j0, TILE);
-            continue;
-        }
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 16; j++) out[r * TILE + j0 + j] = dot(q + r * D, mu + j * D, D);
-    }
+    mu_rows_scores(c, t0, q, R, D, out);
 }
 
 /* (n, r) row-major -> (r, n): for rank 4 and n % 16 == 0 with two-source permutes (16
@@ -812,9 +848,8 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
     float qx[64 * MAXD], acc[64 * TILE], bias[64];
     const float *qd = tile_rows(c, h, t0, q, R, D, qx, bias);
     kdot(qd, R, D, &L, acc);
+    k_tile_logits(c, h, t0, q, R, D, acc, bias, sc, N);
     if (c->kind == C_KIVI) {
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < TILE; j++) sc[r * N + j] = acc[r * TILE + j] + bias[r];
         if (c->rank) {                     /* GEAR: q . (A_t B^T) = (q B) . A_t */
             const f16 *A = c->lr_a + h * c->as[0] + t0 * c->as[1];
             const f16 *B = c->lr_b + h * c->bs[0] + (t0 / c->G) * c->bs[1];
@@ -848,24 +883,6 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
                     for (int r = 0; r < R; r++) sc[r * N + tok] += q[r * D + d] * v;
                 }
         }
-        return 1;
-    }
-    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
-    float st[TILE];
-    for (int j = 0; j < TILE; j++) st[j] = (float)sp[j * c->ss[1]];
-    if (c->kind == C_INT8) {               /* s (q . c - 128 sum q) */
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < TILE; j++) sc[r * N + j] = st[j] * (acc[r * TILE + j] - 128.f * bias[r]);
-        return 1;
-    }
-    /* TaDA: q . mu_t - s (q . c) - z sum q */
-    const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
-    float qm[64 * TILE];
-    mu_scores(c, t0, q, R, D, qm);
-    for (int j = 0; j < TILE; j++) {
-        float z = (float)zp[j * c->ss[1]];
-        for (int r = 0; r < R; r++)
-            sc[r * N + j] = qm[r * TILE + j] - st[j] * acc[r * TILE + j] - z * bias[r];
     }
     return 1;
 }
@@ -1192,31 +1209,13 @@ static int k_tile_fast(const Codec *c, int h, int64_t t0, const float *q, int R,
         ROW_BLOCKS4(R, KR);
 #undef KR
     }
-    if (c->kind == C_KIVI) {
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < TILE; j++) sc[r * N + j] = acc[r * TILE + j] + bias[r];
-        return 1;
-    }
-    const f16 *sp = c->scale + h * c->ss[0] + t0 * c->ss[1];
-    if (c->kind == C_INT8) {
-        for (int j = 0; j < TILE; j++) {             /* s (q . c - 128 sum q) */
-            const float st = (float)sp[j * c->ss[1]];
-            for (int r = 0; r < R; r++) sc[r * N + j] = st * (acc[r * TILE + j] - 128.f * bias[r]);
-        }
-        return 1;
-    }
-    /* TaDA: q . mu_t - s (q . c) - z sum q, the means' dots 8 tokens at a time */
-    const f16 *zp = c->zero + h * c->ss[0] + t0 * c->ss[1];
-    float mu[VW * MAXD], qm[64 * TILE];
-    for (int j0 = 0; j0 < TILE; j0 += VW) {
-        for (int j = 0; j < VW; j++) mu_row(c, t0 + j0 + j, D, mu + j * D);
-        rows_scores(mu, q, R, D, qm + j0, TILE);
-    }
-    for (int j = 0; j < TILE; j++) {
-        const float st = (float)sp[j * c->ss[1]], z = (float)zp[j * c->ss[1]];
-        for (int r = 0; r < R; r++) sc[r * N + j] = qm[r * TILE + j] - st * acc[r * TILE + j] - z * bias[r];
-    }
+    k_tile_logits(c, h, t0, q, R, D, acc, bias, sc, N);
     return 1;
+}
+
+/* TaDA's q . mu_t for the 32 tokens of a tile: 8 means at a time */
+static void mu_scores(const Codec *c, int64_t t0, const float *q, int R, int D, float *out) {
+    mu_rows_scores(c, t0, q, R, D, out);
 }
 
 /* the 16 codes of quarter k of a chan-layout V row at b: bytes 16 (k % 2), nibble half k / 2

@@ -112,7 +112,7 @@ class Transformer(nn.Module):
         threads.tick()                              # fewer threads while cores are taken
         step = self.native_step(ids, cache)
         if step is not None:                        # decode on the native layer kernels
-            return step(ids, cache)
+            return step(ids, cache) if T == 1 else step.chunk(ids, cache, last_only)
         positions = cache.positions(T)                                  # (T,)
         cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
         local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
@@ -131,16 +131,20 @@ class Transformer(nn.Module):
 
     def native_step(self, ids: torch.Tensor, cache):
         """The native decode step (native_step.py) when it covers a one-token step of `ids`
-        (B, 1) on `cache`, else None. Built on first use, only where the backend the cache
-        chose at construction is native (KVRUN_BACKEND=torch keeps the eager forward, the
-        oracle). Calling it runs the step; its `rows(ids, caches)` runs B rows, each on its
-        own cache."""
-        if ids.shape[1] != 1 or cache.backend != "native":
+        (B, 1) on `cache`, or a prefill chunk (1, T) of 2 to MAX_ROWS tokens, else None.
+        Built on first use, only where the backend the cache chose at construction is
+        native (KVRUN_BACKEND=torch keeps the eager forward, the oracle). Calling it runs
+        the step; its `chunk(ids, cache)` runs a chunk, its `rows(ids, caches)` B one-token
+        rows, each on its own cache."""
+        if cache.backend != "native":
             return None
         if not hasattr(self, "_step"):
             from .native_step import NativeDecodeStep, supported
             self._step = NativeDecodeStep(self) if supported(self) else None
-        return self._step if self._step is not None and self._step.applies(ids, cache) else None
+        step = self._step
+        if step is None or not (step.applies(ids, cache) or step.applies_chunk(ids, cache)):
+            return None
+        return step
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Strict load; a tied lm_head is the only key allowed to be absent."""

@@ -14,6 +14,13 @@ arena's native attend_append, or a ring's native step), `LayerPlan.post`. The tw
 order with the same arguments, so their logits and cache bytes are bit-identical
 (tests/test_decode_step.py); which one runs is decided once per step, never per layer.
 
+Prefill chunks of 2 to CHUNK_MAX_ROWS tokens of one sequence (`chunk`) take the per-layer
+route with the chunk's positions as its rows, MAX_ROWS a pass over the weights, and one
+`attend` over the whole chunk per layer (the cache sees the eager forward's steps). There
+the eager forward ran torch's weight-only op, which rounds its inputs to bf16 (max KL
+0.0018-0.0045 against the fp32 product of the stored weights on the default model, where
+these GEMVs give <= 4e-6), or dequantized every layer for each chunk above 32 rows.
+
 Why: the eager step ran ~1,300 torch ops (casts to and from bf16 around every int4 op,
 copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the weights they
 read; the per-layer route still crossed into C 2 + B times a layer. Here the activations
@@ -44,6 +51,13 @@ from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weig
 from kvrun.kernels.native.decode_step import DecodeStep, splits_max
 from .. import threads
 from .qlinear import Int4Linear, Int8Linear
+
+# Prefill chunks up to this many tokens take the native route (`chunk`), MAX_ROWS rows a
+# pass over the weights; longer chunks the eager forward, whose dense GEMM over layers
+# dequantized once a chunk catches up with more rows (AVX2 EPYC, 2 threads: the native
+# route 1.44x faster at 64 tokens, 1.13x at 128, 0.94x at 256; tools/chunk_speed.py,
+# docs/measurements.md). 64 keeps a margin for CPUs whose GEMM is relatively faster.
+CHUNK_MAX_ROWS = 2 * MAX_ROWS
 
 
 def _stored(lin) -> dict:
@@ -157,30 +171,94 @@ class NativeDecodeStep:
             c.commit(1)
         return logits
 
+    def applies_chunk(self, ids: torch.Tensor, cache) -> bool:
+        """A prefill chunk of 2 to CHUNK_MAX_ROWS tokens of one sequence (`chunk`)."""
+        T = ids.shape[1]
+        return (ids.shape[0] == 1 and 2 <= T <= CHUNK_MAX_ROWS and ids.device.type == "cpu"
+                and not any(cache.takes_new_kv(i, T) for i in range(len(self.plans))))
+
+    @torch.inference_mode()
+    def chunk(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """ids (1, T), 2 <= T <= CHUNK_MAX_ROWS, the next tokens of the sequence in `cache`
+        -> float32 logits (1, T, V), or (1, 1, V) for the last position with `last_only`;
+        appends the tokens to `cache`. The T positions are GEMV rows of the per-layer route,
+        MAX_ROWS at a time (pre and post read each weight once a block, where the eager
+        forward dequantizes every layer for a dense GEMM, or rounds its inputs to bf16 for
+        torch's weight-only op), and attention is one `attend` over the whole chunk, causal,
+        as in the eager forward: the cache sees the same steps."""
+        T = ids.shape[1]
+        nth = torch.get_num_threads()
+        s = self.scratch
+        H, Hkv, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        q_end, k_end = self.split
+        x, tables = self._inputs(ids.view(T, 1), cache.positions(T))    # (T, hidden), rows' RoPE
+        blocks = [(b0, min(T, b0 + MAX_ROWS)) for b0 in range(0, T, MAX_ROWS)]
+        qkv, out = torch.empty(T, s.qkv.shape[1]), torch.empty(T, H * D)
+        q = qkv[:, :q_end].view(T, H, D).transpose(0, 1)[None]          # (1, H, T, D)
+        k = qkv[:, q_end:k_end].view(T, Hkv, D).transpose(0, 1)[None]   # (1, Hkv, T, D)
+        v = qkv[:, k_end:].view(T, Hkv, D).transpose(0, 1)[None]
+        for i, plan in enumerate(self.plans):
+            for b0, b1 in blocks:
+                n = b1 - b0
+                s.x[:n] = x[b0:b1]
+                for dst, src in tables:
+                    dst[:n] = src[b0:b1]
+                plan.pre(n, nth, self.local[i])
+                qkv[b0:b1] = s.qkv[:n]
+            out.view(T, H, D).copy_(cache.attend(i, q, k, v)[0].transpose(0, 1))
+            for b0, b1 in blocks:
+                n = b1 - b0
+                s.x[:n] = x[b0:b1]
+                plan.post(n, out[b0:b1], nth)
+                x[b0:b1] = s.x[:n]
+        cache.commit(T)
+        if last_only:                                    # the last row's logits only
+            blocks = [(T - 1, T)]
+        logits = []
+        for b0, b1 in blocks:
+            s.x[:b1 - b0] = x[b0:b1]
+            logits.append(self.plans[-1].logits(b1 - b0, self.norm, self.head, nth).clone())
+        return self._capped(torch.cat(logits)[None])
+
+    def _inputs(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Rows for ids (B, 1) at `positions` (B,): their embeddings (B, hidden) float32 and
+        [(scratch table, the rows' table)] RoPE pairs; both also written to the scratch
+        rows when B <= MAX_ROWS."""
+        B = ids.shape[0]
+        s = self.scratch
+        cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
+        tables = [(s.cos, cos), (s.sin, sin)]
+        if self.model.rope_local is not None:                           # sliding layers' base
+            cl, sl = self.model.rope_local.tables(positions, torch.float32)
+            tables += [(s.cos_local, cl), (s.sin_local, sl)]
+        x = self.model.model.embed_tokens(ids)[:, 0].to(torch.float32, copy=True)   # (B, hidden)
+        if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
+            x *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
+        if B <= MAX_ROWS:
+            s.x[:B] = x
+            for dst, src in tables:
+                dst[:B] = src
+        return x, tables
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, caches: list) -> torch.Tensor:
         """The layers over B rows at `positions` (B,), row b on caches[b]: one native call
         when every cache is a row of it (`native_row`), else per layer. Returns float32
         logits (B, 1, V)."""
         B = ids.shape[0]
-        cfg, s = self.cfg, self.scratch
         nth = torch.get_num_threads()
-        cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
-        s.cos[:B] = cos
-        s.sin[:B] = sin
-        if self.model.rope_local is not None:                           # sliding layers' base
-            s.cos_local[:B], s.sin_local[:B] = self.model.rope_local.tables(positions, torch.float32)
-        s.x[:B] = self.model.model.embed_tokens(ids)[:, 0].float()     # (B, hidden)
-        if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
-            s.x[:B] *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
-        rows = [c.native_row(cfg.num_heads) for c in caches] if self.one_call else [None]
+        self._inputs(ids, positions)
+        rows = [c.native_row(self.cfg.num_heads) for c in caches] if self.one_call else [None]
         if all(r is not None for r in rows):
             logits = self.one_call(rows, nth).clone()[:, None]
             for c in caches:
                 c.native_stepped()
         else:
             logits = self._layers(B, caches, nth)
-        cap = cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return self._capped(logits)
 
     def _layers(self, B: int, caches: list, nth: int) -> torch.Tensor:
         """The per-layer route: pre, each row's `attend` on its cache, post; then the logits

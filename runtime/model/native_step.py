@@ -17,9 +17,10 @@ order with the same arguments, so their logits and cache bytes are bit-identical
 Prefill chunks of 2 to CHUNK_MAX_ROWS tokens of one sequence (`chunk`) take the per-layer
 route with the chunk's positions as its rows, MAX_ROWS a pass over the weights, and one
 `attend` over the whole chunk per layer (the cache sees the eager forward's steps). There
-the eager forward ran torch's weight-only op, which rounds its inputs to bf16 (max KL
-0.0018-0.0045 against the fp32 product of the stored weights on the default model, where
-these GEMVs give <= 4e-6), or dequantized every layer for each chunk above 32 rows.
+the eager forward ran torch's weight-only op, which rounds its inputs to bf16 (max KL up
+to 0.0018 against the fp32 product of the stored weights on the default model, where these
+GEMVs give <= 2e-6: tools/chunk_speed.py --fidelity), or dequantized every layer for each
+chunk above 32 rows.
 
 Why: the eager step ran ~1,300 torch ops (casts to and from bf16 around every int4 op,
 copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the weights they

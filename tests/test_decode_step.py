@@ -19,7 +19,7 @@ from kvrun.kernels.native.decode_step import DecodeStep
 from kvrun.kv.arena import KVArena
 from kvrun.kv.config import parse_kv
 from kvrun.kv.ring import LayeredKVCache
-from tiny import make_tiny_model_dir, quantized_copy
+from tiny import NATIVE_GEMMA, NATIVE_LLAMA, load_quantized_tiny, make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
 
@@ -28,9 +28,7 @@ CTX = 256
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step")
-    src = make_tiny_model_dir(root / "m", hidden_size=128, num_layers=3, intermediate_size=96)
-    return kvrun.load(quantized_copy(src, root / "q", "int4"), ctx=CTX)
+    return load_quantized_tiny(tmp_path_factory.mktemp("step"), "int4", CTX, **NATIVE_LLAMA)
 
 
 def _kv(spec, tmp_path):
@@ -128,13 +126,8 @@ def test_caches_the_one_call_does_not_take(tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """Gemma 3 layers, odd sizes: 7 layers (the 6th global: rings before and after it), GQA
-    3:1 over 2 KV heads, a window of 23 (odd: the filled-slot count takes odd and even
-    values)."""
-    root = tmp_path_factory.mktemp("gemma_step")
-    src = make_tiny_model_dir(root / "m", architecture="gemma3", hidden_size=128, num_layers=7,
-                              num_heads=6, num_kv_heads=2, sliding_window=23, intermediate_size=96)
-    return kvrun.load(quantized_copy(src, root / "q", "int4"), ctx=CTX)
+    """Gemma 3 layers, odd sizes (tiny.py NATIVE_GEMMA)."""
+    return load_quantized_tiny(tmp_path_factory.mktemp("gemma_step"), "int4", CTX, **NATIVE_GEMMA)
 
 
 @pytest.mark.parametrize("kv,bits", [("fp16", 16), ("kivi-4", 4), ("kivi-4+rot-v", 4),

@@ -12,14 +12,13 @@ takes K before RoPE, the torch backend) stays on the other routes."""
 import pytest
 import torch
 
-import kvrun
 import kvrun.model.qlinear as qlinear
 from kvrun.kernels import native
 from kvrun.kernels.native.decode_layer import MAX_ROWS
 from kvrun.kv import build_cache
 from kvrun.kv.config import parse_kv
 from kvrun.model.native_step import CHUNK_MAX_ROWS
-from tiny import make_tiny_model_dir, quantized_copy
+from tiny import NATIVE_GEMMA, NATIVE_LLAMA, load_quantized_tiny
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
 
@@ -28,19 +27,13 @@ CTX = 256
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chunk")
-    src = make_tiny_model_dir(root / "m", hidden_size=128, num_layers=3, intermediate_size=96)
-    return kvrun.load(quantized_copy(src, root / "q", "int4"), ctx=CTX)
+    return load_quantized_tiny(tmp_path_factory.mktemp("chunk"), "int4", CTX, **NATIVE_LLAMA)
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """7 layers (the 6th global), GQA 3:1 over 2 KV heads, a window of 23: chunks of up to 32
-    tokens fill and wrap the rings."""
-    root = tmp_path_factory.mktemp("chunk_gemma")
-    src = make_tiny_model_dir(root / "m", architecture="gemma3", hidden_size=128, num_layers=7,
-                              num_heads=6, num_kv_heads=2, sliding_window=23, intermediate_size=96)
-    return kvrun.load(quantized_copy(src, root / "q", "int8"), ctx=CTX)
+    """Int8 weights, as Gemma 3 270M's; a window of 23, which chunks fill and wrap."""
+    return load_quantized_tiny(tmp_path_factory.mktemp("chunk_gemma"), "int8", CTX, **NATIVE_GEMMA)
 
 
 def _prefill(m, ids, sizes, kv, monkeypatch, native_chunk):

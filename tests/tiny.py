@@ -140,3 +140,19 @@ def quantized_copy(src, dest, weights: str, group: int = 32):
         else:
             out[name] = w.float()
     return write_model_dir(dest, cfg, out, (src / "tokenizer.json").read_text())
+
+
+# the native decode step's test geometries: odd sizes, several layers; Gemma's 7 layers put
+# the 6th global (rings before and after it), GQA 3:1 over 2 KV heads, a window of 23 (odd:
+# the filled-slot count takes odd and even values)
+NATIVE_LLAMA = dict(hidden_size=128, num_layers=3, intermediate_size=96)
+NATIVE_GEMMA = dict(architecture="gemma3", hidden_size=128, num_layers=7, num_heads=6,
+                    num_kv_heads=2, sliding_window=23, intermediate_size=96)
+
+
+def load_quantized_tiny(root: Path, weights: str = "int4", ctx: int = 256, **cfg_kw):
+    """The tiny model of `cfg_kw` (make_tiny_model_dir's keywords) with `weights` linear
+    layers (quantized_copy), loaded: the native decode step's models."""
+    import kvrun
+    src = make_tiny_model_dir(root / "m", **cfg_kw)
+    return kvrun.load(quantized_copy(src, root / "q", weights), ctx=ctx)

@@ -131,15 +131,16 @@ class Transformer(nn.Module):
 
     def native_step(self, ids: torch.Tensor, cache):
         """The native decode step (native_step.py) when it covers a one-token step of `ids`
-        (B, 1) on `cache`, or a prefill chunk (1, T) of 2 to MAX_ROWS tokens, else None.
-        Built on first use, only where the backend the cache chose at construction is
-        native (KVRUN_BACKEND=torch keeps the eager forward, the oracle). Calling it runs
-        the step; its `chunk(ids, cache)` runs a chunk, its `rows(ids, caches)` B one-token
-        rows, each on its own cache."""
-        if cache.backend != "native":
+        (B, 1) on `cache`, or a prefill chunk (1, T) of 2 to CHUNK_MAX_ROWS tokens, else
+        None. Built on first use, only where the backend the cache chose at construction is
+        native (KVRUN_BACKEND=torch keeps the eager forward, the oracle), so a run of long
+        chunks only (`kvrun ppl`) never builds it. Calling it runs the step; its
+        `chunk(ids, cache)` runs a chunk, its `rows(ids, caches)` B one-token rows, each on
+        its own cache."""
+        from .native_step import CHUNK_MAX_ROWS, NativeDecodeStep, supported
+        if ids.shape[1] > CHUNK_MAX_ROWS or cache.backend != "native":
             return None
         if not hasattr(self, "_step"):
-            from .native_step import NativeDecodeStep, supported
             self._step = NativeDecodeStep(self) if supported(self) else None
         step = self._step
         if step is None or not (step.applies(ids, cache) or step.applies_chunk(ids, cache)):

@@ -82,6 +82,7 @@ def _input(B, K, g):
 # (kind, N, K, G): N = 13, 17, 33, 70, 9 leave a partial 16-row block; int8 K = 40, 100, 167,
 # 1000 a partial 32-column block; int4 K is a multiple of G
 SHAPES = [("int4", 13, 96, 32), ("int4", 17, 160, 32), ("int4", 70, 576, 32), ("int4", 9, 192, 64),
+          ("int4", 7, 192, 96),
           ("int4", 33, 384, 128), ("int4", 5, 2048, 32), ("int8", 13, 40, 0), ("int8", 70, 100, 0),
           ("int8", 33, 167, 0), ("int8", 6, 576, 0), ("int8", 3, 1000, 0), ("int8", 17, 2048, 0)]
 

@@ -78,9 +78,17 @@ static void q4_span(const Weight *w, int n, int k0, uint8_t *c)
 {
     const int G = w->G, h = G / 2, o = k0 % G;
     const uint8_t *q = w->q + (int64_t)n * (w->K / 2) + (k0 / G) * h;
-    for (int j = 0; j < GI_KB; j++) {
-        const uint8_t b = q[(o + j) % h];
-        c[j] = o + j < h ? b & 15 : b >> 4;
+    if (G == GI_KB) {                          /* 16 bytes: low nibbles, then high */
+        for (int j = 0; j < GI_KB / 2; j++) {
+            c[j] = q[j] & 15;
+            c[GI_KB / 2 + j] = q[j] >> 4;
+        }
+    } else if (o + GI_KB <= h) {               /* wholly in the group's low half */
+        for (int j = 0; j < GI_KB; j++) c[j] = q[o + j] & 15;
+    } else if (o >= h) {                       /* wholly in its high half */
+        for (int j = 0; j < GI_KB; j++) c[j] = q[o - h + j] >> 4;
+    } else {                                   /* across the halves (G an odd multiple of 32) */
+        for (int j = 0; j < GI_KB; j++) c[j] = o + j < h ? q[o + j] & 15 : q[o + j - h] >> 4;
     }
 }
 

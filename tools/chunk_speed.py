@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -26,6 +27,7 @@ import torch
 import kvrun
 import kvrun.model.qlinear as qlinear
 from kvrun import threads
+from kvrun.errors import KvrunError, read_text_file
 from kvrun.kv.config import parse_kv
 from kvrun.model.native_step import CHUNK_MAX_ROWS
 
@@ -48,6 +50,13 @@ def main() -> None:
         sizes = []
     if not sizes or min(sizes) < 2:
         raise SystemExit("error: --sizes takes prompt lengths of at least 2 tokens")
+    try:
+        measure(a, sizes)
+    except KvrunError as e:                  # a bad -m, --kv or --text: one line
+        sys.exit(f"error: {e}")
+
+
+def measure(a, sizes: list) -> None:
     ctx = PREFIX + max(sizes) + 64
     m = kvrun.load(a.model, ctx=ctx, threads=a.threads)
     threads.configure(a.threads)
@@ -59,11 +68,7 @@ def main() -> None:
     native = step.applies_chunk
     n = PREFIX + max(sizes)
     if a.text:
-        try:
-            text = open(a.text, encoding="utf-8", errors="replace").read()
-        except OSError as e:
-            raise SystemExit(f"error: {a.text}: {e.strerror}")
-        ids = torch.tensor([m.tokenize(text[:16 * n])[:n]])
+        ids = torch.tensor([m.tokenize(read_text_file(a.text)[:16 * n])[:n]])
         if ids.shape[1] < n:
             raise SystemExit(f"error: {a.text} has fewer than {n} tokens")
     else:

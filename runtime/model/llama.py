@@ -137,10 +137,12 @@ class Transformer(nn.Module):
         chunks only (`kvrun ppl`) never builds it. Calling it runs the step; its
         `chunk(ids, cache)` runs a chunk, its `rows(ids, caches)` B one-token rows, each on
         its own cache."""
-        from .native_step import CHUNK_MAX_ROWS, NativeDecodeStep, supported
-        if ids.shape[1] > CHUNK_MAX_ROWS or cache.backend != "native":
+        if cache.backend != "native":
             return None
         if not hasattr(self, "_step"):
+            from .native_step import CHUNK_MAX_ROWS, NativeDecodeStep, supported
+            if ids.shape[1] > CHUNK_MAX_ROWS:             # nothing to build it for yet
+                return None
             self._step = NativeDecodeStep(self) if supported(self) else None
         step = self._step
         if step is None or not (step.applies(ids, cache) or step.applies_chunk(ids, cache)):

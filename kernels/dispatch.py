@@ -83,11 +83,11 @@ _ATTN_DEFAULT: list = []
 
 
 def _default_attn() -> str:
-    """'int' when the native build's integer dot products are AVX512-VNNI, else 'fp32' (read
-    once)."""
+    """'int' when the native build's integer dot products are AVX512-VNNI or AVX2, else 'fp32'
+    (read once): the plain C integer loop is slower than the fp32 kernel."""
     if not _ATTN_DEFAULT:
         lib = native.load()
-        _ATTN_DEFAULT.append("int" if lib is not None and lib.kvrun_gemv_isa() == 2 else "fp32")
+        _ATTN_DEFAULT.append("int" if lib is not None and lib.kvrun_gemv_isa() >= 1 else "fp32")
     return _ATTN_DEFAULT[0]
 
 
@@ -101,8 +101,8 @@ def attn_path() -> str:
     a row, channel group and run of up to 256 tokens to int16 and sums them over the codes in
     int32, adding sum p z in fp32. Like the GEMVs, each row's
     result is the same bits on any thread count. fp32 is the reference the kernel tests
-    compare with the dequantized cache. Unset, int where the native build has AVX512-VNNI and
-    fp32 elsewhere: there the plain C integer loop is slower than the fp32 AVX2 kernel."""
+    compare with the dequantized cache. Unset, int where the native build has AVX512-VNNI or
+    AVX2 and fp32 in plain C, whose integer loop is slower than its fp32 kernel."""
     want = os.environ.get("KVRUN_ATTN", "").strip().lower() or _default_attn()
     if want not in ATTN_PATHS:
         raise BackendError(f"KVRUN_ATTN={want!r}: expected one of {', '.join(ATTN_PATHS)}")

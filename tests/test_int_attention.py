@@ -13,7 +13,7 @@ for p.V, the weights whose rounding the C probabilities (a few ulps from torch's
 tip to the next integer: each such weight may move an output by one step times its code
 (`v_tail`'s slack). Odd tile counts (a split starting inside a chanpack block), GQA
 rows 1-8, prefill chunks, head dims 64 and 256, 2, 3 and 4 bits, groups of 32 and 64 tokens,
-on each build this machine runs (the portable build: the plain C integer path). The integer
+on each build this machine runs (AVX512-VNNI, AVX2, plain C: `BUILDS`). The integer
 pieces themselves (kdot_int.c ki_quantize, ki_dot) are checked exactly, bit for bit."""
 import ctypes
 import math
@@ -147,8 +147,10 @@ def _build_order(lib, D: int) -> torch.Tensor:
     return order
 
 
-BUILDS = {"default": (), "portable": ("-DKVRUN_NO_AVX512",),
+BUILDS = {"default": (), "portable": ("-DKVRUN_NO_AVX512",),   # AVX2 where the CPU has it
+          "plain": ("-DKVRUN_NO_AVX512", "-DKVRUN_NO_AVX2"),
           "no-gfni": ("-mno-gfni",)}      # AVX512-VNNI without GFNI: 3-bit keys merged by shifts
+KERNEL_BUILDS = ["default", "portable", "plain"]
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -258,14 +260,13 @@ def test_int_values_beside_fp16_keys(vm, g, n):
     assert_close(o_int, o_fp, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("build", ["default", "portable"])
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 @pytest.mark.parametrize("geom", [(3, 3, 64, 1, 5), (1, 4, 256, 1, 6), (2, 3, 64, 4, 3), (2, 8, 36, 2, 9)],
                          ids=lambda g: "-".join(map(str, g)))
-def test_int8_keys_on_the_integer_path(build, geom, request):
+def test_int8_keys_on_the_integer_path(build, geom, monkeypatch):
     """int8 keys (R = Gq T rows, odd tile counts so calls start inside a 64-token block, D 36
     with D % 16 != 0), beside an fp16 V, on each build: the twin, and not the fp32 logits."""
-    if build == "portable":
-        request.getfixturevalue("portable")
+    use_build(monkeypatch, build)
     Hkv, Gq, D, T, tiles = geom
     q, kt, vt, kw, vw, kn, vn = attention_case("int8", "fp16", Hkv, Gq, D, 32 * tiles, 6, T, seed=7)
     args = (q, kt, vt, 32 * tiles, kw, vw, kn, vn)
@@ -276,14 +277,14 @@ def test_int8_keys_on_the_integer_path(build, geom, request):
     assert_close(o_int, o_fp, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("build", ["default", "portable"])
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 @pytest.mark.parametrize("bits,sh,R,lo_hi", [(4, 0, 3, False), (4, 0, 4, True), (2, 2, 1, True),
                                              (2, 0, 4, False), (4, 0, 2, True)])
 def test_value_weights_and_int_mix_are_exact(build, bits, sh, R, lo_hi):
     """kv_quantize (token order, ki_quantize's rounding) and kv_mix's int32 sums added to
     what out held, bit for bit; lo_hi: the two 32-channel halves of the block with weights of
     their own (groups of 32)."""
-    lib = ctypes.CDLL(str(native._build(() if build == "default" else ("-DKVRUN_NO_AVX512",))))
+    lib = ctypes.CDLL(str(native._build(BUILDS[build])))
     lib.kv_quantize.restype = ctypes.c_float
     g = torch.Generator().manual_seed(bits * 10 + R)
     x = torch.rand(2 * R, 32, generator=g) ** 4                       # softmax-like: many small
@@ -309,6 +310,46 @@ def test_value_weights_and_int_mix_are_exact(build, bits, sh, R, lo_hi):
     assert torch.equal(out.long(), init.long() + ref)
 
 
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+@pytest.mark.parametrize("P,R,D,shifts", [(1, 3, 64, (0, 0)), (2, 5, 256, (0, 0)), (1, 12, 36, (4, 4)),
+                                          (2, 4, 68, (0, 0))])
+def test_int8_planes_dots_are_exact(build, P, R, D, shifts):
+    """ki_dot8 and kv_mix8: int8 codes as two nibble planes, 16 hi + lo, bit for bit (AVX2
+    reads both planes in one pass, the other builds call ki_dot / kv_mix per plane); the
+    largest rows and codes reach 32767 * 255 * D, the int32 bound."""
+    lib = ctypes.CDLL(str(native._build(BUILDS[build])))
+    g = torch.Generator().manual_seed(P * 100 + R + D)
+    qi = torch.randint(-32767, 32768, (P * R, D), dtype=torch.int16, generator=g)
+    qi[0] = 32767
+    ds, shh, shl = 80, *shifts                                  # bytes from one channel row to the next
+    hbuf = torch.randint(0, 256, (D * ds,), dtype=torch.uint8, generator=g)
+    lbuf = torch.randint(0, 256, (D * ds,), dtype=torch.uint8, generator=g)
+    hbuf.view(D, ds)[:, 16:32] = 0xFF                           # tokens 0-15: code 255 in every tile
+    lbuf.view(D, ds)[:, 16:32] = 0xFF
+    out = torch.empty(P * R, 32, dtype=torch.int32)
+    lib.ki_dot8(ctypes.c_void_p(hbuf.data_ptr() + 16), ctypes.c_int64(ds), shh,
+                ctypes.c_void_p(lbuf.data_ptr() + 16), ctypes.c_int64(ds), shl, D, P, R,
+                ctypes.c_void_p(qi.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+    hr, lr = (b.view(D, ds)[:, 16:48].long() for b in (hbuf, lbuf))
+    codes = torch.stack([16 * ((hr >> (shh + 4 * p)) & 15) + ((lr >> (shl + 4 * p)) & 15)
+                         for p in range(P)])                    # (P, D, 32)
+    ref = torch.einsum("prd,pdj->prj", qi.long().view(P, R, D), codes).reshape(P * R, 32)
+    assert torch.equal(out.long(), ref)
+    # values: token rows of 32 bytes rs apart, the low plane pl bytes after the high one
+    Rv, rs, pl = min(R, 4), 40, 32 * 40
+    vbuf = torch.randint(0, 256, (2 * pl,), dtype=torch.uint8, generator=g)
+    w = torch.randint(0, 32768, (2 * Rv, 32), dtype=torch.int16, generator=g)
+    init = torch.randint(-2 ** 20, 2 ** 20, (Rv, 64), dtype=torch.int32, generator=g)
+    got = init.clone()
+    lib.kv_mix8(ctypes.c_void_p(vbuf.data_ptr()), ctypes.c_int64(pl), ctypes.c_int64(rs), Rv,
+                ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w[Rv:].data_ptr()), 32,
+                ctypes.c_void_p(got.data_ptr()))
+    hi, lo = vbuf[:pl].view(32, rs)[:, :32].long(), vbuf[pl:].view(32, rs)[:, :32].long()
+    codes = torch.cat([16 * (hi & 15) + (lo & 15), 16 * (hi >> 4) + (lo >> 4)], 1)   # (32, 64)
+    ref = torch.cat([w[:Rv].long() @ codes[:, :32], w[Rv:].long() @ codes[:, 32:]], 1)
+    assert torch.equal(got.long(), init.long() + ref)
+
+
 def test_fused_step_and_dispatch_follow_the_switch(monkeypatch):
     """KVRUN_ATTN picks the path of every native entry: the general op and the arena's
     one-token step (rebuilt when the switch changes); a bad value is a one-line error."""
@@ -324,23 +365,27 @@ def test_fused_step_and_dispatch_follow_the_switch(monkeypatch):
         step = dispatch.fused_step(win_k, win_v, 0, 9, backend="native")
         assert step.attn == a
         assert torch.equal(step(q, kt, vt, 128, 6, kn, vn), want[a])
-    monkeypatch.delenv("KVRUN_ATTN")                     # unset: int where the build has VNNI
-    assert dispatch.attn_path() == ("int" if native.load().kvrun_gemv_isa() == 2 else "fp32")
+    monkeypatch.delenv("KVRUN_ATTN")                     # unset: int where the build has VNNI or AVX2
+    assert dispatch.attn_path() == ("int" if native.load().kvrun_gemv_isa() >= 1 else "fp32")
     monkeypatch.setenv("KVRUN_ATTN", "int4")
     with pytest.raises(dispatch.BackendError, match="KVRUN_ATTN='int4': expected one of fp32, int"):
         dispatch.attn_path()
 
 
-@pytest.fixture
-def portable(monkeypatch):
-    """The kernel built without AVX-512: the plain C integer path."""
-    lib = ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))
+def use_build(monkeypatch, build):
+    """decode_attention on `build` (BUILDS) for the rest of the test"""
+    if build == "default":
+        return
+    lib = ctypes.CDLL(str(native._build(BUILDS[build])))
     lib.kvrun_decode_attention.restype = ctypes.c_int
     monkeypatch.setattr(nda, "load", lambda: lib)
 
 
+@pytest.mark.parametrize("build", ["portable", "plain"])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_portable_build_matches_the_twin(portable, bits):
+def test_portable_builds_match_the_twin(monkeypatch, build, bits):
+    """without AVX-512: the AVX2 integer path (where the CPU has AVX2) and the plain C one"""
+    use_build(monkeypatch, build)
     for Hkv, Gq, D, tiles, T in GEOMS[1:4]:
         q, kt, vt, kw, vw, kn, vn = _case(bits, 32, Hkv, Gq, D, tiles, 7, T)
         out = nda.decode_attention(q, kt, vt, 32 * tiles, kw, vw, kn, vn, attn="int")

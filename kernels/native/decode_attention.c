@@ -518,7 +518,7 @@ static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
     if (D % 4) return 0;
     enum { RB = KI_ACC / 2 };                    /* rows per ki_dot call: 2 tiles a block */
     int16_t qi[KI_ACC * MAXD];
-    int32_t hi[KI_ACC * TILE], lo[KI_ACC * TILE];
+    int32_t dots[KI_ACC * TILE];
     float qd[RB], st[2 * TILE];
     int64_t qsum[RB];
     for (int r0 = 0; r0 < R; r0 += RB) {
@@ -537,14 +537,13 @@ static int int8_tiles_int(const Codec *c, int h, int64_t t0, int avail, const fl
             const KLay L = k_layout(c, h, tb);
             const f16 *sp = c->scale + h * c->ss[0] + tb * c->ss[1];
             for (int j = 0; j < P * TILE; j++) st[j] = (float)sp[j * c->ss[1]];
-            ki_dot(L.b, L.ds, D, 4, L.sh, NULL, 0, 0, NULL, 0, P, nr, qi, hi);
-            ki_dot(L.b2, L.ds2, D, 4, L.sh2, NULL, 0, 0, NULL, 0, P, nr, qi, lo);
+            ki_dot8(L.b, L.ds, L.sh, L.b2, L.ds2, L.sh2, D, P, nr, qi, dots);
             for (int pt = 0; pt < P; pt++)
                 for (int r = 0; r < nr; r++) {
                     const int k = pt * nr + r;
                     float *o = sc + (int64_t)(r0 + r) * N + (done + pt) * TILE;
                     for (int j = 0; j < TILE; j++) {
-                        const int64_t x = 16 * (int64_t)hi[k * TILE + j] + lo[k * TILE + j] - 128 * qsum[r];
+                        const int64_t x = (int64_t)dots[k * TILE + j] - 128 * qsum[r];
                         o[j] = st[pt * TILE + j] * ((float)x * qd[r]);
                     }
                 }
@@ -1369,7 +1368,7 @@ static int vmix_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *
     run_scales(c, h, t0, n, ng, sT, zT);
     int16_t wq[KV_ROWS][MAXD / 32][KV_RUN];
     float wd[KV_ROWS][MAXD / 32], zs[KV_ROWS][MAXD / 32];
-    int32_t dots[KV_ROWS * 64], lo[KV_ROWS * 64];
+    int32_t dots[KV_ROWS * 64];
     for (int r0 = 0; r0 < R; r0 += KV_ROWS) {
         const int nr = R - r0 < KV_ROWS ? R - r0 : KV_ROWS;
         for (int r = 0; r < nr; r++)             /* the run's weights, one scale per row and group */
@@ -1386,19 +1385,16 @@ static int vmix_int(const Codec *c, int h, int64_t t0, int64_t t1, const float *
         for (int cb = 0; cb < D / 64; cb++) {
             const int glo = cb * 64 / g, ghi = (cb * 64 + 32) / g;
             memset(dots, 0, sizeof(int32_t) * 64 * nr);
-            if (i8) memset(lo, 0, sizeof(int32_t) * 64 * nr);
             for (int64_t tt = t0; tt < t1; tt += TILE) {
                 int sh;
                 const int64_t row0 = chan_row(tt, c->bits, &sh);
                 const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row0 * s[3];
-                kv_mix(b, s[3], bits, sh, nr, wq[0][glo] + (tt - t0), wq[0][ghi] + (tt - t0),
-                       MAXD / 32 * KV_RUN, dots);
-                if (i8)                          /* the low nibbles' plane */
-                    kv_mix(b + s[1], s[3], bits, sh, nr, wq[0][glo] + (tt - t0), wq[0][ghi] + (tt - t0),
-                           MAXD / 32 * KV_RUN, lo);
+                const int16_t *wl = wq[0][glo] + (tt - t0), *wh = wq[0][ghi] + (tt - t0);
+                if (i8)                          /* both nibble planes, the low one s[1] on */
+                    kv_mix8(b, s[1], s[3], nr, wl, wh, MAXD / 32 * KV_RUN, dots);
+                else
+                    kv_mix(b, s[3], bits, sh, nr, wl, wh, MAXD / 32 * KV_RUN, dots);
             }
-            if (i8)
-                for (int k = 0; k < 64 * nr; k++) dots[k] = 16 * dots[k] + lo[k];
             for (int r = 0; r < nr; r++) {
                 float *o = acc + (int64_t)(r0 + r) * D + cb * 64;
                 const float dl = wd[r][glo], dh = wd[r][ghi], zl = zs[r][glo], zh = zs[r][ghi];

@@ -9,8 +9,8 @@
  * one transpose serves every tile sharing the bytes (2 at 4 bits, 4 at 2 bits) and every
  * query row; a tile's codes are then taken out of their bit fields as two words per lane,
  * channels (d, d+2) and (d+1, d+3), against the query's words in that order (ki_quantize).
- * The sums are put back in token order once per tile and row. The plain C path computes the
- * same integers.
+ * The sums are put back in token order once per tile and row. The AVX2 path (vpmaddwd, no
+ * transpose: its own comment below) and the plain C one compute the same integers.
  *
  * 3-bit keys add their third bits (a second transpose of the 1-bit planes' rows) before the
  * products: one set of dot instructions still. With GFNI each tile's code is gathered from
@@ -337,6 +337,175 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
 }
 
 #else
+#if GI_AVX2
+/* -- AVX2: vpmaddwd + vpaddd for vpdpwssd, the query rows in channel order ------------------
+ * Without VNNI the 4-channel transpose does not pay: a pair of channel rows (d, d+1),
+ * 16 tokens each, interleaved byte by byte and widened gives 16 lanes of (d, d+1) words, 8
+ * tokens a register, against the row's words (d, d+1) broadcast, the sums already in token
+ * order. A tile is taken in two halves of 16 tokens and the rows 4 at a time (8 int32
+ * accumulators in the 16 registers), so a pass reads a half of each channel row (L1 after the
+ * first). On an AVX2 machine whose ymm FMA and vpmaddwd both do 8 products a cycle
+ * (tools/isa_peak.c) this still wins over the fp32 tile kernel: no int -> float conversion
+ * and half the decode per product. */
+enum { PREFETCH = 256 };
+
+/* two adjacent int16 words in every int32 lane: one load-broadcast (vbroadcastss of their 4
+ * bytes; the int32 set1 of a memcpy goes through a general register) */
+INLINE __m256i words2(const int16_t *w)
+{
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)w));
+}
+
+/* 16 codes (bits at sh of the bytes at p), one a byte: a 16-bit shift brings no bit of the
+ * next byte under the mask (sh + bits <= 8) */
+INLINE __m128i field16(const uint8_t *p, __m128i cnt, __m128i m)
+{
+    return _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)p), cnt), m);
+}
+
+/* the NR rows' dots of channels [0, D) with tokens 16 h .. 16 h + 15 of tile p: the codes'
+ * field at b (cnt, m), plus, with hb, a second plane's field (hcnt, hm) shifted up by hup:
+ * 3-bit keys' third bit (hm 1, hup 2), int8 keys' high nibble (b the low plane; hm 15, hup 4) */
+INLINE void ki_dot_half(const uint8_t *b, int64_t ds, int D, __m128i cnt, __m128i m,
+                        const uint8_t *hb, int64_t hds, __m128i hcnt, __m128i hm, __m128i hup,
+                        const int16_t *q, int32_t *out, int pf, const int NR)
+{
+    __m256i acc[4][2];
+    for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int d = 0; d < D; d += 2) {
+        const uint8_t *row = b + d * ds;
+        if (pf) {
+            _mm_prefetch((const char *)(row + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row + ds + PREFETCH), _MM_HINT_T0);
+        }
+        __m128i x = field16(row, cnt, m), y = field16(row + ds, cnt, m);
+        if (hb) {                           /* the second plane's bits above the first's */
+            const uint8_t *hr = hb + d * hds;
+            if (pf) {
+                _mm_prefetch((const char *)(hr + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(hr + hds + PREFETCH), _MM_HINT_T0);
+            }
+            x = _mm_or_si128(x, _mm_sll_epi16(field16(hr, hcnt, hm), hup));
+            y = _mm_or_si128(y, _mm_sll_epi16(field16(hr + hds, hcnt, hm), hup));
+        }
+        const __m256i w0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(x, y));    /* tokens 0-7 */
+        const __m256i w1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(x, y));    /* tokens 8-15 */
+        for (int r = 0; r < NR; r++) {
+            const __m256i qb = words2(q + r * D + d);  /* the row's words (d, d+1) */
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, qb));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, qb));
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm256_storeu_si256((__m256i *)(out + r * 32), acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(out + r * 32 + 8), acc[r][1]);
+    }
+}
+
+/* P tiles x R rows: tile p's field at sh + bits p of b, plus (hb) the second plane's at
+ * hsh + hstep p (mask hm) shifted up by hup; halves of 16 tokens, rows 4 at a time */
+static void ki_dot_planes(const uint8_t *b, int64_t ds, int bits, int sh, const uint8_t *hb,
+                          int64_t hds, int hsh, int hstep, int hm, int hup, int D, int P, int R,
+                          const int16_t *qi, int32_t *out)
+{
+    const __m128i m = _mm_set1_epi8((char)((1 << bits) - 1)), hmv = _mm_set1_epi8((char)hm);
+    const __m128i upv = _mm_cvtsi32_si128(hup);
+    for (int p = 0; p < P; p++) {
+        const __m128i cnt = _mm_cvtsi32_si128(sh + bits * p), hcnt = _mm_cvtsi32_si128(hsh + hstep * p);
+        for (int h = 0; h < 2; h++)
+            for (int r0 = 0; r0 < R; r0 += 4) {
+                const int k = p * R + r0, pf = !p && !h && !r0;
+                const uint8_t *bh = b + 16 * h, *hh = hb ? hb + 16 * h : NULL;
+#define KH(nr) ki_dot_half(bh, ds, D, cnt, m, hh, hds, hcnt, hmv, upv, qi + k * D, out + k * 32 + 16 * h, pf, nr)
+                switch (R - r0) {
+                case 1: KH(1); break;
+                case 2: KH(2); break;
+                case 3: KH(3); break;
+                default: KH(4);
+                }
+#undef KH
+            }
+    }
+}
+
+void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
+            int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out)
+{
+    (void)hy, (void)hmode;                  /* reads the third bits in place */
+    ki_dot_planes(b, ds, bits, sh, hb, hds, hsh, 1, 1, 2, D, P, R, qi, out);
+}
+
+void ki_dot8(const uint8_t *bh, int64_t dsh, int shh, const uint8_t *bl, int64_t dsl, int shl,
+             int D, int P, int R, const int16_t *qi, int32_t *out)
+{
+    ki_dot_planes(bl, dsl, 4, shl, bh, dsh, shh, 4, 15, 4, D, P, R, qi, out);
+}
+
+/* kv_mix's channels 32 n + 16 k + [0, 16) for NR rows: the field at sh + 4 n of tokens j,
+ * j+1's 16 bytes, interleaved and widened, gives 8 lanes of (token j, token j+1) words a
+ * register, against the rows' words for the pair broadcast */
+INLINE void kv_mix_quarter(const uint8_t *b, int64_t pl, int64_t rs, __m128i cnt, __m128i m,
+                           const int16_t *w, int ws, int32_t *out, const int NR)
+{
+    __m256i acc[4][2];
+    for (int r = 0; r < NR; r++) {
+        acc[r][0] = _mm256_loadu_si256((const __m256i *)(out + r * 64));
+        acc[r][1] = _mm256_loadu_si256((const __m256i *)(out + r * 64 + 8));
+    }
+    for (int j = 0; j < 32; j += 2) {
+        __m128i r0 = field16(b + j * rs, cnt, m), r1 = field16(b + (j + 1) * rs, cnt, m);
+        if (pl) {                           /* int8: 16 x this plane's nibble + the low plane's */
+            r0 = _mm_or_si128(_mm_slli_epi16(r0, 4), field16(b + pl + j * rs, cnt, m));
+            r1 = _mm_or_si128(_mm_slli_epi16(r1, 4), field16(b + pl + (j + 1) * rs, cnt, m));
+        }
+        const __m256i v0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1));
+        const __m256i v1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1));
+        for (int r = 0; r < NR; r++) {
+            const __m256i qb = words2(w + r * ws + j);  /* the row's words for tokens (j, j + 1) */
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(v0, qb));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(v1, qb));
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        _mm256_storeu_si256((__m256i *)(out + r * 64), acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(out + r * 64 + 8), acc[r][1]);
+    }
+}
+
+/* kv_mix (pl 0) and kv_mix8 (the low plane pl bytes after b) */
+static void kv_mix_planes(const uint8_t *b, int64_t pl, int64_t rs, int bits, int sh, int R,
+                          const int16_t *wlo, const int16_t *whi, int ws, int32_t *out)
+{
+    const __m128i m = _mm_set1_epi8((char)((1 << bits) - 1));
+    for (int n = 0; n < 2; n++) {           /* the low fields (channels 0-31), the high ones */
+        const __m128i cnt = _mm_cvtsi32_si128(sh + 4 * n);
+        for (int k = 0; k < 2; k++) {
+            const uint8_t *bk = b + 16 * k;
+            int32_t *o = out + 32 * n + 16 * k;
+#define KQ(nr) kv_mix_quarter(bk, pl, rs, cnt, m, n ? whi : wlo, ws, o, nr)
+            switch (R) {
+            case 1: KQ(1); break;
+            case 2: KQ(2); break;
+            case 3: KQ(3); break;
+            default: KQ(4);
+            }
+#undef KQ
+        }
+    }
+}
+
+void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t *wlo,
+            const int16_t *whi, int ws, int32_t *out)
+{
+    kv_mix_planes(b, 0, rs, bits, sh, R, wlo, whi, ws, out);
+}
+
+void kv_mix8(const uint8_t *b, int64_t pl, int64_t rs, int R, const int16_t *wlo,
+             const int16_t *whi, int ws, int32_t *out)
+{
+    kv_mix_planes(b, pl, rs, 4, 0, R, wlo, whi, ws, out);
+}
+#else
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
             int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out)
 {
@@ -359,26 +528,6 @@ void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t
     memcpy(out, acc, sizeof(int32_t) * 32 * P * R);
 }
 
-float ki_quantize(const float *x, int n, int16_t *qi)
-{
-    float amax = 0.f;
-    for (int d = 0; d < n; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
-    const float inv = amax > 0.f ? KI_QMAX / amax : 0.f;
-    for (int d = 0; d < n; d++) qi[d] = (int16_t)rintf(x[d] * inv);     /* channel order */
-    return amax / KI_QMAX;
-}
-
-float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
-                       float *bias)
-{
-    float x[256], bz = 0.f;
-    for (int d = 0; d < n; d++) {
-        x[d] = q[d] * s[d];
-        bz += q[d] * z[d];
-    }
-    *bias = bz;
-    return ki_quantize(x, n, qi);
-}
 void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t *wlo,
             const int16_t *whi, int ws, int32_t *out)
 {
@@ -394,6 +543,78 @@ void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t
         }
     }
 }
+#endif
+
+#if GI_AVX2
+/* x's max |x| and x * (KI_QMAX / max) rounded to int16 in channel order (cvtps: nearest
+ * even, as rintf): the plain C loop's integers, 8 lanes at a time */
+float ki_quantize(const float *x, int n, int16_t *qi)
+{
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= n; d += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float amax = _mm_cvtss_f32(m4);
+    for (; d < n; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float inv = amax > 0.f ? KI_QMAX / amax : 0.f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (d = 0; d + 16 <= n; d += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d), iv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d + 8), iv));
+        /* packs works per 128-bit lane: a0-3 b0-3 a4-7 b4-7, put back in order */
+        _mm256_storeu_si256((__m256i *)(qi + d), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+    for (; d < n; d++) qi[d] = (int16_t)rintf(x[d] * inv);
+    return amax / KI_QMAX;
+}
+#else
+float ki_quantize(const float *x, int n, int16_t *qi)
+{
+    float amax = 0.f;
+    for (int d = 0; d < n; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float inv = amax > 0.f ? KI_QMAX / amax : 0.f;
+    for (int d = 0; d < n; d++) qi[d] = (int16_t)rintf(x[d] * inv);     /* channel order */
+    return amax / KI_QMAX;
+}
+#endif
+
+float ki_fold_quantize(const float *q, const float *s, const float *z, int n, int16_t *qi,
+                       float *bias)
+{
+    float x[256], bz = 0.f;
+#pragma omp simd reduction(+ : bz)      /* q . z in fp32 in any order: vectorized */
+    for (int d = 0; d < n; d++) {
+        x[d] = q[d] * s[d];
+        bz += q[d] * z[d];
+    }
+    *bias = bz;
+    return ki_quantize(x, n, qi);
+}
 
 float kv_quantize(const float *x, int n, int16_t *qi) { return ki_quantize(x, n, qi); }
+#endif
+
+#if !GI_AVX2
+/* the two-plane entries as two calls, one per plane, where a call's dot instructions take a
+ * plane's 4-bit codes (VNNI's transposed words, the plain C loop) */
+void ki_dot8(const uint8_t *bh, int64_t dsh, int shh, const uint8_t *bl, int64_t dsl, int shl,
+             int D, int P, int R, const int16_t *qi, int32_t *out)
+{
+    int32_t lo[KI_ACC * 32];
+    ki_dot(bh, dsh, D, 4, shh, NULL, 0, 0, NULL, 0, P, R, qi, out);
+    ki_dot(bl, dsl, D, 4, shl, NULL, 0, 0, NULL, 0, P, R, qi, lo);
+    for (int k = 0; k < 32 * P * R; k++) out[k] = 16 * out[k] + lo[k];
+}
+
+void kv_mix8(const uint8_t *b, int64_t pl, int64_t rs, int R, const int16_t *wlo,
+             const int16_t *whi, int ws, int32_t *out)
+{
+    int32_t hi[KV_ROWS * 64] = {0}, lo[KV_ROWS * 64] = {0};
+    kv_mix(b, rs, 4, 0, R, wlo, whi, ws, hi);
+    kv_mix(b + pl, rs, 4, 0, R, wlo, whi, ws, lo);
+    for (int k = 0; k < 64 * R; k++) out[k] += 16 * hi[k] + lo[k];
+}
 #endif

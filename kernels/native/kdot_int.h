@@ -44,6 +44,13 @@ enum { KI_HY_FILL = 1, KI_HY_READ = 2 };
 void ki_dot(const uint8_t *b, int64_t ds, int D, int bits, int sh, const uint8_t *hb, int64_t hds,
             int hsh, uint8_t *hy, int hmode, int P, int R, const int16_t *qi, int32_t *out);
 
+/* ki_dot over 8-bit codes held as two nibble planes (int8 keys): code(d, p, j) = 16 hi + lo,
+ * hi from bh (rows dsh apart, tile p at bit shh + 4 p), lo from bl likewise; P <= 2.
+ * Exact in int32: 32767 * 255 * 256 < 2^31. AVX2 takes both planes in one pass, the others
+ * as two ki_dot calls. */
+void ki_dot8(const uint8_t *bh, int64_t dsh, int shh, const uint8_t *bl, int64_t dsl, int shl,
+             int D, int P, int R, const int16_t *qi, int32_t *out);
+
 /* p.V over KIVI values (per token, groups of g channels: v = c s + z): for a 32-token tile
  * sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t, and the weights w_t = p_t s_t of a
  * query row and channel group are quantized to int16 with one scale per tile (kv_quantize)
@@ -66,5 +73,11 @@ enum { KV_RUN = 256 };        /* most tokens per quantized run of weights */
  * Exact int32 on every ISA. */
 void kv_mix(const uint8_t *b, int64_t rs, int bits, int sh, int R, const int16_t *wlo,
             const int16_t *whi, int ws, int32_t *out);
+
+/* kv_mix over int8 values' two nibble planes, the high one at b, the low one at b + pl: the
+ * code of channel c is 16 hi + lo (bits 4, sh 0); exact over a run of KV_RUN tokens. AVX2
+ * takes both planes in one pass, the others as two kv_mix calls. */
+void kv_mix8(const uint8_t *b, int64_t pl, int64_t rs, int R, const int16_t *wlo,
+             const int16_t *whi, int ws, int32_t *out);
 
 #endif

@@ -201,32 +201,6 @@ static void mu_row(const Codec *c, int64_t t, int D, float *restrict o) {
 
 /* -- micro-kernels ---------------------------------------------------------------------------- */
 
-/* F(r0, NR) over rows [0, R) in blocks of 4 (8) rows, NR a compile-time constant so each
- * call specializes its register block to the rows left */
-#define ROW_TAIL(r0, REM, F)                                                         \
-    switch (REM) {                                                                   \
-    case 3: F(r0, 3); break;                                                         \
-    case 2: F(r0, 2); break;                                                         \
-    case 1: F(r0, 1); break;                                                         \
-    default: break;                                                                  \
-    }
-#define ROW_BLOCKS4(R, F) do {                                                       \
-        int r0_ = 0;                                                                 \
-        for (; r0_ + 4 <= (R); r0_ += 4) F(r0_, 4);                                  \
-        ROW_TAIL(r0_, (R) - r0_, F)                                                  \
-    } while (0)
-#define ROW_BLOCKS8(R, F) do {                                                       \
-        int r0_ = 0;                                                                 \
-        for (; r0_ + 8 <= (R); r0_ += 8) F(r0_, 8);                                  \
-        switch ((R) - r0_) {                                                         \
-        case 7: F(r0_, 7); break;                                                    \
-        case 6: F(r0_, 6); break;                                                    \
-        case 5: F(r0_, 5); break;                                                    \
-        case 4: F(r0_, 4); break;                                                    \
-        default: ROW_TAIL(r0_, (R) - r0_, F)                                         \
-        }                                                                            \
-    } while (0)
-
 /* sc[r * N + j] = sum_d q[r * D + d] * kt[d * 32 + j] for r < R, j < 32 (a tile's logits) */
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void scores_rows(const float *q, int D, const float *kt,

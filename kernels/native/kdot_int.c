@@ -30,6 +30,7 @@
 #include <string.h>
 #include "kdot_int.h"
 #include "int_dot.h"
+#include "math_inline.h"    /* ROW_BLOCKS4 */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -413,19 +414,13 @@ static void ki_dot_planes(const uint8_t *b, int64_t ds, int bits, int sh, const 
     const __m128i upv = _mm_cvtsi32_si128(hup);
     for (int p = 0; p < P; p++) {
         const __m128i cnt = _mm_cvtsi32_si128(sh + bits * p), hcnt = _mm_cvtsi32_si128(hsh + hstep * p);
-        for (int h = 0; h < 2; h++)
-            for (int r0 = 0; r0 < R; r0 += 4) {
-                const int k = p * R + r0, pf = !p && !h && !r0;
-                const uint8_t *bh = b + 16 * h, *hh = hb ? hb + 16 * h : NULL;
-#define KH(nr) ki_dot_half(bh, ds, D, cnt, m, hh, hds, hcnt, hmv, upv, qi + k * D, out + k * 32 + 16 * h, pf, nr)
-                switch (R - r0) {
-                case 1: KH(1); break;
-                case 2: KH(2); break;
-                case 3: KH(3); break;
-                default: KH(4);
-                }
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *bh = b + 16 * h, *hh = hb ? hb + 16 * h : NULL;
+#define KH(r0, nr) ki_dot_half(bh, ds, D, cnt, m, hh, hds, hcnt, hmv, upv, qi + (p * R + (r0)) * D, \
+                               out + (p * R + (r0)) * 32 + 16 * h, !p && !h && !(r0), nr)
+            ROW_BLOCKS4(R, KH);
 #undef KH
-            }
+        }
     }
 }
 
@@ -483,13 +478,8 @@ static void kv_mix_planes(const uint8_t *b, int64_t pl, int64_t rs, int bits, in
         for (int k = 0; k < 2; k++) {
             const uint8_t *bk = b + 16 * k;
             int32_t *o = out + 32 * n + 16 * k;
-#define KQ(nr) kv_mix_quarter(bk, pl, rs, cnt, m, n ? whi : wlo, ws, o, nr)
-            switch (R) {
-            case 1: KQ(1); break;
-            case 2: KQ(2); break;
-            case 3: KQ(3); break;
-            default: KQ(4);
-            }
+#define KQ(r0, nr) kv_mix_quarter(bk, pl, rs, cnt, m, (n ? whi : wlo) + (r0) * ws, ws, o + (r0) * 64, nr)
+            ROW_BLOCKS4(R, KQ);             /* R <= KV_ROWS: one block */
 #undef KQ
         }
     }

@@ -1,5 +1,5 @@
 /* Small fp32 helpers shared by the attention kernels (decode_attention.c, ring_attention.c,
- * codebook_attention.c): one definition, inlined into each translation unit. */
+ * codebook_attention.c, kdot_int.c): one definition, inlined into each translation unit. */
 #ifndef KVRUN_MATH_INLINE_H
 #define KVRUN_MATH_INLINE_H
 
@@ -40,6 +40,32 @@ static inline int token_splits(int64_t ntile) {
     int64_t s = ntile / SPLIT_TILES;
     return s < 2 ? 2 : s > NSPLIT_MAX ? NSPLIT_MAX : (int)s;
 }
+
+/* F(r0, NR) over rows [0, R) in blocks of 4 (8) rows, NR a compile-time constant so each
+ * call specializes its register block to the rows left */
+#define ROW_TAIL(r0, REM, F)                                                         \
+    switch (REM) {                                                                   \
+    case 3: F(r0, 3); break;                                                         \
+    case 2: F(r0, 2); break;                                                         \
+    case 1: F(r0, 1); break;                                                         \
+    default: break;                                                                  \
+    }
+#define ROW_BLOCKS4(R, F) do {                                                       \
+        int r0_ = 0;                                                                 \
+        for (; r0_ + 4 <= (R); r0_ += 4) F(r0_, 4);                                  \
+        ROW_TAIL(r0_, (R) - r0_, F)                                                  \
+    } while (0)
+#define ROW_BLOCKS8(R, F) do {                                                       \
+        int r0_ = 0;                                                                 \
+        for (; r0_ + 8 <= (R); r0_ += 8) F(r0_, 8);                                  \
+        switch ((R) - r0_) {                                                         \
+        case 7: F(r0_, 7); break;                                                    \
+        case 6: F(r0_, 6); break;                                                    \
+        case 5: F(r0_, 5); break;                                                    \
+        case 4: F(r0_, 4); break;                                                    \
+        default: ROW_TAIL(r0_, (R) - r0_, F)                                         \
+        }                                                                            \
+    } while (0)
 
 /* one row of N logits in place -> probabilities over its first vis (the keys its query sees,
  * causally), zeros after: an exact two-pass softmax */

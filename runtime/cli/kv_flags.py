@@ -10,7 +10,7 @@ from typing import NamedTuple
 import click
 
 from ..errors import KvrunError
-from ..kv.config import CTX_POLICIES, ROTATE, KVConfig, parse_kv
+from ..kv.config import CTX_POLICIES, PROMPT_SCORES, ROTATE, KVConfig, parse_kv
 from ..kv.evict import ANCHORS, POLICIES
 from ..kv.profile import shipped_profiles
 
@@ -89,6 +89,9 @@ KV_FLAGS = (
     Flag("--evict-slack",   "evict_slack",    int,                        None,
          "Tail tokens freed beyond need at each compaction (default 0): fewer compactions "
          "(not with KIVI/GEAR keys, which re-pack one block per compaction).", evict=True),
+    Flag("--evict-scores",  "evict_scores",   click.Choice(PROMPT_SCORES), None,
+         "snapkv/pyramidkv/kvcrush: score a prompt's chunks over its exact keys, held while "
+         "it is prefilled (default), or over the compressed codes (no copy).", evict=True),
     # not a KVConfig field: load_model picks the whole configuration that fits
     Flag("--kv-budget-mb",  None,             float,                      None,
          "Pick the best shipped/searched KV configuration that fits this many MiB at -c "

@@ -170,8 +170,10 @@ class Engine:
             e = s + C - (len(self.cached) % C)          # the next multiple of C
             logits = self._forward(ids[s:e], last_only=not rows)
             s = e
-            if s >= len(ids) and exact and shifts == self.n_shifts:
-                self.canon = len(self.cached)
+            if s >= len(ids):
+                self.cache.end_prompt()
+                if exact and shifts == self.n_shifts:
+                    self.canon = len(self.cached)
             yield (logits[0] if rows else logits[0, -1]), len(ids) - s
 
     def decode_step(self, token: int) -> torch.Tensor:

@@ -53,12 +53,14 @@ def windows_of(ids: list[int], ctx: int, n_windows: int | None) -> list[list[int
 
 @torch.inference_mode()
 def prefill_context(transformer, cache, window: list[int], prefill_chunk: int) -> None:
-    """The context half of `window` into `cache` (reset first), in prefill chunks."""
+    """The context half of `window` into `cache` (reset first), in prefill chunks: the
+    prompt, so the scored half then runs as decoding does (`end_prompt`)."""
     cache.reset()
     half = len(window) // 2
     ids = torch.tensor([window])
     for s in range(0, half, prefill_chunk):
         transformer(ids[:, s:min(s + prefill_chunk, half)], cache, last_only=True)
+    cache.end_prompt()
 
 
 @torch.inference_mode()

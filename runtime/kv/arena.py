@@ -171,7 +171,7 @@ class KVArena(KVCache):
                               rk, rv, backend=self.backend, mass=mass, mass_from=mass_from)
             if o is not None:
                 if self.ev:
-                    self.ev.observe(layer, mass, T)
+                    self.ev.observe(layer, mass, T, q, k)
                 self.n_win[layer] = w + T
                 self._flush(layer)
                 return o
@@ -181,7 +181,7 @@ class KVArena(KVCache):
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
                              backend=self.backend)
         if self.ev:
-            self.ev.observe(layer, mass, T)
+            self.ev.observe(layer, mass, T, q, k)
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
@@ -321,6 +321,10 @@ class KVArena(KVCache):
         self.seq_len = 0
         if self.ev:
             self.ev.reset()
+
+    def end_prompt(self) -> None:
+        if self.ev:
+            self.ev.end_prompt()
 
     def nbytes(self) -> dict[str, int]:
         """Exact bytes of every allocated tensor, by component."""

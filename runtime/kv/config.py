@@ -76,6 +76,9 @@ class Rotation:
         return self.which == "none" and self.per_layer is None
 
 
+PROMPT_SCORES = ("exact", "codes")
+
+
 @dataclass
 class Eviction:
     """Token eviction (evict.py, arena_evict.py): a policy keeps at most `budget` tokens per
@@ -87,6 +90,8 @@ class Eviction:
     crush_fraction: float = 0.25    # kvcrush: share of the budget for representatives
     crush_anchor: str = "random"    # kvcrush: random | mean | alternate
     slack: int = 0                  # tail tokens freed beyond need per compaction (whole G blocks)
+    prompt_scores: str = "exact"    # snapkv/pyramidkv/kvcrush: a prompt's chunks scored over the
+                                    # exact keys, held while it is prefilled, or over the codes
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -95,6 +100,9 @@ class Eviction:
             raise KvrunError(f"unknown KVCrush anchor {self.crush_anchor!r} ({', '.join(ANCHORS)})")
         if not 0 < self.crush_fraction < 1:
             raise KvrunError(f"--crush-fraction must be in (0, 1), got {self.crush_fraction}")
+        if self.prompt_scores not in PROMPT_SCORES:
+            raise KvrunError(f"--evict-scores must be one of {', '.join(PROMPT_SCORES)}, "
+                             f"got {self.prompt_scores!r}")
         if self.slack < 0:
             raise KvrunError(f"--evict-slack must be >= 0, got {self.slack}")
         if self.snap_window < 1 or self.sinks < 0:
@@ -144,7 +152,7 @@ SETTINGS = {
     "evict": ("eviction", "policy"), "budget": ("eviction", "budget"),
     "sinks": ("eviction", "sinks"), "snap_window": ("eviction", "snap_window"),
     "crush_fraction": ("eviction", "crush_fraction"), "crush_anchor": ("eviction", "crush_anchor"),
-    "evict_slack": ("eviction", "slack"),
+    "evict_slack": ("eviction", "slack"), "evict_scores": ("eviction", "prompt_scores"),
 }
 _PARTS = {"context": ContextPolicy, "rotation": Rotation, "eviction": Eviction}
 

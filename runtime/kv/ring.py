@@ -310,6 +310,9 @@ class LayeredKVCache(KVCache):
         self.inner.reset()
         self.ring.reset()
 
+    def end_prompt(self) -> None:
+        self.inner.end_prompt()
+
     def resume_point(self, n: int, chunk: int) -> int:
         m = self.inner.resume_point(n, chunk)
         return m if m == self.seq_len or self.ring.keeps(m) else 0

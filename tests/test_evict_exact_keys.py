@@ -1,0 +1,108 @@
+"""Observation-window policies over a compressed tail score a prompt's chunks over the exact
+keys (runtime/kv/arena_evict.py, "Scores over exact keys"): the selection is the one the
+same policy makes over a lossless tail, every re-pack quantizes the keys as they were, and
+the keys are freed when the prompt is in."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvrun
+from kvrun.kv import parse_kv
+from evict_cases import one_thread, tiny32_dir  # noqa: F401  (fixtures)
+from tiny import make_tiny_model_dir
+
+G, R = 32, 32
+
+
+def _prefill(m, ids, chunk: int) -> None:
+    with torch.inference_mode():
+        for s in range(0, len(ids), chunk):
+            m.transformer(ids[None, s:s + chunk], m.engine.cache)
+
+
+def _first_scores(tiny32_dir, method: str, policy: str, exact: bool = True) -> torch.Tensor:
+    """Layer 0's scores (H, n) at its first compaction, in position order."""
+    kv = parse_kv(method, residual=R, group=G, evict=policy, budget=R + G + 4 * G, snap_window=8,
+                  evict_scores="exact" if exact else "codes")
+    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+    ev, seen = m.engine.cache.ev, []
+    own = ev.choose
+
+    def choose(l, score, pos, K):
+        if l == 0:
+            seen.append((score.clone(), pos.clone()))
+        return own(l, score, pos, K)
+    ev.choose = choose
+    ids = torch.randint(3, m.cfg.vocab_size, (R + 8 * G,), generator=torch.Generator().manual_seed(8))
+    _prefill(m, ids, 3 * G)
+    score, pos = seen[0]
+    assert torch.equal(pos, pos.sort(-1).values), pos          # filled in order: no re-pack yet
+    return score
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "kvcrush"])
+@pytest.mark.parametrize("method, atol", [("kivi-2", 1e-5), ("kivi-4", 1e-5), ("tada-4", 1e-5),
+                                          ("int8", 1e-5), ("cb-3", 2e-3), ("kivi-4+rot", 2e-3)])
+def test_a_prompt_is_scored_as_over_a_lossless_tail(tiny32_dir, method, atol, policy):
+    """Layer 0's queries and keys do not depend on the cache, so over the exact keys its
+    first compaction sees the scores fp16 + the same policy sees: to the summation order,
+    and for rotated rows (cb-3's, +rot) to their rounding to the window's fp16 after the
+    rotation. (The selection can still flip a near-tie, and a flip then carries on.) Over
+    the stored codes, the attention kernel's mass, they differ at least 5x as much."""
+    ref = _first_scores(tiny32_dir, "fp16", policy)
+    assert (_first_scores(tiny32_dir, method, policy) - ref).abs().max() <= atol
+    assert (_first_scores(tiny32_dir, method, policy, exact=False) - ref).abs().max() > 5 * atol
+
+
+@pytest.mark.parametrize("method", ["kivi-2", "kivi-4", "kivi-3/kivi-4"])
+def test_tail_keys_are_one_quantization_of_the_exact_keys(tiny32_dir, method):
+    """After a chunked prefill with compactions, every tail block of per-channel keys is the
+    codec's packing of the exact keys its slots hold: the re-packs quantized the keys as
+    they were, not their decoded codes (which would compound the error)."""
+    kv = parse_kv(method, residual=R, group=G, evict="snapkv", budget=R + G + 4 * G)
+    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+    cache = m.engine.cache
+    ids = torch.randint(3, m.cfg.vocab_size, (R + 12 * G,), generator=torch.Generator().manual_seed(9))
+    _prefill(m, ids, 3 * G)
+    assert cache.ev.n_repacked > 0
+    for l in range(cache.L):
+        nt, codec = cache.n_tail[l], cache.k_codecs[l]
+        fresh = codec.alloc(cache.Hkv, cache.D, nt)
+        codec.pack(fresh, cache.ev.keys[l][:, :nt].float(), 0)
+        assert torch.equal(codec.dequant(fresh, 0, nt), codec.dequant(cache.k_store[l], 0, nt)), l
+
+
+def test_no_exact_keys_where_they_would_change_nothing(tiny32_dir):
+    """A lossless tail is exact already, and H2O-style policies score every query (decode
+    steps included) over the tail as stored: neither holds a copy."""
+    for method, policy in (("fp16", "snapkv"), ("kivi-4", "h2o"), ("kivi-4", "streaming")):
+        kv = parse_kv(method, residual=R, group=G, evict=policy, budget=R + G + 4 * G)
+        m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+        _prefill(m, 3 + torch.arange(R + 8 * G) % 250, 3 * G)
+        assert m.engine.cache.ev.transient_nbytes() == 0, (method, policy)
+
+
+def test_the_exact_keys_are_freed_when_the_prompt_is_in(tmp_path):
+    """Engine.prefill ends the prompt (here through Gemma 3's layered cache, whose global
+    layer evicts): the exact keys go, and a later chunk (a chat's next turn) is scored over
+    the tail as stored. Without end_prompt, the first one-token step frees them."""
+    d = make_tiny_model_dir(tmp_path / "g", architecture="gemma3")
+    kv = parse_kv("kivi-4", residual=R, group=G, evict="snapkv", budget=R + G + 4 * G)
+    m = kvrun.load(d, dtype="fp32", ctx=4096, kv=kv, prefill_chunk=3 * G)
+    ev = m.engine.cache.inner.ev
+    ids = [3 + i % 250 for i in range(R + 8 * G)]
+    with torch.inference_mode():
+        chunks = m.engine.prefill_chunks(ids)
+        next(chunks)
+        next(chunks)
+        assert ev.transient_nbytes() > 0 and ev._exact(0, 2)
+        for _ in chunks:
+            pass
+        assert ev.transient_nbytes() == 0 and not ev._exact(0, 2)
+        assert ev.mass_buffer(0, 2)[0] is not None           # scored by the attention kernel
+        m.engine.cache.reset()
+        _prefill(m, torch.tensor(ids), 3 * G)
+        assert ev.transient_nbytes() > 0
+        m.transformer(torch.tensor([[5]]), m.engine.cache)
+        assert ev.transient_nbytes() == 0

@@ -407,13 +407,14 @@ class KVArena(KVCache):
                 pack(c, st, x[:, c0:c1].float(), s0 + c0, self.backend,
                      mu=None if m is None else m[c0:c1])
 
-    def tail_rows(self, l: int, runs) -> tuple[torch.Tensor, torch.Tensor]:
+    def tail_rows(self, l: int, runs, keys: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Layer l's tail tokens in the slot runs [(s0, s1), ...] (whole blocks), dequantized:
-        K and V (Hkv, n, D) float32, the runs concatenated in order."""
+        K and V (Hkv, n, D) float32, the runs concatenated in order. keys False: K is not
+        decoded (None; the caller holds the keys)."""
         none = self.win_k.new_empty((self.Hkv, 0, self.D), dtype=torch.float32)
-        return tuple(torch.cat([c.dequant(st, r0, r1) for r0, r1 in runs] + [none], 1)
-                     for c, st in ((self.k_codecs[l], self.k_store[l]),
-                                   (self.v_codecs[l], self.v_store[l])))
+        return tuple(torch.cat([c.dequant(st, r0, r1) for r0, r1 in runs] + [none], 1) if want else None
+                     for c, st, want in ((self.k_codecs[l], self.k_store[l], keys),
+                                         (self.v_codecs[l], self.v_store[l], True)))
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         nt, w = self.n_tail[layer], self.n_win[layer]

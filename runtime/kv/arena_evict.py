@@ -70,9 +70,10 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   while a prompt is prefilled, an observation-window policy over a tail that is not
   lossless keeps the tail's keys as they were packed, in the window dtype (`keys`, (Hkv,
   S_l, D) per layer: K only, the budget's tokens — SmolLM2 at a budget of 1024: 10.0 MB
-  beside its kivi-4 arena's 10.1 MB, window included; the fp16 arena takes 23.6), scores each chunk's last W queries over them
-  (`_exact_mass`, what the attention kernel's mass gives over a lossless tail; the kernel
-  then reports none) and re-packs dirty blocks from them. The copy lives from an empty
+  beside its kivi-4 arena's 10.1 MB, window included; the fp16 arena takes 23.6), scores
+  each chunk's last W queries over them (`_exact_mass`, what the attention kernel's mass
+  gives over a lossless tail; the kernel then reports none) and re-packs dirty blocks from
+  them (their K is not decoded). The copy lives from an empty
   tail until `end_prompt` (the engine's prefill and ppl's context say when the prompt is
   in) or the first one-token step; a later prompt (a chat's next turn) is scored over the
   codes, as is every decode-time compaction. The same needle prompt: kivi-4 0.988, tada-4
@@ -280,7 +281,7 @@ class ArenaEviction:
             blocks[s[s < nt] // G] = True
         old_slots = torch.nonzero(blocks.repeat_interleave(G))[:, 0]
         runs = _runs(old_slots, G)
-        kd, vd = a.tail_rows(l, runs)
+        kd, vd = a.tail_rows(l, runs, keys=keys is None)
         if keys is not None:                     # re-pack the keys as they were, not decoded
             kd = keys[:, old_slots].float()
         kd, vd = torch.cat([kd, xk.float()], 1), torch.cat([vd, xv.float()], 1)

@@ -333,7 +333,8 @@ def test_int8_planes_dots_are_exact(build, P, R, D, shifts):
     hr, lr = (b.view(D, ds)[:, 16:48].long() for b in (hbuf, lbuf))
     codes = torch.stack([16 * ((hr >> (shh + 4 * p)) & 15) + ((lr >> (shl + 4 * p)) & 15)
                          for p in range(P)])                    # (P, D, 32)
-    ref = torch.einsum("prd,pdj->prj", qi.long().view(P, R, D), codes).reshape(P * R, 32)
+    qc = qi[:, _build_order(lib, D)].long()                     # the words' channels on this build
+    ref = torch.einsum("prd,pdj->prj", qc.view(P, R, D), codes).reshape(P * R, 32)
     assert torch.equal(out.long(), ref)
     # values: token rows of 32 bytes rs apart, the low plane pl bytes after the high one
     Rv, rs, pl = min(R, 4), 40, 32 * 40

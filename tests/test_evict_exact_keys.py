@@ -96,13 +96,67 @@ def test_the_exact_keys_are_freed_when_the_prompt_is_in(tmp_path):
         chunks = m.engine.prefill_chunks(ids)
         next(chunks)
         next(chunks)
-        assert ev.transient_nbytes() > 0 and ev._exact(0, 2)
+        assert ev.transient_nbytes() > 0 and ev.exact(0, 2)
         for _ in chunks:
             pass
-        assert ev.transient_nbytes() == 0 and not ev._exact(0, 2)
+        assert ev.transient_nbytes() == 0 and not ev.exact(0, 2)
         assert ev.mass_buffer(0, 2)[0] is not None           # scored by the attention kernel
         m.engine.cache.reset()
         _prefill(m, torch.tensor(ids), 3 * G)
         assert ev.transient_nbytes() > 0
         m.transformer(torch.tensor([[5]]), m.engine.cache)
         assert ev.transient_nbytes() == 0
+
+
+def _prompt_logits(tiny32_dir, method: str, log: dict, record: bool, exact: bool = True):
+    """The logits of a chunked prefill whose compactions keep what `log` holds per layer
+    (recorded from this run when `record`, else forced from it: the same tokens for any
+    codec, so a near-tie in the scores cannot make the comparison flaky)."""
+    kv = parse_kv(method, residual=R, group=G, evict="snapkv", budget=R + G + 4 * G, snap_window=8,
+                  evict_scores="exact" if exact else "codes")
+    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+    ev, done, own = m.engine.cache.ev, {}, m.engine.cache.ev.choose
+
+    def choose(l, score, pos, K):
+        if record:
+            keep = own(l, score, pos, K)
+            log.setdefault(l, []).append(pos.gather(1, keep))
+            return keep
+        i = done[l] = done.get(l, -1) + 1
+        want = torch.stack([torch.isin(p, w) for p, w in zip(pos, log[l][i])])
+        assert (want.sum(1) == K).all(), (l, i)
+        return torch.stack([torch.nonzero(x)[:, 0] for x in want])
+    ev.choose = choose
+    ids = torch.randint(3, m.cfg.vocab_size, (R + 12 * G,), generator=torch.Generator().manual_seed(10))
+    with torch.inference_mode():
+        out = torch.cat([m.transformer(ids[None, s:s + 3 * G], m.engine.cache)
+                         for s in range(0, ids.numel(), 3 * G)], 1)
+    assert ev.n_compactions > 0
+    return out
+
+
+@pytest.mark.parametrize("method", ["kivi-2", "tada-4", "kivi-4/int8", "fp16/kivi-2", "cb-3"])
+def test_a_prompt_attends_as_over_a_lossless_tail(tiny32_dir, method):
+    """With the same tokens kept, every chunk of a prompt attends over the tail's exact rows:
+    the prompt's logits are fp16 + the policy's to the summation order (the window's fp16
+    rounding of rotated rows for cb-3), in every layer, not only the first; attending over
+    the codes (`--evict-scores codes`) moves them at least 20x as much."""
+    log: dict = {}
+    ref = _prompt_logits(tiny32_dir, "fp16", log, record=True)
+    err = (_prompt_logits(tiny32_dir, method, log, record=False) - ref).abs().max()
+    codes = (_prompt_logits(tiny32_dir, method, {}, record=True, exact=False) - ref).abs().max()
+    assert err <= (0.05 if method == "cb-3" else 3e-3), err
+    assert codes > 20 * err, (codes, err)
+
+
+@pytest.mark.parametrize("method, copies", [("kivi-4", 2), ("kivi-4/fp16", 1), ("fp16/kivi-2", 1)])
+def test_the_prompt_holds_a_copy_of_each_lossy_side(tiny32_dir, method, copies):
+    """A lossless side is read from its storage: only the lossy side's rows are copied, each
+    (Hkv, S, D) per layer in the window's fp16."""
+    kv = parse_kv(method, residual=R, group=G, evict="snapkv", budget=R + G + 4 * G)
+    m = kvrun.load(tiny32_dir, dtype="fp32", ctx=4096, kv=kv)
+    _prefill(m, 3 + torch.arange(R + 8 * G) % 250, 3 * G)
+    c = m.engine.cache
+    assert c.ev.transient_nbytes() == copies * c.L * c.Hkv * c.ev.a.S_l[0] * c.D * 2
+    c.end_prompt()
+    assert c.ev.transient_nbytes() == 0

@@ -90,8 +90,9 @@ KV_FLAGS = (
          "Tail tokens freed beyond need at each compaction (default 0): fewer compactions "
          "(not with KIVI/GEAR keys, which re-pack one block per compaction).", evict=True),
     Flag("--evict-scores",  "evict_scores",   click.Choice(PROMPT_SCORES), None,
-         "snapkv/pyramidkv/kvcrush: score a prompt's chunks over its exact keys, held while "
-         "it is prefilled (default), or over the compressed codes (no copy).", evict=True),
+         "snapkv/pyramidkv/kvcrush: a prompt's chunks attend and are scored over its exact "
+         "K/V, held while it is prefilled (default), or over the compressed codes (no copy).",
+         evict=True),
     # not a KVConfig field: load_model picks the whole configuration that fits
     Flag("--kv-budget-mb",  None,             float,                      None,
          "Pick the best shipped/searched KV configuration that fits this many MiB at -c "

@@ -33,7 +33,9 @@ around each step's attention (scores: the attention mass) and when blocks leave 
 window (`flush`: pack them or compact the full tail; see that module). It writes the tail
 only through `pack_tail` (dispatch.pack on the cache's backend, as every flush), reads it
 through `tail_rows` / `tail_means`, and returns the counts the arena sets. Positions stay
-absolute (`seq_len`), so n_tail + n_win + evicted == seq_len.
+absolute (`seq_len`), so n_tail + n_win + evicted == seq_len. While a prompt is prefilled an
+observation-window policy may hold the tail's rows as they were packed; a prompt's chunk then
+reads the tail through them (`attend_exact`, the same contract over a lossless tail).
 
 Interrupted forwards (Ctrl-C between layers) leave layers at different lengths;
 `truncate(seq_len)` makes them consistent again (keeping fewer tokens if a layer flushed).
@@ -154,6 +156,12 @@ class KVArena(KVCache):
         assert nt + w + k.shape[2] <= self.max_ctx, "positions() must run before attend()"
         rk, rv = self.rot_k[layer], self.rot_v[layer]
         T = k.shape[2]
+        if self.ev is not None and self.ev.exact(layer, T):   # a prompt's chunk over its exact rows
+            q, k, v = rotate_step(q, k, v, rk, rv)
+            k, v = k.to(self.wdtype), v.to(self.wdtype)
+            o = self.ev.attend_exact(layer, q, k, v).to(q.dtype)
+            self.append(layer, k[0], v[0])
+            return o if rv is None else unrotate(o, rv)
         # eviction's scores: this step's attention mass is added into a buffer (None: unused)
         mass, mass_from = self.ev.mass_buffer(layer, T) if self.ev else (None, 0)
         kt, vt = (self.k_codecs[layer], self.k_store[layer]), (self.v_codecs[layer], self.v_store[layer])
@@ -171,7 +179,7 @@ class KVArena(KVCache):
                               rk, rv, backend=self.backend, mass=mass, mass_from=mass_from)
             if o is not None:
                 if self.ev:
-                    self.ev.observe(layer, mass, T, q, k)
+                    self.ev.observe(layer, mass, T)
                 self.n_win[layer] = w + T
                 self._flush(layer)
                 return o
@@ -181,7 +189,7 @@ class KVArena(KVCache):
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
                              backend=self.backend)
         if self.ev:
-            self.ev.observe(layer, mass, T, q, k)
+            self.ev.observe(layer, mass, T)
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
@@ -407,14 +415,15 @@ class KVArena(KVCache):
                 pack(c, st, x[:, c0:c1].float(), s0 + c0, self.backend,
                      mu=None if m is None else m[c0:c1])
 
-    def tail_rows(self, l: int, runs, keys: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def tail_rows(self, l: int, runs, keys: bool = True,
+                  values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer l's tail tokens in the slot runs [(s0, s1), ...] (whole blocks), dequantized:
-        K and V (Hkv, n, D) float32, the runs concatenated in order. keys False: K is not
-        decoded (None; the caller holds the keys)."""
+        K and V (Hkv, n, D) float32, the runs concatenated in order. keys / values False:
+        that side is not decoded (None; the caller holds those rows)."""
         none = self.win_k.new_empty((self.Hkv, 0, self.D), dtype=torch.float32)
         return tuple(torch.cat([c.dequant(st, r0, r1) for r0, r1 in runs] + [none], 1) if want else None
                      for c, st, want in ((self.k_codecs[l], self.k_store[l], keys),
-                                         (self.v_codecs[l], self.v_store[l], True)))
+                                         (self.v_codecs[l], self.v_store[l], values)))
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         nt, w = self.n_tail[layer], self.n_win[layer]

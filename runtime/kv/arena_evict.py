@@ -43,8 +43,8 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   kivi-4 + snapkv lost 6 of the 19 needles fp16 + snapkv found, now 2. With every dirty
   block re-packed at every compaction, kivi-4's ppl under eviction moved 20.99 → 21.01
   and kivi-2's 28.6 → 54.2, so 2- and 3-bit keys keep f / G (docs/eviction.md) — unless
-  the layer holds the prompt's exact keys (below): a re-pack from them quantizes once, so
-  every width then re-packs every dirty block of a prefill chunk;
+  the layer holds the prompt's exact rows (below): a re-pack from them quantizes once, so
+  every width then re-packs every dirty block while the prompt is prefilled;
   (2) dirty slots are refilled in position order, so a block holds neighbouring tokens
   (RoPE turns each channel pair by an angle growing with the position, so a block of
   far-apart tokens spreads every channel's range);
@@ -63,28 +63,31 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   chunk resets the scores and adds only its last W queries (exactly SnapKV when
   the prompt fits one chunk — raise -b for long prompts); during decoding the scores
   restart after every compaction, so the window is the queries since the last one.
-- Scores over exact keys. A prompt longer than a chunk is compressed as it arrives, so the
-  question's chunk, whose queries pick what survives, would score the tail over its codes:
-  4-bit keys alone moved SnapKV's choice off fp16's (kivi-4 kept 0.964 of fp16 + snapkv's
-  slots on a needle prompt, tada-4 0.936) and lost needles fp16 + the policy finds. So
-  while a prompt is prefilled, an observation-window policy over a tail that is not
-  lossless keeps the tail's keys as they were packed, in the window dtype (`keys`, (Hkv,
-  S_l, D) per layer: K only, the budget's tokens — SmolLM2 at a budget of 1024: 10.0 MB
-  beside its kivi-4 arena's 10.1 MB, window included; the fp16 arena takes 23.6), scores
-  each chunk's last W queries over them (`_exact_mass`, what the attention kernel's mass
-  gives over a lossless tail; the kernel then reports none) and re-packs dirty blocks from
-  them (their K is not decoded). The copy lives from an empty
-  tail until `end_prompt` (the engine's prefill and ppl's context say when the prompt is
-  in) or the first one-token step; a later prompt (a chat's next turn) is scored over the
-  codes, as is every decode-time compaction. The same needle prompt: kivi-4 0.988, tada-4
-  0.987 of fp16's slots; what differs is what the codec changed in the layers below.
-  H2O-style policies score every decode query over the codes anyway and hold no copy.
+- The prompt over exact rows. A prompt longer than a chunk is compressed as it arrives, so
+  each later chunk, the question's included, read the tail through the codec twice over:
+  its scores (4-bit keys alone moved SnapKV's choice off fp16's: kivi-4 kept 0.964 of fp16 +
+  snapkv's slots on a needle prompt, tada-4 0.936) and its attention, whose error changed
+  the hidden states and so the queries that choose in every layer above (with the scores
+  exact, the choice still moved by 1.2 % of the slots, and that decided a needle). So while
+  a prompt is prefilled, an observation-window policy over a tail that is not lossless
+  keeps the tail's rows as they were packed, in the window dtype (`keys` / `values`, (Hkv,
+  S_l, D) per layer, each where its codec is lossy: the budget's tokens, SmolLM2 at a
+  budget of 1024 with kivi-4, 20.0 MB beside its 10.1 MB arena; fp16's arena of that
+  budget takes 23.6), attends each chunk over them (`attend_exact`: what the attention
+  gives over a lossless tail, so the prompt's hidden states are fp16 + the policy's), scores
+  its last W queries there, and re-packs dirty blocks from them (a re-pack is then one
+  quantization, so every width re-packs every dirty block of a prompt). The copy lives from
+  an empty tail until `end_prompt` (the engine's prefill and ppl's context say when the
+  prompt is in) or the first one-token step: decoding, a later prompt (a chat's next turn)
+  and every decode-time compaction read the codes. H2O-style policies score every decode
+  query over the codes anyway and hold no copy; `--evict-scores codes` holds none either.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kvrun.kernels.dense_attention import causal_mask, dense_attention
 from .layout import tail_capacity
 from .evict import group_scores, pyramid_budgets, resets_scores, select
 
@@ -142,12 +145,16 @@ class ArenaEviction:
         self.sinks = [-(-sinks // a.G) * a.G if tg and sinks else sinks for tg in self.token_groups]
         self.per_head = [per_head_storage(kc, a.Hkv, a.D, S) and per_head_storage(vc, a.Hkv, a.D, S)
                          for kc, vc, S in zip(a.k_codecs, a.v_codecs, a.S_l)]
-        # the prompt's exact keys (module docstring, "Scores over exact keys"): observation-
+        # the prompt's exact rows (module docstring, "The prompt over exact rows"): observation-
         # window policies over a tail that is not lossless keep, while the prompt is being
-        # prefilled, the tail's keys in the window dtype, (Hkv, S, D) per layer
+        # prefilled, the tail's K and V as they were packed in the window dtype, (Hkv, S, D)
+        # per layer, each where its codec is lossy (a lossless side is read from storage)
         exact = self.resets and kv.eviction.prompt_scores == "exact"
-        self.exact_keys = [exact and not (c.kind == "fp" and c.dtype == a.wdtype) for c in a.k_codecs]
+        lossy = [[not (c.kind == "fp" and c.dtype == a.wdtype) for c in cs] for cs in (a.k_codecs, a.v_codecs)]
+        self.exact_keys, self.exact_values = ([exact and x for x in side] for side in lossy)
         self.keys: list[torch.Tensor | None] = [None] * a.L
+        self.values: list[torch.Tensor | None] = [None] * a.L
+        self.holding = [False] * a.L              # the layer's copies are live
         self.prefilling = [True] * a.L
 
     def n_recent(self, l: int) -> int:
@@ -160,7 +167,7 @@ class ArenaEviction:
         (None, 0) when the policy uses no scores. One decode token: the layer's scores
         plus a zero column, which the kernel adds the query's probabilities into (acc + p,
         as adding p separately would round); a chunk: zeros (observe adds the scores)."""
-        if not self.needs_mass or self._exact(l, T):
+        if not self.needs_mass or self.exact(l, T):
             return None, 0
         acc = self.acc[l]
         mass_from = max(0, T - self.kv.eviction.snap_window) if self.resets else 0
@@ -168,17 +175,12 @@ class ArenaEviction:
             return torch.cat([acc, self.zero_col], 1), mass_from
         return acc.new_zeros(self.H, acc.shape[1] + T), mass_from
 
-    def observe(self, l: int, mass, T: int, q: torch.Tensor | None = None,
-                k: torch.Tensor | None = None) -> None:
+    def observe(self, l: int, mass, T: int) -> None:
         """T tokens are being appended to layer l after attending with `mass` (the buffer
-        mass_buffer gave; None: no scores, e.g. ingested without attention). q (1, H, T, D),
-        k (1, Hkv, T, D): the step's queries and new keys, as the attention saw them (RoPE'd,
-        in the tail's rotation); the scores come from them and the exact keys while the
-        prompt is prefilled (mass_buffer then gave None). A single token ends the prefill."""
+        mass_buffer gave, or attend_exact's; None: no scores, e.g. ingested without
+        attention). A single token ends the prefill."""
         if T == 1:
-            self.prefilling[l], self.keys[l] = False, None
-        if q is not None and self._exact(l, T):
-            mass = self._exact_mass(l, q, k)
+            self._release(l)
         acc = self.acc[l]
         if mass is None:
             self.acc[l] = F.pad(acc, (0, T))
@@ -196,13 +198,19 @@ class ArenaEviction:
         assert self.acc[l].shape[1] >= nt + f, "observe() must run before the tokens are appended"
         p0 = nt + self.n_drop[l]                         # the window's first position
         pos = torch.arange(p0, p0 + f, device=self.dev)
-        if nt == 0 and self.prefilling[l] and self.exact_keys[l] and self.keys[l] is None:
-            self.keys[l] = k.new_empty(a.Hkv, a.S_l[l], a.D)
+        if nt == 0 and self.prefilling[l] and not self.holding[l] and (
+                self.exact_keys[l] or self.exact_values[l]):
+            self.holding[l] = True
+            if self.exact_keys[l]:
+                self.keys[l] = k.new_empty(a.Hkv, a.S_l[l], a.D)
+            if self.exact_values[l]:
+                self.values[l] = v.new_empty(a.Hkv, a.S_l[l], a.D)
         if nt + f <= a.S_l[l]:
             a.pack_tail(l, k, v, nt)
             self.pos_tail[l][:, nt:nt + f] = pos
-            if self.keys[l] is not None:
-                self.keys[l][:, nt:nt + f] = k
+            for copy, x in ((self.keys[l], k), (self.values[l], v)):
+                if copy is not None:
+                    copy[:, nt:nt + f] = x
             return nt + f
         return self._compact(l, k, v, pos)
 
@@ -221,16 +229,23 @@ class ArenaEviction:
     def reset(self) -> None:
         self.n_drop = [0] * self.a.L
         self.acc = [x.new_zeros(self.H, 0) for x in self.acc]
-        self.keys, self.prefilling = [None] * self.a.L, [True] * self.a.L
+        for l in range(self.a.L):
+            self._release(l)
+        self.prefilling = [True] * self.a.L
 
     def end_prompt(self) -> None:
-        """The prompt is in: later chunks are scored over the tail as stored."""
-        self.keys, self.prefilling = [None] * self.a.L, [False] * self.a.L
+        """The prompt is in: later chunks attend and are scored over the tail as stored."""
+        for l in range(self.a.L):
+            self._release(l)
+
+    def _release(self, l: int) -> None:
+        self.keys[l] = self.values[l] = None
+        self.holding[l] = self.prefilling[l] = False
 
     def transient_nbytes(self) -> int:
-        """Bytes of the exact keys held while the prompt is prefilled (freed by end_prompt
+        """Bytes of the exact rows held while the prompt is prefilled (freed by end_prompt
         or the first single-token step)."""
-        return sum(x.numel() * x.element_size() for x in self.keys if x is not None)
+        return sum(x.numel() * x.element_size() for x in self.keys + self.values if x is not None)
 
     def kept_positions(self, l: int) -> torch.Tensor:
         """(Hkv, n_kept) sorted absolute positions of the tokens layer l holds, per KV head."""
@@ -252,7 +267,7 @@ class ArenaEviction:
         quantized per channel over G-token blocks first go through `dirty_blocks`."""
         a = self.a
         S, nt, f, G, Hkv, D = a.S_l[l], a.n_tail[l], xk.shape[1], a.G, a.Hkv, a.D
-        groups, keys = self.token_groups[l], self.keys[l]
+        groups, keys, values = self.token_groups[l], self.keys[l], self.values[l]
         K = S if groups else S - min(self.kv.eviction.slack // G * G, S - G)
         n = nt + f
         pos = torch.cat([self.pos_tail[l][:, :nt], xpos[None].expand(Hkv, f)], 1)   # (Hkv, n)
@@ -261,7 +276,7 @@ class ArenaEviction:
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
         per_head = self.per_head[l]
         if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block
-            n_blocks = nt // G if f > G and (self.fine_keys[l] or keys is not None) else -(-f // G)
+            n_blocks = nt // G if self.holding[l] or f > G and self.fine_keys[l] else -(-f // G)
             kept = dirty_blocks(kept, self._value(score, pos), nt, G, per_head, n_blocks)
         # -- clean blocks (in [0, K), all G tokens kept) stay as packed --------------------------
         clean = torch.zeros(Hkv, S // G, dtype=torch.bool)
@@ -281,9 +296,11 @@ class ArenaEviction:
             blocks[s[s < nt] // G] = True
         old_slots = torch.nonzero(blocks.repeat_interleave(G))[:, 0]
         runs = _runs(old_slots, G)
-        kd, vd = a.tail_rows(l, runs, keys=keys is None)
-        if keys is not None:                     # re-pack the keys as they were, not decoded
+        kd, vd = a.tail_rows(l, runs, keys=keys is None, values=values is None)
+        if keys is not None:                     # re-pack the rows as they were, not decoded
             kd = keys[:, old_slots].float()
+        if values is not None:
+            vd = values[:, old_slots].float()
         kd, vd = torch.cat([kd, xk.float()], 1), torch.cat([vd, xv.float()], 1)
         n_old = old_slots.numel()
         row = torch.full((n,), -1, dtype=torch.long)     # candidate → row of kd / vd
@@ -301,11 +318,12 @@ class ArenaEviction:
             idx = r[..., None].expand(-1, -1, D)
             self._pack_runs(l, dirty[0], kd.gather(1, idx), vd.gather(1, idx),
                             means=self._slot_means(l, runs, r, f))
-        # -- positions, exact keys and scores follow their tokens ------------------------------
+        # -- positions, exact rows and scores follow their tokens ------------------------------
         for h in range(Hkv):
             self.pos_tail[l][h, dirty[h]] = pos[h, src[h]]
-            if keys is not None:
-                keys[h, dirty[h]] = kd[h, rows[h]].to(keys.dtype)
+            for copy, x in ((keys, kd), (values, vd)):
+                if copy is not None:
+                    copy[h, dirty[h]] = x[h, rows[h]].to(copy.dtype)
         win = self.acc[l][:, n:]                             # the tokens staying in the window
         if self.resets:                         # the next selection observes fresh queries
             self.acc[l] = score.new_zeros(self.H, K + win.shape[1])
@@ -320,30 +338,37 @@ class ArenaEviction:
         self.n_compactions += 1
         return K
 
-    def _exact(self, l: int, T: int) -> bool:
-        """Whether a prefill chunk's scores come from the exact keys (held, or about to be:
-        nothing of the layer is compressed yet)."""
-        return (T > 1 and self.exact_keys[l] and self.prefilling[l]
-                and (self.keys[l] is not None or self.a.n_tail[l] == 0))
+    def exact(self, l: int, T: int) -> bool:
+        """Whether a prefill chunk of layer l attends over the exact rows (the arena then
+        calls attend_exact): while they are held and some of the tail is compressed. Before
+        the first flush every row is in the window, exact, and the attention kernel's mass
+        is the lossless one."""
+        return T > 1 and self.holding[l] and self.a.n_tail[l] > 0
 
-    def _exact_mass(self, l: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """(H, n_tail + n_win + T): the attention probabilities of the chunk's last
-        snap_window queries over [tail, window, new tokens], summed per query head, from
-        the exact keys: what decode_attention's `mass` gives over a lossless tail (scale
-        1/sqrt(D), causal over the new tokens)."""
+    def attend_exact(self, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's attention over [tail, window, new tokens] from the exact rows:
+        q (1, H, T, D), k, v (1, Hkv, T, D) in the tail's rotation and the window dtype. Returns
+        (1, H, T, D) float32, what the attention gives over a lossless tail, and records
+        the scores (the last snap_window queries' probabilities summed per query head, as
+        decode_attention's `mass`) as observe does."""
         a = self.a
         nt, w = a.n_tail[l], a.n_win[l]
         _, H, T, D = q.shape
+        stored = a.tail_rows(l, [(0, nt)] if nt else [], keys=self.keys[l] is None,
+                             values=self.values[l] is None)
+        rows = [held[:, :nt] if held is not None else x.to(a.wdtype)
+                for held, x in zip((self.keys[l], self.values[l]), stored)]
+        keys, values = (torch.cat([t.float(), win[l][:, :w].float(), new[0].float()], 1)[None]
+                        for t, win, new in zip(rows, (a.win_k, a.win_v), (k, v)))
+        o = dense_attention(q.float(), keys, values, nt + w)
         m0 = max(0, T - self.kv.eviction.snap_window)
         g, Tw = H // a.Hkv, T - m0
-        tail = [self.keys[l][:, :nt]] if nt else []
-        keys = torch.cat(tail + [a.win_k[l][:, :w], k[0].to(a.wdtype)], 1)
         qg = q[0, :, m0:].float().reshape(a.Hkv, g * Tw, D) * D ** -0.5   # rows (g, t)
-        sc = torch.bmm(qg, keys.float().transpose(1, 2))                  # (Hkv, g Tw, N)
-        t = torch.arange(T, device=q.device)
-        hidden = t[None, :] > t[m0:, None]                                  # (Tw, T)
-        sc[:, :, nt + w:].masked_fill_(hidden.repeat(g, 1)[None], float("-inf"))
-        return sc.softmax(-1).view(a.Hkv, g, Tw, -1).sum(2).reshape(H, -1)
+        sc = torch.bmm(qg, keys[0].float().transpose(1, 2))               # (Hkv, g Tw, N)
+        seen = causal_mask(Tw, nt + w + T, nt + w + m0, q.device)          # (Tw, N)
+        sc.masked_fill_(~seen.repeat(g, 1)[None], float("-inf"))
+        self.observe(l, sc.softmax(-1).view(a.Hkv, g, Tw, -1).sum(2).reshape(H, -1), T)
+        return o
 
     def choose(self, l: int, score: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
         """The policy's choice at a compaction of layer l: (Hkv, K) sorted candidate indices

@@ -90,8 +90,9 @@ class Eviction:
     crush_fraction: float = 0.25    # kvcrush: share of the budget for representatives
     crush_anchor: str = "random"    # kvcrush: random | mean | alternate
     slack: int = 0                  # tail tokens freed beyond need per compaction (whole G blocks)
-    prompt_scores: str = "exact"    # snapkv/pyramidkv/kvcrush: a prompt's chunks scored over the
-                                    # exact keys, held while it is prefilled, or over the codes
+    prompt_scores: str = "exact"    # snapkv/pyramidkv/kvcrush: a prompt's chunks attend and are
+                                    # scored over its exact rows, held while it is prefilled, or
+                                    # over the codes
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -143,7 +143,7 @@ class KVCache(ABC):
     def end_prompt(self) -> None:
         """The prompt is prefilled; decoding (or a scored continuation) follows. A cache that
         holds something for the prompt's chunks only frees it here (an evicting arena: the
-        exact keys its policy scores them over). Callers that never say so lose nothing but
+        exact rows its policy attends and scores them over). Callers that never say so lose nothing but
         that memory until the first one-token step."""
 
     def report(self) -> list[str]:

@@ -72,7 +72,7 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   a prompt is prefilled, an observation-window policy over a tail that is not lossless
   keeps the tail's rows as they were packed, in the window dtype (`keys` / `values`, (Hkv,
   S_l, D) per layer, each where its codec is lossy: the budget's tokens, SmolLM2 at a
-  budget of 1024 with kivi-4, 20.0 MB beside its 10.1 MB arena; fp16's arena of that
+  budget of 1024 with kivi-4, 19.9 MB beside its 10.1 MB arena; fp16's arena of that
   budget takes 23.6), attends each chunk over them (`attend_exact`: what the attention
   gives over a lossless tail, so the prompt's hidden states are fp16 + the policy's), scores
   its last W queries there, and re-packs dirty blocks from them (a re-pack is then one

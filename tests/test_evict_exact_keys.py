@@ -1,7 +1,7 @@
-"""Observation-window policies over a compressed tail score a prompt's chunks over the exact
-keys (runtime/kv/arena_evict.py, "Scores over exact keys"): the selection is the one the
-same policy makes over a lossless tail, every re-pack quantizes the keys as they were, and
-the keys are freed when the prompt is in."""
+"""Observation-window policies over a compressed tail read a prompt's chunks over the exact
+rows (runtime/kv/arena_evict.py, "The prompt over exact rows"): the scores and the prompt's
+logits are the ones the same policy gives over a lossless tail, every re-pack quantizes the
+rows as they were, and the copies are freed when the prompt is in."""
 from __future__ import annotations
 
 import pytest

@@ -51,7 +51,7 @@ from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step,
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
 from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
 from ..errors import KvrunError
-from .arena_evict import ArenaEviction, tail_sizes
+from .arena_evict import ArenaEviction, lossless_codec, tail_sizes
 from .arena_shift import shift_layer
 from . import arena_step
 from .cache import KV_DTYPES, NewKV
@@ -130,7 +130,7 @@ class KVArena(KVCache):
         self.ev = (ArenaEviction(self, n_heads or n_kv_heads) if kv.eviction.on else None)
         # every tail holds rows as the window does (fp16 / bf16 / fp32): nothing is lost to a
         # flush, so any prefix can be kept (truncate moves a cut block back to the window)
-        self.lossless = self.ev is None and all(c.kind == "fp" and c.dtype == self.wdtype
+        self.lossless = self.ev is None and all(lossless_codec(c, self.wdtype)
                                                 for c in self.k_codecs + self.v_codecs)
         # layers whose decode steps write_attend can take (see the module docstring)
         self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)

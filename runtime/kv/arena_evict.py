@@ -150,11 +150,10 @@ class ArenaEviction:
         # prefilled, the tail's K and V as they were packed in the window dtype, (Hkv, S, D)
         # per layer, each where its codec is lossy (a lossless side is read from storage)
         exact = self.resets and kv.eviction.prompt_scores == "exact"
-        lossy = [[not (c.kind == "fp" and c.dtype == a.wdtype) for c in cs] for cs in (a.k_codecs, a.v_codecs)]
-        self.exact_keys, self.exact_values = ([exact and x for x in side] for side in lossy)
+        self.exact_keys, self.exact_values = (
+            [exact and not lossless_codec(c, a.wdtype) for c in cs] for cs in (a.k_codecs, a.v_codecs))
         self.keys: list[torch.Tensor | None] = [None] * a.L
         self.values: list[torch.Tensor | None] = [None] * a.L
-        self.holding = [False] * a.L              # the layer's copies are live
         self.prefilling = [True] * a.L
 
     def n_recent(self, l: int) -> int:
@@ -198,9 +197,7 @@ class ArenaEviction:
         assert self.acc[l].shape[1] >= nt + f, "observe() must run before the tokens are appended"
         p0 = nt + self.n_drop[l]                         # the window's first position
         pos = torch.arange(p0, p0 + f, device=self.dev)
-        if nt == 0 and self.prefilling[l] and not self.holding[l] and (
-                self.exact_keys[l] or self.exact_values[l]):
-            self.holding[l] = True
+        if nt == 0 and self.prefilling[l] and not self._holding(l):
             if self.exact_keys[l]:
                 self.keys[l] = k.new_empty(a.Hkv, a.S_l[l], a.D)
             if self.exact_values[l]:
@@ -240,7 +237,11 @@ class ArenaEviction:
 
     def _release(self, l: int) -> None:
         self.keys[l] = self.values[l] = None
-        self.holding[l] = self.prefilling[l] = False
+        self.prefilling[l] = False
+
+    def _holding(self, l: int) -> bool:
+        """Whether layer l holds the prompt's exact rows (of at least one side)."""
+        return self.keys[l] is not None or self.values[l] is not None
 
     def transient_nbytes(self) -> int:
         """Bytes of the exact rows held while the prompt is prefilled (freed by end_prompt
@@ -276,7 +277,7 @@ class ArenaEviction:
         kept = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, keep, True)        # (Hkv, n)
         per_head = self.per_head[l]
         if groups:            # KIVI / GEAR keys: re-packing re-quantizes a whole block
-            n_blocks = nt // G if self.holding[l] or f > G and self.fine_keys[l] else -(-f // G)
+            n_blocks = nt // G if self._holding(l) or f > G and self.fine_keys[l] else -(-f // G)
             kept = dirty_blocks(kept, self._value(score, pos), nt, G, per_head, n_blocks)
         # -- clean blocks (in [0, K), all G tokens kept) stay as packed --------------------------
         clean = torch.zeros(Hkv, S // G, dtype=torch.bool)
@@ -343,7 +344,7 @@ class ArenaEviction:
         calls attend_exact): while they are held and some of the tail is compressed. Before
         the first flush every row is in the window, exact, and the attention kernel's mass
         is the lossless one."""
-        return T > 1 and self.holding[l] and self.a.n_tail[l] > 0
+        return T > 1 and self._holding(l) and self.a.n_tail[l] > 0
 
     def attend_exact(self, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A prefill chunk's attention over [tail, window, new tokens] from the exact rows:
@@ -356,7 +357,7 @@ class ArenaEviction:
         _, H, T, D = q.shape
         stored = a.tail_rows(l, [(0, nt)] if nt else [], keys=self.keys[l] is None,
                              values=self.values[l] is None)
-        rows = [held[:, :nt] if held is not None else x.to(a.wdtype)
+        rows = [held[:, :nt] if held is not None else x        # x: a lossless side, decoded
                 for held, x in zip((self.keys[l], self.values[l]), stored)]
         keys, values = (torch.cat([t.float(), win[l][:, :w].float(), new[0].float()], 1)[None]
                         for t, win, new in zip(rows, (a.win_k, a.win_v), (k, v)))
@@ -364,7 +365,7 @@ class ArenaEviction:
         m0 = max(0, T - self.kv.eviction.snap_window)
         g, Tw = H // a.Hkv, T - m0
         qg = q[0, :, m0:].float().reshape(a.Hkv, g * Tw, D) * D ** -0.5   # rows (g, t)
-        sc = torch.bmm(qg, keys[0].float().transpose(1, 2))               # (Hkv, g Tw, N)
+        sc = torch.bmm(qg, keys[0].transpose(1, 2))                       # (Hkv, g Tw, N)
         seen = causal_mask(Tw, nt + w + T, nt + w + m0, q.device)          # (Tw, N)
         sc.masked_fill_(~seen.repeat(g, 1)[None], float("-inf"))
         self.observe(l, sc.softmax(-1).view(a.Hkv, g, Tw, -1).sum(2).reshape(H, -1), T)
@@ -464,6 +465,12 @@ def _lex_order(*keys) -> torch.Tensor:
 
 def _lex_first(*keys) -> torch.Tensor:
     return _lex_order(*keys)[..., 0]
+
+
+def lossless_codec(codec, wdtype: torch.dtype) -> bool:
+    """The codec stores rows as the window holds them (fp16 / bf16 / fp32 in the window's
+    dtype): a flush loses nothing."""
+    return codec.kind == "fp" and codec.dtype == wdtype
 
 
 FINE_KEY_BITS = 4      # keys this fine re-quantize cheaply: a prefill chunk frees every dirty block

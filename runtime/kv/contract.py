@@ -143,8 +143,8 @@ class KVCache(ABC):
     def end_prompt(self) -> None:
         """The prompt is prefilled; decoding (or a scored continuation) follows. A cache that
         holds something for the prompt's chunks only frees it here (an evicting arena: the
-        exact rows its policy attends and scores them over). Callers that never say so lose nothing but
-        that memory until the first one-token step."""
+        exact rows its policy attends and scores them over). Callers that never say so lose
+        nothing but that memory until the first one-token step."""
 
     def report(self) -> list[str]:
         """Lines `/kv` adds about this cache's structure (rings, eviction)."""

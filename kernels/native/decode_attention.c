@@ -658,7 +658,7 @@ static inline __attribute__((always_inline)) void kdot_rows(const float *qx, int
     for (int d = 0; d < D; d++) {
         /* channel rows are ds bytes apart (KIVI: one row per channel, 64+ streams, more
          * than the hardware prefetcher follows): fetch this row's bytes 8 tiles ahead */
-        _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + d * ds + PREFETCH), KV_PF_HINT);
         __m512 c0 = dec16(b + d * ds, shv, mv), c1 = dec16(b + d * ds + 16, shv, mv);
         if (b2) {
             c0 = _mm512_fmadd_ps(c0, f, dec16(b2 + d * ds2, shv2, mv2));
@@ -691,7 +691,7 @@ static inline __attribute__((always_inline)) void kdot_multi(const float *qx, in
     for (int tt = 0; tt < TT; tt++) shv[tt] = _mm_cvtsi32_si128(sh[tt]);
     for (int d = 0; d < D; d++) {
         const uint8_t *row = b + d * ds;
-        _mm_prefetch((const char *)(row + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row + PREFETCH), KV_PF_HINT);
         for (int tt = 0; tt < TT; tt++) {
             __m512 c0 = dec16(row + off[tt], shv[tt], mv), c1 = dec16(row + off[tt] + 16, shv[tt], mv);
             for (int i = 0; i < NR; i++) {
@@ -981,7 +981,7 @@ static inline __attribute__((always_inline)) void vmix_kivi_rows(const Codec *c,
         const __m128i s0 = _mm_cvtsi32_si128(sh), s1 = _mm_cvtsi32_si128(sh + 4);
         const uint8_t *b = c->codes + h * s[0] + cb * s[2] + row0 * s[3];
         for (int j = 0; j < TILE; j++, b += s[3]) {
-            _mm_prefetch((const char *)(b + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + PREFETCH), KV_PF_HINT);
             const __m512i w0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
             const __m512i w1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
             __m512 v[4];
@@ -1154,7 +1154,7 @@ static inline __attribute__((always_inline)) void kdot8_rows(const float *qx, in
     const __m128i mv = _mm_set1_epi8((char)L->mask), mv2 = _mm_set1_epi8((char)L->mask2);
     const __m128i fsh = _mm_cvtsi32_si128(L->fsh);
     for (int d = 0; d < D; d++) {
-        if (!j0) _mm_prefetch((const char *)(b + d * ds + PREFETCH), _MM_HINT_T0);
+        if (!j0) _mm_prefetch((const char *)(b + d * ds + PREFETCH), KV_PF_HINT);
         __m256 c0, c1;
         if (TWO) dec16x2(codes16x(b + d * ds, shv, mv), codes16x(b2 + d * ds2, shv2, mv2), fsh, &c0, &c1);
         else dec16x(b + d * ds, shv, mv, &c0, &c1);
@@ -1561,6 +1561,45 @@ static NewRows new_rows(const Args *a) {
                    : (NewRows){a->kn, a->vn, a->kns, a->vns, a->ndtype};
 }
 
+/* -- prefetch: phase 3's V requested in phase 1 ------------------------------------------- */
+
+/* A decode step finds a layer's cache in DRAM (the weights and the other rows' caches pass
+ * through L2 and L3 between two visits of a layer), and phase 3 reads V as short runs, a
+ * split's few KB per head, where the hardware prefetcher restarts at every 4 KB page: in a
+ * step phase 3 took ~2.7x its time on a cache already in L2 (SmolLM2, kivi-4, 2048 tokens:
+ * ~40 us a layer against ~15). So phase 1 requests, after each K call, the V bytes of the
+ * tokens that call scored, into L2 (~24 us then): a few dozen lines at a time, since a
+ * longer burst of prefetches overflows the miss buffers and most of it is dropped. The same
+ * bits either way: a prefetch changes no value. */
+static inline void pf_lines(const void *p, int64_t nbytes) {
+    const char *c = p;
+    for (int64_t i = 0; i < nbytes; i += 64) {
+#if defined(__x86_64__)
+        /* asm volatile, not __builtin_prefetch: GCC's IPA deems a function whose only
+         * effect is a prefetch builtin const and deletes its calls */
+        __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(c + i)));
+#else
+        __builtin_prefetch(c + i, 0, 2);
+#endif
+    }
+}
+
+/* the V bytes of tail tokens [t0, t1) (whole tiles) of head h in the chan layout
+ * (codec_layout.h): the code rows and per-token scales and zeros of KIVI, int8 and TaDA
+ * values. An fp tail is not requested (its rows are long runs the hardware prefetcher
+ * follows, and 128+ lines a call overflow the miss buffers), nor TaDA's means, GEAR's terms
+ * or codebook values. */
+static void v_prefetch(const Codec *c, int h, int64_t t0, int64_t t1, int D) {
+    if (t1 <= t0 || (c->kind != C_KIVI && c->kind != C_INT8 && c->kind != C_TADA)) return;
+    const int64_t *s = c->cs;
+    const int64_t r0 = c->bits == 2 ? t0 / 64 * 32 : t0, r1 = c->bits == 2 ? (t1 + 63) / 64 * 32 : t1;
+    for (int p = 0; p < (c->bits == 8 ? 2 : 1); p++)
+        for (int cb = 0; cb < (D + 63) / 64; cb++)
+            pf_lines(c->codes + h * s[0] + p * s[1] + cb * s[2] + r0 * s[3], (r1 - r0) * s[3]);
+    pf_lines(c->scale + h * c->ss[0] + t0 * c->ss[1], (t1 - t0) * c->ss[1] * 2);
+    if (c->zero) pf_lines(c->zero + h * c->ss[0] + t0 * c->ss[1], (t1 - t0) * c->ss[1] * 2);
+}
+
 /* phase 1, split sp of nsplit, heads [h0, h1): chunks of CHUNK tiles with the heads
  * innermost, so data the heads share (TaDA's means) is read from memory once per chunk and
  * from L1/L2 by the other heads; then the split's window and new tokens */
@@ -1577,6 +1616,7 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
             const float *q = a->q + (int64_t)h * R * D;
             float *sc = a->sc + (int64_t)h * R * N;
             for (int64_t ti = c0; ti < c1; ) {
+                const int64_t tp = ti;
                 const int kivi = a->kc->kind == C_KIVI && !a->kc->rank && !a->kc->k2;
                 int done = kivi && a->qint
                     ? kivi_tiles_int(a->kc, h, ti * TILE, (int)(c1 - ti), q, R, D, sc + ti * TILE, N, &hr)
@@ -1596,6 +1636,7 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
                     done = 1;
                 }
                 ti += done;
+                v_prefetch(a->vc, h, tp * TILE, ti * TILE, D);
             }
         }
     }

@@ -119,7 +119,7 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
     for (int d = 0; d < D; d += 4) {
         const uint8_t *row = b + d * ds;
         /* 4 of the D channel streams, more than the hardware prefetcher follows */
-        for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), _MM_HINT_T0);
+        for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(row + k * ds + PREFETCH), KV_PF_HINT);
         __m512i x0, x1, y0 = _mm512_setzero_si512(), y1 = _mm512_setzero_si512();
         transpose4(row, ds, &x0, &x1);
         if (hb && hmode == KI_HY_READ) {
@@ -127,7 +127,7 @@ INLINE void ki_dot_vnni(const uint8_t *b, int64_t ds, int D, int bits, int sh, c
             y1 = _mm512_loadu_si512(hy + d * 32 + 64);
         } else if (hb) {
             const uint8_t *hrow = hb + d * hds;
-            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(hrow + k * hds + PREFETCH), _MM_HINT_T0);
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(hrow + k * hds + PREFETCH), KV_PF_HINT);
             transpose4(hrow, hds, &y0, &y1);
             if (hmode == KI_HY_FILL) {
                 _mm512_storeu_si512(hy + d * 32, y0);
@@ -377,15 +377,15 @@ INLINE void ki_dot_half(const uint8_t *b, int64_t ds, int D, __m128i cnt, __m128
     for (int d = 0; d < D; d += 2) {
         const uint8_t *row = b + d * ds;
         if (pf) {
-            _mm_prefetch((const char *)(row + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(row + ds + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row + PREFETCH), KV_PF_HINT);
+            _mm_prefetch((const char *)(row + ds + PREFETCH), KV_PF_HINT);
         }
         __m128i x = field16(row, cnt, m), y = field16(row + ds, cnt, m);
         if (hb) {                           /* the second plane's bits above the first's */
             const uint8_t *hr = hb + d * hds;
             if (pf) {
-                _mm_prefetch((const char *)(hr + PREFETCH), _MM_HINT_T0);
-                _mm_prefetch((const char *)(hr + hds + PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(hr + PREFETCH), KV_PF_HINT);
+                _mm_prefetch((const char *)(hr + hds + PREFETCH), KV_PF_HINT);
             }
             x = _mm_or_si128(x, _mm_sll_epi16(field16(hr, hcnt, hm), hup));
             y = _mm_or_si128(y, _mm_sll_epi16(field16(hr + hds, hcnt, hm), hup));

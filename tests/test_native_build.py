@@ -22,3 +22,35 @@ def test_the_native_kernels_build():
 def test_the_portable_variant_builds():
     """-DKVRUN_NO_AVX512 (KVRUN_NATIVE=portable): the paths of machines without AVX-512."""
     assert native._build(("-DKVRUN_NO_AVX512",)).exists()
+
+
+@needs_gcc
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the phase clock reads the x86 TSC")
+def test_the_clock_variant_counts_each_phase(monkeypatch):
+    """-DKVRUN_PHASE_CLOCK (KVRUN_NATIVE=clock, tools/attn_phases.py): one attention call adds
+    ticks to every phase it runs and counts one call; the default build has no clock."""
+    import ctypes
+    from attention_cases import attention_case
+    from kvrun.kernels.native import decode_attention as nda
+    assert not hasattr(native.load(), "kvrun_phase_ticks")
+    lib = ctypes.CDLL(str(native._build(("-DKVRUN_PHASE_CLOCK",))))
+    lib.kvrun_decode_attention.restype = ctypes.c_int
+    monkeypatch.setattr(nda, "load", lambda: lib)
+    ticks = (ctypes.c_uint64 * 6).in_dll(lib, "kvrun_phase_ticks")
+    calls = ctypes.c_uint64.in_dll(lib, "kvrun_phase_calls")
+    q, kt, vt, kw, vw, kn, vn = attention_case("kivi-4", "kivi-4", 2, 2, 64, 256, 64, 1)
+    before, n0 = list(ticks), calls.value
+    out = nda.decode_attention(q, kt, vt, 256, kw, vw, kn, vn)
+    assert out is not None and calls.value == n0 + 1
+    # prepare, tail q.K, window q.K, softmax, p.V, output: each ran, each took time
+    assert all(t > b for t, b in zip(ticks, before)), (list(ticks), before)
+
+
+def test_a_named_library_that_cannot_load_is_reported(monkeypatch, tmp_path):
+    """KVRUN_NATIVE_LIB names the shared object to load instead of building one: a path that
+    is not one leaves the torch path, with the reason in error()."""
+    for name in ("_lib", "_err", "_tried"):
+        monkeypatch.setattr(native, name, None if name != "_tried" else False)
+    monkeypatch.setenv("KVRUN_NATIVE_LIB", str(tmp_path / "missing.so"))
+    assert native.load() is None
+    assert "missing.so" in native.error()

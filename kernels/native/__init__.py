@@ -11,7 +11,11 @@ renamed, so concurrent first uses never load a half-written file. It links torch
 libgomp (the same soname is already loaded by torch), so its OpenMP threads are torch's.
 When gcc is missing or the build fails, `load()` returns None and callers use the torch
 implementation; `error()` says why. `KVRUN_NATIVE=0` disables the native kernels;
-`KVRUN_NATIVE=portable` loads the build without AVX-512 (-DKVRUN_NO_AVX512).
+`KVRUN_NATIVE=portable` loads the build without AVX-512 (-DKVRUN_NO_AVX512);
+`KVRUN_NATIVE=clock` a diagnostic build that counts clock ticks per attention phase
+(-DKVRUN_PHASE_CLOCK, read by tools/attn_phases.py; one thread only).
+`KVRUN_NATIVE_LIB=/path/to.so` loads that shared object instead of building one: two
+commits' builds timed by the same tool in alternating processes.
 """
 from __future__ import annotations
 
@@ -112,10 +116,10 @@ def load():
         return None
     # KVRUN_NATIVE=portable builds the variant machines without AVX-512 get, so the whole
     # suite can run on it from an AVX-512 machine (tolerances must hold on both)
-    extra = ("-DKVRUN_NO_AVX512",) if mode == "portable" else ()
+    extra = {"portable": ("-DKVRUN_NO_AVX512",), "clock": ("-DKVRUN_PHASE_CLOCK",)}.get(mode, ())
     try:
         import torch                                    # noqa: F401  (loads torch's libgomp first)
-        _lib = ctypes.CDLL(str(_build(extra)))
+        _lib = ctypes.CDLL(os.environ.get("KVRUN_NATIVE_LIB") or str(_build(extra)))
         _lib.kvrun_decode_attention.restype = ctypes.c_int
     except (OSError, subprocess.SubprocessError, FileNotFoundError) as e:
         _err = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -59,6 +59,22 @@
 
 enum { TILE = 32, CHUNK = 8 };   /* CHUNK: tiles per head-interleaved chunk */
 
+/* A diagnostic build (-DKVRUN_PHASE_CLOCK, KVRUN_NATIVE=clock; tools/attn_phases.py): TSC
+ * ticks per phase summed over calls, on one thread only (the counters are plain globals).
+ * PHASE(i) adds the ticks since the last mark to phase i; PHASE_START marks without adding. */
+enum { PH_PREPARE, PH_TAIL_QK, PH_WINDOW_QK, PH_SOFTMAX, PH_PV, PH_OUTPUT, PH_N };
+#if defined(KVRUN_PHASE_CLOCK) && defined(__x86_64__)
+#include <x86intrin.h>
+uint64_t kvrun_phase_ticks[PH_N], kvrun_phase_calls;
+static uint64_t phase_mark;
+uint64_t kvrun_phase_now(void) { return __rdtsc(); }
+#define PHASE_START() do { phase_mark = __rdtsc(); kvrun_phase_calls++; } while (0)
+#define PHASE(i) do { const uint64_t t_ = __rdtsc(); kvrun_phase_ticks[i] += t_ - phase_mark; phase_mark = t_; } while (0)
+#else
+#define PHASE_START() do {} while (0)
+#define PHASE(i) do {} while (0)
+#endif
+
 /* the most token splits (math_inline.h token_splits) of this kernel */
 int kvrun_attention_splits_max(void) { return NSPLIT_MAX; }
 
@@ -1565,12 +1581,12 @@ static NewRows new_rows(const Args *a) {
 
 /* A decode step finds a layer's cache in DRAM (the weights and the other rows' caches pass
  * through L2 and L3 between two visits of a layer), and phase 3 reads V as short runs, a
- * split's few KB per head, where the hardware prefetcher restarts at every 4 KB page: in a
- * step phase 3 took ~2.7x its time on a cache already in L2 (SmolLM2, kivi-4, 2048 tokens:
- * ~40 us a layer against ~15). So phase 1 requests, after each K call, the V bytes of the
- * tokens that call scored, into L2 (~24 us then): a few dozen lines at a time, since a
- * longer burst of prefetches overflows the miss buffers and most of it is dropped. The same
- * bits either way: a prefetch changes no value. */
+ * split's few KB per head, where the hardware prefetcher restarts at every 4 KB page. So
+ * phase 1 requests, after each K call, the V bytes of the tokens that call scored, into L2:
+ * a few dozen lines at a time, since a longer burst of prefetches overflows the miss buffers
+ * and most of it is dropped. p.V in a step, SmolLM2, kivi-4, one thread
+ * (tools/attn_phases.py): 56-67 us a layer at 2048 tokens before, 34-35 after; 98 -> 59 at
+ * 4096. The same bits either way: a prefetch changes no value. */
 static inline void pf_lines(const void *p, int64_t nbytes) {
     const char *c = p;
     for (int64_t i = 0; i < nbytes; i += 64) {
@@ -1640,6 +1656,7 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
             }
         }
     }
+    PHASE(PH_TAIL_QK);
     int64_t w0 = W * sp / nsplit, w1 = W * (sp + 1) / nsplit;
     int64_t u0 = Tn * sp / nsplit, u1 = Tn * (sp + 1) / nsplit;
     for (int h = h0; h < h1; h++) {
@@ -1648,6 +1665,7 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
         fp_scores(a->kw, a->kws, a->wdtype, h, w0, w1, nt, q, R, D, sc, N);
         fp_scores(nr->k, nr->ks, nr->dtype, h, u0, u1, nt + W, q, R, D, sc, N);
     }
+    PHASE(PH_WINDOW_QK);
 }
 
 /* phase 2 for row hr of (Hkv, R): causal mask over the new tokens, one exact softmax */
@@ -1741,8 +1759,10 @@ int kvrun_decode_attention(const Args *a) {
     const int Hkv = a->Hkv, R = a->R;
     if (!args_ok(a)) return 1;
     const int nsplit = token_splits(a->n_tail / TILE);
+    PHASE_START();
     heads_prepare(a, 0, Hkv);
     const NewRows nr = new_rows(a);
+    PHASE(PH_PREPARE);
 #pragma omp parallel num_threads(a->nthreads < 1 ? 1 : a->nthreads)
     {
 #pragma omp for schedule(static)
@@ -1753,13 +1773,16 @@ int kvrun_decode_attention(const Args *a) {
 #pragma omp for schedule(static)
             for (int hq = 0; hq < Hkv * a->Gq; hq++) head_mass(a, hq);
         }
+        PHASE(PH_SOFTMAX);
 #pragma omp for schedule(static)
         for (int sp = 0; sp < nsplit; sp++) split_mix(a, &nr, sp, nsplit, 0, Hkv);
+        PHASE(PH_PV);
 #pragma omp for schedule(static)
         for (int hr = 0; hr < Hkv * R; hr++) row_output(a, hr, nsplit);
     }
     if (a->kdst && a->rv)
         for (int hr = 0; hr < Hkv * R; hr++) row_unrotate(a, hr);
+    PHASE(PH_OUTPUT);
     return 0;
 }
 
@@ -1767,17 +1790,22 @@ int kvrun_decode_attention(const Args *a) {
  * kvrun_decode_attention gives that head */
 static void head_attention(const Args *a, int h) {
     const int R = a->R, nsplit = token_splits(a->n_tail / TILE);
+    PHASE_START();
     heads_prepare(a, h, h + 1);
     const NewRows nr = new_rows(a);
+    PHASE(PH_PREPARE);
     for (int sp = 0; sp < nsplit; sp++) split_logits(a, &nr, sp, nsplit, h, h + 1);
     for (int hr = h * R; hr < (h + 1) * R; hr++) row_softmax(a, hr);
     if (a->mass)
         for (int hq = h * a->Gq; hq < (h + 1) * a->Gq; hq++) head_mass(a, hq);
+    PHASE(PH_SOFTMAX);
     for (int sp = 0; sp < nsplit; sp++) split_mix(a, &nr, sp, nsplit, h, h + 1);
+    PHASE(PH_PV);
     for (int hr = h * R; hr < (h + 1) * R; hr++) {
         row_output(a, hr, nsplit);
         if (a->kdst && a->rv) row_unrotate(a, hr);
     }
+    PHASE(PH_OUTPUT);
 }
 
 /* one decode token of an arena layer in the one-call decode step (decode_layer.c) for B rows:

@@ -14,10 +14,11 @@
 enum { KI_ACC = 12 };         /* tiles x rows per ki_dot call: 24 of the 32 zmm registers */
 
 /* The hint of the attention kernels' software prefetches of code rows a few calls ahead:
- * into L2 (T1). A decode step reads K as 64+ channel rows at once, and prefetches to L1 (T0)
- * each hold an L1 miss buffer until their line arrives, so many were dropped: phase 1 of a
- * step took ~40 us a layer with T0 against ~33 with T1 (SmolLM2, kivi-4, 2048 tokens,
- * 2-core EPYC), where a cache already in L2 takes ~22. */
+ * into L2 (T1). A decode step reads KIVI K as 64+ channel rows at once, and prefetches to
+ * L1 (T0) each hold an L1 miss buffer until their line arrives, so many were dropped: q.K
+ * over the tail took 55-58 us a layer with T0 against 48-50 with T1 (SmolLM2, kivi-4,
+ * 2048 tokens, one thread, 2-core EPYC Zen 4, tools/attn_phases.py; int8 keys: no
+ * difference beyond the noise). */
 #define KV_PF_HINT _MM_HINT_T1
 
 #define KI_QMAX 32767.f   /* |codes| of the quantized rows; 32767 * 255 * 256 < 2^31: exact int32 */

@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from attention_cases import attention_case  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_speed import stream_gbs  # noqa: E402  (a sibling script)
 from kvrun import threads  # noqa: E402
 from kvrun.kernels.native import decode_attention as nda  # noqa: E402
 
@@ -82,13 +84,7 @@ def main() -> None:
         ta, tb = statistics.median(times["A"]), statistics.median(times["B"])
         print(f"| {spec} | {ta:.1f} | {tb:.1f} | {tb / ta:.3f} | {nbytes / 1e6:.2f} | "
               f"{nbytes / tb / 1e3:.1f} |", flush=True)
-    buf = torch.ones(64 << 20)
-    rates = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        buf.sum()
-        rates.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
-    print(f"one thread streams {statistics.median(rates):.1f} GB/s (torch sum of 256 MB fp32, median of 7)")
+    print(f"one thread streams {stream_gbs():.1f} GB/s (torch sum of 256 MB fp32, median of 7)")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ["KVRUN_NATIVE"] = "clock"        # before kvrun loads the library
 
@@ -32,6 +33,9 @@ from kvrun.kv.build import kv_bytes_at, layer_windows  # noqa: E402
 from kvrun.errors import KvrunError  # noqa: E402
 from kvrun.kv.config import parse_kv  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_speed import filled_caches, stream_gbs  # noqa: E402  (a sibling script)
+
 PHASES = ("prepare", "tail q.K", "window q.K", "softmax", "p.V", "output")
 
 
@@ -41,16 +45,6 @@ def tsc_per_us(lib) -> float:
     t0, c0 = time.perf_counter(), lib.kvrun_phase_now()
     time.sleep(0.2)
     return (lib.kvrun_phase_now() - c0) / ((time.perf_counter() - t0) * 1e6)
-
-
-def stream_gbs() -> float:
-    buf = torch.ones(64 << 20)
-    rates = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        buf.sum()
-        rates.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
 
 
 def main() -> None:
@@ -96,11 +90,7 @@ def main() -> None:
             for d in depths:
                 for B in batches:
                     g = torch.Generator().manual_seed(0)
-                    caches = [kvrun.kv.make_cache(cfg, ctx, spec) for _ in range(B)]
-                    if d:
-                        shape = (cfg.num_layers, cfg.num_kv_heads, d, cfg.head_dim)
-                        for c in caches:
-                            c.ingest(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+                    caches = filled_caches(cfg, ctx, spec, B, d, g)
                     toks = torch.randint(3, cfg.vocab_size, (a.n + 4, B, 1), generator=g)
                     for tk in toks[:4]:                                 # warm-up
                         step.rows(tk, caches)

@@ -23,6 +23,27 @@ from kvrun import threads
 from kvrun.kv.config import parse_kv
 
 
+def filled_caches(cfg, ctx: int, spec, B: int, depth: int, g: torch.Generator) -> list:
+    """B caches of `spec` (parse_kv's), each holding `depth` tokens of random K and V from g."""
+    caches = [kvrun.kv.make_cache(cfg, ctx, spec) for _ in range(B)]
+    if depth:
+        shape = (cfg.num_layers, cfg.num_kv_heads, depth, cfg.head_dim)
+        for c in caches:
+            c.ingest(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    return caches
+
+
+def stream_gbs() -> float:
+    """The rate one thread streams a 256 MB fp32 buffer (torch sum), GB/s, median of 7."""
+    buf = torch.ones(64 << 20)
+    rates = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        buf.sum()
+        rates.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None)
@@ -57,11 +78,7 @@ def main() -> None:
                     for route in ("one", "layers"):
                         step.one_call = one if route == "one" else None
                         g = torch.Generator().manual_seed(r)
-                        caches = [kvrun.kv.make_cache(cfg, ctx, parse_kv(kv)) for _ in range(B)]
-                        if d:
-                            shape = (cfg.num_layers, cfg.num_kv_heads, d, cfg.head_dim)
-                            for c in caches:
-                                c.ingest(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+                        caches = filled_caches(cfg, ctx, parse_kv(kv), B, d, g)
                         toks = torch.randint(3, cfg.vocab_size, (a.n + 2, B, 1), generator=g)
                         for tk in toks[:2]:                                     # warm-up
                             step.rows(tk, caches)

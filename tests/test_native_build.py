@@ -1,6 +1,7 @@
 """The native kernels build wherever a C compiler is present. Every native test skips when
 they do not (a machine without gcc runs the torch path), so a compile error in a C source
 would otherwise turn those tests into skips and pass unnoticed."""
+import ctypes.util
 import os
 import shutil
 
@@ -29,7 +30,6 @@ def test_the_portable_variant_builds():
 def test_the_clock_variant_counts_each_phase(monkeypatch):
     """-DKVRUN_PHASE_CLOCK (KVRUN_NATIVE=clock, tools/attn_phases.py): one attention call adds
     ticks to every phase it runs and counts one call; the default build has no clock."""
-    import ctypes
     from attention_cases import attention_case
     from kvrun.kernels.native import decode_attention as nda
     assert not hasattr(native.load(), "kvrun_phase_ticks")
@@ -46,11 +46,16 @@ def test_the_clock_variant_counts_each_phase(monkeypatch):
     assert all(t > b for t, b in zip(ticks, before)), (list(ticks), before)
 
 
-def test_a_named_library_that_cannot_load_is_reported(monkeypatch, tmp_path):
+@pytest.mark.parametrize("lib", ["missing.so", ctypes.util.find_library("m")])
+def test_a_named_library_that_cannot_load_is_reported(monkeypatch, tmp_path, lib):
     """KVRUN_NATIVE_LIB names the shared object to load instead of building one: a path that
-    is not one leaves the torch path, with the reason in error()."""
+    is not one, or a library without kvrun's symbols (libm), leaves the torch path, with the
+    reason in error()."""
+    if lib is None:
+        pytest.skip("no libm found here")
     for name in ("_lib", "_err", "_tried"):
         monkeypatch.setattr(native, name, None if name != "_tried" else False)
-    monkeypatch.setenv("KVRUN_NATIVE_LIB", str(tmp_path / "missing.so"))
+    path = str(tmp_path / lib) if lib == "missing.so" else lib
+    monkeypatch.setenv("KVRUN_NATIVE_LIB", path)
     assert native.load() is None
-    assert "missing.so" in native.error()
+    assert lib in native.error()

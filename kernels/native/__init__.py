@@ -121,7 +121,8 @@ def load():
         import torch                                    # noqa: F401  (loads torch's libgomp first)
         _lib = ctypes.CDLL(os.environ.get("KVRUN_NATIVE_LIB") or str(_build(extra)))
         _lib.kvrun_decode_attention.restype = ctypes.c_int
-    except (OSError, subprocess.SubprocessError, FileNotFoundError) as e:
+    except (OSError, subprocess.SubprocessError, FileNotFoundError,
+            AttributeError) as e:               # AttributeError: a KVRUN_NATIVE_LIB without our symbols
         _err = str(e).splitlines()[0] if str(e) else type(e).__name__
         _lib = None
         if os.environ.get("KVRUN_DEBUG"):

@@ -241,3 +241,50 @@ def test_fidelity_tool_shared_cache_keeps_only_the_fp32_paths_writes(tmp_path, m
     s = fid.compare(m, wins, "kivi-4", shared=True)
     assert s["n"] == 2 * 31 and 0 < s["kld"] / s["n"] < 0.01
     assert lens["int"] == lens["fp32"] == [[32 + t] * 2 for t in range(31)]
+
+
+def _act_quant_tool():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "act_quant_fidelity", Path(__file__).resolve().parents[1] / "tools" / "act_quant_fidelity.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.mark.parametrize("bits,block", [(8, 32), (8, 5), (16, 32), (3, 4)])
+def test_act_quant_tool_rounds_each_block_to_its_own_scale(bits, block):
+    """tools/act_quant_fidelity.py rounded(): per block of `block` columns (a short last block
+    its own), integers of at most 2^(bits-1) - 1 times amax / that; a zero block stays zero."""
+    tool = _act_quant_tool()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 70, generator=g) * torch.logspace(-2, 2, 70)
+    x[1, :block] = 0
+    y = tool.rounded(x, bits, block)
+    qmax = (1 << (bits - 1)) - 1
+    for c0 in range(0, 70, block):
+        xb, yb = x[:, c0:c0 + block], y[:, c0:c0 + block]
+        d = xb.abs().amax(-1, keepdim=True) / qmax
+        q = yb / torch.where(d > 0, d, 1.0)
+        torch.testing.assert_close(q, q.round(), atol=1e-3, rtol=1e-6)  # integers of one scale
+        assert q.round().abs().max() <= qmax
+        assert ((yb - xb).abs() <= d / 2 * (1 + 1e-5) + 1e-12).all()   # to the nearest one
+    assert (y[1, :block] == 0).all()
+
+
+def test_act_quant_tool_rounds_only_the_hooked_modules(tmp_path):
+    """compare(): 16-bit inputs move a tiny int4 model's predictions by almost nothing, 3-bit
+    ones by far more; the hooks are gone afterwards (the exact run again gives the same bits)."""
+    tool = _act_quant_tool()
+    fid, m = _fidelity_tool_and_model(tmp_path)
+    wins = [list(range(3, 133)), list(range(133, 3, -1))]          # 2 chunks of 65 each
+    exact = [tool.window_logprobs(m, w, chunk=65) for w in wins]
+    mods = tool.gemv_modules(m)
+    assert {"q_proj", "down_proj"} <= set(mods)
+    everything = [x for v in mods.values() for x in v]
+    kl16, top16 = tool.compare(m, wins, exact, everything, 16, 32, chunk=65)
+    kl3, top3 = tool.compare(m, wins, exact, everything, 3, 32, chunk=65)
+    assert 0 <= kl16 < 1e-4 and top16 >= 0.98
+    assert kl3 > 100 * max(kl16, 1e-9), (kl3, kl16)
+    assert not any(x._forward_pre_hooks for x in everything)
+    assert torch.equal(tool.window_logprobs(m, wins[0], chunk=65), exact[0])

@@ -2,9 +2,10 @@
 kind by matrix kind, before an integer kernel is written for them.
 
 The eager forward runs every int4/int8 weight as an fp32 GEMV over its stored values (a
-prefill chunk with more rows than the native chunk step and the fused torch ops take). A forward pre-hook rounds the
-input of each chosen matrix to `--bits`-bit integers, one scale per block of `--block`
-columns (amax / (2^(bits-1) - 1), round to nearest), which is what an integer GEMV computes
+prefill chunk with more rows than the native chunk step and the fused torch ops take). A
+forward pre-hook rounds the input of each chosen matrix to `--bits`-bit integers, one scale
+per block of `--block` columns (amax / (2^(bits-1) - 1), round to nearest, as the native
+input quantizer's torch twin does for 16 bits), which is what an integer GEMV computes
 up to the order of its sums: 16 bits per 32 is the native step's shipped input (gemv_quant.c),
 8 bits the input AVX512-VNNI's vpdpbusd would take (64 products an instruction, twice the
 16-bit vpdpwssd's). Each window runs twice, rounded and not, each run on its own cache, so
@@ -24,6 +25,7 @@ import torch
 
 import kvrun
 from kvrun.errors import KvrunError
+from kvrun.kernels.native.gemv_reference import quantize_input
 from kvrun.eval.ppl import windows_of
 from kvrun.kv.build import make_cache
 from kvrun.kv.config import parse_kv
@@ -35,14 +37,11 @@ CHUNK = 512                                # prefill rows a call
 
 def rounded(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """x (..., K) with each block of `block` columns rounded to signed `bits`-bit integers
-    times one scale (a trailing short block has its own); an all-zero block stays zero."""
+    times one scale, by the native input quantizer's torch twin (gemv_reference.py
+    quantize_input; a trailing short block has its own scale, a zero block stays zero)."""
     K = x.shape[-1]
-    qmax = (1 << (bits - 1)) - 1
-    pad = -K % block
-    xp = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, block))
-    d = xp.abs().amax(-1, keepdim=True) / qmax
-    q = torch.round(xp / torch.where(d > 0, d, 1.0)).clamp(-qmax, qmax)
-    return (q * d).flatten(-2)[..., :K].to(x.dtype)
+    q, d = quantize_input(x.reshape(-1, K), float((1 << (bits - 1)) - 1), block)  # (M, K), (M, nb)
+    return (q.float() * d.repeat_interleave(block, 1)[:, :K]).view(x.shape).to(x.dtype)
 
 
 @torch.inference_mode()

@@ -10,20 +10,22 @@ QMAX = 32767.0                   # gemv.h GI_QMAX: int16 codes in [-QMAX, QMAX]
 TINY = 1e-30                     # gemv_quant.c TINY: a block below it quantizes to zeros
 
 
-def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, K) -> codes (B, K) int64 in [-32767, 32767] and scales d (B, ceil(K / QB))
-    float32, as gi_quantize: per block of QB columns d = max|x| / 32767 and
-    q = round(x * (32767 / max|x|)) in fp32, ties to even as rintf; a block whose max|x| is
-    below TINY gets d = 0 and zero codes."""
+def quantize_input(x: torch.Tensor, qmax: float = QMAX,
+                   block: int = QB) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, K) -> codes (B, K) int64 in [-qmax, qmax] and scales d (B, ceil(K / block))
+    float32, as gi_quantize: per block of `block` columns d = max|x| / qmax and
+    q = round(x * (qmax / max|x|)) in fp32, ties to even as rintf; a block whose max|x| is
+    below TINY gets d = 0 and zero codes. The defaults are the shipped input (int16 per 32);
+    other widths model other integer inputs (tools/act_quant_fidelity.py)."""
     B, K = x.shape
-    nb = -(-K // QB)
-    xb = torch.nn.functional.pad(x.float(), (0, nb * QB - K)).view(B, nb, QB)
+    nb = -(-K // block)
+    xb = torch.nn.functional.pad(x.float(), (0, nb * block - K)).view(B, nb, block)
     amax = xb.abs().amax(-1)                                           # (B, nb)
     live = amax >= TINY
-    inv = torch.where(live, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))  # one
+    inv = torch.where(live, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))  # one
     # rounding, as C's 32767.f / amax (torch computes scalar / tensor as a reciprocal times)
-    q = torch.round(xb * inv[..., None]).view(B, nb * QB)[:, :K]
-    return q.long(), torch.where(live, amax / QMAX, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).view(B, nb * block)[:, :K]
+    return q.long(), torch.where(live, amax / qmax, torch.zeros_like(amax))
 
 
 def gemv_int_reference(w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

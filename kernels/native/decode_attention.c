@@ -1608,7 +1608,8 @@ static inline void pf_lines(const void *p, int64_t nbytes) {
 static void v_prefetch(const Codec *c, int h, int64_t t0, int64_t t1, int D) {
     if (t1 <= t0 || (c->kind != C_KIVI && c->kind != C_INT8 && c->kind != C_TADA)) return;
     const int64_t *s = c->cs;
-    const int64_t r0 = c->bits == 2 ? t0 / 64 * 32 : t0, r1 = c->bits == 2 ? (t1 + 63) / 64 * 32 : t1;
+    int sh;                                       /* the rows of [t0, t1): first to past-last */
+    const int64_t r0 = chan_row(t0, c->bits, &sh), r1 = chan_row(t1 - 1, c->bits, &sh) + 1;
     for (int p = 0; p < (c->bits == 8 ? 2 : 1); p++)
         for (int cb = 0; cb < (D + 63) / 64; cb++)
             pf_lines(c->codes + h * s[0] + p * s[1] + cb * s[2] + r0 * s[3], (r1 - r0) * s[3]);

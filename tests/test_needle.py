@@ -179,6 +179,47 @@ def test_evict_overlap_tool_compares_kept_tokens(tmp_path, capsys):
             tool.main([str(file), "-m", str(d), "-c", "300", "--evict", policy, "--kv-budget", "224"])
 
 
+def test_evict_overlap_key_error(tmp_path, capsys):
+    """tools/evict_overlap.py --key-error: per layer, an fp32 tail's kept keys are the fp16
+    cache's at the same positions up to fp16 rounding (a wrong position map would put them
+    ~1.4 apart), 4-bit KIVI keys' are off by a few percent, more than int8's; a --trial
+    outside --trials is one error line."""
+    tool = _tool("evict_overlap")
+    d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=1)    # D 32: KIVI's groups
+    f = tmp_path / "fill.txt"
+    f.write_text("Some filler sentence about nothing in particular. " * 40)
+    args = [str(f), "-m", str(d), "-c", "300", "--depth", "0.5", "--evict", "snapkv", "--kv-budget", "224",
+            "-b", "64", "-t", "1", "--trials", "2", "--trial", "1"]
+    tool.main(args + ["--kv", "fp32,int8,kivi-4", "--key-error"])
+    out = capsys.readouterr().out.split("kept keys' relative error")[1].splitlines()
+    rows = [r.strip("| ").split(" | ") for r in out if r.startswith("| ") and r[2].isdigit()]
+    assert len(rows) == 2                                               # the tiny model's layers
+    for r in rows:
+        (e32, f32, _), (e8, f8, _), (e4, f4, _) = (map(float, c.split(" / ")) for c in r[2:])
+        assert e32 < 1e-3 and f32 < 1e-3
+        assert 0 < e8 < e4 < 0.2 and 0 < f8 < f4 < 0.2
+    with pytest.raises(SystemExit, match="^error: --trial"):
+        tool.main(args[:-4] + ["--trials", "2", "--trial", "2"])
+
+
+def test_evict_replay_k_layer_sets_one_layers_keys():
+    """tools/evict_replay.py --k-layer L=METHOD (or L0-L1=METHOD): the codec's keys of those
+    layers only, its values and the other layers as they were; a layer out of range, a
+    reversed range or an unknown method is a KvrunError (the tool's one error line)."""
+    from kvrun.errors import KvrunError
+    from kvrun.kv import parse_kv
+    tool = _tool("evict_replay")
+    spec = tool.with_k_layers(parse_kv("kivi-4/kivi-2"), ["2=int8", "0 = cb-4"], 4)
+    assert spec.layer_methods(4) == [("cb-4", "kivi-2"), ("kivi-4", "kivi-2"), ("int8", "kivi-2"),
+                                     ("kivi-4", "kivi-2")]
+    spec = tool.with_k_layers(spec, ["1=fp16"], 4)
+    assert spec.layer_methods(4)[:2] == [("cb-4", "kivi-2"), ("fp16", "kivi-2")]
+    assert [k for k, _ in tool.with_k_layers(spec, ["1-3=int8"], 4).layer_methods(4)] == ["cb-4"] + ["int8"] * 3
+    for bad in ("4=int8", "-1=int8", "int8", "x=int8", "1=bogus", "3-1=int8", "2-4=int8"):
+        with pytest.raises(KvrunError):
+            tool.with_k_layers(parse_kv("kivi-4"), [bad], 4)
+
+
 def test_evict_replay_forces_fp16s_selection(tmp_path, capsys):
     """tools/evict_replay.py: a cache replaying fp16 + policy's choices keeps fp16's tokens in
     every layer and head; fp16 beside itself answers with the reference's lead, own choice or

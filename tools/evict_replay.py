@@ -17,7 +17,9 @@ needle`'s: the right digit's probability minus the best other token's, at its lo
 > 0 = found) and counts the needles fp16 finds that the codec loses, and of those the ones
 it finds with fp16's selection (lost to the selection) or not (lost to the precision). With
 --own-last, one more run per codec takes fp16's selection at every compaction but each
-layer's last, and its own there: which compaction a lost needle goes at.
+layer's last, and its own there: which compaction a lost needle goes at. With
+--k-layer L=METHOD or L0-L1=METHOD (repeatable) each codec's cache takes METHOD for the keys
+of those arena layers: which layer's key precision a needle lost to the precision turns on.
 
     python tools/evict_replay.py essays.txt -c 2048 --depths 0.7,0.9 --trials 10 \\
         --evict pyramidkv --kv-budget 1024 --kv kivi-4,tada-4
@@ -25,6 +27,7 @@ layer's last, and its own there: which compaction a lost needle goes at.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,11 +38,28 @@ from kvrun.errors import KvrunError, read_text_file
 from kvrun.eval.needle import answer_with_lead, build_prompt, trial_needles
 from kvrun.kv.build import make_cache
 from kvrun.kv.config import parse_kv
+from kvrun.kv.layout import layer_windows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_overlap import needle_args  # noqa: E402  (a sibling script)
 
 MAX_TOKENS = 10
+
+
+def with_k_layers(spec, overrides: list[str], n_layers: int):
+    """spec with the K method of each override "L=METHOD" or "L0-L1=METHOD" (layers L0..L1,
+    inclusive) set in those arena layers."""
+    layers = spec.layer_methods(n_layers)
+    for o in overrides:
+        at, sep, method = o.partition("=")
+        lo, _, hi = at.strip().partition("-")
+        hi = hi or lo
+        if not (sep and lo.isdigit() and hi.isdigit() and int(lo) <= int(hi) < n_layers):
+            raise KvrunError(f"--k-layer wants L=METHOD or L0-L1=METHOD with layers in [0, {n_layers}) "
+                             f"(got {o!r})")
+        for l in range(int(lo), int(hi) + 1):
+            layers[l] = (method.strip(), layers[l][1])
+    return replace(spec, layers=layers)
 
 
 def recording(ev, log: dict) -> None:
@@ -110,6 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--own-last", action="store_true",
                     help="one more run: fp16's selection at every compaction but each layer's last "
                          "(the question's, from the same candidates), the codec's own there")
+    ap.add_argument("--k-layer", action="append", default=[], metavar="L[-L1]=METHOD",
+                    help="each codec's keys of arena layer L (to L1) in METHOD instead (repeatable)")
     a = ap.parse_args(argv)
     try:
         depths = [float(d) for d in a.depths.split(",")]
@@ -122,11 +144,16 @@ def main(argv=None) -> None:
                 for g in dict.fromkeys(geom.values())}
         text = read_text_file(a.file)
         model = load(a.model, ctx=8, prefill_chunk=a.batch_size, threads=a.threads)
+        if a.k_layer:
+            n = layer_windows(model.cfg).count(0)
+            specs = {kv: with_k_layers(sp, a.k_layer, n) for kv, sp in specs.items()}
         tok = lambda s: model.tokenizer.encode(s, bos=False)     # noqa: E731 (no BOS mid-text)
         prefix, filler = model.tokenizer.encode(""), tok(text)
         drawn = trial_needles(a.seed, a.trials, len(filler), a.ctx_size)
         lost = {kv: [0, 0, 0] for kv in codecs}                  # lost, of them to the selection, found
         last = " | fp16's until the last" if a.own_last else ""
+        if a.k_layer:
+            print(f"each codec with the keys of layer {', '.join(a.k_layer)}\n")
         print("| depth | trial | " + " | ".join(f"fp16 @{specs[kv].group} | {kv} | {kv}, fp16's selection{last}"
                                                 for kv in codecs) + " |")
         print("|---|---|" + ("---|---|---|" + "---|" * a.own_last) * len(codecs))

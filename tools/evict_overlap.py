@@ -75,7 +75,8 @@ def key_error(ev, ref_ev, full, ref_full) -> list[tuple[int, float, float]]:
         k, kr, kf = tail_keys(ev, l), tail_keys(ref_ev, l), tail_keys(full, l)
         num = den = num_f = den_f = 0.0
         for h in range(ev.Hkv):
-            slot = torch.full((int(max(pos[h].max(), ref_pos[h].max())) + 1 if nt else 1,), -1)
+            both = torch.cat([pos[h], ref_pos[h]])
+            slot = torch.full((int(both.max()) + 1 if both.numel() else 1,), -1)
             slot[ref_pos[h]] = torch.arange(ref_pos.shape[1])
             at = slot[pos[h]]
             ok = at >= 0
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     ap.add_argument("--trial", type=int, default=0, help="which needle of --trials")
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--key-error", action="store_true",
-                    help="per layer, the kept keys' error with and without eviction")
+                    help="per layer, the kept keys' error, evicting and in contiguous blocks")
     a = ap.parse_args(argv)
     if not 0 <= a.trial < a.trials:
         sys.exit(f"error: --trial must be in [0, --trials) (got {a.trial} of {a.trials})")

@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import kvrun  # noqa: E402
 from kvrun import threads  # noqa: E402
 from kvrun.kernels import native  # noqa: E402
-from kvrun.kv.build import kv_bytes_at, layer_windows  # noqa: E402
+from kvrun.kv.build import kv_bytes_at  # noqa: E402
+from kvrun.kv.layout import arena_layers  # noqa: E402
 from kvrun.errors import KvrunError  # noqa: E402
 from kvrun.kv.config import parse_kv  # noqa: E402
 
@@ -79,7 +80,7 @@ def main() -> None:
     step = tf.native_step(torch.ones(1, 1, dtype=torch.long), kvrun.kv.make_cache(cfg, ctx, parse_kv("fp16")))
     if step is None:
         raise SystemExit("error: this model has no native decode step here")
-    L = layer_windows(cfg).count(0)
+    L = arena_layers(cfg)
     rate = stream_gbs()
     print(f"{cfg.architecture}, one thread, {a.n} steps, µs per layer and row; one thread streams "
           f"{rate:.1f} GB/s")

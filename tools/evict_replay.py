@@ -38,7 +38,7 @@ from kvrun.errors import KvrunError, read_text_file
 from kvrun.eval.needle import answer_with_lead, build_prompt, trial_needles
 from kvrun.kv.build import make_cache
 from kvrun.kv.config import parse_kv
-from kvrun.kv.layout import layer_windows
+from kvrun.kv.layout import arena_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_overlap import needle_args  # noqa: E402  (a sibling script)
@@ -145,15 +145,13 @@ def main(argv=None) -> None:
         text = read_text_file(a.file)
         model = load(a.model, ctx=8, prefill_chunk=a.batch_size, threads=a.threads)
         if a.k_layer:
-            n = layer_windows(model.cfg).count(0)
-            specs = {kv: with_k_layers(sp, a.k_layer, n) for kv, sp in specs.items()}
+            specs = {kv: with_k_layers(sp, a.k_layer, arena_layers(model.cfg)) for kv, sp in specs.items()}
+            print(f"each codec with the keys of layer {', '.join(a.k_layer)}\n")
         tok = lambda s: model.tokenizer.encode(s, bos=False)     # noqa: E731 (no BOS mid-text)
         prefix, filler = model.tokenizer.encode(""), tok(text)
         drawn = trial_needles(a.seed, a.trials, len(filler), a.ctx_size)
         lost = {kv: [0, 0, 0] for kv in codecs}                  # lost, of them to the selection, found
         last = " | fp16's until the last" if a.own_last else ""
-        if a.k_layer:
-            print(f"each codec with the keys of layer {', '.join(a.k_layer)}\n")
         print("| depth | trial | " + " | ".join(f"fp16 @{specs[kv].group} | {kv} | {kv}, fp16's selection{last}"
                                                 for kv in codecs) + " |")
         print("|---|---|" + ("---|---|---|" + "---|" * a.own_last) * len(codecs))

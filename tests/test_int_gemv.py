@@ -14,6 +14,7 @@ import torch
 from kvrun.kernels import dispatch, native
 from kvrun.kernels.native.decode_layer import gemv
 from kvrun.kernels.native.gemv_reference import QB, gemv_int_reference, quantize_input
+from tool_module import load_tool
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
 
@@ -187,22 +188,12 @@ def test_gemv_path_reads_the_environment(monkeypatch):
         dispatch.gemv_path()
 
 
-def _tool(name: str):
-    """tools/<name>.py as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 def _fidelity_tool_and_model(tmp_path):
     """tools/gemv_fidelity.py as a module, and a tiny int4 model (64 tokens) to run it on."""
     import kvrun
     from kvrun.convert import convert_hf
     from tiny import write_tiny_hf
-    fid = _tool("gemv_fidelity")
+    fid = load_tool("gemv_fidelity")
     convert_hf(write_tiny_hf(tmp_path / "hf", C=128, I=96), tmp_path / "m", dtype="fp32",
                weights="int4", group=32)
     return fid, kvrun.load(tmp_path / "m", ctx=64)
@@ -252,7 +243,7 @@ def test_fidelity_tool_shared_cache_keeps_only_the_fp32_paths_writes(tmp_path, m
 def test_act_quant_tool_rounds_each_block_to_its_own_scale(bits, block):
     """tools/act_quant_fidelity.py rounded(): per block of `block` columns (a short last block
     its own), integers of at most 2^(bits-1) - 1 times amax / that; a zero block stays zero."""
-    tool = _tool("act_quant_fidelity")
+    tool = load_tool("act_quant_fidelity")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 70, generator=g) * torch.logspace(-2, 2, 70)
     x[1, :block] = 0
@@ -271,7 +262,7 @@ def test_act_quant_tool_rounds_each_block_to_its_own_scale(bits, block):
 def test_act_quant_tool_rounds_only_the_hooked_modules(tmp_path):
     """compare(): 16-bit inputs move a tiny int4 model's predictions by almost nothing, 3-bit
     ones by far more; the hooks are gone afterwards (the exact run again gives the same bits)."""
-    tool = _tool("act_quant_fidelity")
+    tool = load_tool("act_quant_fidelity")
     fid, m = _fidelity_tool_and_model(tmp_path)
     wins = [list(range(3, 133)), list(range(133, 3, -1))]          # 2 chunks of 65 each
     exact = [tool.window_logprobs(m, w, chunk=65) for w in wins]

@@ -16,6 +16,7 @@ from kvrun.errors import KvrunError  # noqa: E402
 from kvrun.eval.needle import (Needle, NeedleRecord, build_prompt, format_table,  # noqa: E402
                                make_needle)
 from tiny import make_tiny_model_dir  # noqa: E402
+from tool_module import load_tool  # noqa: E402
 
 
 def _chars(s):
@@ -152,18 +153,10 @@ def test_answer_stops_at_a_stop_id():
     assert answer == " " and lead == pytest.approx(0.1 - 0.7)
 
 
-def _tool(name):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 def test_evict_overlap_tool_compares_kept_tokens(tmp_path, capsys):
     """tools/evict_overlap.py: fp16 against itself keeps the same slots (share 1.000); each
     codec gets a row; a missing file or an unknown policy is one error line."""
-    tool = _tool("evict_overlap")
+    tool = load_tool("evict_overlap")
     d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=1)    # D 32: KIVI's groups
     f = tmp_path / "fill.txt"
     f.write_text("Some filler sentence about nothing in particular. " * 40)
@@ -184,7 +177,7 @@ def test_evict_overlap_key_error(tmp_path, capsys):
     cache's at the same positions up to fp16 rounding (a wrong position map would put them
     ~1.4 apart), 4-bit KIVI keys' are off by a few percent, more than int8's; a --trial
     outside --trials is one error line."""
-    tool = _tool("evict_overlap")
+    tool = load_tool("evict_overlap")
     d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=1)    # D 32: KIVI's groups
     f = tmp_path / "fill.txt"
     f.write_text("Some filler sentence about nothing in particular. " * 40)
@@ -208,7 +201,7 @@ def test_evict_replay_k_layer_sets_one_layers_keys():
     reversed range or an unknown method is a KvrunError (the tool's one error line)."""
     from kvrun.errors import KvrunError
     from kvrun.kv import parse_kv
-    tool = _tool("evict_replay")
+    tool = load_tool("evict_replay")
     spec = tool.with_k_layers(parse_kv("kivi-4/kivi-2"), ["2=int8", "0 = cb-4"], 4)
     assert spec.layer_methods(4) == [("cb-4", "kivi-2"), ("kivi-4", "kivi-2"), ("int8", "kivi-2"),
                                      ("kivi-4", "kivi-2")]
@@ -229,7 +222,7 @@ def test_evict_replay_forces_fp16s_selection(tmp_path, capsys):
     from kvrun.engine.generate import Engine
     from kvrun.kv import parse_kv
     from kvrun.kv.build import make_cache
-    tool = _tool("evict_replay")
+    tool = load_tool("evict_replay")
     d = make_tiny_model_dir(tmp_path / "tiny", num_heads=2, num_kv_heads=2)    # D 32, heads choose apart
     m = kvrun.load(str(d), dtype="fp32", ctx=8, threads=1)
     # 5 chunks of 64: every flush after the first is a chunk of 2 G (a flush of G re-packs one

@@ -1,16 +1,13 @@
 """tools/peer_bench.py without llama.cpp: a missing llama_cpp or a crashed build is one
 warning naming the build flags that work here, and the table still shows kvrun."""
-import importlib.util
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-spec = importlib.util.spec_from_file_location(
-    "peer_bench", Path(__file__).resolve().parents[1] / "tools" / "peer_bench.py")
-peer_bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peer_bench)
+from tool_module import load_tool
+
+peer_bench = load_tool("peer_bench")
 
 ARGS = SimpleNamespace(gguf="x.gguf", peer_kv=["f16"], p=8, n=2, depths=[0], threads=1, seed=0,
                        batches=[])

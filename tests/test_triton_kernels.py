@@ -30,6 +30,7 @@ from kvrun.kernels.codecs.base import FpCodec                             # noqa
 from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
 from kvrun.kernels.dispatch import BackendError, attn_path, backend_for  # noqa: E402
 from kvrun.kernels.dispatch import decode_attention as dispatch_attention  # noqa: E402
+from tool_module import load_tool                                        # noqa: E402
 
 G = 32
 SPLIT = 64          # tokens per stage-1 program in the tests: tails of 96/160/224 end mid-split
@@ -342,12 +343,7 @@ def test_bytes_per_step_counts_every_packed_byte_once():
 
 
 def test_roofline_tool_prints_a_row_per_method(capsys):
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "tools" / "roofline.py"
-    spec = importlib.util.spec_from_file_location("roofline", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("roofline")
     tool.main(["--geometry", "llama-3.1-70b", "--ctx", "32k", "--kv", "fp16", "kivi-4/kivi-2",
                "tada-2"])
     out = capsys.readouterr().out.splitlines()

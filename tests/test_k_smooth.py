@@ -68,3 +68,6 @@ def test_attention_report_per_layer(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         tool.main(args + ["--attention", "5"])
     assert str(e.value) == "error: --attention: no arena layer 5 (0..1)"
+    with pytest.raises(SystemExit) as e:
+        tool.main(args + ["--attention", "0,x"])
+    assert str(e.value) == "error: --attention takes arena layer numbers (got '0,x')"

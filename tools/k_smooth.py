@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         modes = a.mode.split(",")
         if any(md not in MODES for md in modes):
             raise KvrunError(f"--mode takes {', '.join(MODES)} (got {a.mode!r})")
+        try:
+            layers = None if a.attention is None else [int(x) for x in a.attention.split(",")]
+        except ValueError:
+            raise KvrunError(f"--attention takes arena layer numbers (got {a.attention!r})") from None
         with open(a.file, encoding="utf-8", errors="replace") as f:
             text = f.read()
         with open(a.calib, encoding="utf-8", errors="replace") as f:
@@ -159,11 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         tr.skip = a.skip
         KVArena.attend = lambda arena, layer, q, k, v: tr(arena, layer, q, k, v)
         try:
+            seen = tr.capture(m, text, a.ctx) if layers is not None else None   # untransformed
             tr.calibrate(m, calib, a.calib_tokens)
             mu, sigma = tr.mu, tr.sigma
-            if a.attention is not None:
-                seen = tr.capture(m, text, a.ctx)
-                for layer in (int(x) for x in a.attention.split(",")):
+            if seen is not None:
+                for layer in layers:
                     if layer not in seen:
                         raise KvrunError(f"--attention: no arena layer {layer} (0..{len(seen) - 1})")
                     q, k = seen[layer]

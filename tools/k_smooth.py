@@ -20,6 +20,7 @@ FILE, and the attention of its last 256 queries with the keys through the cb cod
 --bits (every key, window included), in fp32: the KL divergence from the exact attention,
 the sink's share of it (position 0) and the mean |logit error| at the sink and elsewhere,
 for none, mean, and mean with the sink's key kept exact.
+
 The transform is applied at KVArena.attend, the per-layer route every prompt chunk takes
 (the one-call native decode step, which would bypass it, is switched off here); a sliding
 window ring layer (Gemma) is left as it is.
@@ -38,8 +39,18 @@ from kvrun.kv.arena import KVArena
 from kvrun.kernels.codecs import make_codec
 from kvrun.kernels.hadamard import rotation_matrix
 from kvrun.kv.build import make_cache
+from kvrun.kv.layout import arena_layers
 
 MODES = ("none", "mean", "scale")
+
+
+def prefill(model, text: str, n: int, what: str) -> None:
+    """One fp16 prefill of the first n tokens of text, through KVArena.attend"""
+    ids = model.tokenize(text)[:n]
+    if len(ids) < n:
+        raise KvrunError(f"{what} has {len(ids)} tokens: need {n}")
+    with torch.inference_mode():
+        model.transformer(torch.tensor([ids]), make_cache(model.cfg, n, "fp16"), last_only=True)
 
 
 class KeyTransform:
@@ -73,26 +84,17 @@ class KeyTransform:
 
     def capture(self, model, text: str, n: int) -> dict:
         """layer -> (q (H, n, D), k (Hkv, n, D)) of one fp16 prefill of n tokens of text"""
-        ids = model.tokenize(text)[:n]
-        if len(ids) < n:
-            raise KvrunError(f"the text has {len(ids)} tokens: need {n}")
         self.seen = {}
-        with torch.inference_mode():
-            model.transformer(torch.tensor([ids]), make_cache(model.cfg, n, "fp16"), last_only=True)
+        prefill(model, text, n, "the text")
         seen, self.seen = self.seen, None
         return seen
 
     def calibrate(self, model, text: str, n: int) -> None:
-        ids = model.tokenize(text)[:n]
-        if len(ids) < n:
-            raise KvrunError(f"--calib has {len(ids)} tokens: need {n}")
-        cache = make_cache(model.cfg, n, "fp16")
-        arena = getattr(cache, "inner", cache)
+        """mu and sigma from the keys of one fp16 prefill of n tokens of text"""
         H, D = model.cfg.num_kv_heads, model.cfg.head_dim
         self.sums = [[torch.zeros(H, D, dtype=torch.float64), torch.zeros(H, D, dtype=torch.float64), 0]
-                     for _ in range(arena.L)]
-        with torch.inference_mode():
-            model.transformer(torch.tensor([ids]), cache, last_only=True)
+                     for _ in range(arena_layers(model.cfg))]
+        prefill(model, text, n, "--calib")
         self.mu, self.sigma = [], []
         for s1, s2, cnt in self.sums:
             mu = s1 / cnt
@@ -116,8 +118,8 @@ def attention_error(q, k, mu, bits: int, n_q: int = 256) -> list[str]:
         return torch.log_softmax(s.masked_fill(~causal, float("-inf")), -1)
     exact = logp(k)
     lines = [f"sink share of the attention {float(exact[..., 0].exp().mean()):.2f}"]
+    c = make_codec(f"cb-{bits}", "k", 32)
     for name, shift, sink in (("none", 0, False), ("mean", mu, False), ("mean, exact sink", mu, True)):
-        c = make_codec(f"cb-{bits}", "k", 32)
         x = ((k - shift) @ R).contiguous()
         kh = c.pack(c.alloc(Hkv, D, n), x, 0) @ R.T + shift
         if sink:

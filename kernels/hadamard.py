@@ -77,15 +77,64 @@ def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (x.float() @ r.T).to(x.dtype) if x.dtype != torch.float32 else x @ r.T
 
 
-def rotate_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rk: torch.Tensor | None,
+class KeyMap:
+    """A key transform fitted once per model, folded into a layer's K rotation: keys are
+    stored as ((k - mu) / sigma) @ R and queries enter as (q * sigma) @ R, so
+        q' . k' = q . k - q . mu,
+    one constant per query, which softmax removes: attention is unchanged in full
+    precision, and a codec quantizes keys without the direction every token shares (mu)
+    and with channels of equal spread (sigma). As matrices: k' = k @ K + bias with
+    K = diag(1/sigma) R, bias = -(mu / sigma) @ R per KV head, q' = q @ Q with
+    Q = diag(sigma) R; K is undone by Q's transpose (K Q^T = I). Where a plain rotation
+    tensor is taken as `rk`, a KeyMap may be given instead (`k_matrix`, `q_matrix`,
+    `k_bias` read either)."""
+
+    def __init__(self, r: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor):
+        """r (D, D) the rotation (the identity for none), mu (Hkv, D), sigma (D,) > 0."""
+        s = sigma.float().to(r.device)
+        self.k = (r / s[:, None]).contiguous()                       # diag(1/sigma) R
+        self.q = (r * s[:, None]).contiguous()                       # diag(sigma) R
+        self.bias = (-(mu.float().to(r.device) / s) @ r).contiguous()   # (Hkv, D)
+
+
+def k_matrix(rk):
+    """The (D, D) matrix keys are multiplied by (a rotation, or a KeyMap's K)."""
+    return rk.k if isinstance(rk, KeyMap) else rk
+
+
+def q_matrix(rk):
+    """The (D, D) matrix queries are multiplied by (the rotation itself, or a KeyMap's Q)."""
+    return rk.q if isinstance(rk, KeyMap) else rk
+
+
+def k_bias(rk):
+    """(Hkv, D) added to every rotated key (a KeyMap's), or None."""
+    return rk.bias if isinstance(rk, KeyMap) else None
+
+
+def rotate_k(k: torch.Tensor, rk) -> torch.Tensor:
+    """Keys (..., Hkv, T, D) into the storage space of rk (a rotation or a KeyMap), float32."""
+    y = k.float() @ k_matrix(rk)
+    b = k_bias(rk)
+    return y if b is None else y + b[:, None]
+
+
+def unrotate_k(y: torch.Tensor, rk) -> torch.Tensor:
+    """`rotate_k`'s inverse: stored keys (..., Hkv, T, D) back in the model's space."""
+    b = k_bias(rk)
+    return (y.float() - (0 if b is None else b[:, None])) @ q_matrix(rk).T
+
+
+def rotate_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rk,
                 rv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step's inputs into a cache's rotated storage space: q and k by rk, v by rv (None:
-    left as is). A rotated q keeps its dtype; rotated k and v come back float32, to be
-    rounded to the storage dtype once. The torch route of every rotated cache (the arena's
-    layers, the quantized ring) calls this; the native attention kernel applies the same
-    x @ R inside its call. The step's output is then `unrotate(o, rv)`."""
+    """One step's inputs into a cache's rotated storage space: q and k by rk (a rotation
+    or a KeyMap), v by rv (None: left as is). A rotated q keeps its dtype; rotated k and v
+    come back float32, to be rounded to the storage dtype once. The torch route of every
+    rotated cache (the arena's layers, the quantized ring) calls this; the native attention
+    kernel applies the same x @ R inside its call. The step's output is then
+    `unrotate(o, rv)`."""
     if rk is not None:
-        q, k = rotate(q, rk), rotate(k.float(), rk)
+        q, k = rotate(q, q_matrix(rk)), rotate_k(k, rk)
     if rv is not None:
         v = rotate(v.float(), rv)
     return q, k, v

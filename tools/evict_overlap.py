@@ -32,7 +32,7 @@ from kvrun.engine.api import load
 from kvrun.engine.generate import Engine
 from kvrun.errors import KvrunError, read_text_file
 from kvrun.eval.needle import build_prompt, trial_needles
-from kvrun.kernels.hadamard import rotate, unrotate
+from kvrun.kernels.hadamard import rotate_k, unrotate_k
 from kvrun.kv.build import make_cache
 from kvrun.kv.config import parse_kv
 
@@ -55,7 +55,7 @@ def kept(cache) -> list[list[set]]:
 def tail_keys(cache, l: int) -> torch.Tensor:
     """Layer l's tail keys (Hkv, n_tail, D) float32, decoded and un-rotated."""
     k = cache.tail_rows(l, [(0, cache.n_tail[l])], values=False)[0]
-    return k if cache.rot_k[l] is None else unrotate(k, cache.rot_k[l])
+    return k if cache.rot_k[l] is None else unrotate_k(k, cache.rot_k[l])
 
 
 def key_error(ev, ref_ev, full, ref_full) -> list[tuple[int, float, float]]:
@@ -70,7 +70,7 @@ def key_error(ev, ref_ev, full, ref_full) -> list[tuple[int, float, float]]:
         pos, ref_pos = ev.ev.pos_tail[l][:, :nt], ref_ev.ev.pos_tail[l][:, :ref_ev.n_tail[l]]
         exact = tail_keys(ref_full, l)                               # (Hkv, nf, D), slot t = position t
         rk = full.rot_k[l]
-        full.pack_tail(l, exact if rk is None else rotate(exact, rk),
+        full.pack_tail(l, exact if rk is None else rotate_k(exact, rk),
                        full.tail_rows(l, [(0, nf)], keys=False)[1], 0)
         k, kr, kf = tail_keys(ev, l), tail_keys(ref_ev, l), tail_keys(full, l)
         num = den = num_f = den_f = 0.0

@@ -94,9 +94,10 @@ typedef struct {
     int64_t mass_stride;
     const Codec *kc, *vc;
     /* fused window append (arena): when kdst is set, the new tokens are rotated (rk, rv:
-     * (D, D) fp32 or NULL; K and q share rk), rounded to wdtype, written to kdst / vdst
-     * (Hkv, Tn, D) and attended from there; the output is un-rotated by rv. */
-    const float *rk, *rv;
+     * (D, D) fp32 or NULL; q by rq, or by rk when rq is NULL), kb (Hkv, D) or NULL added to
+     * each rotated key (a key transform: hadamard.py KeyMap), rounded to wdtype, written to
+     * kdst / vdst (Hkv, Tn, D) and attended from there; the output is un-rotated by rv. */
+    const float *rk, *rv, *rq, *kb;
     void *kdst, *vdst;
     int64_t kds[2], vds[2];
     int32_t qint;              /* 1: KIVI q.K in int32 (kivi_tiles_int), 0: in fp32 (KVRUN_ATTN) */
@@ -1552,7 +1553,7 @@ static void heads_prepare(const Args *a, int h0, int h1) {
         for (int t = 0; t < a->Tq; t++) {
             float *dst = a->q + ((int64_t)hq * a->Tq + t) * D;
             load_row(a->qin, hq * a->qs[0] + t * a->qs[1], a->qdtype, D, dst);
-            if (a->kdst && a->rk) matvec(dst, a->rk, D);
+            if (a->kdst && a->rk) matvec(dst, a->rq ? a->rq : a->rk, D);
             for (int d = 0; d < D; d++) dst[d] *= scale;
         }
     if (a->kdst) {                                       /* fused window append */
@@ -1561,6 +1562,8 @@ static void heads_prepare(const Args *a, int h0, int h1) {
             for (int64_t t = 0; t < a->Tn; t++) {
                 load_row(a->kn, h * a->kns[0] + t * a->kns[1], a->ndtype, D, row);
                 if (a->rk) matvec(row, a->rk, D);
+                if (a->kb)
+                    for (int d = 0; d < D; d++) row[d] += a->kb[h * D + d];
                 store_row(a->kdst, h * a->kds[0] + t * a->kds[1], a->wdtype, D, row);
                 load_row(a->vn, h * a->vns[0] + t * a->vns[1], a->ndtype, D, row);
                 if (a->rv) matvec(row, a->rv, D);

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
+from ..hadamard import k_bias, k_matrix, q_matrix
 from ..table import covers
 from . import load
 
@@ -45,7 +46,7 @@ class Args(ctypes.Structure):
         ("kn", _p), ("vn", _p), ("kns", _i64 * 2), ("vns", _i64 * 2),
         ("out", _p), ("sc", _p), ("part", _p), ("mass", _p), ("mass_stride", _i64),
         ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc)),
-        ("rk", _p), ("rv", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2),
+        ("rk", _p), ("rv", _p), ("rq", _p), ("kb", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2),
         ("qint", ctypes.c_int32)]
 
 
@@ -229,8 +230,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
             or k_dst.stride(2) != 1 or v_dst.stride(2) != 1):
         return None
     kd, vd = desc
-    for r in (rot_k, rot_v):
-        assert r is None or (r.dtype == torch.float32 and r.is_contiguous()), "rotation: (D, D) float32"
+    _check_rotations(rot_k, rot_v)
     return _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, 0, mass, mass_from,
                    fuse=(k_dst, v_dst, rot_k, rot_v), attn=attn)
 
@@ -283,6 +283,19 @@ class FusedStep:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
+def _check_rotations(rot_k, rot_v) -> None:
+    for r in (k_matrix(rot_k), q_matrix(rot_k), k_bias(rot_k), rot_v):
+        assert r is None or (r.dtype == torch.float32 and r.is_contiguous()), "rotation: (D, D) float32"
+
+
+def _set_rotations(a: Args, rot_k, rot_v) -> None:
+    """The rotation fields: rot_k a (D, D) rotation or a hadamard.KeyMap (q's own matrix and
+    a bias per KV head; its tensors must outlive the arguments), rot_v (D, D) or None."""
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    a.rk, a.rq, a.kb = ptr(k_matrix(rot_k)), ptr(q_matrix(rot_k)), ptr(k_bias(rot_k))
+    a.rv = ptr(rot_v)
+
+
 def step_args(H: int, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
               attn: str = "int") -> Args:
     """The fields of a one-token arena step that stay from step to step: k_win, v_win (Hkv,
@@ -298,8 +311,7 @@ def step_args(H: int, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
     a.kw, a.vw = k_win.data_ptr(), v_win.data_ptr()
     a.kws[0], a.kws[1], a.vws[0], a.vws[1] = k_win.stride(0), k_win.stride(1), v_win.stride(0), v_win.stride(1)
     a.kds[0], a.kds[1], a.vds[0], a.vds[1] = a.kws[0], a.kws[1], a.vws[0], a.vws[1]
-    a.rk = rot_k.data_ptr() if rot_k is not None else None
-    a.rv = rot_v.data_ptr() if rot_v is not None else None
+    _set_rotations(a, rot_k, rot_v)
     return a
 
 
@@ -316,8 +328,7 @@ def fused_step(win_k: torch.Tensor, win_v: torch.Tensor, layer: int, H: int, rot
     hit = _STEPS.get(key)
     if hit is not None and hit[0]() is win_k and hit[1].H == H and hit[1].attn == attn:
         return hit[1]
-    for r in (rot_k, rot_v):
-        assert r is None or (r.dtype == torch.float32 and r.is_contiguous()), "rotation: (D, D) float32"
+    _check_rotations(rot_k, rot_v)
     st = FusedStep(H, win_k[layer], win_v[layer], rot_k, rot_v, attn)
     _STEPS[key] = (weakref.ref(win_k, lambda _, k=key: _STEPS.pop(k, None)), st)
     return st
@@ -346,8 +357,7 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
     a.qint = _qint(attn)
     if fuse is not None:
         k_dst, v_dst, rot_k, rot_v = fuse
-        a.rk = rot_k.data_ptr() if rot_k is not None else None
-        a.rv = rot_v.data_ptr() if rot_v is not None else None
+        _set_rotations(a, rot_k, rot_v)
         a.kdst, a.vdst = k_dst.data_ptr(), v_dst.data_ptr()
         a.kds[0], a.kds[1], a.vds[0], a.vds[1] = k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1)
     rc = lib.kvrun_decode_attention(ctypes.byref(a))

@@ -56,15 +56,18 @@ def _bits(s: str | None, flag: str = "--bits", like: str = "2,4,8") -> list[int]
 @click.option("--kv-vgroup", default=None, type=int, help="Channels per V scale group (default 32).")
 @click.option("--kv-rotate", default=None, type=click.Choice(["none", "k", "v", "kv"]),
               help="Hadamard-rotate K and/or V in every layer (recorded in the profile).")
+@click.option("--key-map", is_flag=True,
+              help="Fit a key transform per layer on the calibration text ((k - mean) / spread, exact "
+                   "in full precision) and store keys rotated by a codebook (cb-N) through it.")
 @click.option("--tada-mu", default=None, type=click.Choice(["fp16", "int8"]), help="TaDA mean storage.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "fp16", "bf16"]))
 @threads_option
 def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, rings, windows, prefix, n_score,
-               reuse, kv_residual, kv_group, kv_vgroup, kv_rotate, tada_mu, dtype, threads):
+               reuse, kv_residual, kv_group, kv_vgroup, kv_rotate, key_map, tada_mu, dtype, threads):
     """Search per-layer K/V bits minimizing KL divergence vs fp16 under a KV memory budget."""
     from ..engine.api import load
     from ..kv.config import KVConfig
-    from ..eval.search import save_result, search
+    from ..eval.search import fit_key_maps, save_result, search
     text = read_text_file(calib)
     check_writable(out)                         # before the search, not after it
     fields = {f: x for f, x in (("residual", kv_residual), ("group", kv_group), ("v_group", kv_vgroup),
@@ -72,6 +75,8 @@ def search_cmd(model, calib, budget, out, ctx, trials, seed, bits, family, rings
     base = KVConfig.from_settings(**fields)
     bl, rl = _bits(bits), _bits(rings, "--rings", "4,8")
     m = load(model, dtype=dtype, ctx=8, threads=threads, progress=eprint)
+    if key_map:
+        base = base.replace(layer_key_map=fit_key_maps(m, text))
     kw = dict(budget=budget, ctx=ctx, trials=trials, seed=seed, bits=bl, family=family,
               windows=windows, prefix=prefix, n_score=n_score, base=base)
     prior = None

@@ -40,8 +40,9 @@ from kvrun.kernels.codecs import KEY_ONLY
 from ..errors import KvrunError
 from ..progress import format_duration
 from ..kv.layout import arena_layers
-from ..kv.build import check_kv, fp16_bytes, kv_bytes_at
+from ..kv.build import build_cache, check_kv, fp16_bytes, kv_bytes_at
 from ..kv.config import KVConfig
+from ..kv.key_map import fit_key_map
 from .search_menu import ROLES, candidate_methods, default_bits, ring_choices
 from .search_objective import Objective
 
@@ -358,6 +359,23 @@ class Search:
                             self.obj.evaluations, time.perf_counter() - self.t0)
 
 
+KEY_FIT_TOKENS = 2048        # calibration tokens a key map is fitted on (fewer if the text is short)
+
+
+def fit_key_maps(model, text: str, n_tokens: int = KEY_FIT_TOKENS) -> list[dict]:
+    """Per arena layer the key transform (kv/key_map.py) fitted on the keys of one fp16
+    prefill of the first n_tokens tokens of `text`."""
+    ids = model.tokenize(text)[:n_tokens]
+    if len(ids) < 64:
+        raise KvrunError(f"--key-map: the calibration text has {len(ids)} tokens; a key map "
+                         f"is fitted on up to {n_tokens} (at least 64)")
+    cache = build_cache(model.cfg, len(ids), "fp16")
+    with torch.inference_mode():
+        model.transformer(torch.tensor([ids]), cache, last_only=True)
+    arena = getattr(cache, "inner", cache)          # a model with rings: its arena beside them
+    return [fit_key_map(arena.rows(l)[0]) for l in range(arena.L)]
+
+
 def search(model, text: str, budget: float, ctx: int = 2048, trials: int = 16, seed: int = 0,
            bits=None, family: str = "kivi", windows: int = 2, prefix: int = 512,
            n_score: int = 32, base: KVConfig | None = None, progress=None,
@@ -366,7 +384,8 @@ def search(model, text: str, budget: float, ctx: int = 2048, trials: int = 16, s
     `reuse`: a Profile written by an earlier search with the same model, calibration and
     settings; its sensitivity pass is reused (a second budget costs only the trials).
     `rings`: the ring widths to choose from on a model with sliding-window layers (default:
-    the base config's ring if it sets one, else DEFAULT_RINGS)."""
+    the base config's ring if it sets one, else DEFAULT_RINGS). A base config with key maps
+    (`fit_key_maps`) scores every rotated K slot through them."""
     if not 0 < budget <= 1:
         raise KvrunError(f"--budget must be in (0, 1] (a fraction of the fp16 cache), got {budget}")
     if ctx < 1:
@@ -401,6 +420,8 @@ def _check_reuse(p, model, text, methods, windows, prefix, n_score, base, rings)
         why = "its calibration text or windows differ"
     elif unringed(p.kv) != unringed(kv_settings(base)):
         why = "its KV settings (window, groups …) differ"
+    elif bool(p.meta.get("search", {}).get("key_map")) != bool(base.rotation.key_maps):
+        why = "one search fitted a key map (--key-map) and the other did not"
     elif not set(rings) <= have:
         why = (f"it did not measure the rings at {', '.join(map(str, sorted(set(rings) - have)))} "
                f"bits with the arena in fp16")
@@ -419,14 +440,18 @@ def save_result(path, result: SearchResult, model, text: str, *, budget: float, 
                 n_score: int, base: KVConfig) -> None:
     from ..kv.profile import kv_settings, model_record, save_profile, text_sha256
     rings = {"ring_kld": {str(w): x for w, x in result.ring_kld.items()}} if result.ring_kld else {}
+    maps = base.rotation.key_maps
+    if maps:                                        # kept where the chosen K is rotated
+        rotated = base.replace(layers=result.layers).k_rotated(len(result.layers))
+        maps = [m if r else None for m, r in zip(maps, rotated)]
     save_profile(path, result.layers, model=model_record(model.cfg),
-                 kv=kv_settings(base.replace(ring=result.ring)),
+                 kv=kv_settings(base.replace(ring=result.ring)), key_maps=maps if maps and any(maps) else None,
                  ctx=ctx, budget=budget, bytes=result.bytes, bytes_ratio=round(result.ratio, 6),
                  kld=result.kld,
                  calibration={"sha256": text_sha256(text), "windows": windows, "prefix": prefix,
                               "scored": n_score},
                  search={"family": family, "bits": default_bits(family) if bits is None else list(bits),
-                         "trials": trials, "seed": seed,
+                         "trials": trials, "seed": seed, "key_map": bool(base.rotation.key_maps),
                          "evaluations": result.evaluations, "seconds": round(result.seconds, 1)},
                  uniform_kld=result.uniform, role_kld=result.role_uniform,
                  sensitivity=result.sensitivity, **rings)

@@ -49,7 +49,8 @@ from kvrun.kernels.codecs import make_codec
 from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step, pack,  # per backend
                                  rope_compress_k, select, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
-from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
+from kvrun.kernels.hadamard import (KeyMap, random_signs, rotate, rotate_k, rotate_step, rotation_matrix,
+                                    unrotate, unrotate_k)
 from ..errors import KvrunError
 from .arena_evict import ArenaEviction, lossless_codec, tail_sizes
 from .arena_shift import shift_layer
@@ -57,6 +58,7 @@ from . import arena_step
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
 from .contract import KVCache
+from .key_map import key_map_tensors
 from .snapshot import Snapshot, arena_restore, arena_snapshot
 
 # write_attend's largest step: decode steps and short chunks of up to 64 new tokens;
@@ -121,7 +123,12 @@ class KVArena(KVCache):
         rmat = rotation_matrix(head_dim, signs).to(device)                # (D, D) orthogonal
         # (a codec that assumes rotated rows, codebook.py's, rotates its role in any case)
         rots = kv.rotation.layers(n_layers)
-        self.rot_k = [rmat if "k" in r or c.needs_rotation else None for r, c in zip(rots, self.k_codecs)]
+        self.rot_k = [rmat if kr else None for kr in kv.k_rotated(n_layers)]
+        # a key transform fitted once per model (a profile's "k_map", key_map.py), folded into
+        # K's rotation (hadamard.KeyMap); a layer whose K is not rotated has no use for one
+        for l, m in enumerate(kv.rotation.layer_key_maps(n_layers)):
+            if m is not None and self.rot_k[l] is not None:
+                self.rot_k[l] = KeyMap(self.rot_k[l], *key_map_tensors(m, n_kv_heads, head_dim, l))
         self.rot_v = [rmat if "v" in r or c.needs_rotation else None for r, c in zip(rots, self.v_codecs)]
         self.n_tail = [0] * n_layers          # flushed tokens per layer (multiple of G)
         self.n_win = [0] * n_layers           # window tokens per layer
@@ -237,7 +244,7 @@ class KVArena(KVCache):
             for s in range(0, n, self.kv.block):
                 e = min(n, s + self.kv.block)
                 kb, vb = k[l, :, s:e], v[l, :, s:e]
-                kb = kb if rk is None else rotate(kb.float(), rk)
+                kb = kb if rk is None else rotate_k(kb, rk)
                 vb = vb if rv is None else rotate(vb.float(), rv)
                 if self.ev:
                     self.ev.observe(l, None, e - s)                 # not attended: no scores
@@ -428,9 +435,9 @@ class KVArena(KVCache):
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         nt, w = self.n_tail[layer], self.n_win[layer]
         tail = self.tail_rows(layer, [(0, nt)] if nt else [])
-        return tuple(x if r is None else unrotate(x, r) for x, r in zip(
-            (torch.cat([t, win[layer][:, :w].float()], 1) for t, win in zip(tail, (self.win_k, self.win_v))),
-            (self.rot_k[layer], self.rot_v[layer])))
+        k, v = (torch.cat([t, win[layer][:, :w].float()], 1) for t, win in zip(tail, (self.win_k, self.win_v)))
+        rk, rv = self.rot_k[layer], self.rot_v[layer]
+        return k if rk is None else unrotate_k(k, rk), v if rv is None else unrotate(v, rv)
 
     def tail_means(self, l: int, runs) -> list:
         """The stored per-token means (n, D) float32 of the tail slot runs, for the K and V

@@ -1,11 +1,11 @@
 """llama.cpp's context shift on the arena (KVArena.shift plans it, this moves one layer):
 keep tokens [0, a), drop [a, a + nd), and re-append the rest through the arena's normal
 write path with their keys re-rotated by -nd (RoPE at angle -nd·θ; a Hadamard-rotated K is
-un-rotated first and rotated back), so the cache is as if the kept tokens sat at positions
+un-rotated first and rotated back, a key transform undone and redone with it), so the cache is as if the kept tokens sat at positions
 0 .. n-1. Compressed tokens are dequantized and re-packed: a one-off double quantization."""
 from __future__ import annotations
 
-from kvrun.kernels.hadamard import rotate, unrotate
+from kvrun.kernels.hadamard import rotate_k, unrotate_k
 from kvrun.kernels.rope import apply_rope
 
 
@@ -18,7 +18,7 @@ def shift_layer(arena, l: int, a: int, nd: int, cos, sin) -> None:
     def rot(x):                                                         # (Hkv, n, D)
         if rk is None:
             return apply_rope(x[None], cos, sin)[0]
-        return rotate(apply_rope(unrotate(x.float(), rk)[None], cos, sin)[0], rk)
+        return rotate_k(apply_rope(unrotate_k(x, rk)[None], cos, sin)[0], rk)
     win_k = arena.win_k[l, :, :w].clone()                               # sources survive the rewrite
     win_v = arena.win_v[l, :, :w].clone()
     arena.n_tail[l], arena.n_win[l] = min(a, nt), 0                     # untouched prefix

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrun.kernels.codecs import KEY_ONLY, method_family
+from kvrun.kernels.codecs import KEY_ONLY, make_codec, method_family
 from ..errors import KvrunError
 from .evict import ANCHORS, POLICIES
 from .profile import NOT_KV_SETTINGS, check_method, read_profile, shipped_for
@@ -56,6 +56,7 @@ class Rotation:
     which: str = "none"
     seed: int | None = None
     per_layer: list | None = None
+    key_maps: list | None = None    # per layer None or {"mu", "sigma"} (key_map.py), from a profile
 
     def __post_init__(self):
         if self.which not in ROTATE:
@@ -70,6 +71,15 @@ class Rotation:
             raise KvrunError(f"KV profile has {len(self.per_layer)} rotation entries, "
                              f"the model has {n_layers} layers")
         return list(self.per_layer)
+
+    def layer_key_maps(self, n_layers: int) -> list:
+        """Per layer the key transform of a profile (runtime/kv/key_map.py) or None."""
+        if self.key_maps is None:
+            return [None] * n_layers
+        if len(self.key_maps) != n_layers:
+            raise KvrunError(f"KV profile has {len(self.key_maps)} key-map entries, "
+                             f"the model has {n_layers} layers")
+        return list(self.key_maps)
 
     @property
     def off(self) -> bool:
@@ -149,7 +159,7 @@ SETTINGS = {
                               "sparsity", "tada_mu", "ring", "layers", "block", "profile_info")},
     "ctx_policy": ("context", "on_full"), "n_keep": ("context", "n_keep"),
     "rotate": ("rotation", "which"), "rotate_seed": ("rotation", "seed"),
-    "layer_rotate": ("rotation", "per_layer"),
+    "layer_rotate": ("rotation", "per_layer"), "layer_key_map": ("rotation", "key_maps"),
     "evict": ("eviction", "policy"), "budget": ("eviction", "budget"),
     "sinks": ("eviction", "sinks"), "snap_window": ("eviction", "snap_window"),
     "crush_fraction": ("eviction", "crush_fraction"), "crush_anchor": ("eviction", "crush_anchor"),
@@ -297,6 +307,12 @@ class KVConfig:
         if fams & {"gear"} and D > 256:
             raise KvrunError(f"GEAR outliers need head dim <= 256, got {D}")
 
+    def k_rotated(self, n_layers: int) -> list[bool]:
+        """Per layer whether its keys are stored rotated: the rotation setting, or a K codec
+        that rotates its rows (cb-N); a profile's key transform applies there only."""
+        return ["k" in r or make_codec(k, "k", self.group).needs_rotation
+                for r, (k, _) in zip(self.rotation.layers(n_layers), self.layer_methods(n_layers))]
+
     @property
     def uncompressed(self) -> bool:
         """Every layer's K and V kept in a float dtype (fp16, bf16, fp32): no codes."""
@@ -400,6 +416,7 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
         layers = p.layers
         info = {"path": p.path, "model": p.model, "auto": auto,
                 "fields": dict(fields)}             # as given: for_model re-reads with them
-        fields = {**p.kv, **({"layer_rotate": p.rotate} if p.rotate else {}), **fields}
+        fields = {**p.kv, **({"layer_rotate": p.rotate} if p.rotate else {}),
+                  **({"layer_key_map": p.key_maps} if p.key_maps else {}), **fields}
     return KVConfig.from_settings(k_method=k or sk.strip(), v_method=v or sv.strip(), layers=layers,
                                   profile_info=info, **fields)

@@ -14,7 +14,8 @@ Only "format" and "layers" are required (hand-written profiles stay short). "kv"
 KVConfig settings the bytes were computed with (window, groups, TaDA's μ storage, any
 rotation flag the KVConfig has, and "ring": the width of a model's sliding-window rings,
 absent or null in older profiles, which leaves it to ring.ring_bits); loading a profile
-applies them unless the caller sets them explicitly. "model" is checked against the model the cache is built for: the
+applies them unless the caller sets them explicitly. A layer entry may carry "rotate" (that
+layer's rotation) and "k_map" (a key transform, key_map.py, applied where K is rotated). "model" is checked against the model the cache is built for: the
 geometry always, the source hash for `--kv auto` (a shipped profile describes one model's
 sensitivities; any other model must run `kvrun search`).
 """
@@ -29,13 +30,14 @@ from pathlib import Path
 from kvrun.kernels.codecs import KEY_ONLY, METHODS
 from ..errors import KvrunError
 from ..files import atomic_output
+from .key_map import check_key_map
 
 FORMAT = "kvrun-kv-profile"
 VERSION = 1
 SHIPPED_DEFAULT = "smollm2-135m-0.30.json"      # `--kv auto` for the embedded model
 # KVConfig fields that describe a cache, not a run: these travel with a profile
-NOT_KV_SETTINGS = ("k_method", "v_method", "layers", "layer_rotate", "ctx_policy", "n_keep",
-                    "block", "profile_info")
+NOT_KV_SETTINGS = ("k_method", "v_method", "layers", "layer_rotate", "layer_key_map", "ctx_policy",
+                   "n_keep", "block", "profile_info")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Profile:
     meta: dict = field(default_factory=dict)        # ctx, budget, bytes_ratio, kld, calibration …
     path: str | None = None
     rotate: list[str] | None = None                 # per-layer rotation ("rotate" in entries)
+    key_maps: list | None = None                    # per-layer key transform ("k_map", key_map.py)
 
     @property
     def name(self) -> str:
@@ -53,8 +56,9 @@ class Profile:
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "model": self.model, **self.meta,
-                "kv": self.kv, "layers": [{"k": k, "v": v, **({"rotate": self.rotate[i]} if self.rotate else {})}
-                                  for i, (k, v) in enumerate(self.layers)]}
+                "kv": self.kv, "layers": [{"k": k, "v": v, **({"rotate": self.rotate[i]} if self.rotate else {}),
+                                           **({"k_map": self.key_maps[i]} if self.key_maps and self.key_maps[i] else {})}
+                                          for i, (k, v) in enumerate(self.layers)]}
 
 
 def model_record(cfg) -> dict:
@@ -117,6 +121,8 @@ def parse_profile(d, where: str = "profile") -> Profile:
                              f"(got {rots[i]!r}; give it on every layer or on none)")
     else:
         rots = None
+    maps = [check_key_map(f"{where}: layer {i} k_map", e["k_map"]) if e.get("k_map") is not None else None
+            for i, e in enumerate(layers)]
     model = d.get("model", {})
     if isinstance(model, str):                      # a bare name (hand-written profiles)
         model = {"name": model}
@@ -129,7 +135,7 @@ def parse_profile(d, where: str = "profile") -> Profile:
     if not isinstance(kv, dict):
         raise KvrunError(f"{where}: 'kv' must be an object")
     meta = {k: x for k, x in d.items() if k not in ("format", "version", "layers", "model", "kv")}
-    return Profile(out, model, kv, meta, rotate=rots)
+    return Profile(out, model, kv, meta, rotate=rots, key_maps=maps if any(maps) else None)
 
 
 def resolve_profile(spec) -> Path:
@@ -180,11 +186,11 @@ def load_profile(path) -> list[tuple[str, str]]:
 
 
 def save_profile(path, layers, model: dict | str | None = None, kv: dict | None = None,
-                 rotate: list[str] | None = None, **meta) -> None:
+                 rotate: list[str] | None = None, key_maps: list | None = None, **meta) -> None:
     """Write a profile atomically; `meta` (ctx, budget, kld …) is stored alongside.
     The result is validated exactly as it will be read back."""
     model = {"name": model} if isinstance(model, str) else (model or {})
-    p = Profile([tuple(x) for x in layers], model, kv or {}, meta, rotate=rotate)
+    p = Profile([tuple(x) for x in layers], model, kv or {}, meta, rotate=rotate, key_maps=key_maps)
     parse_profile(json.loads(json.dumps(p.to_json())), str(path))
     with atomic_output(path) as tmp:
         tmp.write_text(json.dumps(p.to_json(), indent=1) + "\n")

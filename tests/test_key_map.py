@@ -154,7 +154,7 @@ def test_profile_round_trip_and_bad_entries(tmp_path):
            ({**m, "mu": []}, "one list of 32 numbers per KV head")]
     for entry, msg in bad:
         with pytest.raises(KvrunError, match=msg):
-            check_key_map("k_map", json.loads(json.dumps(entry).replace("NaN", "NaN")))
+            check_key_map("k_map", json.loads(json.dumps(entry)))
         d["layers"][0]["k_map"] = entry
         p.write_text(json.dumps(d))
         with pytest.raises(KvrunError, match=msg):
@@ -175,6 +175,8 @@ def test_search_fits_and_keeps_maps_on_rotated_keys(model, tmp_path):
     maps = fit_key_maps(model, text, 400)
     L, Hkv, D = model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
     assert len(maps) == L and len(maps[0]["mu"]) == Hkv and len(maps[0]["sigma"]) == D
+    with pytest.raises(KvrunError, match="calibration text has 10 tokens"):
+        fit_key_maps(model, "0123456789")
     base = parse_kv("fp16", residual=32, group=32, layer_key_map=maps)
     kw = dict(budget=0.6, ctx=512, trials=2, seed=0, bits=[4, 8], family="all", windows=1,
               prefix=64, n_score=32, base=base)

@@ -21,6 +21,10 @@ FILE, and the attention of its last 256 queries with the keys through the cb cod
 the sink's share of it (position 0) and the mean |logit error| at the sink and elsewhere,
 for none, mean, and mean with the sink's key kept exact.
 
+The runtime has the transform itself now (a profile's "k_map", fitted by `kvrun search
+--key-map`: runtime/kv/key_map.py, one sigma per channel over the KV heads); this tool is
+the measurement that led to it, and its --attention report.
+
 The transform is applied at KVArena.attend, the per-layer route every prompt chunk takes
 (the one-call native decode step, which would bypass it, is switched off here); a sliding
 window ring layer (Gemma) is left as it is.

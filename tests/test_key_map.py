@@ -19,7 +19,7 @@ from kvrun.kv import build_cache, parse_kv
 from kvrun.kv.build import make_cache
 from kvrun.kv.key_map import check_key_map, fit_key_map
 from kvrun.kv.profile import read_profile, save_profile
-from tiny import make_tiny_model_dir
+from tiny import make_tiny_model_dir, tiny_config
 
 BACKENDS = ["torch"] + (["native"] if native.load() is not None else [])
 
@@ -118,7 +118,6 @@ def test_codebook_keys_with_a_shared_direction(monkeypatch, backend, bits):
     fitted map attend far closer to the exact attention than without it (the map reaches
     the stored codes, on every backend)."""
     monkeypatch.setenv("KVRUN_BACKEND", backend)
-    from tiny import tiny_config
     cfg = tiny_config(num_layers=1, num_heads=4, num_kv_heads=2, hidden_size=256)     # D = 64
     Hkv, D, n = 2, 64, 400
     g = torch.Generator().manual_seed(3)
@@ -159,7 +158,6 @@ def test_profile_round_trip_and_bad_entries(tmp_path):
         p.write_text(json.dumps(d))
         with pytest.raises(KvrunError, match=msg):
             read_profile(p)
-    from tiny import tiny_config
     cfg = tiny_config(hidden_size=256)                                  # 2 KV heads of 64
     with pytest.raises(KvrunError, match="k_map is for 2 KV heads of 32 channels"):
         build_cache(cfg, 128, parse_kv("cb-4", layer_key_map=[m, m]))

@@ -49,6 +49,16 @@ class ContextPolicy:
             raise KvrunError(f"--keep must be >= 0, got {self.n_keep}")
 
 
+def _per_layer(values: list | None, n_layers: int, what: str, default) -> list:
+    """A profile's per-layer list (`default` for every layer when it has none), refused when
+    its length is not the model's layer count."""
+    if values is None:
+        return [default] * n_layers
+    if len(values) != n_layers:
+        raise KvrunError(f"KV profile has {len(values)} {what} entries, the model has {n_layers} layers")
+    return list(values)
+
+
 @dataclass
 class Rotation:
     """Hadamard rotation along the head dim before quantizing: "none", "k", "v" or "kv",
@@ -65,21 +75,11 @@ class Rotation:
             raise KvrunError(f"unknown per-layer rotation in {self.per_layer!r} (none, k, v, kv)")
 
     def layers(self, n_layers: int) -> list[str]:
-        if self.per_layer is None:
-            return [self.which] * n_layers
-        if len(self.per_layer) != n_layers:
-            raise KvrunError(f"KV profile has {len(self.per_layer)} rotation entries, "
-                             f"the model has {n_layers} layers")
-        return list(self.per_layer)
+        return _per_layer(self.per_layer, n_layers, "rotation", self.which)
 
     def layer_key_maps(self, n_layers: int) -> list:
         """Per layer the key transform of a profile (runtime/kv/key_map.py) or None."""
-        if self.key_maps is None:
-            return [None] * n_layers
-        if len(self.key_maps) != n_layers:
-            raise KvrunError(f"KV profile has {len(self.key_maps)} key-map entries, "
-                             f"the model has {n_layers} layers")
-        return list(self.key_maps)
+        return _per_layer(self.key_maps, n_layers, "key-map", None)
 
     @property
     def off(self) -> bool:

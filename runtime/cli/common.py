@@ -11,7 +11,6 @@ import sys
 
 import click
 
-from kvrun.kernels.dispatch import BackendError
 from ..errors import KvrunError, Terminated, raise_on_signals
 
 
@@ -23,11 +22,31 @@ THREADS_HELP = ("Most CPU threads used (default: every CPU this process may run 
                 "while other processes keep cores busy (KVRUN_THREADS_ADAPT=0: exactly N).")
 
 
+class ThreadCount(click.IntRange):
+    """An integer in 1..MAX_THREADS (runtime/threads.py, read when a value is parsed: that
+    module loads torch, and the option is declared when the CLI starts)."""
+
+    def __init__(self):
+        super().__init__(1)
+
+    def convert(self, value, param, ctx):
+        from ..threads import MAX_THREADS
+        self.max = MAX_THREADS
+        return super().convert(value, param, ctx)
+
+
 def threads_option(f):
     """-t/--threads, the same for every command that computes."""
-    from ..threads import MAX_THREADS
-    return click.option("-t", "--threads", default=None, type=click.IntRange(1, MAX_THREADS),
+    return click.option("-t", "--threads", default=None, type=ThreadCount(),
                         help=THREADS_HELP)(f)
+
+
+def user_errors() -> tuple[type, ...]:
+    """The exceptions reported as one `error:` line: KvrunError, and the kernels'
+    BackendError (a bad KVRUN_BACKEND) once kvrun.kernels is loaded — looked up, not
+    imported, so the CLI starts without torch (it can only be raised after that import)."""
+    dispatch = sys.modules.get("kvrun.kernels.dispatch")
+    return (KvrunError,) if dispatch is None else (KvrunError, dispatch.BackendError)
 
 
 def one_line(text: str) -> str:
@@ -92,7 +111,7 @@ class KvrunGroup(click.Group):
             rv = super().invoke(ctx)
             sys.stdout.flush()                  # a full disk fails here, not at interpreter exit
             return rv
-        except (KvrunError, BackendError) as e:      # BackendError: a bad KVRUN_BACKEND
+        except user_errors() as e:
             if ctx.params.get("debug"):
                 raise
             eprint(f"error: {one_line(str(e))}")

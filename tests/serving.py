@@ -70,3 +70,26 @@ def default_model_server(name: str, ctx: int, timeout: float):
         return openai_client(server[0], timeout)
 
     return model, server, client
+
+
+def kvrun_serve(*args: str, timeout: float = 120):
+    """A `kvrun serve` process (`-t 1` plus `args`) on a free loopback port: returns
+    (Popen with stderr piped, port) once /health answers 200."""
+    import subprocess
+    import sys
+
+    from hostile_serving import call
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "serve", "-t", "1",
+                          "--port", str(port), *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert p.poll() is None, p.stderr.read()
+        assert time.monotonic() < deadline, "kvrun serve did not start"
+        try:
+            if call(port, "GET", "/health", timeout=2)[0] == 200:
+                return p, port
+        except OSError:
+            time.sleep(0.2)

@@ -7,6 +7,7 @@ import os
 import click
 
 from .common import eprint, threads_option
+from ..engine.prefix_budget import SERVE_CAP_MB, SERVE_FRACTION, serve_default_mb
 from ..errors import KvrunError
 
 
@@ -26,9 +27,11 @@ from ..errors import KvrunError
 @click.option("--kv-budget-mb", default=None, type=float,
               help="Most MiB of KV cache across the running sequences (default: no limit); "
                    "requests wait until theirs fits.")
-@click.option("--cache-ram", "cache_ram", default=0.0, show_default=True, type=float, metavar="MB",
+@click.option("--cache-ram", "cache_ram", default=None, type=float, metavar="MB",
               help="MiB of host RAM for the prefix cache across requests: a request starts from "
-                   "the longest cached prefix of its prompt (exactly; docs/serve.md). 0: off.")
+                   "the longest cached prefix of its prompt (exactly; docs/serve.md). 0: off. "
+                   f"Default: 1/{SERVE_FRACTION} of this machine's memory (RAM, or a cgroup "
+                   f"limit), at most {SERVE_CAP_MB} MiB: {serve_default_mb():g} MiB here.")
 @click.option("--cache-dir", "cache_dir", default=None, metavar="DIR",
               help="Also keep the prefix cache's entries as files in DIR, so a restarted server "
                    "with the same model and --kv starts from them (docs/serve.md).")
@@ -76,6 +79,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, cac
     if parallel < 1:
         raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
     check_budget_mb(kv_budget_mb)
+    if cache_ram is None:
+        cache_ram = serve_default_mb()
     if not 0 <= cache_ram < float("inf"):
         raise KvrunError(f"--cache-ram must be a finite number >= 0 MiB (got {cache_ram:g})")
     if not 0 <= cache_disk_mb < float("inf"):

@@ -92,8 +92,9 @@ def load_model(kw):
                                 {"residual": kv.residual, "group": kv.group}))
         eprint(f"[kv] {why}")
         kw["model"] = path
-    m = load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kv,
-             prefill_chunk=kw["chunk"], threads=kw["threads"], progress=eprint)
+    # no prefix cache across calls: generate prefills one prompt, chat's turns extend the cache
+    m = load(kw["model"], dtype=kw["dtype"], ctx=kw["ctx"], kv=kv, prefill_chunk=kw["chunk"],
+             threads=kw["threads"], progress=eprint, cache_ram_mb=0)
     warn_ctx(m.cfg, kw["ctx"], "-c")
     return m
 

@@ -100,7 +100,7 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, cac
     spec = parse_kv(kv, **({"ctx_policy": ctx_policy} if ctx_policy else {}))
     # the model's own cache is never used by the server: one token keeps it out of the way
     m = load(model, dtype=dtype, ctx=1, kv="fp16", prefill_chunk=chunk, threads=threads,
-             progress=eprint)
+             progress=eprint, cache_ram_mb=0)         # the scheduler has its prefix cache
     sched = Scheduler(m, parallel=parallel, kv_budget_mb=kv_budget_mb, max_queue=queue,
                       ctx=ctx, kv=spec, cache_ram_mb=cache_ram,
                       cache_dir=cache_dir, cache_disk_mb=cache_disk_mb)

@@ -20,8 +20,10 @@ from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, check_ids
 from .grammar import Grammar, Grammars
 from ..kv import build_cache
 from ..kv.build import make_cache
-from ..kv.config import KVConfig
+from ..kv.config import KVConfig, parse_kv
 from ..model.loader import check_model_dir, load_config, load_tokenizer, load_transformer, parse_dtype
+from .model_prefix import ModelPrefix
+from .prefix_budget import model_default_mb
 from .sampling import sampling_params
 from .session import load_session, save_session
 from .stops import with_stops
@@ -37,7 +39,9 @@ def check_count(what: str, n) -> None:
 
 
 class Model:
-    """A loaded model with one KV cache (one conversation at a time).
+    """A loaded model with one KV cache (one conversation at a time), and a prefix cache
+    across calls (`prefix_cache`; runtime/engine/model_prefix.py) that a new prompt resumes
+    from when it shares a long prefix with an earlier one.
 
     Thread-safe by serialization: a generation holds the model from its first token to its
     last (an open `stream()` iterator included), and a call from another thread waits for
@@ -77,6 +81,11 @@ class Model:
     @property
     def cache(self):
         return self.engine.cache
+
+    @property
+    def prefix_cache(self):
+        """The PrefixCache across calls (`load(cache_ram_mb=)`), or None when off."""
+        return None if self.engine.prefix is None else self.engine.prefix.cache
 
     @property
     def ctx(self) -> int:
@@ -190,7 +199,8 @@ class Model:
 
 def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT_CTX,
          kv: "str | KVConfig" = "fp16", prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads: int | None = None,
-         progress=None, session: str | Path | None = None) -> Model:
+         progress=None, session: str | Path | None = None,
+         cache_ram_mb: float | None = None) -> Model:
     """Load a kvrun model directory, or a model `kvrun pull --list` names (pulled and
     converted on first use; None → the embedded default model).
 
@@ -200,6 +210,10 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     compute uses, process-wide (None leaves the cap as it is; by default the CPUs this
     process may run on); fewer while other processes keep cores busy (runtime/threads.py).
     session: a session file (`Model.save`) to continue from (`Model.load_session`).
+    cache_ram_mb: MiB of host RAM for the prefix cache across calls (model_prefix.py: a
+    prompt resumes from the longest chunk-boundary state an earlier prefill passed through,
+    output unchanged); None: 1/32 of the machine's memory, at most 1024 MiB
+    (prefix_budget.py); 0: off. `Model.prefix_cache.stats()` counts its hits.
     """
     from .pull import resolve_model
     check_count("context size", ctx)
@@ -212,6 +226,11 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
         raise KvrunError(f"a model is a directory path or a pullable name, got {type(path).__name__}")
     if not isinstance(kv, (str, KVConfig)):
         raise KvrunError(f"kv is a --kv spec string or a KVConfig, got {type(kv).__name__}")
+    if cache_ram_mb is None:
+        cache_ram_mb = model_default_mb()
+    if isinstance(cache_ram_mb, bool) or not isinstance(cache_ram_mb, (int, float)) \
+            or not 0 <= cache_ram_mb < float("inf"):
+        raise KvrunError(f"cache_ram_mb must be a finite number >= 0 (got {cache_ram_mb!r})")
     path = check_model_dir(resolve_model(path, progress=progress))
     cfg = load_config(path)
     if threads is not None:
@@ -226,6 +245,9 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     cache = make_cache(cfg, ctx, kv)
     model = Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)
     model.kv, model.dtype = kv, dtype
+    if cache_ram_mb:
+        model.engine.prefix = ModelPrefix(kv if isinstance(kv, KVConfig) else parse_kv(kv),
+                                          cache_ram_mb)
     if session is not None:
         model.load_session(session)
     return model

@@ -27,7 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -76,7 +76,22 @@ def check_ids(ids: list, vocab_size: int) -> None:
             raise KvrunError(f"token id {t!r} is not in the vocabulary [0, {vocab_size})")
 
 
+class PrefixHooks(Protocol):
+    """A prefix cache across generations behind one Engine (runtime/engine/model_prefix.py,
+    a library Model's): asked before a prompt is prefilled, told at each chunk boundary."""
+
+    def resume(self, engine: "Engine", prompt: list[int], have: int) -> int:
+        """How many prompt ids need no prefill, given that the engine's own reuse kept
+        `have`; may restore a longer cached state into the engine first."""
+
+    def checkpoint(self, engine: "Engine") -> None:
+        """The prefill stands at a chunk boundary it reached from a fresh prefill's state."""
+
+
 class Engine:
+    """One sequence (module docstring). `prefix`: PrefixHooks, or None (a batch's
+    sequences, which the scheduler's prefix cache serves instead)."""
+
     def __init__(self, model, tokenizer, cache, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if prefill_chunk < 1:
             raise KvrunError(f"prefill chunk must be >= 1 (got {prefill_chunk})")
@@ -88,6 +103,7 @@ class Engine:
         self.n_dropped = 0                  # ids they dropped
         self._busy = threading.Lock()       # held by the one generation using the cache
         self._holder: int | None = None     # the thread that holds it
+        self.prefix: PrefixHooks | None = None
 
     @contextmanager
     def exclusive(self):
@@ -174,6 +190,9 @@ class Engine:
                 self.cache.end_prompt()
                 if exact and shifts == self.n_shifts:
                     self.canon = len(self.cached)
+            if self.prefix is not None and exact and shifts == self.n_shifts \
+                    and len(self.cached) % C == 0:
+                self.prefix.checkpoint(self)
             yield (logits[0] if rows else logits[0, -1]), len(ids) - s
 
     def decode_step(self, token: int) -> torch.Tensor:
@@ -251,6 +270,8 @@ class Engine:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         t0 = time.perf_counter()
         start = self.reuse_prefix(prompt, append)
+        if self.prefix is not None and not append:
+            start = self.prefix.resume(self, prompt, start)
         logits = self.prefill(prompt[start:])
         timings.prompt_tokens, timings.prompt_s = len(prompt) - start, time.perf_counter() - t0
         history = list(prompt)

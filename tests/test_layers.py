@@ -21,7 +21,9 @@ LAYERS = [
     ("convert", ("kvrun.convert",)),
     ("engine", ("kvrun.engine",)),
     ("eval", ("kvrun.eval",)),
-    ("cli", ("kvrun.cli",)),
+    # the cluster (Ray Serve) runs the CLI's HTTP app in replicas, and `kvrun serve --ray`
+    # hands over to it: one layer
+    ("cli", ("kvrun.cli", "kvrun.cluster")),
     ("api", ("kvrun",)),                        # kvrun/__init__.py: the public re-exports
 ]
 

@@ -6,6 +6,7 @@ import os
 
 import click
 
+from .cluster_flags import cluster_only, cluster_options, serve_on_ray
 from .common import eprint, threads_option
 from ..engine.prefix_budget import SERVE_CAP_MB, SERVE_FRACTION, serve_default_mb
 from ..errors import KvrunError
@@ -57,8 +58,9 @@ from ..errors import KvrunError
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="Seconds running requests may take to finish after Ctrl-C / SIGTERM; then "
                    "they end with an error (a second Ctrl-C quits at once).")
+@cluster_options
 def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, cache_dir, cache_disk_mb, queue, host, port, alias,
-              dtype, chunk, threads, api_key, cors, max_body_mb, shutdown_timeout):
+              dtype, chunk, threads, api_key, cors, max_body_mb, shutdown_timeout, **cluster):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions,
     /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics), many requests
     decoded together.
@@ -93,6 +95,13 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, cac
         raise KvrunError(f"--shutdown-timeout must be in [0, 3600] s (got {shutdown_timeout:g})")
     if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
         raise KvrunError("--api-key must be printable and not empty")
+    if cluster.pop("ray"):                          # replicas of this server on Ray Serve
+        return serve_on_ray(cluster, eprint, cache_dir, model=model, ctx=ctx, kv=kv,
+                            ctx_policy=ctx_policy, parallel=parallel, kv_budget_mb=kv_budget_mb,
+                            cache_ram=cache_ram, queue=queue, alias=alias, dtype=dtype,
+                            chunk=chunk, threads=threads, api_key=api_key, cors=tuple(cors),
+                            max_body=int(max_body_mb * (1 << 20)), host=host, port=port)
+    cluster_only(cluster)
     # long prompts are tokenized in worker threads (runtime/model/tokenizer.py): one thread each,
     # not a rayon pool per call
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -42,6 +42,7 @@ from ..kv.build import kv_bytes_at
 from ..kv.config import KVConfig, parse_kv
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .prefix_cache import PrefixCache
+from .prefix_tier import PrefixTier
 from .stops import check_stops
 
 MiB = 1 << 20
@@ -169,11 +170,14 @@ class Scheduler:
     sequence (default: the model's context); kv: the default KV method (default: the
     model's); cache_ram_mb: MiB of host RAM for the prefix cache across requests
     (runtime/engine/prefix_cache.py; 0: none); cache_dir, cache_disk_mb: its disk tier, a
-    directory and the most MiB its files hold (runtime/engine/prefix_disk.py; None: none)."""
+    directory and the most MiB its files hold (runtime/engine/prefix_disk.py; None: none);
+    tier: a second-level store built by the caller instead of the directory (a PrefixTier,
+    runtime/engine/prefix_tier.py: the cluster's shared tier), not with cache_dir."""
 
     def __init__(self, model, parallel: int = 4, kv_budget_mb: float | None = None,
                  max_queue: int = 64, ctx: int | None = None, kv: "str | KVConfig | None" = None,
-                 cache_ram_mb: float = 0, cache_dir=None, cache_disk_mb: float = 1024):
+                 cache_ram_mb: float = 0, cache_dir=None, cache_disk_mb: float = 1024,
+                 tier: "PrefixTier | None" = None):
         if parallel < 1:
             raise KvrunError(f"--parallel must be >= 1 (got {parallel})")
         check_budget_mb(kv_budget_mb)
@@ -190,7 +194,8 @@ class Scheduler:
             raise KvrunError(f"--cache-ram must be a finite number >= 0 MiB (got {cache_ram_mb!r})")
         if not (isinstance(cache_disk_mb, (int, float)) and 0 <= cache_disk_mb < float("inf")):
             raise KvrunError(f"--cache-disk-mb must be a finite number >= 0 MiB (got {cache_disk_mb!r})")
-        disk = None
+        assert tier is None or cache_dir is None, "one second-level tier: a directory or a store"
+        disk = tier
         if cache_dir is not None:
             from .prefix_disk import DiskTier
             from .session import model_record

@@ -1,0 +1,114 @@
+"""`kvrun serve --ray`: start or join a Ray cluster, put the shared tier's store actor up,
+and deploy the ingress + N replicas on Ray Serve (docs/cluster.md).
+
+Without an address a local Ray is started (one machine, several replicas); with one
+(`ray://…` or `host:port` of a running cluster, or "auto") it joins that cluster, and the
+replicas go wherever Ray places them (`replica_cpus` each). The store actor is named and
+detached: a second deploy in the same namespace finds the one already there."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from ..errors import KvrunError
+from .ingress import Ingress
+from .replica import MiB, Replica, ReplicaSpec
+from .router import KvrunRouter
+from .registry import REGISTRY_NAME, Registry
+from .store import STORE_NAME, PrefixStore
+
+APP = "kvrun"
+
+
+@dataclass
+class ClusterSpec:
+    """Where and how many: the cluster flags of `kvrun serve --ray`."""
+    address: str | None = None
+    replicas: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8080
+    replica_cpus: float = 1.0           # Ray CPUs each replica reserves
+    routing: str = "prefix"             # or "round-robin" (router.py)
+    load_bound: int = 4                 # affinity.py: most extra in-flight requests
+    proxy: str = "HeadOnly"             # Ray Serve proxy_location: HeadOnly | EveryNode
+
+
+def check(spec: ClusterSpec) -> None:
+    """KvrunError for settings no cluster could run."""
+    if spec.replicas < 1:
+        raise KvrunError(f"--replicas must be >= 1 (got {spec.replicas})")
+    if spec.replica_cpus < 0:
+        raise KvrunError(f"--replica-cpus must be >= 0 (got {spec.replica_cpus:g})")
+    if spec.routing not in ("prefix", "round-robin"):
+        raise KvrunError(f"--routing must be prefix or round-robin (got {spec.routing!r})")
+    if spec.load_bound < 0:
+        raise KvrunError(f"--load-bound must be >= 0 (got {spec.load_bound})")
+
+
+def connect(address: str | None, namespace: str) -> None:
+    """Join the cluster at `address` (None: start a local one)."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        raise KvrunError(f"cannot reach the Ray cluster at {address}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+
+
+def deploy(cluster: ClusterSpec, rs: ReplicaSpec) -> str:
+    """Deploy the app (module docstring); returns the ingress's base URL (…/v1)."""
+    check(cluster)
+    connect(cluster.address, rs.namespace)
+    ray.remote(PrefixStore).options(
+        name=STORE_NAME, namespace=rs.namespace, lifetime="detached", get_if_exists=True,
+        max_restarts=-1, num_cpus=0).remote(int(rs.shared_mb * MiB))
+    ray.remote(Registry).options(
+        name=REGISTRY_NAME, namespace=rs.namespace, lifetime="detached", get_if_exists=True,
+        max_restarts=-1, num_cpus=0).remote()
+    serve.start(http_options={"host": cluster.host, "port": cluster.port},
+                proxy_location=cluster.proxy)
+    router = RequestRouterConfig(request_router_class=KvrunRouter, request_router_kwargs={
+        "policy": cluster.routing, "bound": cluster.load_bound})
+    replica = serve.deployment(Replica, name="kvrun-replica", num_replicas=cluster.replicas,
+                               ray_actor_options={"num_cpus": cluster.replica_cpus},
+                               max_ongoing_requests=rs.parallel + rs.queue,
+                               request_router_config=router,
+                               graceful_shutdown_timeout_s=5)
+    ingress = serve.deployment(Ingress, name="kvrun-ingress", num_replicas=1,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    serve.run(ingress.bind(replica.bind(rs), rs.max_body, rs.api_key, rs.namespace),
+              name=APP, route_prefix="/", blocking=False)
+    where = f"[{cluster.host}]" if ":" in cluster.host else cluster.host
+    return f"http://{where}:{cluster.port}/v1"
+
+
+def undeploy(namespace: str) -> None:
+    """Remove the app, the store and the registry actors (the cluster itself stays)."""
+    serve.delete(APP)
+    for name in (STORE_NAME, REGISTRY_NAME):
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
+def serve_until_interrupted(cluster: ClusterSpec, rs: ReplicaSpec, say) -> None:
+    """Deploy, print where, and keep the app up until Ctrl-C / SIGTERM; then remove it
+    (and stop the local Ray this started)."""
+    url = deploy(cluster, rs)
+    say(f"kvrun serve --ray: {cluster.replicas} replicas ({cluster.routing} routing), "
+        f"shared tier {rs.shared_mb:g} MiB; {url}")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        undeploy(rs.namespace)
+        if cluster.address is None:
+            ray.shutdown()

@@ -1,0 +1,86 @@
+"""The cluster's pieces that need no Ray cluster (runtime/cluster/): the affinity policy with
+its load bound, the routing key of a request, and that Ray stays out of `import kvrun` and of
+`kvrun serve` without --ray."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvrun.cluster.affinity import Owners, choose
+from kvrun.cluster.forward import BLOCK_CHARS, blocks_of, routing_text
+
+
+def test_blocks_name_shared_prefixes():
+    a = "s" * (3 * BLOCK_CHARS) + "user one"
+    b = "s" * (3 * BLOCK_CHARS) + "user two, longer" + "x" * BLOCK_CHARS
+    ba, bb = blocks_of(a), blocks_of(b)
+    assert len(ba) == 3 and len(bb) == 4
+    assert ba == bb[:3]                             # the shared system prompt's blocks
+    assert blocks_of("t" + a[1:])[0] != ba[0]       # one character differs: another chain
+    assert blocks_of("short") == []
+
+
+def test_routing_text_of_chat_and_completion():
+    chat = json.dumps({"messages": [{"role": "system", "content": "S"},
+                                    {"role": "user", "content": "U"}]}).encode()
+    assert routing_text("/v1/chat/completions", chat) == "\0system\0S\0user\0U"
+    assert routing_text("/v1/completions", b'{"prompt": "abc"}') == "abc"
+    assert routing_text("/v1/completions", b'{"prompt": [1, 2]}') == "[1, 2]"
+    for bad in (b"", b"{", b"[1]", b'{"messages": 3}'):
+        assert routing_text("/v1/chat/completions", bad) == ""
+    assert routing_text("/health", chat) == ""
+
+
+def test_affinity_follows_the_longest_owned_prefix():
+    owners = Owners()
+    sys_a, sys_b = blocks_of("a" * 4 * BLOCK_CHARS), blocks_of("b" * 2 * BLOCK_CHARS)
+    idle = {"r1": 0, "r2": 0, "r3": 0}
+    assert choose(sys_a, idle, owners, bound=2).kind == "cold"
+    owners.record(sys_a, "r3")                      # r3 holds the longer prefix
+    owners.record(sys_a[:2], "r2")                  # the last to take a block owns it
+    c = choose(sys_a, idle, owners, bound=2)
+    assert (c.replica, c.kind, c.blocks) == ("r3", "affinity", 4)
+    assert choose(sys_a, {"r1": 0, "r2": 0}, owners, 2).replica == "r2"    # r3 gone
+    assert choose(sys_b, idle, owners, 2).kind == "cold"
+    owners.forget("r3")
+    assert choose(sys_a, idle, owners, 2).replica == "r2"
+    assert choose(sys_a, {"r1": 0}, owners, 2).kind == "cold"
+
+
+def test_load_bound_spills_a_hot_prefix():
+    owners = Owners()
+    blocks = blocks_of("h" * 2 * BLOCK_CHARS)
+    owners.record(blocks, "r1")
+    assert choose(blocks, {"r1": 2, "r2": 0}, owners, bound=2).replica == "r1"   # at the bound
+    c = choose(blocks, {"r1": 3, "r2": 0}, owners, bound=2)                       # past it
+    assert (c.replica, c.kind) == ("r2", "spill")
+    assert choose(blocks, {"r1": 1, "r2": 0}, owners, bound=0).replica == "r2"
+
+
+def test_owners_forget_the_least_recently_used():
+    owners = Owners(capacity=3)
+    owners.record(["a", "b"], "r1")
+    owners.record(["c", "d"], "r2")
+    assert list(owners.map) == ["b", "c", "d"]
+
+
+@pytest.mark.parametrize("argv", [[], ["serve", "--port", "0"], ["serve", "--replicas", "3"]])
+def test_ray_stays_out(argv):
+    """`import kvrun`, and `kvrun serve` without --ray (here stopped by a bad flag after its
+    options are parsed), never import ray."""
+    code = ("import sys, kvrun, kvrun.cli.main as m\n"
+            f"argv = {argv!r}\n"
+            "if argv:\n"
+            "    try:\n"
+            "        m.main(argv, standalone_mode=False)\n"
+            "    except BaseException as e:\n"
+            "        print('failed:', repr(e))\n"
+            "print('ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
+    if argv:
+        assert "failed:" in out.stdout

@@ -63,3 +63,140 @@ def test_save_profile_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         P.save_profile(out, [("kivi-4", "kivi-4")])
     assert list(tmp_path.iterdir()) == []
+
+
+# -- only a regular file is ever replaced ----------------------------------------------------------
+
+def _special(kind, d):
+    """A FIFO, a socket or a character device (/dev/null's numbers; root only) in `d`."""
+    import os
+    import socket
+    p = d / kind
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(p))
+        s.close()
+    else:
+        try:
+            os.mknod(p, 0o666 | __import__("stat").S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("mknod needs root")
+    return p
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+def test_a_special_file_is_never_replaced(tmp_path, kind):
+    """A save over a device node, FIFO or socket is an error and leaves it as it was (it
+    left a regular file in its place: saving over /dev/full replaced the system's)."""
+    import os
+    import stat
+    p = _special(kind, tmp_path)
+    mode = os.lstat(p).st_mode
+    with pytest.raises(KvrunError, match="not a regular file"):
+        with atomic_output(p) as tmp:
+            tmp.write_text("x")
+    assert os.lstat(p).st_mode == mode and not stat.S_ISREG(mode)
+    assert [q.name for q in tmp_path.iterdir()] == [kind]
+
+
+def test_dev_full_is_an_error_not_a_replacement():
+    import os
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with pytest.raises(KvrunError, match="not a regular file"):
+        check_writable("/dev/full")
+
+
+def test_a_symlink_to_a_file_writes_its_target(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    with atomic_output(link) as tmp:
+        tmp.write_text("new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+
+def test_private_mode(tmp_path):
+    from kvrun.files import PRIVATE
+    with atomic_output(tmp_path / "s", mode=PRIVATE) as tmp:
+        tmp.write_text("x")
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o600
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_killed_writers_temp_file_is_swept(tmp_path):
+    """The temporary file of a writer that no longer runs (kill -9 mid-write) goes at the
+    next write of the same output; a running writer's, another output's, stay."""
+    import os
+    dead = tmp_path / f".p.json.{_dead_pid()}-abc123.tmp"
+    live = tmp_path / ".p.json.1-abc123.tmp"            # pid 1 runs
+    other = tmp_path / f".q.json.{_dead_pid()}-abc123.tmp"
+    for f in (dead, live, other):
+        f.write_text("half")
+    with atomic_output(tmp_path / "p.json") as tmp:
+        assert f".{os.getpid()}-" in tmp.name
+        tmp.write_text("x")
+    assert not dead.exists() and live.exists() and other.exists()
+
+
+# -- reading: a regular file, with a size bound --------------------------------------------------
+
+def test_read_regular_refuses_fifo_and_devices_without_blocking(tmp_path):
+    """A FIFO nobody writes, or /dev/zero, is refused at once (reading hung, or ran until
+    MemoryError)."""
+    import os
+    import threading
+    from kvrun.files import read_regular
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    errors = []
+
+    def read(p):
+        try:
+            read_regular(p, 1 << 20)
+        except KvrunError as e:
+            errors.append(str(e))
+    for p in (fifo, "/dev/zero", tmp_path):
+        t = threading.Thread(target=read, args=(p,), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), f"reading {p} blocked"
+    assert len(errors) == 3 and "not a regular file" in errors[0] and "directory" in errors[2]
+
+
+def test_read_regular_size_bound(tmp_path):
+    from kvrun.files import read_regular
+    p = tmp_path / "big"
+    with open(p, "wb") as f:
+        f.truncate(1 << 30)                 # sparse: the size is checked before any read
+    with pytest.raises(KvrunError, match="larger"):
+        read_regular(p, 1 << 20)
+    p.write_bytes(b"abc")
+    assert read_regular(p, 3) == b"abc"
+
+
+def test_lock_refuses_a_second_holder(tmp_path):
+    import subprocess
+    import sys
+    from kvrun.files import FileLock
+    f = tmp_path / "s.kvs"
+    lock = FileLock(f, "session")
+    with pytest.raises(KvrunError, match="in use"):
+        FileLock(f, "session")
+    other = subprocess.run([sys.executable, "-c", "import sys; from kvrun.files import FileLock\n"
+                            "from kvrun.errors import KvrunError\ntry: FileLock(sys.argv[1])\n"
+                            "except KvrunError as e: print(e); sys.exit(3)", str(f)],
+                           capture_output=True, text=True)
+    assert other.returncode == 3 and "in use" in other.stdout
+    lock.release()
+    FileLock(f).release()

@@ -78,6 +78,17 @@ def _other_ids(f):
     _patched_header(f, f, lambda h: h["engine"].update(tokens=[5] * len(h["engine"]["tokens"])))
 
 
+def _misshapen(f):
+    """A header that passes every file check but names a tensor of the right bytes in the
+    wrong shape: only restoring it finds out (it was counted as a hit on every request,
+    never removed, and the shorter valid prefix never used)."""
+    def edit(h):
+        t = next(t for t in h["tensors"] if t["name"].endswith("win_k") and len(t["shape"]) == 3)
+        a, b, c = t["shape"]
+        t["shape"] = [a, b * c]
+    _patched_header(f, f, edit)
+
+
 def _flip(f):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -94,6 +105,7 @@ def _foreign_kv(f):
 
 
 @pytest.mark.parametrize("spoil", [_flip, _truncate, _foreign_model, _foreign_kv, _other_ids,
+                                   _misshapen,
                                    lambda f: f.write_text("not a session")])
 def test_bad_files_are_skipped_and_removed(m, prompt, tmp_path, caplog, spoil):
     kv = "kivi-4"
@@ -111,11 +123,11 @@ def test_bad_files_are_skipped_and_removed(m, prompt, tmp_path, caplog, spoil):
     # prefill past it wrote a good file again under the same name
     from kvrun.engine.session import read_session
     assert longest.read_bytes() != spoiled
-    assert read_session(longest)[0]["engine"]["tokens"] == prompt[:192]
-    assert any("skipping and removing" in r.getMessage() and longest.name in r.getMessage()
+    assert read_session(longest, 1 << 30)[0]["engine"]["tokens"] == prompt[:192]
+    assert any("removing" in r.getMessage() and longest.name in r.getMessage()
                for r in caplog.records), caplog.text
     assert start == 128
-    assert s.prefix.stats()["disk_hits"] == 1
+    assert s.prefix.stats()["disk_hits"] == 1 + (spoil is _misshapen)   # it passed get()
 
 
 def test_bound_holds_and_only_its_files_are_touched(m, wikitext, tmp_path):
@@ -126,7 +138,8 @@ def test_bound_holds_and_only_its_files_are_touched(m, wikitext, tmp_path):
     outside.write_text("not in the cache dir")
     link = d / ("a" * 64 + ".kvpc")
     link.symlink_to(outside)
-    stale = d / ("." + "b" * 64 + ".kvpc.x1y2.tmp")     # a killed write's temporary file
+    from test_files import _dead_pid
+    stale = d / ("." + "b" * 64 + f".kvpc.{_dead_pid()}-x1y2.tmp")    # a killed write's
     stale.write_bytes(b"half")
     s = Scheduler(m, parallel=1, ctx=1024, kv="kivi-4", cache_ram_mb=64, cache_dir=d)
     assert not stale.exists()
@@ -176,12 +189,76 @@ def test_the_cache_reads_no_file_through_a_symlink(m, tmp_path):
     m.engine.prefill(m.tokenize("a session to link to"))
     real = tmp_path / "real.kvsession"
     m.save(real)
-    assert read_session(real, follow=False)[0]                       # a plain file reads
+    assert read_session(real, 1 << 30, follow=False)[0]                       # a plain file reads
     link = tmp_path / ("0" * 64 + ".kvpc")
     link.symlink_to(real)
-    with pytest.raises(KvrunError, match="symbolic links"):
-        read_session(link, follow=False)
+    with pytest.raises(KvrunError, match="symlink"):
+        read_session(link, 1 << 30, follow=False)
     fifo = tmp_path / "fifo.kvpc"
     os.mkfifo(fifo)
     with pytest.raises(KvrunError, match="not a regular file"):       # never blocks on it
-        read_session(fifo, follow=False)
+        read_session(fifo, 1 << 30, follow=False)
+
+
+# -- what a hostile neighbour may put in the directory -------------------------------------------
+
+def test_empty_cache_dir_is_an_error(m, tmp_path, monkeypatch):
+    """`--cache-dir ''` wrote up to 1 GiB into the current directory, silently."""
+    monkeypatch.chdir(tmp_path)
+    for bad in ("", "  "):
+        with pytest.raises(KvrunError, match="cache-dir is empty"):
+            Scheduler(m, parallel=1, cache_dir=bad)
+    assert os.listdir(tmp_path) == []
+
+
+def test_files_are_private(m, prompt, tmp_path):
+    """Entry headers hold the prompts' token ids: 0600 files in a 0700 directory (they were
+    0644 in 0755, readable by any local user)."""
+    d = tmp_path / "new" / "cache"
+    _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    assert _files(d) and all(p.stat().st_mode & 0o777 == 0o600 for p in _files(d))
+
+
+def test_a_fifo_under_an_entry_name_is_left_alone(m, prompt, tmp_path, caplog):
+    d = tmp_path / "c"
+    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
+    longest = max(_files(d), key=lambda p: p.stat().st_size)
+    longest.unlink()
+    os.mkfifo(longest)
+    s = Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d)
+    with caplog.at_level(logging.WARNING, logger="kvrun.prefix_cache"):
+        warm, start = _run(s, prompt, 2)
+    assert warm == cold and start == 128                # the next shorter file, not the FIFO
+    import stat
+    assert stat.S_ISFIFO(os.lstat(longest).st_mode)     # it was silently replaced
+    assert "not a regular file" in caplog.text
+
+
+def test_an_oversized_file_is_removed_unread_and_outside_the_lock(m, prompt, tmp_path, caplog):
+    """A 1 GiB corrupt entry was read whole, under the scheduler's lock that /health takes
+    (7.8 s frozen, 2 GB RSS): now the size bound refuses it before any read, and no file is
+    read while the lock is held."""
+    import threading
+    d = tmp_path / "c"
+    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
+    longest = max(_files(d), key=lambda p: p.stat().st_size)
+    with open(longest, "r+b") as f:
+        f.truncate(2 << 30)                              # sparse
+    s = Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d, cache_disk_mb=4096)
+    s.prefix.disk.budget = 64 << 20
+    held = []
+    real_get = s.prefix.disk.get
+
+    def get(*a):
+        t = threading.Thread(target=lambda: held.append(s._lock.acquire(timeout=5) and
+                                                        (s._lock.release() or True)))
+        t.start()
+        t.join()
+        return real_get(*a)
+    s.prefix.disk.get = get
+    with caplog.at_level(logging.WARNING, logger="kvrun.prefix_cache"):
+        warm, start = _run(s, prompt, 2)
+    assert warm == cold and start == 128
+    assert held and all(held)                            # the lock was free during each read
+    assert "larger" in caplog.text and longest.stat().st_size < 64 << 20  # removed, rewritten

@@ -281,3 +281,91 @@ def test_every_codec_round_trips(tiny32, tmp_path, method, n_prompt):
     m2.load_session(tmp_path / "t.kvs")
     _same_state(_state(m2), saved)
     assert _run(m2, ids + first + [7, 8, 9], 30, append=True)[0] == want
+
+
+# -- files that are not sessions, and two writers ------------------------------------------------
+
+@pytest.fixture()
+def tiny_m(tiny_dir):
+    m = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv="fp16")
+    _run(m, list(range(10, 60)), 4)
+    return m
+
+
+def test_save_never_replaces_a_fifo_or_device(tiny_m, tmp_path):
+    import os
+    import stat
+    fifo = tmp_path / "n"
+    os.mkfifo(fifo)
+    for p in (fifo, "/dev/full", "/dev/null"):
+        if os.path.exists(p):
+            with pytest.raises(KvrunError, match="not a regular file"):
+                tiny_m.save(p)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+
+
+def test_loading_a_fifo_or_dev_zero_fails_at_once(tiny_m, tmp_path):
+    """A FIFO hung load_session, /dev/zero was read until MemoryError; a file larger than
+    any session of this model is refused before it is read."""
+    import os
+    import threading
+    fifo = tmp_path / "f.kvs"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.kvs"
+    with open(big, "wb") as f:
+        f.write(b"KVRUNSES")
+        f.truncate(4 << 30)
+    got = []
+
+    def load(p):
+        try:
+            tiny_m.load_session(p)
+        except KvrunError as e:
+            got.append(str(e))
+    for p in (fifo, "/dev/zero", big):
+        t = threading.Thread(target=load, args=(p,), daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), f"loading {p} blocked"
+    assert len(got) == 3 and "not a regular file" in got[0] and "larger" in got[2]
+
+
+def test_session_file_is_private(tiny_m, tmp_path):
+    tiny_m.save(tmp_path / "s.kvs")
+    assert (tmp_path / "s.kvs").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("extra", [{"x": object()}, {"x": float("nan")}, ["not", "a", "dict"]])
+def test_extra_that_is_not_json_is_one_error(tiny_m, tmp_path, extra):
+    with pytest.raises(KvrunError, match="extra"):
+        tiny_m.save(tmp_path / "s.kvs", extra=extra)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_second_writer_of_a_session_is_refused(tiny_m, tiny_dir, tmp_path):
+    """Two chats on one file overwrote each other's turns; the second one is now refused,
+    the library's save too, while the first holds the file."""
+    f = tmp_path / "chat.kvs"
+    first = ChatSession(tiny_m)
+    first.attach(f)
+    "".join(e.text for e in first.reply("hi", 4, temp=0))
+    first.save(f)
+    other = kvrun.load(tiny_dir, dtype="fp32", ctx=256, kv="fp16")
+    with pytest.raises(KvrunError, match="in use"):
+        ChatSession(other).attach(f)
+    with pytest.raises(KvrunError, match="in use"):
+        other.save(f)
+    cli = _chat(["-m", str(tiny_dir), "-c", "256", "--kv", "fp16", "--session", str(f)], "x\n")
+    assert cli.exit_code == 1 and "in use" in cli.stderr and "Traceback" not in cli.stderr
+    first.close()
+    ChatSession(other).attach(f)                    # free again
+
+
+def test_a_killed_chats_temp_file_is_swept_at_start(tiny_m, tmp_path):
+    from test_files import _dead_pid
+    f = tmp_path / "chat.kvs"
+    stale = tmp_path / f".chat.kvs.{_dead_pid()}-x1y2z3.tmp"
+    stale.write_bytes(b"half a session")
+    ChatSession(tiny_m).attach(f)
+    assert not stale.exists()

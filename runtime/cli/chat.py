@@ -138,8 +138,8 @@ def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], epr
     """The loop: until /exit or end of input. `session_file`: the conversation is restored
     from it when it exists and saved to it after every turn and /reset."""
     session = ChatSession(m, system)
-    if session_file is not None and Path(session_file).exists():
-        session.load(session_file)
+    if session_file is not None:            # locked for this chat; restored when it exists
+        session.attach(session_file)
         if system is not None and system != session.system:
             eprint("[--system ignored: the restored conversation keeps its own system prompt]")
     reader = LineReader(sys.stdin.isatty())
@@ -189,6 +189,7 @@ def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], epr
                 save()
     finally:
         reader.close()
+        session.close()                     # the session file's lock
 
 
 def reply(session: ChatSession, message: str, n: int, sampling: dict, stop: list[str],

@@ -13,13 +13,21 @@ A turn continues the cache as it stands (`append`): it is prefilled over the com
 past, the way the conversation was built, so the same turns after a reset give the same
 replies. When a context shift drops ids from the middle of the conversation, the
 session's ids follow the cache's.
+
+A conversation kept in a session file (`attach`) holds that file's lock until `close()` or
+the process ends, so a second chat on the same file is refused at its start instead of
+silently overwriting the first one's turns.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
-from .generate import StreamEvent
+from ..errors import KvrunError
+from ..files import FileLock, sweep_stale_temps
+from .generate import StreamEvent, check_ids
 from .sampling import SamplingParams
+from .session import read_session, save_session, session_limit
 from .stops import StopStrings
 
 
@@ -27,6 +35,7 @@ class ChatSession:
     def __init__(self, model, system: str | None = None):
         self.m = model
         self.system = system
+        self._held: tuple[Path, FileLock] | None = None      # attach's file and its lock
         self.reset()
 
     def reset(self) -> None:
@@ -86,18 +95,41 @@ class ChatSession:
         rest = text[len(decoded(n)):]
         return reply[:n] + (self.m.tokenize(rest, bos=False) if rest else [])
 
+    def attach(self, path) -> None:
+        """Keep this conversation in the session file `path`: lock it for this session
+        (KvrunError when another kvrun holds it), remove the temporary files a killed
+        writer left beside it, and continue the conversation it holds when it exists."""
+        lock = FileLock(path, "session")
+        try:
+            p = Path(path)
+            sweep_stale_temps(p.parent if str(p.parent) else Path("."), p.name)
+            if p.exists() or p.is_symlink():
+                self.load(path)
+        except BaseException:
+            lock.release()
+            raise
+        self.close()
+        self._held = (Path(path).absolute(), lock)
+
+    def close(self) -> None:
+        """Release the session file's lock (`attach`)."""
+        if self._held is not None:
+            self._held[1].release()
+            self._held = None
+
     def save(self, path) -> int:
         """Write the conversation to a session file (runtime/engine/session.py): the cache,
-        and beside it the conversation's ids and system prompt; returns its bytes."""
-        return self.m.save(path, extra={"chat": {"ids": self.ids, "system": self.system}})
+        and beside it the conversation's ids and system prompt; returns its bytes.
+        KvrunError when another kvrun holds the file's lock."""
+        held = self._held is not None and self._held[0] == Path(path).absolute()
+        with self.m.engine.exclusive():
+            return save_session(self.m, path, {"chat": {"ids": self.ids, "system": self.system}},
+                                lock=not held)
 
     def load(self, path) -> None:
         """Continue the conversation saved at `path` (the model and KV config must be the
         ones it was saved with); KvrunError for any other file, the session unchanged."""
-        from ..errors import KvrunError
-        from .generate import check_ids
-        from .session import read_session
-        chat = read_session(path)[0]["extra"].get("chat")
+        chat = read_session(path, session_limit(self.m))[0]["extra"].get("chat")
         if not isinstance(chat, dict) or not isinstance(chat.get("ids"), list) \
                 or not isinstance(chat.get("system"), (str, type(None))):
             raise KvrunError(f"{path}: a session without a chat conversation (saved by Model.save)")

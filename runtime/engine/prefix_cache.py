@@ -32,17 +32,23 @@ does not have. A prefix is shared by copying its snapshot into each new cache in
 With a disk tier (runtime/engine/prefix_disk.py, `--cache-dir`) every entry is also written
 to a file when it is inserted, and a lookup that misses RAM at a boundary looks for that
 boundary's file before trying a shorter prefix; a file found is restored and put back in RAM.
+An entry whose tensors its cache cannot take back (a file whose header passes but whose
+tensors do not match it) is dropped from RAM and its file removed, with one log line, and
+the next shorter prefix is tried.
 """
 from __future__ import annotations
 
 import collections
 import json
+import logging
 import threading
 from dataclasses import dataclass
 
 from ..errors import KvrunError
-from ..kv.snapshot import Snapshot
+from ..kv.snapshot import OtherSize, Snapshot
 from .session import engine_state, kv_record, restore_engine
+
+log = logging.getLogger("kvrun.prefix_cache")
 
 
 def kv_key(kv) -> str:
@@ -57,6 +63,7 @@ class Entry:
     state: dict             # engine_state's: tokens, canon, shift counters
     snap: Snapshot
     nbytes: int
+    name: object = None         # its name in the second-level tier, when it came from there
 
 
 class PrefixCache:
@@ -119,7 +126,12 @@ class PrefixCache:
     def best(self, kv, prompt: list[int], max_ctx: int, chunk: int) -> Entry | None:
         """The entry for `kv` holding the longest prefix of `prompt` that ends on a multiple
         of `chunk` (every entry does), leaves at least one prompt id to prefill and fits a
-        cache of `max_ctx` tokens; None when there is none. One dict lookup per boundary."""
+        cache of `max_ctx` tokens; None when there is none."""
+        return next(self.candidates(kv, prompt, max_ctx, chunk), None)
+
+    def candidates(self, kv, prompt: list[int], max_ctx: int, chunk: int):
+        """The entries `best` may return, longest prefix first, found lazily: one dict
+        lookup per boundary, and a boundary's file (read then) on a RAM miss."""
         key = kv_key(kv)
         ns = range(min(len(prompt) - 1, max_ctx) // chunk * chunk, 0, -chunk)
         files = self.disk.paths(key, prompt, ns) if self.disk is not None and ns else {}
@@ -129,35 +141,51 @@ class PrefixCache:
                 e = self.entries.get((key, ids))
                 if e is not None:
                     self.entries.move_to_end((key, ids))
-                    return e
+            if e is not None:
+                yield e
+                continue
             if n in files:                          # a RAM miss: this boundary's file
                 got = self.disk.get(files[n], key, ids)
                 if got is not None:
                     state, snap = got
-                    e = Entry(key, ids, state, snap, snap.nbytes())
+                    e = Entry(key, ids, state, snap, snap.nbytes(), files[n])
                     self._keep(e)
-                    return e
-        return None
+                    yield e
 
     def resume(self, kv, engine, prompt: list[int]) -> int:
-        """Restore into `engine` (a new sequence's, empty) the best entry for `prompt` and
-        keep what the prefix-reuse rule allows; returns how many prompt ids need no
-        prefill (0: a cold start, the engine empty)."""
-        e = self.best(kv, prompt, engine.max_ctx, engine.prefill_chunk)
+        """Restore into `engine` (a new sequence's, empty) the best entry for `prompt` that
+        its cache takes back, and keep what the prefix-reuse rule allows; returns how many
+        prompt ids need no prefill (0: a cold start, the engine empty). An entry the cache
+        refuses is dropped (module docstring) and the next shorter one tried."""
         kept = 0
-        if e is not None:
+        for e in self.candidates(kv, prompt, engine.max_ctx, engine.prefill_chunk):
             try:
                 restore_engine(engine, e.snap, e.state, engine.model.cfg.vocab_size)
                 kept = engine.reuse_prefix(prompt)
-            except KvrunError:                      # does not fit this request's cache size
+                break
+            except OtherSize:                       # sound, for a bigger cache: kept
                 engine.reset()
-                kept = 0
+            except KvrunError as why:               # its tensors do not fit its own config
+                engine.reset()
+                self._drop(e, str(why))
         with self._lock:
             self.requests += 1
             self.queried += len(prompt)
             self.hits += kept > 0
             self.hit_tokens += kept
         return kept
+
+    def _drop(self, e: Entry, why: str) -> None:
+        """Forget an entry that cannot be restored: from RAM, and from the second-level
+        tier (which logs it) when it came from there."""
+        with self._lock:
+            if self.entries.pop((e.key, e.tokens), None) is not None:
+                self.used -= e.nbytes
+        if e.name is not None and self.disk is not None:
+            self.disk.remove(e.name, why)
+        else:
+            log.warning("prefix cache: dropping the %d-token entry: it cannot be restored (%s)",
+                        len(e.tokens), why)
 
     def stats(self) -> dict:
         with self._lock:

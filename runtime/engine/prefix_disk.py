@@ -6,9 +6,11 @@ A file is a session file (runtime/engine/session.py: the checksummed header nami
 weights' sha256, the dtype, the KV config and the token ids, then the compressed bytes as the
 arena holds them), named `<sha256>.kvpc` by a hash of (weights sha256, dtype, KV config, token
 ids): the name is computed, never taken from a request, and every path read, written or
-removed is DIR/<64 hex digits>.kvpc (or, at start, a killed write's temporary
-.<that>.*.tmp; a symlink or anything else there is never followed or
-touched; other files in DIR are left alone and not counted).
+removed is DIR/<64 hex digits>.kvpc (or, at start, the temporary .<that>.<pid>-*.tmp of a
+write whose process no longer runs: one killed mid-write; a symlink, a FIFO or anything else
+there is never followed, read or replaced; other files in DIR are left alone and not
+counted). A directory the tier creates is 0700 and its files are 0600: a file's header
+holds the prompt's token ids. `--cache-dir ''` is an error, not the current directory.
 
 When: a file is written when its entry is inserted in RAM (write-through), not when LRU drops
 it from RAM. A write at eviction would lose whatever is in RAM when the process dies (a crash,
@@ -19,9 +21,11 @@ compressed bytes (a third of fp16's for `auto`).
 
 Bound: the .kvpc files in DIR hold at most `budget` bytes: after each write the least
 recently used (oldest mtime; a disk hit touches its file) are removed until they fit, and an
-entry larger than the whole budget is not written. A file that fails its checks (not a session
-file, truncated, corrupt, another model's, dtype's or KV config's, ids other than its name's)
-is removed with one log line: under its name it can never be valid, and it holds budget. A
+entry larger than the whole budget is not written. A file that fails its checks (larger than the budget,
+not a session file, truncated, corrupt, another model's, dtype's or KV config's, ids other
+than its name's, or tensors the cache cannot take back: prefix_cache.PrefixCache.resume) is
+removed with one log line: under its name it can never be valid, and it holds budget. A
+file is read with that size bound before any byte of it, outside the scheduler's lock. A
 valid file whose prefix does not fit a request's context is kept (a longer -c would take it).
 """
 from __future__ import annotations
@@ -36,12 +40,13 @@ import struct
 from pathlib import Path
 
 from ..errors import KvrunError
+from ..files import is_stale_temp
 from ..kv.snapshot import Snapshot
 from .session import check_origin, read_session, write_session
 
 log = logging.getLogger("kvrun.prefix_cache")
 NAME = re.compile(r"^[0-9a-f]{64}\.kvpc$")
-TMP = re.compile(r"^\.[0-9a-f]{64}\.kvpc\.\w+\.tmp$")    # files.atomic_output's, of a killed write
+TMP = re.compile(r"^\.[0-9a-f]{64}\.kvpc\.\d+-\w+\.tmp$")     # files.atomic_output's
 
 
 class DiskTier:
@@ -50,11 +55,13 @@ class DiskTier:
     def __init__(self, root, budget: int, model: dict):
         if budget < 0:
             raise KvrunError(f"--cache-disk-mb must be >= 0 MiB (got {budget / (1 << 20):g})")
+        if not str(root).strip():
+            raise KvrunError("--cache-dir is empty: give a directory (it would be the current one)")
         p = Path(root).expanduser()
         if p.exists() and not p.is_dir():
             raise KvrunError(f"--cache-dir {root}: not a directory")
         try:
-            p.mkdir(parents=True, exist_ok=True)
+            p.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise KvrunError(f"--cache-dir {root}: {e.strerror or e}") from None
         if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
@@ -97,7 +104,7 @@ class DiskTier:
                 log.warning("prefix cache: %s is a symlink; ignored", path.name)
             return None
         try:
-            header, snap = read_session(path, follow=False)
+            header, snap = read_session(path, self.budget, follow=False)
             check_origin(path.name, header, self.model, json.loads(key))
             state = header["engine"]
             if state.get("tokens") != list(ids) or state.get("canon") != len(ids) \
@@ -124,10 +131,13 @@ class DiskTier:
                 return True
             except OSError:
                 return False
-        if path.is_symlink() or snap.nbytes() > self.budget:
+        if snap.nbytes() > self.budget:
+            return False
+        if os.path.lexists(path):               # a symlink, FIFO, device or directory
+            log.warning("prefix cache: %s is not a regular file; not replaced", path.name)
             return False
         try:
-            write_session(path, self.model, json.loads(key), state, snap)
+            write_session(path, self.model, json.loads(key), state, snap, lock=False)
         except KvrunError as e:                     # a full disk: the RAM tier goes on
             log.warning("prefix cache: cannot write %s", e)
             return False
@@ -142,7 +152,8 @@ class DiskTier:
         try:
             with os.scandir(self.root) as it:
                 for d in it:
-                    if stale and TMP.match(d.name) and d.is_file(follow_symlinks=False):
+                    if stale and TMP.match(d.name) and is_stale_temp(d.name) \
+                            and d.is_file(follow_symlinks=False):
                         self._unlink(Path(d.path))
                     if NAME.match(d.name) and d.is_file(follow_symlinks=False):
                         try:
@@ -177,6 +188,14 @@ class DiskTier:
     def _remove(self, p: Path, size: int) -> None:
         if self._unlink(p):
             self.used, self.files = max(0, self.used - size), max(0, self.files - 1)
+
+    def remove(self, path: Path, why: str) -> None:
+        """Remove the entry file `path` (one of `paths`' names, a regular file) that passed
+        `get` but whose tensors its cache refused (`why`), with one log line."""
+        st = self._regular(path)
+        if st is not None and NAME.match(path.name):
+            log.warning("prefix cache: removing %s: it cannot be restored (%s)", path.name, why)
+            self._remove(path, st.st_size)
 
     def stats(self) -> dict:
         return {"disk_bytes": self.used, "disk_files": self.files, "disk_hits": self.hits,

@@ -274,31 +274,39 @@ class Scheduler:
         return bool(self.pending or self.running)
 
     def _admit(self) -> None:
-        with self._lock:
-            for r in [r for r in self.pending if r._cancelled]:
-                self.pending.remove(r)
-                r._fail("error", r._cancel_error) if r._cancel_error else r._fail("cancelled")
-            while self.pending and len(self.running) < self.parallel:
+        """Start the oldest waiting requests that fit. A request's slot and bytes are taken
+        under the lock, its sequence is built outside it: a prefix-cache file is read there,
+        and /health and /metrics, which take the lock, must not wait for a disk."""
+        while True:
+            with self._lock:
+                for r in [r for r in self.pending if r._cancelled]:
+                    self.pending.remove(r)
+                    r._fail("error", r._cancel_error) if r._cancel_error else r._fail("cancelled")
+                if not self.pending or len(self.running) >= self.parallel:
+                    return
                 r = self.pending[0]
                 if self.budget is not None and self.kv_used + r.kv_bytes > self.budget:
-                    break                               # oldest first: wait for memory
+                    return                              # oldest first: wait for memory
                 self.pending.popleft()
-                try:
-                    cache = make_cache(self.model.cfg, r.n_ctx, r.kv)
-                    resume, checkpoint = self._prefix_hooks(r)
-                    r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
-                                     r.max_tokens, r.params, self.model.stop_ids, r.stop,
-                                     self.model.engine.prefill_chunk, on_event=r._push,
-                                     logprobs=r.logprobs, prompt_logprobs=r.prompt_k,
-                                     grammar=r.grammar, resume=resume, checkpoint=checkpoint)
-                except Exception as e:                  # noqa: BLE001 - this request only
-                    r._fail("error", failure(e))
-                    continue
-                if r._cancelled:
-                    r.seq.cancel(r._cancel_error)
-                self.batch.add(r.seq)
                 self.running.append(r)
                 self.kv_used += r.kv_bytes
+            try:
+                cache = make_cache(self.model.cfg, r.n_ctx, r.kv)
+                resume, checkpoint = self._prefix_hooks(r)
+                r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
+                                 r.max_tokens, r.params, self.model.stop_ids, r.stop,
+                                 self.model.engine.prefill_chunk, on_event=r._push,
+                                 logprobs=r.logprobs, prompt_logprobs=r.prompt_k,
+                                 grammar=r.grammar, resume=resume, checkpoint=checkpoint)
+            except Exception as e:                      # noqa: BLE001 - this request only
+                with self._lock:
+                    self.running.remove(r)
+                    self.kv_used -= r.kv_bytes
+                r._fail("error", failure(e))
+                continue
+            if r._cancelled:
+                r.seq.cancel(r._cancel_error)
+            self.batch.add(r.seq)
 
     def _prefix_hooks(self, r: Request):
         """The prefix cache's hooks for a new sequence (Sequence's `resume`, `checkpoint`)."""

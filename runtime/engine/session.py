@@ -16,10 +16,17 @@ A session file (little-endian):
                       the window's rows, ring slots): the file is about the KV bytes held
     sha256  32 bytes  over everything before it
 
-It is written whole or not at all (files.atomic_output). Reading checks, in order: the
-magic, the version, the length, the checksum, the header's shape, then the model and the KV
-config against the loaded ones, then every tensor against the cache's layout — each
-failure one KvrunError line, the cache left as it was. Output after a restore equals the
+It is written whole or not at all (files.atomic_output), only over a regular file, mode 0600
+(the header holds the prompts' token ids), while holding the session's lock (files.FileLock:
+a second writer of the same file gets a KvrunError, not a lost turn). Reading opens only a
+regular file, non-blocking, and refuses one larger than the loading model's whole cache
+could save (`session_limit`) before reading it; then it checks, in order: the magic, the
+version, the length, the checksum, the header's shape, then the model and the KV config
+against the loaded ones, then every tensor against the cache's layout — each failure one
+KvrunError line, the cache left as it was. The checksum catches a truncated or damaged
+file, not a forged one: a file altered with its sha256 recomputed loads what it holds
+(tensors of the right shapes and dtypes), so a session file is trusted input, like the
+weights. Output after a restore equals the
 uninterrupted generation's (tests/test_session.py): the bytes are the cache's own, and the
 engine's prefix-reuse state (`cached`, `canon`) comes back with them.
 """
@@ -28,15 +35,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 import struct
 from pathlib import Path
 
 import torch
 
 from ..errors import KvrunError
-from ..files import atomic_output, file_sha256
-from ..kv.snapshot import Snapshot
+from ..files import PRIVATE, FileLock, atomic_output, file_sha256, read_regular
+from ..kv.snapshot import OtherSize, Snapshot
 from .generate import check_ids
 
 MAGIC = b"KVRUNSES"
@@ -48,6 +54,7 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
           "i64": torch.int64}
 _NAMES = {dt: n for n, dt in DTYPES.items()}
 _SHA_MEMO: dict[tuple, str] = {}
+EXTRA_LIMIT = 16 << 20          # bytes of a header beyond the cache's: ids, tensor table, extra
 
 
 def weights_sha256(path: Path) -> str:
@@ -101,7 +108,7 @@ def restore_engine(engine, snap: Snapshot, state: dict, vocab_size: int) -> None
         raise KvrunError("the saved sequence state is malformed")
     check_ids(tokens, vocab_size)
     if len(tokens) > engine.max_ctx:
-        raise KvrunError(f"the saved sequence holds {len(tokens)} tokens; this context holds "
+        raise OtherSize(f"the saved sequence holds {len(tokens)} tokens; this context holds "
                          f"{engine.max_ctx} (raise -c/--ctx-size)")
     if snap.meta.get("seq_len") != len(tokens):
         raise KvrunError(f"the saved cache holds {snap.meta.get('seq_len')!r} tokens but names "
@@ -114,16 +121,35 @@ def restore_engine(engine, snap: Snapshot, state: dict, vocab_size: int) -> None
 
 # -- the file ----------------------------------------------------------------------------------
 
-def save_session(m, path, extra: dict | None = None) -> int:
-    """Write model `m`'s sequence to `path` atomically; returns the file's bytes."""
+def save_session(m, path, extra: dict | None = None, lock: bool = True) -> int:
+    """Write model `m`'s sequence to `path` atomically; returns the file's bytes. KvrunError
+    when `extra` is not JSON-able, or another kvrun holds the session's lock (`lock`:
+    write_session's)."""
+    check_extra(extra)
     snap, state = engine_state(m.engine)
-    return write_session(path, model_record(m), kv_record(m.cache.kv), state, snap, extra)
+    return write_session(path, model_record(m), kv_record(m.cache.kv), state, snap, extra, lock)
+
+
+def check_extra(extra) -> None:
+    """`extra` is a JSON-able dict (None: {}) of at most EXTRA_LIMIT bytes, else KvrunError."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise KvrunError(f"a session's extra must be a dict, got {type(extra).__name__}")
+    try:
+        n = len(json.dumps(extra, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise KvrunError(f"a session's extra must be JSON data: {e}") from None
+    if n > EXTRA_LIMIT // 2:
+        raise KvrunError(f"a session's extra holds {n} bytes of JSON, at most {EXTRA_LIMIT // 2}")
 
 
 def write_session(path, model: dict, kv: dict, state: dict, snap: Snapshot,
-                  extra: dict | None = None) -> int:
+                  extra: dict | None = None, lock: bool = True) -> int:
     """Write a sequence (engine_state's) saved by `model` (model_record) with KV config `kv`
-    (kv_record) to `path` atomically; returns the file's bytes."""
+    (kv_record) to `path` atomically, mode 0600; returns the file's bytes. lock: hold the
+    session's lock while writing (KvrunError if another holds it; a caller already holding
+    it, or the prefix cache's computed names, pass False)."""
     table, off = [], 0
     for name, t in snap.tensors.items():
         n = t.nbytes
@@ -133,46 +159,34 @@ def write_session(path, model: dict, kv: dict, state: dict, snap: Snapshot,
     header = json.dumps({"format": "kvrun-session", "model": model, "kv": kv, "engine": state,
                          "cache": snap.meta, "tensors": table, "extra": extra or {}}).encode()
     h = hashlib.sha256()
-    with atomic_output(path) as tmp, open(tmp, "wb") as f:
-        def put(b):
-            h.update(b)
-            f.write(b)
-        put(_PRE.pack(MAGIC, VERSION, len(header)))
-        put(header)
-        for t in snap.tensors.values():
-            put(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        f.write(h.digest())
+    held = FileLock(path, "session") if lock else None
+    try:
+        with atomic_output(path, mode=PRIVATE) as tmp, open(tmp, "wb") as f:
+            def put(b):
+                h.update(b)
+                f.write(b)
+            put(_PRE.pack(MAGIC, VERSION, len(header)))
+            put(header)
+            for t in snap.tensors.values():
+                put(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.write(h.digest())
+    finally:
+        if held is not None:
+            held.release()
     return os.path.getsize(path)
 
 
-def _read_file(p: Path, follow: bool) -> bytes:
-    """p's bytes; with follow=False only a regular file that is not a symlink is read (the
-    prefix cache's directory: a symlink swapped in after its check is refused at open)."""
-    if follow:
-        return p.read_bytes()
-    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise KvrunError(f"{p}: not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
-    finally:
-        os.close(fd)
+def session_limit(m) -> int:
+    """The most bytes a session file `m` can load may hold: its cache's allocated bytes (a
+    snapshot holds the filled part of them) and a header of EXTRA_LIMIT."""
+    return sum(m.cache.nbytes().values()) + EXTRA_LIMIT
 
 
-def read_session(path, follow: bool = True) -> tuple[dict, Snapshot]:
-    """A session file's header and snapshot, checked as a file (magic, version, length,
-    checksum, header shape); not yet against a model. follow=False: never through a
-    symlink (`_read_file`)."""
-    p = Path(path)
-    try:
-        data = _read_file(p, follow)
-    except FileNotFoundError:
-        raise KvrunError(f"{path}: no such session file") from None
-    except IsADirectoryError:
-        raise KvrunError(f"{path}: is a directory, not a session file") from None
-    except OSError as e:
-        raise KvrunError(f"{path}: {e.strerror or e}") from None
+def read_session(path, limit: int, follow: bool = True) -> tuple[dict, Snapshot]:
+    """A session file's header and snapshot, checked as a file (a regular file of at most
+    `limit` bytes, then magic, version, length, checksum, header shape); not yet against a
+    model. follow=False: never through a symlink (the prefix cache's directory)."""
+    data = read_regular(path, limit, "session file", follow)
     if len(data) < _PRE.size or data[:8] != MAGIC:
         raise KvrunError(f"{path}: not a kvrun session file")
     _, version, hlen = _PRE.unpack_from(data)
@@ -224,7 +238,7 @@ def check_origin(path, header: dict, model: dict, kv: dict) -> None:
 def load_session(m, path) -> dict:
     """Restore the session at `path` into model `m` (its conversation cache); returns the
     header's "extra". The model and KV config must be the ones it was saved with."""
-    header, snap = read_session(path)
+    header, snap = read_session(path, session_limit(m))
     check_origin(path, header, model_record(m), kv_record(m.cache.kv))
     with m.engine.exclusive():
         restore_engine(m.engine, snap, header["engine"], m.cfg.vocab_size)

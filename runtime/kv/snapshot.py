@@ -35,6 +35,11 @@ class Snapshot:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+class OtherSize(KvrunError):
+    """A snapshot that is sound for its KV config but that this cache, built for another
+    context size, cannot take (a ring narrower than the window): a bigger cache would."""
+
+
 def _take(snap: Snapshot, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The tensor `name`, which must have `shape` and `dtype` (a file's tensors are checked
     before any byte is written into the cache)."""
@@ -127,7 +132,8 @@ def ring_restore(r, snap: Snapshot):
     `r` unchanged); returns the function that writes it."""
     m = snap.meta
     if m.get("kind") != "ring" or m.get("W") != r.W or m.get("bits") != r.bits:
-        raise KvrunError(f"the saved rings hold {m.get('W')} slots of {m.get('bits')} bits; this "
+        sized = m.get("kind") == "ring" and m.get("bits") == r.bits and type(m.get("W")) is int
+        raise (OtherSize if sized else KvrunError)(f"the saved rings hold {m.get('W')} slots of {m.get('bits')} bits; this "
                          f"cache's hold {r.W} of {r.bits} (a -c shorter than the sliding window "
                          f"shrinks them)")
     seq = m.get("seq_len")

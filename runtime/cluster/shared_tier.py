@@ -130,6 +130,12 @@ class SharedTier:
             self.bytes_out += len(blob)
         return True
 
+    def remove(self, path: Path, why: str) -> None:
+        """PrefixTier.remove: an entry `get` returned whose tensors the cache refused."""
+        log.warning("shared prefix tier: dropping %s: it cannot be restored (%s)", path.name, why)
+        if self._usable():
+            self.store.drop.remote(path.name)
+
     def _unlink(self, p: Path) -> None:
         try:
             os.unlink(p)

@@ -8,9 +8,15 @@ optional fixed ±1 sign vector. For D a power of two there is one block (n = D);
 R is block-diagonal with n = the largest power of two dividing D (e.g. D = 80 → five
 16-blocks, D = 96 → three 32-blocks); an odd D has no rotation and is refused.
 
-Two equal implementations: `fwht` is the O(D log D) butterfly (what a GPU kernel does in
-registers); `rotate` multiplies by the explicit D×D matrix, which on CPU is one GEMM and
-faster than log2(D) eager passes for the (few rows × 64/128) shapes of a decode step.
+Two implementations, equal up to fp32 rounding: `rotate` by the explicit D×D matrix (one
+GEMM, faster on CPU than log2(D) eager passes for a decode step's few rows, but its sum
+order is the BLAS library's: MKL's differs between CPU kinds and thread counts), and the
+O(D log D) butterfly `fwht` / `fwht_t`, a fixed sequence of IEEE fp32 operations (signs,
+then pairwise a ± b stages, then one multiply by fp32(1/√n)) that the native kernels
+repeat (kernels/native/rows_inline.h `hadamard_rotate`): rows rotated by either are equal
+bit for bit on every CPU. A `Hadamard` is a rotation held as its signs and applied by the
+butterfly; the rings, whose stored codes the kernels promise bit for bit
+(runtime/kv/ring.py), rotate with one.
 """
 from __future__ import annotations
 
@@ -51,11 +57,12 @@ def rotation_matrix(D: int, signs: torch.Tensor | None = None) -> torch.Tensor:
     return r
 
 
-def fwht(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ rotation_matrix(D, signs) by the fast Walsh–Hadamard butterfly; x: (..., D)."""
-    D = x.shape[-1]
+def _butterfly(y: torch.Tensor) -> torch.Tensor:
+    """y (..., D) fp32 times blockdiag(H_n) / √n: stages h = 1, 2, ..., n/2, each pair
+    (i, i + h) of a 2h-run becoming (a + b, a - b), then one multiply by fp32(1/√n) — the
+    order rows_inline.h's `hadamard_stages` runs."""
+    D = y.shape[-1]
     n = block_size(D)
-    y = x.float() * signs.float() if signs is not None else x.float()
     lead = y.shape[:-1]
     y = y.reshape(-1, D // n, n)                                  # (rows, blocks, n)
     h = 1
@@ -64,16 +71,60 @@ def fwht(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
         a, b = y[..., 0, :], y[..., 1, :]
         y = torch.stack([a + b, a - b], dim=-2).view(-1, D // n, n)
         h *= 2
-    return (y / math.sqrt(n)).reshape(*lead, D).to(x.dtype)
+    inv = torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32, device=y.device)
+    return (y * inv).reshape(*lead, D)
 
 
-def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """x @ R in x's dtype (math in fp32 for half inputs); r from `rotation_matrix`."""
+def fwht(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ rotation_matrix(D, signs) by the fast Walsh–Hadamard butterfly, in x's dtype
+    (math in fp32); x: (..., D). Bit-identical on every CPU (module docstring)."""
+    y = x.float() * signs.float() if signs is not None else x.float()
+    return _butterfly(y).to(x.dtype)
+
+
+def fwht_t(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ rotation_matrix(D, signs)ᵀ (`fwht`'s inverse): the butterfly, then the signs
+    (Rᵀ = blockdiag(H_n)/√n · diag(s), H symmetric)."""
+    y = _butterfly(x.float())
+    return (y * signs.float() if signs is not None else y).to(x.dtype)
+
+
+class Hadamard:
+    """R = diag(s) · blockdiag(H_n)/√n (`rotation_matrix`) held as its signs (D,) and applied
+    by the butterfly (`fwht`, `fwht_t`): the rotation a kernel repeats bit for bit.
+    `rotate`, `unrotate`, `rotate_k`, `unrotate_k` and `rotate_step` take one where they
+    take a matrix; `matrix` is the (D, D) form for a kernel that multiplies by it (Triton's
+    un-rotation of an output, where rounding is within tolerance)."""
+
+    def __init__(self, signs: torch.Tensor):
+        self.signs = signs.float().contiguous()                     # (D,) of ±1
+        self.D = self.signs.numel()
+        block_size(self.D)                                          # an odd D is refused here
+        self._matrix = None
+
+    def to(self, device) -> "Hadamard":
+        return Hadamard(self.signs.to(device))
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """(D, D) fp32 R, built on first use."""
+        if self._matrix is None:
+            self._matrix = rotation_matrix(self.D, self.signs.cpu()).to(self.signs.device).contiguous()
+        return self._matrix
+
+
+def rotate(x: torch.Tensor, r) -> torch.Tensor:
+    """x @ R in x's dtype (math in fp32 for half inputs); r from `rotation_matrix`, or a
+    `Hadamard` (the butterfly)."""
+    if isinstance(r, Hadamard):
+        return fwht(x, r.signs)
     return (x.float() @ r).to(x.dtype) if x.dtype != torch.float32 else x @ r
 
 
-def unrotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+def unrotate(x: torch.Tensor, r) -> torch.Tensor:
     """x @ Rᵀ, the inverse of `rotate`."""
+    if isinstance(r, Hadamard):
+        return fwht_t(x, r.signs)
     return (x.float() @ r.T).to(x.dtype) if x.dtype != torch.float32 else x @ r.T
 
 
@@ -113,7 +164,10 @@ def k_bias(rk):
 
 
 def rotate_k(k: torch.Tensor, rk) -> torch.Tensor:
-    """Keys (..., Hkv, T, D) into the storage space of rk (a rotation or a KeyMap), float32."""
+    """Keys (..., Hkv, T, D) into the storage space of rk (a rotation, a Hadamard or a
+    KeyMap), float32."""
+    if isinstance(rk, Hadamard):
+        return fwht(k.float(), rk.signs)
     y = k.float() @ k_matrix(rk)
     b = k_bias(rk)
     return y if b is None else y + b[:, None]
@@ -121,15 +175,17 @@ def rotate_k(k: torch.Tensor, rk) -> torch.Tensor:
 
 def unrotate_k(y: torch.Tensor, rk) -> torch.Tensor:
     """`rotate_k`'s inverse: stored keys (..., Hkv, T, D) back in the model's space."""
+    if isinstance(rk, Hadamard):
+        return fwht_t(y.float(), rk.signs)
     b = k_bias(rk)
     return (y.float() - (0 if b is None else b[:, None])) @ q_matrix(rk).T
 
 
 def rotate_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rk,
                 rv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step's inputs into a cache's rotated storage space: q and k by rk (a rotation
-    or a KeyMap), v by rv (None: left as is). A rotated q keeps its dtype; rotated k and v
-    come back float32, to be rounded to the storage dtype once. The torch route of every
+    """One step's inputs into a cache's rotated storage space: q and k by rk (a rotation,
+    a Hadamard or a KeyMap), v by rv (None: left as is). A rotated q keeps its dtype;
+    rotated k and v come back float32, to be rounded to the storage dtype once. The torch route of every
     rotated cache (the arena's layers, the quantized ring) calls this; the native attention
     kernel applies the same x @ R inside its call. The step's output is then
     `unrotate(o, rv)`."""

@@ -1,5 +1,5 @@
 """The tests' oracle cache: every token in full precision in one (L, B, Hkv, max_ctx, D)
-buffer, attention by torch SDPA (`dense_attention`), a sliding-window layer by its mask
+buffer of the cache dtype, attention by torch SDPA (`dense_attention`) in the query's dtype, a sliding-window layer by its mask
 over the whole buffer. It shares nothing with the arena and ring it checks except the
 contract (kv/contract.py), and it takes B rows of one batch where they hold one sequence."""
 from __future__ import annotations
@@ -29,8 +29,10 @@ class RefCache(KVCache):
         self.k[layer, :, :, S:S + T] = k
         self.v[layer, :, :, S:S + T] = v
         lo = max(0, S + 1 - w) if w else 0              # the first query's oldest key
-        return dense_attention(q, self.k[layer, :, :, lo:S + T], self.v[layer, :, :, lo:S + T],
-                               S - lo, window=w)
+        # rows stored in the cache dtype, attended in q's (fp32): an oracle that does not
+        # depend on how the CPU's library rounds inside half-precision SDPA
+        return dense_attention(q, self.k[layer, :, :, lo:S + T].to(q.dtype),
+                               self.v[layer, :, :, lo:S + T].to(q.dtype), S - lo, window=w)
 
     def commit(self, T: int) -> None:
         self.seq_len += T

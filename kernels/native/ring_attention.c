@@ -5,8 +5,10 @@
  * rings of an uncompressed --kv), or quantized per token: 4 or 8 bits, asymmetric, an fp16
  * scale and min per `group` channels, 4-bit codes two per byte as the channel pair
  * (2i, 2i+1) (low nibble = 2i). A quantized ring stores K Hadamard-rotated (R_k), V too
- * with rotate_v (R_v); q, k and v arrive in the model's space and are rotated here, the
- * way decode_attention.c's phase 0 rotates an arena layer's (rows_inline.h matvec). One call
+ * with rotate_v (R_v), both the signed Hadamard of hadamard.Hadamard; q, k and v arrive in
+ * the model's space and are rotated here by its butterfly (rows_inline.h hadamard_rotate,
+ * the fixed order of the torch step's `fwht`, so the stored codes are bit-identical to the
+ * torch step's on every CPU). One call
  * per layer (kvrun_ring_attention), or the ring layers of B rows inside the one-call decode
  * step (kvrun_ring_attention_rows, decode_layer.c):
  *
@@ -21,7 +23,7 @@
  *            step).
  *   phase 2  one exact softmax per row (fp32, exp with |rel err| < 2e-7).
  *   phase 3  p.V in fp32 over per-split partial outputs, summed; then un-rotated by R_v
- *            (rows_inline.h matvec_t, decode_attention.c's row_unrotate) so the caller gets
+ *            (rows_inline.h hadamard_unrotate, `fwht_t`) so the caller gets
  *            the model-space output.
  *
  * Slots are split over OpenMP threads (torch's libgomp pool, as decode_attention.c), one
@@ -41,8 +43,8 @@
  * Bytes read per decode step and layer: the n slots' codes, scales and mins of K and V once
  * each, 2 Hkv n (D bits/8 + 4 D/group) bytes (Gemma 3 270M at n = 512, D 256, group 32,
  * 4 bits: 160 KiB, against 512 KiB for its fp16 ring), plus q, the new rows and the
- * rotations (4 D^2 bytes each, shared by the layers: R_k for a quantized ring, R_v with
- * rotate_v); written: one slot per role. No dequantized copy of the ring is made.
+ * rotations' signs (4 D bytes each, shared by the layers: R_k for a quantized ring, R_v
+ * with rotate_v); written: one slot per role. No dequantized copy of the ring is made.
  */
 #include <math.h>
 #include <stdint.h>
@@ -80,8 +82,9 @@ typedef struct {
     const void *q; int64_t qs;         /* (H, D) queries in qdtype (model space), head stride */
     const void *kn, *vn; int64_t kns, vns;   /* (Hkv, D) new rows (model space), head stride   */
     RingStore k, v;
-    const float *rk, *rv;              /* (D, D) R of K (q and k are rotated by it) and of V
-                                        * (v rotated, the output un-rotated), or NULL         */
+    const float *rk, *rv;              /* (D,) signs of R_k (q and k are rotated by it) and of
+                                        * R_v (v rotated, the output un-rotated), or NULL:
+                                        * R = diag(s) blockdiag(H_n)/sqrt(n), by its butterfly */
     float *out;                        /* (H, D) fp32, H = Hkv * Gq (head = kv * Gq + g)     */
     float *qp;                         /* scratch (H, D): q R / sqrt(D), in the working order */
     float *kx, *vx;                    /* scratch (Hkv, D): the new rows, working order      */
@@ -414,7 +417,7 @@ static void head_prepare(const RingArgs *a, const Mode *m, int h) {
     float row[MAXD];
     for (int hq = h * a->Gq; hq < (h + 1) * a->Gq; hq++) {
         load_row(a->q, hq * a->qs, a->qdtype, D, row);
-        if (a->rk) matvec(row, a->rk, D);
+        if (a->rk) hadamard_rotate(row, a->rk, D);
         for (int d = 0; d < D; d++) row[d] *= qscale;
         to_work(row, D, m->pair, a->qp + (int64_t)hq * D);
     }
@@ -426,7 +429,7 @@ static void head_prepare(const RingArgs *a, const Mode *m, int h) {
     float *keep[2] = { a->kx + (int64_t)h * D, a->vx + (int64_t)h * D };
     for (int role = 0; role < 2; role++) {
         load_row(src[role], off[role], dt[role], D, row);
-        if (rot[role]) matvec(row, rot[role], D);
+        if (rot[role]) hadamard_rotate(row, rot[role], D);
         round_row(row, a->rdtype, D);
         uint8_t *dst = (uint8_t *)codes_at(st[role], a->layer, h, a->slot);
         if (a->bits == 16) {
@@ -514,7 +517,7 @@ static void row_out(const RingArgs *a, const Mode *m, int hr) {
         for (int d = 0; d < D; d++) acc[d] += pp[d];
     }
     from_work(acc, D, m->pair);
-    if (a->rv) matvec_t(acc, a->rv, D);
+    if (a->rv) hadamard_unrotate(acc, a->rv, D);
     memcpy(o, acc, sizeof(float) * D);
 }
 

@@ -5,13 +5,12 @@ slot, the output un-rotated — one C call per layer (`ring_step`, the per-layer
 every ring layer of a cache inside the one-call decode step (`step_args`,
 native/decode_step.py).
 
-Same result as runtime/kv/ring.py's torch step (`rotate_step`, `SlidingWindowKV._attend`
-with T == 1, then `unrotate`), up to fp32 summation order (the torch step rounds the
-dequantized rows, q and the output to the ring dtype for SDPA; this kernel keeps them in
-fp32; the rotations are matrix products whose sums run in another order). The stored
-bytes: an unrotated ring's codes, scales and mins are bit-identical to `_RingStore.write`'s,
-a 16-bit ring's rows to `.to(dtype)`'s; a rotated row may land one fp16 ulp, then one code
-at a rounding boundary, away.
+Same output as runtime/kv/ring.py's torch step (`rotate_step`, `SlidingWindowKV._attend`
+with T == 1, then `unrotate`) up to fp32 summation order (attention's dots and sums run in
+another order than SDPA's). The stored bytes — codes, scales and mins, or a 16-bit ring's
+rows — are bit-identical to the torch step's `_RingStore.write` on every CPU: the rotation
+is the signed Hadamard's butterfly (hadamard.Hadamard) in the same fixed order of fp32
+operations on both sides, where a matrix product's sum order is the BLAS library's.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import weakref
 import torch
 
 from . import load
+from ..hadamard import Hadamard
 
 _FP = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MAX_D, MAX_GQ = 256, 16
@@ -59,8 +59,12 @@ def _store(parts) -> RingStoreDesc:
 
 
 def _rotation(r):
-    """A (D, D) rotation as the kernel reads it: fp32, row-major (None: none)."""
-    return None if r is None else r.float().contiguous()
+    """A ring's rotation as the kernel reads it: the signs (D,) fp32 of a hadamard.Hadamard,
+    applied by the butterfly in the order the torch step's `fwht` runs (None: none)."""
+    if r is None:
+        return None
+    assert isinstance(r, Hadamard), "a ring rotates by a hadamard.Hadamard (its signs)"
+    return r.signs.float().contiguous()
 
 
 class _Plan:

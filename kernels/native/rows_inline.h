@@ -1,6 +1,7 @@
 /* Rows of the window and the new tokens, shared by the arena's attention kernels
  * (decode_attention.c, codebook_attention.c): fp16 / bf16 / fp32 rows to and from fp32, and
- * the (D, D) rotation of a row and its inverse. Also ring_attention.c's. One definition, inlined into each translation unit. */
+ * the (D, D) rotation of a row and its inverse, and the signed Hadamard rotation by its
+ * butterfly (bit-identical to torch's). Also ring_attention.c's. One definition, inlined into each translation unit. */
 #ifndef KVRUN_ROWS_INLINE_H
 #define KVRUN_ROWS_INLINE_H
 
@@ -130,6 +131,39 @@ static inline void matvec_t(float *restrict x, const float *restrict M, int D) {
 #endif
     for (int d = 0; d < D; d++) y[d] = dot(x, M + (int64_t)d * D, D);
     memcpy(x, y, sizeof(float) * D);
+}
+
+/* x <- x blockdiag(H_n) / sqrt(n) in place, n = D & -D (the largest power of two dividing
+ * D): stages h = 1, 2, ..., n/2, each pair (i, i + h) of a 2h-run becoming (a + b, a - b),
+ * then one multiply by fp32(1/sqrt(n)). Every value is one IEEE operation on two others in
+ * this fixed order, the order kernels/hadamard.py's `fwht` runs in torch, so a row rotated
+ * here equals torch's bit for bit on every CPU and build (a matrix product's sum order is
+ * the BLAS library's). The stages are loops over memory, so -fassociative-math has no
+ * chain to re-associate. */
+static inline void hadamard_stages(float *restrict x, int D) {
+    const int n = D & -D;
+    for (int h = 1; h < n; h *= 2)
+        for (int j = 0; j < D; j += 2 * h)
+            for (int t = j; t < j + h; t++) {
+                const float a = x[t], b = x[t + h];
+                x[t] = a + b;
+                x[t + h] = a - b;
+            }
+    const float inv = (float)(1.0 / sqrt((double)n));
+    for (int d = 0; d < D; d++) x[d] *= inv;
+}
+
+/* x <- x R, R = diag(s) blockdiag(H_n)/sqrt(n) (hadamard.Hadamard, `fwht`): the signs s (D,),
+ * then the stages */
+static inline void hadamard_rotate(float *restrict x, const float *restrict s, int D) {
+    for (int d = 0; d < D; d++) x[d] *= s[d];
+    hadamard_stages(x, D);
+}
+
+/* x <- x R^T (`fwht_t`): the stages, then the signs */
+static inline void hadamard_unrotate(float *restrict x, const float *restrict s, int D) {
+    hadamard_stages(x, D);
+    for (int d = 0; d < D; d++) x[d] *= s[d];
 }
 
 /* store a row rounded to dtype `kind` (fp16 and bf16 round to nearest even) */

@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..hadamard import Hadamard
 from .compress_units import _rhe, _rnd
 from .decode_attention import merge_part
 from .kivi_pack import _asym_params
@@ -335,7 +336,9 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
         D // group, LOG2E / math.sqrt(D),
         BITS=bits, GROUP=group, RDT=_XDT[dtype], BLOCK_R=block_r, BLOCK_N=BLOCK_N,
         BLOCK_C=max(16, triton.next_power_of_2(D * bits // 8)), num_warps=4 if D <= 64 else 8)
-    rv = rot_v if rot_v is None or rot_v.dtype == torch.float32 else rot_v.float()
+    # the (D, D) form of the ring's V rotation (a hadamard.Hadamard): an fp32 dot per output
+    rv = None if rot_v is None else \
+        (rot_v.matrix if isinstance(rot_v, Hadamard) else rot_v.float().contiguous())
     _stage2_kernel[(Hkv,)](
         mid_o, mid_l, rv if rv is not None else mid_o, *(rv.stride() if rv is not None else (0, 0)),
         out, out.stride(1), P, Gq, D, ROT=rv is not None, BLOCK_R=block_r,

@@ -33,7 +33,9 @@ a `LayeredKVCache`'s rings are also a row of the model's one-call decode step
 one C call per step.
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
 too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
-the switch the arena uses for the global layers): rows are kept as x @ R, and attention runs
+the switch the arena uses for the global layers): rows are kept as x @ R (a
+hadamard.Hadamard, applied by its butterfly in one fixed order of fp32 operations on every
+backend, so the kernels store the torch step's codes bit for bit on every CPU), and attention runs
 in the rotated space (hadamard.rotate_step, as the arena's layers) — q is rotated with K
 once per call, the output un-rotated once if V is rotated, never the ring —
 which is exact in full precision (q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a
@@ -41,7 +43,7 @@ channel's large values over all D channels, so each channel group's min/max rang
 bulk of its values. Measured on Gemma 3 270M (WikiText-2, one 4096-token window, 4-bit
 rings with fp32 global layers): KLD to the fp16 cache 0.0066 → 0.0039 with K and V
 rotated. K is where it matters (per-token K groups lose the most; kivi-4's KLD 0.0157 →
-0.0102 with ring K and V rotated, 0.0148 with V alone), and K costs two small GEMMs per
+0.0102 with ring K and V rotated, 0.0148 with V alone), and K costs two butterflies per
 layer and call (q, k); V's adds two more (v, the output). The arena's K
 rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes (kivi-4+rot
 0.0160).
@@ -64,7 +66,7 @@ import torch
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
 from kvrun.kernels.dispatch import ring_step, select
-from kvrun.kernels.hadamard import random_signs, rotate, rotate_step, rotation_matrix, unrotate
+from kvrun.kernels.hadamard import Hadamard, random_signs, rotate, rotate_step, unrotate
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
 from . import layered_step
@@ -164,8 +166,9 @@ class SlidingWindowKV:
         self.torn = False           # a chunk overwrote ring slots before its commit
         self.backend = select(device)
         # K always, V with rotate_v, stored as x @ R (module docstring); fp16 rings never
+        # (a Hadamard: the butterfly, the same bits in C and torch on every CPU)
         self.rot_k = None if bits == 16 else \
-            rotation_matrix(head_dim, random_signs(head_dim, RING_SIGNS_SEED)).to(device)
+            Hadamard(random_signs(head_dim, RING_SIGNS_SEED)).to(device)
         self.rot_v = self.rot_k if rotate_v else None
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -205,7 +208,10 @@ class SlidingWindowKV:
                 K[:, s % W], V[:, s % W] = kn[:, 0], vn[:, 0]
                 self.k.write(layer, s % W, kn)
                 self.v.write(layer, s % W, vn)
-            return dense_attention(q, K[None], V[None], n - 1)
+            # in q's dtype (fp32 for the models kvrun runs): fp16 SDPA's internal rounding
+            # is the CPU library's (MKL / oneDNN paths differ between CPU kinds), and a
+            # ring of <= W rows is cheap to convert
+            return dense_attention(q, K[None].to(q.dtype), V[None].to(q.dtype), n - 1)
         lo = max(0, s - self.window + 1)                 # the oldest key the chunk can see
         idx = torch.arange(lo, s, device=q.device) % W
         K = torch.cat([self.k.read(layer, idx), kn], 1)[None]             # (1, Hkv, s-lo+T, D)

@@ -71,7 +71,23 @@ BAD = [  # (raw body, the param the 400 names)
     (json.dumps({**chat(), "metadata": {"x": "[" * 40 + "]" * 40}}).replace('"[', "[")
      .replace(']"', "]"), None),                                        # 40 levels
     (b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":' + b"9" * 5000 + b"}", None),
+    # issue 56: each of these was a 200
+    (json.dumps({"messages": [{"role": "user"}]}), "messages"),                 # no content
+    (json.dumps({"messages": [{"role": "user", "content": None}]}), "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": None}]}), "messages"),
+    (json.dumps(chat(stream_options={})), "stream_options"),                    # no stream
+    (json.dumps(chat(stream_options={"include_usage": True}, stream=False)), "stream_options"),
+    (json.dumps(chat(max_tokens=3, max_completion_tokens=5)), "max_completion_tokens"),
+    (json.dumps(chat(kv="")), "kv"),
+    (json.dumps(chat(kv="  ")), "kv"),
 ]
+
+
+def test_max_tokens_and_its_new_name_agreeing_is_fine(server):
+    status, _, got = call(server[0], "POST", "/v1/chat/completions",
+                          chat(max_tokens=2, max_completion_tokens=2, temperature=0))
+    assert status == 200 and got["usage"]["completion_tokens"] <= 2
 
 
 @pytest.mark.parametrize("raw,param", BAD, ids=range(len(BAD)))

@@ -54,6 +54,9 @@ def test_api_key(tiny_m):
                 assert got["error"]["type"] == "authentication_error"
         ok = {"Authorization": "Bearer s3cret"}
         assert call(port, "POST", "/v1/chat/completions", chat(), headers=ok)[0] == 200
+        for scheme in ("bearer", "BEARER", "bEaReR"):       # RFC 7235: case-insensitive
+            h = {"Authorization": f"{scheme} s3cret"}
+            assert call(port, "GET", "/v1/models", headers=h)[0] == 200, scheme
         assert call(port, "GET", "/v1/models", headers=ok)[0] == 200
         assert call(port, "GET", "/health")[0] == 200               # open for probes
         openai = pytest.importorskip("openai")

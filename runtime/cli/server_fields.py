@@ -176,12 +176,20 @@ def sampling_from(body: dict) -> SamplingParams:
 
 
 def max_tokens_from(body: dict, chat: bool) -> int | None:
-    n = None
+    """`max_tokens` (chat: or its newer name `max_completion_tokens`; both given, they must
+    be equal: neither silently wins); None: until the context is full."""
+    got = {}
     for k in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
-        n = field(body, k, int, n)
+        n = field(body, k, int)
         if n is not None and n < 0:
             raise ApiError(400, f"'{k}' must be >= 0 (got {n})", param=k)
-    return n
+        if n is not None:
+            got[k] = n
+    if len(set(got.values())) > 1:
+        raise ApiError(400, f"'max_tokens' ({got['max_tokens']}) and 'max_completion_tokens' "
+                            f"({got['max_completion_tokens']}) differ: send one of them",
+                       param="max_completion_tokens")
+    return next(iter(got.values()), None)
 
 
 def stop_from(body: dict) -> list[str] | None:
@@ -248,7 +256,7 @@ def stream_from(body: dict) -> tuple[bool, bool]:
         if k != "include_usage":
             raise ApiError(400, f"unknown parameter 'stream_options.{k:.60}'", param="stream_options")
     usage = bool(field(opts, "include_usage", bool, False))
-    if opts and not stream:          # as OpenAI and vLLM: it would be silently ignored
+    if body.get("stream_options") is not None and not stream:  # as OpenAI: silently ignored else
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true",
                        param="stream_options")
     return stream, usage
@@ -332,6 +340,9 @@ def _message(m, i: int) -> dict:
         raise ApiError(400, f"{where}.role must be one of {', '.join(ROLE_NAMES)} "
                             f"(got {_show(role)})", param="messages")
     content = m.get("content")
+    if content is None:             # kvrun has no tool calls, the one reason OpenAI allows it
+        raise ApiError(400, f"{where}.content is missing or null: every message needs its text "
+                            f"(a string or a list of text parts)", param="messages")
     if isinstance(content, list):                   # content parts: text only
         texts = []
         for j, p in enumerate(content):
@@ -344,8 +355,6 @@ def _message(m, i: int) -> dict:
                                param="messages")
             texts.append(p["text"])
         content = "".join(texts)
-    if content is None:
-        content = ""
     if not isinstance(content, str):
         raise ApiError(400, f"{where}.content must be a string or a list of text parts",
                        param="messages")
@@ -377,6 +386,9 @@ def request_kv(spec: str, shipped: dict) -> str:
     `profile:NAME` must name one of `shipped` ({name: path}) and becomes its path; methods
     ("kivi-4", "int8@64+rot", "auto") pass as they are. The error does not depend on what
     exists on the server's disk."""
+    if not spec.strip():
+        raise ApiError(400, "'kv' is empty: name a KV method (\"fp16\", \"kivi-4\", \"auto\" ...) "
+                            "or leave the field out for the server's --kv", param="kv")
     base = spec.partition("+")[0].partition("@")[0].strip()
     if not base.startswith("profile:"):
         return spec

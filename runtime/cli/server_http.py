@@ -3,7 +3,8 @@ API key, a JSON content type, a bounded body read within a deadline, and connect
 cannot be held open by sending headers slowly.
 
 - `Guard` (ASGI middleware): `Authorization: Bearer KEY` on every route but /health when the
-  operator set `--api-key` (401 otherwise, as llama-server and vLLM); POSTs must say
+  operator set `--api-key` (401 otherwise, as llama-server and vLLM; the scheme is
+  case-insensitive, RFC 7235: `bearer KEY` is the same); POSTs must say
   `Content-Type: application/json` (415): a web page's cross-origin "simple" POST
   (text/plain, form data) is refused, and a JSON POST from a page needs a CORS preflight,
   which is only answered for the origins of `--cors-origin` (Starlette's CORSMiddleware).
@@ -39,7 +40,7 @@ class Guard:
 
     def __init__(self, app, api_key: str | None = None, open_paths=("/health",)):
         self.app, self.open_paths = app, set(open_paths)
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -47,7 +48,7 @@ class Guard:
         headers = dict(scope["headers"])
         err = None
         if self.key is not None and scope["path"] not in self.open_paths and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.key):
+                not hmac.compare_digest(_bearer(headers.get(b"authorization", b"")), self.key):
             err = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
                            "authentication_error", code="invalid_api_key")
         elif scope["method"] == "POST":
@@ -61,6 +62,12 @@ class Guard:
         resp = err.response()
         resp.headers.update(extra)
         await resp(scope, receive, send)
+
+
+def _bearer(value: bytes) -> bytes:
+    """The token of an `Authorization: Bearer TOKEN` header (scheme in any case), else b""."""
+    scheme, _, token = value.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 async def read_body(http, limit: int, timeout: float = BODY_TIMEOUT) -> bytes:

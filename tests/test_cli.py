@@ -51,7 +51,7 @@ def test_info_json(tiny_dir):
 
 @pytest.mark.parametrize("args,fragment", [
     (["-m", "/no/such/dir"], "no such file or directory"),
-    (["-n", "-1"], "-n must be >= 0"),
+    (["-n", "-2"], "-n must be >= 0"),        # -1: until EOS (llama.cpp)
     (["--temp", "-1"], "--temp must be >= 0"),
     (["--top-p", "2"], "--top-p must be in (0, 1]"),
     (["-c", "0"], "ctx-size must be >= 1"),
@@ -142,10 +142,10 @@ def test_generate_stop_string(tiny_dir):
     base = ["generate", "-m", str(tiny_dir), "-p", "hello", "-n", "32", "--temp", "0"]
     full = run(base)
     assert full.exit_code == 0, full.stderr
-    stop, kept = printable_stop(stdout(full)[:-1])
+    stop, kept = printable_stop(stdout(full))
     r = run(base + ["--stop", "\x00never", "--stop", stop])
     assert r.exit_code == 0, r.stderr
-    assert stdout(r) == kept + "\n"                     # text before the stop, not the stop
+    assert stdout(r) == kept                            # text before the stop, nothing after
     assert f"generated: {len(kept) + len(stop)} tok" in r.stderr   # one byte per token
     assert_user_error(run(base + ["--stop", ""]), "empty stop string")
 

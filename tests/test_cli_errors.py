@@ -35,7 +35,7 @@ def one_error_line(r, fragment: str) -> None:
     (["generate", "--temperatur", "1", "-p", "x"], "Did you mean '--temp'?"),
     (["generate", "-s", "abc", "-p", "x"], "'abc' is not a valid integer"),
     (["generate", "-n", "1.5", "-p", "x"], "'1.5' is not a valid integer"),
-    (["generate"], "Missing option '-p' / '--prompt'"),
+    (["generate"], "give the prompt with -p TEXT or -f FILE"),
     (["generate", "-p"], "Option '-p' requires an argument"),
     (["generate", "-p", "x", "--dtype", "int3"], "'int3' is not one of"),
     (["nosuch"], "No such command 'nosuch'"),
@@ -284,7 +284,7 @@ HUGE = "1180591620717411303424"
     (["generate", "-m", "", "-p", "x"], "the model path is empty"),
     (["info", ""], "the model path is empty"),
     (["ppl", ""], "the text file name is empty"),
-    (["chat", "-m", "{M}", "-n", "-1"], "-n must be >= 0"),
+    (["chat", "-m", "{M}", "-n", "-2"], "-n must be >= 0"),      # -1: until EOS (llama.cpp)
     (["serve", "-m", "{M}", "--port", "1", "--cache-ram", "-5"], "--cache-ram must be"),
     (["serve", "-m", "{M}", "--port", "1", "--cache-ram", "inf"], "--cache-ram must be"),
     (["chat", "-m", "{M}", "--session", "/nonexistent/dir/s.kvs"], "no such directory"),

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from kvrun.cli.main import main
 
-COMMON = ["-m", "-p", "-n", "-c", "--temp", "-s", "-t", "--kv"]
+COMMON = ["-m", "-p", "-f", "-n", "-c", "--temp", "-s", "-t", "--kv"]
 
 
 def run(args, input=None):
@@ -31,7 +31,7 @@ def test_help_lists_the_common_options_first(cmd):
     r = run([cmd, "--help"])
     assert r.exit_code == 0
     sec = _sections(r.stdout)
-    want = [o for o in COMMON if not (cmd == "chat" and o == "-p")]     # chat has no prompt
+    want = [o for o in COMMON if not (cmd == "chat" and o in ("-p", "-f"))]  # chat: no prompt
     assert sec["Common options"] == want
     other = sec["Other options"]
     assert other[-1] == "-h" and "--top-k" in other and not set(other) & set(COMMON)

@@ -16,9 +16,10 @@ import sys
 import click
 
 from .common import KvrunGroup, eprint
-from .options import (CommonFirstCommand, load_model, model_options, print_stats, sampling_kwargs,
-                      sampling_options, stop_option, stop_strings)
-from ..errors import KvrunError, as_utf8
+from .options import (CommonFirstCommand, check_n, load_model, max_tokens, model_options,
+                      n_predict_option, print_stats, sampling_kwargs, sampling_options,
+                      stop_option, stop_strings)
+from ..errors import KvrunError, as_utf8, read_text_file
 from ..files import check_writable
 
 
@@ -42,24 +43,41 @@ def read_stdin() -> str:
     return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
 
 
+def read_prompt(prompt: str | None, file: str | None) -> str:
+    """The prompt of -p TEXT or -f FILE (llama.cpp's flags; `-` for either reads stdin):
+    exactly one of them."""
+    if (prompt is None) == (file is None):
+        raise click.UsageError("give the prompt with -p TEXT or -f FILE (one of them; - reads "
+                               "stdin)", click.get_current_context(silent=True))
+    if prompt == "-" or file == "-":
+        return read_stdin()
+    if prompt is not None:
+        return prompt
+    from pathlib import Path
+    if Path(file).is_file() and Path(file).stat().st_size > STDIN_LIMIT:
+        raise KvrunError(f"{file}: the prompt file is over {STDIN_LIMIT >> 20} MiB")
+    return read_text_file(file)
+
+
 # -- commands ---------------------------------------------------------------------------
 
 @main.command(cls=CommonFirstCommand)
-@click.option("-p", "--prompt", required=True, help="Prompt text, or - to read stdin.")
-@click.option("-n", "--n-predict", "n", default=128, show_default=True, type=int,
-              help="Tokens to generate.")
+@click.option("-p", "--prompt", default=None, help="Prompt text, or - to read stdin.")
+@click.option("-f", "--file", "prompt_file", default=None, metavar="FILE",
+              help="Read the prompt from FILE (UTF-8 text; - reads stdin).")
+@n_predict_option(128, "Tokens to generate")
 @click.option("--chat", "as_chat", is_flag=True, help="Wrap the prompt in the chat template.")
 @model_options
 @sampling_options
 @stop_option
-def generate(prompt, n, as_chat, stop, **kw):
-    """Generate a continuation of PROMPT (streamed to stdout)."""
-    if n < 0:
-        raise KvrunError(f"-n must be >= 0 (got {n})")
+def generate(prompt, prompt_file, n, as_chat, stop, **kw):
+    """Generate a continuation of the prompt (-p TEXT or -f FILE), streamed to stdout."""
+    check_n(n)
     sampling = sampling_kwargs(kw)
     stop = stop_strings(stop)
-    prompt = as_utf8(read_stdin() if prompt == "-" else prompt, "the prompt", eprint)
+    prompt = as_utf8(read_prompt(prompt, prompt_file), "the prompt", eprint)
     m = load_model(kw)
+    n = max_tokens(n, m)
     events = (m.chat_stream([{"role": "user", "content": prompt}], n, stop=stop, **sampling)
               if as_chat else m.stream(prompt, n, stop=stop, **sampling))
     last = None
@@ -67,16 +85,16 @@ def generate(prompt, n, as_chat, stop, **kw):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
         last = ev
-    sys.stdout.write("\n")
+    # stdout is the generated text exactly (`> out.txt`), at EOS, a --stop string or -n alike;
+    # the stats line on stderr starts on a line of its own
     if last.finish_reason == "context":
-        eprint("[stopped: context full]")
+        eprint("\n[stopped: context full]", end="")       # print_stats ends the line
     print_stats(last.timings, m)
 
 
 @main.command(cls=CommonFirstCommand)
 @click.option("--system", default=None, help="System prompt.")
-@click.option("-n", "--n-predict", "n", default=512, show_default=True, type=int,
-              help="Max tokens per reply.")
+@n_predict_option(512, "Max tokens per reply")
 @click.option("--session", "session_file", default=None, metavar="FILE",
               help="Continue the conversation saved in FILE (if it exists) and save it there "
                    "after every turn (docs/serve.md, sessions).")
@@ -92,8 +110,7 @@ def chat(system, n, stop, session_file, **kw):
     (KVRUN_CHAT_HISTORY= keeps it in memory only). --session FILE: the conversation's KV
     cache survives a restart (same model and --kv)."""
     from .chat import run_chat
-    if n < 0:                                   # else every message would fail on its own
-        raise KvrunError(f"-n must be >= 0 (got {n})")
+    check_n(n)                                  # else every message would fail on its own
     sampling = sampling_kwargs(kw)
     stop = stop_strings(stop)
     if system is not None:
@@ -101,7 +118,7 @@ def chat(system, n, stop, session_file, **kw):
     if session_file is not None:
         check_writable(session_file)            # before the model loads, not after a turn
     m = load_model(kw)
-    run_chat(m, system, n, sampling, stop, eprint, session_file)
+    run_chat(m, system, max_tokens(n, m), sampling, stop, eprint, session_file)
 
 
 @main.command()

@@ -14,11 +14,11 @@ from .common import eprint, threads_option
 from .kv_flags import kv_config, kv_options
 from ..errors import KvrunError, PartialResults, as_utf8
 
-COMMON_OPTIONS = ("-m", "-p", "-n", "-c", "--temp", "-s", "-t", "--kv")
+COMMON_OPTIONS = ("-m", "-p", "-f", "-n", "-c", "--temp", "-s", "-t", "--kv")
 
 
 class CommonFirstCommand(click.Command):
-    """`--help` lists the options everyone reaches for (llama.cpp's -m -p -n -c --temp -s
+    """`--help` lists the options everyone reaches for (llama.cpp's -m -p -f -n -c --temp -s
     -t, and --kv) first, then the rest by long name (so --kv-*, --top-*, --crush-* sit
     together; the option helpers declare theirs in reverse), --help last. Parsing is
     untouched."""
@@ -105,6 +105,29 @@ def warn_ctx(cfg, n: int, what: str, consequence: str | None = None) -> None:
     if n > cfg.max_position:
         eprint(f"warning: {what} {n} exceeds the model's trained context ({cfg.max_position} "
                f"tokens): {consequence or f'text past {cfg.max_position} tokens may degrade'}")
+
+
+# -- how many tokens --------------------------------------------------------------------
+
+def n_predict_option(default: int, what: str):
+    """-n/--n-predict as llama.cpp has it: -1 generates until EOS (or the context is full;
+    with --ctx-policy shift, until EOS)."""
+    return click.option("-n", "--n-predict", "n", default=default, show_default=True, type=int,
+                        help=f"{what}; -1: until EOS or a full context (as llama.cpp).")
+
+
+def check_n(n: int) -> None:
+    """-n is -1 or >= 0 (checked before the model loads)."""
+    if n < -1:
+        raise KvrunError(f"-n must be >= 0, or -1 for until EOS (got {n})")
+
+
+def max_tokens(n: int, m) -> int:
+    """The token limit -n means for model `m`: n itself, or for -1 what the context allows
+    (the engine stops there, finish reason "context"), unbounded when the context shifts."""
+    if n != -1:
+        return n
+    return sys.maxsize if m.engine.can_shift else m.ctx
 
 
 # -- sampling and stops -----------------------------------------------------------------

@@ -162,9 +162,24 @@ def resolve_model(model: str | Path | None, progress: Callable[[str], None] | No
     if not str(model).strip():                  # `-m "$MODEL"` with MODEL unset
         raise KvrunError("the model path is empty")
     path = Path(model).expanduser()
-    if path.exists() or str(model) not in REGISTRY:
+    if path.exists():
         return path
+    if str(model) not in REGISTRY:
+        looks_like_path = isinstance(model, Path) or "/" in str(model) or os.sep in str(model)
+        raise KvrunError(f"{path}: no such file or directory" if looks_like_path
+                         else not_found(str(model)))
     return ensure_model(str(model), progress=progress)
+
+
+def not_found(model: str) -> str:
+    """The message for `-m` naming neither an existing path nor a registry name: the names
+    `kvrun pull --list` shows, and the closest one when one is close (difflib)."""
+    import difflib
+    names = list(REGISTRY)
+    close = difflib.get_close_matches(model.lower(), names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"{model}: no such model directory, and no model of that name to pull "
+            f"(`kvrun pull --list`: {', '.join(names)}){hint}")
 
 
 @contextmanager

@@ -203,18 +203,28 @@ def check_profile_model(profile: dict, cfg, auto: bool = False, where: str = "KV
     name = profile.get("name") or "another model"
     for key, what in (("num_layers", "layers"), ("num_kv_heads", "KV heads"), ("head_dim", "head dim")):
         if key in profile and profile[key] != rec[key]:
+            have = _model_has(cfg, rec, key, what)
             if auto:
                 raise KvrunError(f"--kv auto has no profile shipped for this model: the default "
                                  f"profile is for {name} ({profile[key]} {what}), this model has "
-                                 f"{rec[key]} {what}; run `kvrun search` for it and pass --kv-profile")
+                                 f"{have}; run `kvrun search` for it and pass --kv-profile")
             raise KvrunError(f"{where} was searched for {name} ({profile[key]} {what}); "
-                             f"this model has {rec[key]} {what}")
+                             f"this model has {have}")
     if auto and profile.get("sha256") and profile["sha256"] != rec["sha256"]:
         raise KvrunError(f"--kv auto has no profile shipped for this model: the default profile "
                          f"is for {name} (sha256 {profile['sha256'][:12]}…), not for this model "
                          f"({rec['name'] or 'unnamed'}, "
                          f"sha256 {rec['sha256'][:12] or 'unknown'}…); run `kvrun search` for it "
                          f"and pass --kv-profile")
+
+
+def _model_has(cfg, rec: dict, key: str, what: str) -> str:
+    """The model's side of a mismatch. A profile's layer count is of the layers it lists,
+    the full-attention ones (model_record): a model with sliding-window layers says both."""
+    if key == "num_layers" and rec[key] != cfg.num_layers:
+        return (f"{cfg.num_layers} layers, {rec[key]} of them full-attention (the layers a "
+                f"profile lists; the sliding-window ones keep a ring)")
+    return f"{rec[key]} {what}"
 
 
 def shipped_profiles() -> list[Path]:

@@ -67,7 +67,7 @@ class Grammars:
         """The grammar of JSON values that validate against `schema` (a JSON Schema, as a
         dict or its JSON text; {"type": "object"}: any JSON object). KvrunError saying why
         when the schema is not valid JSON, uses a keyword the library does not implement
-        (`not`, unknown formats ...) or can match nothing."""
+        (`not`, unknown formats ...) or can match nothing (a `$ref` cycle)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -83,6 +83,13 @@ class Grammars:
             raise KvrunError(f"invalid JSON schema: {_one_line(str(e))}") from None
         if matcher.is_error():
             raise KvrunError(f"invalid JSON schema: {_one_line(matcher.get_error())}")
+        # the library compiles some schemas no value can match (a $ref cycle with nothing
+        # else in it) and fails at the first token: that is the schema's error, found here
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise KvrunError(f"invalid JSON schema: no JSON value matches it (a $ref cycle "
+                             f"that never reaches a value?): {_one_line(probe.get_error())}")
         return Grammar(matcher, self.vocab_size)
 
 
@@ -127,4 +134,5 @@ class GrammarState:
 
 
 def _one_line(msg: str) -> str:
-    return " ".join(msg.split())[:300]
+    """The library's message on one line, without the parser state it may append."""
+    return " ".join(msg.split("<state>")[0].split())[:300]

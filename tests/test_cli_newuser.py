@@ -75,3 +75,11 @@ def test_stdout_is_exactly_the_generated_text():
     r = _run(args + ["--stop", stop])
     assert r.stdout == full.stdout[:full.stdout.index(stop)]    # nothing after the text
     assert "\n[prompt: " in r.stderr                            # the stats on a line of their own
+
+
+def test_a_full_chat_context_names_reset_and_shift(tiny_dir):
+    r = _run(["chat", "-m", str(tiny_dir), "-c", "100", "-n", "4", "--temp", "0"],
+             input="hi there\n" * 3)                  # two turns fit, the third not
+    assert r.exit_code == 0, r.output
+    err = next(line for line in r.stderr.splitlines() if line.startswith("error: "))
+    assert "prompt too long" in err and "/reset" in err and "--ctx-policy shift" in err

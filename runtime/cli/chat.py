@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..engine.chat_session import ChatSession
+from ..engine.generate import PromptTooLong
 from ..errors import KvrunError, as_utf8
 from ..files import kvrun_home
 from ..kv.report import fmt_bytes, kv_summary
@@ -192,6 +193,18 @@ def run_chat(m, system: str | None, n: int, sampling: dict, stop: list[str], epr
         session.close()                     # the session file's lock
 
 
+SHIFT_HINT = ", or restart with --ctx-policy shift to drop the oldest tokens as it fills"
+
+
+def full_hint(session: ChatSession, e: PromptTooLong) -> str:
+    """What a chat user can do when a message does not fit: /reset when earlier turns take
+    the room, --ctx-policy shift when the cache does not shift (-c is in the message)."""
+    if e.new > e.ctx:                       # the message alone: only a larger -c helps
+        return ""
+    return ("; /reset starts a new conversation"
+            + (SHIFT_HINT if not session.m.engine.can_shift else ""))
+
+
 def reply(session: ChatSession, message: str, n: int, sampling: dict, stop: list[str],
           eprint) -> None:
     """Stream one reply to stdout, then its statistics to stderr."""
@@ -205,14 +218,17 @@ def reply(session: ChatSession, message: str, n: int, sampling: dict, stop: list
         session.interrupted()
         eprint("\n[interrupted]")
         return
-    except KvrunError as e:                 # e.g. a message longer than the context
+    except PromptTooLong as e:              # the conversation (or the message) is too long
+        eprint(("\n" if wrote else "") + f"error: {e}{full_hint(session, e)}")
+        return
+    except KvrunError as e:
         eprint(("\n" if wrote else "") + f"error: {e}")
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
     if last is not None:
         if last.finish_reason == "context":
-            eprint("[context full: /reset to start over]")
+            eprint(f"[context full: /reset to start over{SHIFT_HINT if not session.m.engine.can_shift else ''}]")
         t = last.timings
         eprint(f"[{t.prompt_tokens} new prompt tok, {t.prompt_tok_s:.0f} tok/s | "
                f"{t.gen_tokens} tok, {t.gen_tok_s:.1f} tok/s | cache {session.cached} tok]")

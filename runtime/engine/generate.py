@@ -68,6 +68,15 @@ class StreamEvent:
     logprob: TokenLogprob | None = None   # the token's, when asked for (runtime/engine/batch.py)
 
 
+class PromptTooLong(KvrunError):
+    """A prompt that does not fit the context beside what the cache holds: `cached` tokens
+    held (0 when the cache shifts), `new` to prefill, `ctx` the context size."""
+
+    def __init__(self, msg: str, cached: int, new: int, ctx: int):
+        super().__init__(msg)
+        self.cached, self.new, self.ctx = cached, new, ctx
+
+
 def check_ids(ids: list, vocab_size: int) -> None:
     """Token ids given by a caller are integers in [0, vocab_size): a negative id indexed
     the embedding from its end, a large one raised IndexError."""
@@ -174,8 +183,9 @@ class Engine:
             held = "" if self.can_shift else f"{len(self.cached)} cached + "
             keep = (f" (a context shift keeps {self.cache.shift_keep()} tokens)"
                     if self.can_shift else "")
-            raise KvrunError(f"prompt too long: {held}{len(ids)} new tokens > context size "
-                             f"{self.max_ctx}{keep} (raise -c/--ctx-size)")
+            raise PromptTooLong(f"prompt too long: {held}{len(ids)} new tokens > context size "
+                                f"{self.max_ctx}{keep} (raise -c/--ctx-size)",
+                                0 if self.can_shift else len(self.cached), len(ids), self.max_ctx)
         return self._prefill_chunks(ids, rows)
 
     def _prefill_chunks(self, ids: list[int], rows: bool = False) -> Iterator[tuple[torch.Tensor, int]]:

@@ -83,3 +83,22 @@ def test_a_full_chat_context_names_reset_and_shift(tiny_dir):
     assert r.exit_code == 0, r.output
     err = next(line for line in r.stderr.splitlines() if line.startswith("error: "))
     assert "prompt too long" in err and "/reset" in err and "--ctx-policy shift" in err
+
+
+@pytest.mark.parametrize("cmd", ["ppl", "needle", "bench", "generate"])
+def test_help_has_no_stray_argument_rows(cmd):
+    text = _run([cmd, "--help"]).stdout
+    rows = text[text.index("Other options:"):].splitlines()[1:]
+    assert rows and all(r.startswith("  -") or r.startswith("      ") or not r.strip() for r in rows), rows
+
+
+def test_bench_depth_is_d_and_ctx_is_its_hidden_old_name(tiny_dir):
+    text = _run(["bench", "--help"]).stdout
+    assert "-d, --depth" in text and "--ctx" not in text
+    base = ["bench", "-m", str(tiny_dir), "--kv", "fp16", "-p", "0", "-n", "2", "-r", "1", "--json"]
+    import json
+    by_d, by_ctx = (_run(base + flag) for flag in (["-d", "48"], ["--ctx", "48"]))
+    assert by_d.exit_code == by_ctx.exit_code == 0, by_d.output + by_ctx.output
+    depth = lambda r: [x["depth"] for x in json.loads(r.stdout)]     # noqa: E731
+    assert depth(by_d) == depth(by_ctx) == [48]
+    assert "give -d only" in _error(_run(base + ["-d", "48", "--ctx", "48"]))

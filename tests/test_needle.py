@@ -77,11 +77,12 @@ def test_needles_are_paired_with_the_reference_trial_by_trial():
             NeedleRecord(ref, 0.9, 1.0, 3, 1.0, 0.5, [True] * 3, [0.5] * 3),
             NeedleRecord(m, 0.9, 1 / 3, 3, 1.0, 0.0, [False, True, False], [-0.1, 0.4, -0.3])]
     lines = format_table(recs, ref=ref).splitlines()
-    assert lines[-1].split() == [m, "1/1", "2/0", "3/1", "+0.500"]
-    assert lines[-3].split()[1:] == ["0.50", "0.90", "total", "largest", "lead", "lost"]
+    assert lines[-2].split() == [m, "lost", "1", "2", "3", "+0.500"]     # lost per depth, total
+    assert lines[-1].split() == ["gained", "1", ".", "1"]                 # "." for none
+    assert lines[-4].split() == ["method", "needles", "0.50", "0.90", "total", "ref", "lead"]
     assert "against" not in format_table(recs)                       # no reference: no pairs
     one = [NeedleRecord(x, 0.5, 1.0, 1, 1.0, 0.3, [True], [0.3]) for x in (ref, m)]
-    assert format_table(one, ref=ref).splitlines()[-1].split() == [m, "0/0", "0/0", "-"]
+    assert format_table(one, ref=ref).splitlines()[-2].split() == [m, "lost", ".", ".", "-"]
 
 
 def test_needle_ctrl_c_prints_the_cells_done(tmp_path, monkeypatch):
@@ -104,6 +105,10 @@ def test_needle_ctrl_c_prints_the_cells_done(tmp_path, monkeypatch):
     assert r.exit_code == 130 and "Traceback" not in r.stderr
     assert "interrupted: results over the first 1 of 4 cells" in r.stderr
     assert "ETA" in r.stderr
+    first = r.stderr.splitlines()[[i for i, x in enumerate(r.stderr.splitlines())
+                                   if x.startswith("[needle]")][0]]
+    assert first.startswith("[needle] 4 trials of 300-token prompts (2 KV configurations x "
+                            "2 depths x 1 needle): about ")        # the estimate, before any
     rows = [x.split() for x in r.stdout.strip().splitlines()]
     assert rows[0] == ["method", "0.00", "1.00", "mean"]
     assert rows[2][0] == "fp16" and rows[2][2] == "-" and rows[3] == ["int8", "-", "-", "-"]

@@ -142,9 +142,10 @@ def needle_cmd(file, kv_list, ctx, depths, trials, baseline, as_json, model, dty
 @click.option("-n", "--n-gen", "tg", default=128, show_default=True, type=int,
               help="Generated tokens per tg test.")
 @click.option("-d", "--depth", "depths", default=None,
-              help="Comma list of depths for tg tests (e.g. 512,4k,32k).")
-@click.option("--ctx", "ctx", default=None,
-              help="Depth for tg (model mode) or decode length (layer mode, default 32k).")
+              help="Comma list of depths for tg tests, as llama-bench's -d (e.g. 512,4k,32k; "
+                   "default 0); with --layer, the one decode length (default 32k).")
+@click.option("--ctx", "ctx", default=None, hidden=True,       # -d's old name, one value
+              help="The same as -d with one value.")
 @click.option("-r", "--repetitions", "reps", default=3, show_default=True, type=int)
 @click.option("--fill", default="model", show_default=True, type=click.Choice(["model", "synthetic"]),
               help="Reach the depth by a real prefill, or K/V drawn from measured statistics.")
@@ -166,6 +167,7 @@ def bench_cmd(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, a
     """Measure pp/tg speed, KV bytes and peak memory for several KV methods side by side."""
     from ..eval import bench as B
     from ..kv.config import parse_kv
+    depths = depth_flag(depths, ctx)
     methods = comma_list(kv_list, "--kv")
     evict = eviction_fields(ev)                 # applies to every method
     specs = [parse_kv(m, **evict) for m in methods]
@@ -187,20 +189,20 @@ def bench_cmd(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, a
     if budget_mb is not None and batch is None:
         raise KvrunError("--kv-budget-mb goes with --batch (e.g. --batch 1,4 --kv-budget-mb 256)")
     if batch is not None:
-        return _bench_batch(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer,
+        return _bench_batch(model, specs, batch, budget_mb, tg, depths, reps, fill, layer,
                                as_json, as_csv, plot_path, dtype, prefill_chunk, seed)
     if layer is not None:
-        n = one_count(ctx, "--ctx") if ctx else 32768
+        n = one_count(depths, "-d") if depths else 32768
         name, (h, hkv, d) = B.parse_geometry(layer)
         if h * d > MAX_BENCH_TOKENS:                     # a model dim no model has
             raise KvrunError(f"--layer {layer}: H x D = {h * d} is beyond what this benchmark "
                              f"allocates ({MAX_BENCH_TOKENS})")
-        check_bench_size(n, 2 * hkv * d * 4, "--ctx")    # fp32 K and V of n tokens
+        check_bench_size(n, 2 * hkv * d * 4, "-d")       # fp32 K and V of n tokens
         records = B.bench_layer(layer, specs, n, seed=seed, progress=eprint)
         title = f"attention layer {name}, decode 0 → {n} tokens, random q/k/v"
     else:
         from ..engine.api import load
-        d = count_list(depths, "-d") if depths is not None else ([one_count(ctx, "--ctx")] if ctx else [0])
+        d = count_list(depths, "-d") if depths is not None else [0]
         pps = [x for x in count_list(pp, "-p") if x > 0]
         if not pps and not tg:
             raise KvrunError("nothing to measure: -p and -n are both 0")
@@ -231,7 +233,16 @@ def model_title(m) -> str:
     return f"{m.cfg.source.get('path', m.path.name)} | weights {weight_format(m.cfg)}"
 
 
-def _bench_batch(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, layer, as_json,
+def depth_flag(depths: str | None, ctx: str | None) -> str | None:
+    """bench's -d, given as -d or as --ctx (its old name, one value; not both)."""
+    if ctx is None:
+        return depths
+    if depths is not None:
+        raise KvrunError("-d and --ctx are one setting (--ctx is -d's old name): give -d only")
+    return str(one_count(ctx, "--ctx"))
+
+
+def _bench_batch(model, specs, batch, budget_mb, tg, depths, reps, fill, layer, as_json,
                     as_csv, plot_path, dtype, prefill_chunk, seed):
     """`kvrun bench --batch` (runtime/eval/bench_batch.py)."""
     from ..eval import bench as B
@@ -242,7 +253,7 @@ def _bench_batch(model, specs, batch, budget_mb, tg, depths, ctx, reps, fill, la
     batches = count_list(batch, "--batch")
     if max(batches) > MAX_BATCH:
         raise KvrunError(f"--batch: at most {MAX_BATCH} sequences (got {max(batches)})")
-    d = count_list(depths, "-d") if depths is not None else ([one_count(ctx, "--ctx")] if ctx else [0])
+    d = count_list(depths, "-d") if depths is not None else [0]
     if len(d) != 1:
         raise KvrunError(f"--batch measures at one depth (got -d {depths})")
     m = load(model, dtype=dtype, ctx=8, prefill_chunk=prefill_chunk, progress=eprint)

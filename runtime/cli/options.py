@@ -27,7 +27,9 @@ class CommonFirstCommand(click.Command):
         rank = {o: i for i, o in enumerate(COMMON_OPTIONS)}
         common, other = [], []
         for p in self.get_params(ctx):
-            row = p.get_help_record(ctx)
+            # options only: click >= 8.2 gives an argument a row too (a bare "FILE" here);
+            # the usage line and the docstring say what an argument is
+            row = p.get_help_record(ctx) if isinstance(p, click.Option) else None
             if row is None:
                 continue
             i = min((rank[o] for o in p.opts if o in rank), default=None)

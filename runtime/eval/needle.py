@@ -131,6 +131,10 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
         for label, spec in specs.items():
             eng = Engine(model.transformer, model.tokenizer, make_cache(model.cfg, ctx + max_tokens, spec),
                          model.engine.prefill_chunk)
+            if progress and not out:
+                progress(estimate(eng, filler_ids, ctx, cells * trials, len(specs), len(depths),
+                                  trials))
+                t_start = time.perf_counter()
             for depth in depths:
                 t0, found, leads = time.perf_counter(), [], []
                 for nd, off in drawn:
@@ -155,6 +159,23 @@ def run_needle(model, filler: str, ctx: int, depths: list[float], specs: dict, t
     return out
 
 
+def estimate(eng, filler_ids: list[int], ctx: int, n_trials: int, n_specs: int,
+             n_depths: int, trials: int) -> str:
+    """The line printed before a run: its size and a duration estimated from one timed
+    prefill of up to one chunk (scaled linearly to `ctx`: long contexts run longer, their
+    attention grows with the context; the progress lines' ETA is measured)."""
+    n = max(1, min(ctx, eng.prefill_chunk, len(filler_ids)))
+    t0 = time.perf_counter()
+    eng.reset()
+    eng.prefill(filler_ids[:n])
+    per_trial = (time.perf_counter() - t0) * ctx / n
+    eng.reset()
+    return (f"[needle] {n_trials} trials of {ctx}-token prompts ({n_specs} KV configuration"
+            f"{'s' if n_specs != 1 else ''} x {n_depths} depth{'s' if n_depths != 1 else ''} x "
+            f"{trials} needle{'s' if trials != 1 else ''}): about {format_duration(per_trial * n_trials)} "
+            f"at this machine's speed now (estimated from a {n}-token prefill)")
+
+
 def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
                  labels: list[str] | None = None, ref: str | None = None) -> str:
     """Accuracy by method (rows) and depth (columns), then the mean lead the same way, then
@@ -172,33 +193,41 @@ def format_table(records: list[NeedleRecord], depths: list[float] | None = None,
 
 
 def paired(records: list[NeedleRecord], depths: list[float], labels: list[str], ref: str) -> str:
-    """Trial by trial against `ref` (the same needles in every method): per method and depth
-    "lost/gained", the needles ref finds that the method loses and the ones it finds that ref
-    loses, then their totals and the largest lead ref had on a needle the method lost. A
-    needle ref found by a lead of 0.01 is a coin toss for any cache; one found by 0.5 and
-    lost is the method's doing (module docstring)."""
+    """Trial by trial against `ref` (the same needles in every method), two rows per method:
+    "lost", the needles ref finds that the method misses, and "gained", the ones it finds
+    that ref misses, per depth and in total ("." for none), then on the lost row the
+    largest lead ref had on a needle the method lost. A needle ref found by a lead of 0.01
+    is a coin toss for any cache; one found by 0.5 and lost is the method's doing (module
+    docstring)."""
     at = {(r.method, r.depth): r for r in records}
     w = max([22] + [len(m) for m in labels])
-    head = f"{'method':<{w}}" + "".join(f" {d:>6.2f}" for d in depths) + "  total  largest lead lost"
-    rows = [f"against {ref}, needle by needle: lost/gained, and its largest lead on one lost",
-            head, "-" * len(head)]
+    head = (f"{'method':<{w}} {'needles':<7}" + "".join(f" {d:>6.2f}" for d in depths)
+            + "  total  ref lead")
+    rows = [f"needle by needle against {ref}: lost = {ref} finds it, the method misses it; "
+            f"gained = the other way round;",
+            f"ref lead = {ref}'s largest lead on a needle the method lost (near 0: a coin toss)",
+            "", head, "-" * len(head)]
+    n = lambda k: f" {k if k else '.':>6}"          # noqa: E731
     for m in labels:
         if m == ref:
             continue
-        cells, lost, gained, worst = [], 0, 0, None
+        lost_row, gained_row, lost, gained, worst = [], [], 0, 0, None
         for d in depths:
             a, b = at.get((ref, d)), at.get((m, d))
             if a is None or b is None:
-                cells.append(f" {'-':>6}")
+                lost_row.append(f" {'-':>6}")
+                gained_row.append(f" {'-':>6}")
                 continue
             lo = [i for i, (x, y) in enumerate(zip(a.found, b.found)) if x and not y]
             ga = sum(1 for x, y in zip(a.found, b.found) if y and not x)
             lost, gained = lost + len(lo), gained + ga
             for i in lo:
                 worst = a.leads[i] if worst is None else max(worst, a.leads[i])
-            cells.append(f" {f'{len(lo)}/{ga}':>6}")
-        tail = f"{'-' if worst is None else f'{worst:+.3f}':>19}"
-        rows.append(f"{m:<{w}}" + "".join(cells) + f" {f'{lost}/{gained}':>6}" + tail)
+            lost_row.append(n(len(lo)))
+            gained_row.append(n(ga))
+        tail = f"{'-' if worst is None else f'{worst:+.3f}':>10}"
+        rows.append(f"{m:<{w}} {'lost':<7}" + "".join(lost_row) + n(lost) + tail)
+        rows.append(f"{'':<{w}} {'gained':<7}" + "".join(gained_row) + n(gained))
     return "\n".join(rows)
 
 

@@ -5,7 +5,8 @@ cache's second level the cluster's shared tier (shared_tier.py) instead of a dir
 `handle(Forward)` runs one HTTP request through the app and streams its ASGI messages back
 (forward.call_app), with `x-kvrun-replica` / `x-kvrun-node` on the response saying who
 served it. Every few seconds the replica reports its counters to the store actor
-(registry.py) for the ingress's /metrics."""
+(registry.py) for the ingress's /metrics, after checking its
+shared tier is reachable (shared_tier.SharedTier.refresh)."""
 from __future__ import annotations
 
 import logging
@@ -87,6 +88,8 @@ class Replica:
     def _report_loop(self) -> None:
         reg = None
         while not self._stop.wait(REPORT_EVERY):
+            if self.tier is not None:
+                self.tier.refresh()
             try:
                 reg = reg or ray.get_actor(REGISTRY_NAME, namespace=self._namespace)
                 reg.report.remote(self.id, self.stats())

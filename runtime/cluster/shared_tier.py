@@ -12,8 +12,10 @@ Faults: every call to the store has a deadline (`timeout`). A call that fails or
 marks the tier down with one log line; while down, lookups miss and nothing is shipped (the
 replica runs on its RAM tier alone, and /metrics says `up 0`), and every `retry` seconds
 the next call looks the named actor up again; found and answering, the tier is up again
-(logged). Writes are sent without waiting (the scheduler's loop must not stall on the
-network); a failed write is seen at the next call."""
+(logged); the replica also checks every few seconds without traffic (`refresh`). Writes
+are sent without waiting (the scheduler's loop must not stall on the network); a failed
+write is seen at the next call. A store that hangs costs a lookup `timeout` seconds once
+per `retry` while it is down."""
 from __future__ import annotations
 
 import logging
@@ -50,7 +52,8 @@ class SharedTier:
         self.up, self._down_at, self._pending = False, 0.0, []
         self.hits = self.misses = self.refused = self.puts = self.errors = 0
         self.bytes_in = self.bytes_out = 0                   # bytes fetched / shipped
-        self._lock = threading.Lock()                        # the loop thread and /metrics' reads
+        self._lock = threading.Lock()                        # the counters: /metrics reads them
+        self._state = threading.RLock()                      # up, store, pending writes
         self._connect()
 
     # -- the store ----------------------------------------------------------------------------
@@ -75,16 +78,28 @@ class SharedTier:
 
     def _usable(self) -> bool:
         """Whether to call the store now (reconnecting when a retry is due)."""
-        if self.up and self._pending:                       # writes sent earlier: any failed?
-            done, self._pending = ray.wait(self._pending, num_returns=len(self._pending),
-                                           timeout=0)
-            try:
-                ray.get(done, timeout=self.timeout)
-            except (RayError, TimeoutError) as e:
-                self._fail(e)
+        with self._state:
+            if self.up and self._pending:                   # writes sent earlier: any failed?
+                done, self._pending = ray.wait(self._pending, num_returns=len(self._pending),
+                                               timeout=0)
+                try:
+                    ray.get(done, timeout=self.timeout)
+                except (RayError, TimeoutError) as e:
+                    self._fail(e)
+            if self.up:
+                return True
+            return time.monotonic() - self._down_at >= self.retry and self._connect()
+
+    def refresh(self) -> bool:
+        """Check the store now (a replica calls this every few seconds, so `up` is current
+        without traffic); whether it is up."""
         if self.up:
-            return True
-        return time.monotonic() - self._down_at >= self.retry and self._connect()
+            try:
+                ray.get(self.store.ping.remote(), timeout=self.timeout)
+            except (RayError, TimeoutError) as e:
+                with self._state:
+                    self._fail(e)
+        return self._usable()
 
     # -- PrefixTier ---------------------------------------------------------------------------
     def paths(self, key: str, ids, ns) -> dict:
@@ -124,7 +139,8 @@ class SharedTier:
             return False
         finally:
             self._unlink(path)
-        self._pending.append(self.store.put.remote(path.name, blob))
+        with self._state:
+            self._pending.append(self.store.put.remote(path.name, blob))
         with self._lock:
             self.puts += 1
             self.bytes_out += len(blob)

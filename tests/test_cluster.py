@@ -1,0 +1,248 @@
+"""`kvrun serve --ray` (runtime/cluster/) on a local two-node Ray cluster
+(ray.cluster_utils.Cluster, one CPU each, so one replica per node): the official `openai`
+client against the ingress, greedy replies equal to the single-machine server's, a prefix
+computed on one replica restored on the other from the shared tier, corrupt and foreign
+entries refused, the shared tier down (the replicas go on, /metrics says so), and a replica
+killed mid-stream (its stream ends with an error event, the other request finishes).
+
+One cluster for the module, round-robin routing (so "the other replica" is the next request;
+the prefix-affinity policy is tests/test_cluster_unit.py's), few and short requests."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+import kvrun  # noqa: E402
+from kvrun import threads as kthreads  # noqa: E402
+from kvrun.cluster.deploy import ClusterSpec, deploy, undeploy  # noqa: E402
+from kvrun.cluster.replica import ReplicaSpec  # noqa: E402
+from kvrun.cluster.store import STORE_NAME, PrefixStore  # noqa: E402
+from kvrun.engine.prefix_cache import kv_key  # noqa: E402
+from kvrun.engine.prefix_disk import DiskTier  # noqa: E402
+from kvrun.engine.session import model_record  # noqa: E402
+from kvrun.kv.config import parse_kv  # noqa: E402
+from serving import openai_client, served  # noqa: E402
+
+NAME, CTX, CHUNK, NS = "smol", 384, 32, "kvrun-test"
+TIMEOUT = 120
+SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short sentence, "
+          "name the bread when you can, and never invent prices or opening hours. ") * 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """(base url, Cluster) of the app deployed on two 1-CPU nodes; torn down at the end."""
+    from ray.cluster_utils import Cluster
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    worker = c.add_node(num_cpus=1)
+    ray.init(address=c.address, namespace=NS, log_to_driver=False)
+    try:
+        url = deploy(ClusterSpec(address=c.address, replicas=2, port=_free_port(),
+                                 routing="round-robin"),
+                     ReplicaSpec(ctx=CTX, parallel=2, chunk=CHUNK, threads=1, cache_ram=8,
+                                 shared_mb=64, alias=NAME, namespace=NS))
+        yield url, c, worker
+    finally:
+        from ray import serve
+        try:
+            undeploy(NS)
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single():
+    """(port, model) of the single-machine server with the replicas' settings (one thread:
+    greedy output is bit-equal only on one thread count)."""
+    from kvrun.engine.pull import ensure_default_model
+    before = kthreads.torch.get_num_threads()
+    m = kvrun.load(ensure_default_model(progress=None), ctx=1, kv="fp16", prefill_chunk=CHUNK,
+                   threads=1)
+    try:
+        with served(m, NAME, parallel=2, ctx=CTX, kv="fp16") as (port, _):
+            yield port, m
+    finally:
+        kthreads.configure(before)
+
+
+def client(url: str):
+    return openai.OpenAI(base_url=url, api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+def ask(c, prompt: str, n: int = 10, stream: bool = False):
+    """(text, replica id) of a greedy chat reply (replica None from the single server)."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    if stream:
+        with c.chat.completions.with_streaming_response.create(
+                model=NAME, messages=msgs, max_tokens=n, temperature=0, stream=True) as r:
+            text = "".join(ch.choices[0].delta.content or "" for ch in r.parse() if ch.choices)
+            return text, r.headers.get("x-kvrun-replica")
+    r = c.chat.completions.with_raw_response.create(model=NAME, messages=msgs, max_tokens=n,
+                                                    temperature=0)
+    return r.parse().choices[0].message.content, r.headers.get("x-kvrun-replica")
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url[:-3] + "/metrics", timeout=TIMEOUT) as r:
+        return r.read().decode()
+
+
+def value(text: str, name: str, **labels) -> float:
+    """The sum of metric `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def wait_metric(url, name, pred, timeout=20.0, **labels) -> float:
+    """Poll /metrics until pred(value) (replicas report every 2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = value(metrics(url), name, **labels)
+        if pred(v) or time.monotonic() > deadline:
+            return v
+        time.sleep(0.5)
+
+
+def test_replies_equal_the_single_server(cluster, single):
+    url = cluster[0]
+    ref = openai_client(single[0], TIMEOUT)
+    seen = set()
+    for i, stream in enumerate((False, True, False)):
+        q = f"Which bread is best with soup? ({i})"
+        got, replica = ask(client(url), q, stream=stream)
+        want, _ = ask(ref, q, stream=stream)
+        assert got == want and got
+        seen.add(replica)
+    assert len(seen) == 2 and None not in seen        # both replicas served, and said so
+    r = client(url).completions.create(model=NAME, prompt="The oven", max_tokens=8, temperature=0)
+    assert r.choices[0].text == openai_client(single[0], TIMEOUT).completions.create(
+        model=NAME, prompt="The oven", max_tokens=8, temperature=0).choices[0].text
+
+
+def test_errors_are_the_servers(cluster):
+    c = client(cluster[0])
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                  max_tokens=-1)
+    req = urllib.request.Request(cluster[0] + "/chat/completions", data=b"{",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=TIMEOUT)
+    assert e.value.code == 400 and "error" in json.loads(e.value.read())
+
+
+def test_prefix_from_one_replica_restored_on_the_other(cluster, single):
+    url = cluster[0]
+    # past the system prompt (whose boundaries both replicas hold by now) by > 2 chunks
+    q = "Which loaf keeps longest? " + "We bake rye, spelt, wheat and oat loaves daily. " * 6
+    want, _ = ask(openai_client(single[0], TIMEOUT), q)
+    first, a = ask(client(url), q)                  # computed on a
+    before = value(metrics(url), "kvrun_replica_shared_tier_restores_total")
+    second, b = ask(client(url), q)                 # round robin: the other replica
+    assert a != b
+    assert first == second == want
+    restored = wait_metric(url, "kvrun_replica_shared_tier_restores_total",
+                           lambda v: v > 0, replica=b)
+    assert restored > 0, [l for l in metrics(url).splitlines() if "replica_" in l and not l.startswith("#")]
+    assert value(metrics(url), "kvrun_replica_shared_tier_restores_total") > before
+    assert wait_metric(url, "kvrun_replica_prefix_cache_hits_total", lambda v: v >= CHUNK,
+                       replica=b) >= CHUNK
+
+
+def _names(m, ids: list[int], tmp_path) -> dict:
+    """{boundary: entry name} of a prompt's ids, as the replicas name them."""
+    tier = DiskTier(tmp_path / "names", 1 << 20, model_record(m))
+    ns = range(CHUNK, len(ids), CHUNK)
+    return {n: p.name for n, p in tier.paths(kv_key(parse_kv("fp16")), ids, ns).items()}
+
+
+def test_corrupt_and_foreign_entries_are_refused(cluster, single, tmp_path):
+    url, m = cluster[0], single[1]
+    store = ray.get_actor(STORE_NAME, namespace=NS)
+    other = list(range(1000, 1000 + 3 * CHUNK + 5))   # a prompt of ids: names known exactly
+    c = client(url)
+    c.completions.create(model=NAME, prompt=other, max_tokens=1, temperature=0)
+    good = ray.get(ray.get(store.get.remote(_names(m, other, tmp_path)[CHUNK]))[0])
+    ids = list(range(2000, 2000 + 2 * CHUNK + 5))
+    names = _names(m, ids, tmp_path)
+    ray.get(store.put.remote(names[CHUNK], good))     # another prompt's entry under this name
+    ray.get(store.put.remote(names[2 * CHUNK], b"KVRUNSES" + b"\0" * 4096))     # corrupt
+    before = value(metrics(url), "kvrun_replica_shared_tier_refused_total")
+    want = openai_client(single[0], TIMEOUT).completions.create(
+        model=NAME, prompt=ids, max_tokens=8, temperature=0).choices[0].text
+    assert c.completions.create(model=NAME, prompt=ids, max_tokens=8,
+                                temperature=0).choices[0].text == want
+    assert wait_metric(url, "kvrun_replica_shared_tier_refused_total",
+                       lambda v: v >= before + 2) >= before + 2
+    # refused entries are dropped from the store; the replica stored its own
+    got = ray.get(store.get.remote(names[CHUNK]))
+    assert got is None or ray.get(got[0]) != good
+
+
+def test_shared_tier_down_falls_back_to_local_caches(cluster, single):
+    url = cluster[0]
+    ray.kill(ray.get_actor(STORE_NAME, namespace=NS), no_restart=True)
+    ref = openai_client(single[0], TIMEOUT)
+    for i in range(2):                               # each replica finds the store gone
+        q = f"Is rye bread sour? ({i})"
+        assert ask(client(url), q)[0] == ask(ref, q)[0]
+    text = metrics(url)
+    assert value(text, "kvrun_cluster_store_up") == 0
+    assert wait_metric(url, "kvrun_replica_shared_tier_up", lambda v: v == 0) == 0
+    # a store back under the name: the replicas use it again after their retry delay
+    store = ray.remote(PrefixStore).options(name=STORE_NAME, namespace=NS, lifetime="detached",
+                                            num_cpus=0).remote(64 << 20)
+    ray.get(store.ping.remote(), timeout=TIMEOUT)
+    time.sleep(5.5)
+    for i in range(2):
+        ask(client(url), f"And spelt? ({i})", n=2)
+    assert wait_metric(url, "kvrun_replica_shared_tier_up", lambda v: v == 2) == 2
+
+
+def test_replica_killed_mid_stream(cluster):
+    """Its stream ends with an error event (no hang); the other replica's request finishes."""
+    url = cluster[0]
+    c = client(url)
+    msgs = [{"role": "user", "content": "Tell me a long story about bread."}]
+    with c.chat.completions.with_streaming_response.create(
+            model=NAME, messages=msgs, max_tokens=300, temperature=0, stream=True) as r:
+        victim = r.headers["x-kvrun-replica"]
+        chunks = iter(r.parse())
+        next(chunks)
+        other = {}
+        t = threading.Thread(target=lambda: other.update(
+            zip(("text", "replica"), ask(client(url), "Name one bread.", n=6))))
+        t.start()
+        time.sleep(0.5)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+        with pytest.raises(openai.APIError, match="failed"):
+            for _ in chunks:
+                pass
+        t.join(TIMEOUT)
+    assert other.get("text") and other["replica"] != victim
+    assert value(metrics(url), "kvrun_cluster_replica_failures_total", stage="mid_stream") >= 1
+    ask(client(url), "Still there?", n=2)           # the service goes on

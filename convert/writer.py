@@ -157,15 +157,22 @@ def check_destination(dest: str | Path, overwrite: bool) -> Path:
         except OSError as e:
             raise KvrunError(f"{dest}: cannot list it ({e.strerror})") from None
         if names and not overwrite:
-            # the CLI's flag and the library's argument: whoever reads this used one of them
-            raise KvrunError(f"{dest} already exists and is not empty (use --force to replace "
-                             f"it; overwrite=True from Python)")
+            raise DestinationNotEmpty(dest)
         why = foreign_entries(dest, names) if names else None
         if why:
             raise KvrunError(f"{dest} is not a kvrun model directory ({why}); refusing to "
                              f"replace it")
     _check_writable(dest.parent)
     return dest
+
+
+class DestinationNotEmpty(KvrunError):
+    """The output directory exists and holds files; `hint` names how to replace it in the
+    caller's words (the library's `overwrite=True`; the CLI says `--force`)."""
+
+    def __init__(self, dest: Path, hint: str = "overwrite=True replaces it"):
+        super().__init__(f"{dest} already exists and is not empty ({hint})")
+        self.dest = dest
 
 
 def _home() -> Path:

@@ -54,7 +54,8 @@ def test_cli_convert_exists_error_names_force(tiny_llama, tmp_path):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1 and "Traceback" not in r.stderr
     err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "use --force to replace it" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: ") and "--force replaces it" in err[0]
+    assert "overwrite=True" not in err[0]                  # Python's word, not the CLI's
     before = (out / "config.json").stat().st_mtime_ns
     r = CliRunner().invoke(main, args + ["--force"])
     assert r.exit_code == 0, r.stderr

@@ -119,7 +119,7 @@ def test_force_replaces_a_kvrun_model_directory(work):
     out = make_tiny_model_dir(cwd / "out")
     src = write_tiny_hf(cwd.parent / "hf")
     r = run(["convert", str(src), "-o", "out", "--dtype", "fp32"])
-    one_error_line(r, "use --force to replace it")
+    one_error_line(r, "--force replaces it")
     r = run(["convert", str(src), "-o", "out/", "--dtype", "fp32", "--force"])
     assert r.exit_code == 0, r.stderr
     cfg = json.loads((out / "config.json").read_text())

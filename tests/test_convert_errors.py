@@ -46,8 +46,8 @@ def test_overwrite(tiny_llama, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    with pytest.raises(KvrunError, match="already exists and is not empty"):
-        convert_hf(tiny_llama[0], out)
+    with pytest.raises(KvrunError, match=r"already exists and is not empty \(overwrite=True"):
+        convert_hf(tiny_llama[0], out)                  # the library's own words
     # overwrite replaces only a kvrun model directory: this one may be a user's data
     with pytest.raises(KvrunError, match=r"not a kvrun model directory \(it holds 'stale.txt'\)"):
         convert_hf(tiny_llama[0], out, overwrite=True)

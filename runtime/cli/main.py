@@ -166,8 +166,12 @@ def convert(src, out, weights, group, dtype, force, verbose):
             dtype = "fp32"          # norms/biases are tiny: keep them exact
     elif weights is not None:
         dtype = weights
-    cfg = convert_any(src, out, dtype=dtype, progress=progress, overwrite=force,
-                      weights=fmt, group=int(group), log=eprint if verbose else None)
+    from kvrun.convert.writer import DestinationNotEmpty
+    try:
+        cfg = convert_any(src, out, dtype=dtype, progress=progress, overwrite=force,
+                          weights=fmt, group=int(group), log=eprint if verbose else None)
+    except DestinationNotEmpty as e:            # the library's words are overwrite=True
+        raise DestinationNotEmpty(e.dest, "--force replaces it") from None
     what = dtype if fmt == "float" else fmt + (f" group {cfg.weight_group}" if fmt == "int4" else "")
     eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {what})")
 

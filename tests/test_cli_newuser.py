@@ -102,3 +102,12 @@ def test_bench_depth_is_d_and_ctx_is_its_hidden_old_name(tiny_dir):
     depth = lambda r: [x["depth"] for x in json.loads(r.stdout)]     # noqa: E731
     assert depth(by_d) == depth(by_ctx) == [48]
     assert "give -d only" in _error(_run(base + ["-d", "48", "--ctx", "48"]))
+
+
+def test_the_readme_says_where_to_run_pip_and_what_the_pulls_cost():
+    from pathlib import Path
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    setup = text[text.index("## Set up"):text.index("pip install . &&")]
+    assert "Clone this repository and `cd` into its root" in setup
+    assert "1.3 GB of wheels" not in text
+    assert "≈ 330 MB of model wheels" in text and "holds ≈ 2.3 GB (`du -sh ~/.cache/kvrun`)" in text

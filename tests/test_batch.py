@@ -174,3 +174,40 @@ def test_cancel_frees_the_slot(tiny):
         assert r2.result(timeout=30) == fresh(tiny).generate([4, 5], 5, temp=0)
     finally:
         sched.shutdown(timeout=30)
+
+
+# -- generate_batch fails as generate does, and holds its caches under a bound (issue 56) -------
+
+def test_generate_batch_raises_for_the_prompt_that_failed(tiny, monkeypatch):
+    """A sequence that failed came back as '' (generate raises for the same input)."""
+    from kvrun.engine import batch as B
+    real = B.Sequence.prefill_next
+
+    def boom(self):
+        if self.prompt[:3] == [7, 8, 9]:
+            raise KvrunError("boom")
+        return real(self)
+    monkeypatch.setattr(B.Sequence, "prefill_next", boom)
+    with pytest.raises(KvrunError, match="^prompt 1: boom$"):
+        tiny.generate_batch([[5, 6, 7], [7, 8, 9, 10], [3, 4]], 3, temp=0)
+    with pytest.raises(KvrunError, match="^prompt 2: prompt too long"):
+        tiny.generate_batch([[5], [6], [1] * 300], 3)
+
+
+def test_generate_batch_holds_caches_under_a_bound(tiny, monkeypatch):
+    """Every prompt's cache was allocated at once (1000 x 128 tokens: 7.2 GB); by default
+    the caches held at once now stay under api.BATCH_KV_MB (here: one prompt's worth)."""
+    from kvrun.engine import api
+    from kvrun.engine.scheduler import Scheduler
+    monkeypatch.setattr(api, "BATCH_KV_MB", 1e-6)
+    most = []
+    real = Scheduler._admit
+
+    def admit(self):
+        real(self)
+        most.append(len(self.running))
+    monkeypatch.setattr(Scheduler, "_admit", admit)
+    prompts = [[5 + i, 6, 7] for i in range(12)]
+    got = tiny.generate_batch(prompts, 3, temp=0)
+    assert max(most) == 1
+    assert got == [tiny.generate(p, 3, temp=0) for p in prompts]

@@ -131,3 +131,27 @@ def test_batch_budget_must_be_a_finite_number(tiny, budget):
 def test_too_many_threads_is_one_error(tiny_dir):
     with pytest.raises(kvrun.KvrunError, match="at most"):
         kvrun.load(tiny_dir, dtype="fp32", ctx=16, kv="fp32", threads=10 ** 21)
+
+
+# -- lengths are checked before the work they bound (issue 56) ----------------------------------
+
+def test_an_over_long_text_is_refused_untokenized(tiny, monkeypatch):
+    """A 50 MB prompt was tokenized (80 s, 6.5 GB) before the length check refused it."""
+    big = "word " * (tiny.tokenizer.max_text_chars(tiny.ctx) // 5 + 1)
+    for name in ("encode", "encode_parts"):
+        def no(x, *a, real=getattr(tiny.tokenizer, name), **k):
+            assert len(str(x)) < len(big), "the long prompt was tokenized"
+            return real(x, *a, **k)
+        monkeypatch.setattr(tiny.tokenizer, name, no)
+    for call in (lambda: tiny.generate(big, 2), lambda: tiny.stream(big, 2),
+                 lambda: tiny.chat([{"role": "user", "content": big}], 2),
+                 lambda: tiny.generate_batch(["ok", big], 2)):
+        with pytest.raises(kvrun.KvrunError, match="prompt too long"):
+            call()
+
+
+def test_logits_honours_the_context(tiny):
+    """30k ids went through a fresh 30k-token fp32 cache (> 5 GB, > 600 s) at ctx 256."""
+    with pytest.raises(kvrun.KvrunError, match="at most the context.s 256"):
+        tiny.logits([1] * 257)
+    assert tiny.logits([1] * 256).shape[0] == 256

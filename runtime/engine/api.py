@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +31,16 @@ from .stops import with_stops
 from ..threads import MAX_THREADS, configure as configure_threads, tick as tick_threads
 
 DEFAULT_CTX = 4096
+BATCH_KV_MB = 1024          # generate_batch's default bound on the KV caches held at once
+
+
+@contextmanager
+def _naming(i: int):
+    """A KvrunError raised for prompt `i` of a batch says which prompt it was."""
+    try:
+        yield
+    except KvrunError as e:
+        raise KvrunError(f"prompt {i}: {e}") from None
 
 
 def check_count(what: str, n) -> None:
@@ -70,9 +81,18 @@ class Model:
         check_ids(ids, self.cfg.vocab_size)
         return self.tokenizer.decode(ids)
 
+    def _check_chars(self, n_chars: int) -> None:
+        """KvrunError for prompt text of `n_chars` characters that cannot fit the context,
+        before it is tokenized."""
+        if n_chars > self.tokenizer.max_text_chars(self.ctx):
+            raise KvrunError(f"prompt too long: {n_chars} characters cannot fit in the context "
+                             f"({self.ctx} tokens; raise ctx / -c)")
+
     def _prompt_ids(self, prompt) -> list[int]:
-        """A raw prompt's ids: text is tokenized, a list or tuple of ids is taken as is."""
+        """A raw prompt's ids: text is tokenized (after the length check it can take
+        untokenized), a list or tuple of ids is taken as is."""
         if isinstance(prompt, str):
+            self._check_chars(len(prompt))
             return self.tokenize(prompt)
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
@@ -118,6 +138,9 @@ class Model:
         Message contents are tokenized as plain text (special-token text in them stays
         text); only the template's markers are control tokens. `stop` and `json_schema` as
         in `stream`."""
+        if isinstance(messages, list):
+            self._check_chars(sum(len(m["content"]) for m in messages if isinstance(m, dict)
+                                  and isinstance(m.get("content"), str)))
         ids = self.tokenizer.encode_parts(self.template.render_parts(messages))
         return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),
                                              self.stop_ids, grammar=self._grammar(json_schema)),
@@ -135,25 +158,46 @@ class Model:
         """Continuations of many raw prompts (texts or token-id lists), decoded together:
         one forward per step over all running sequences, each on its own KV cache of
         prompt + max_tokens tokens (at most the model's context) with method `kv` (default:
-        the model's). `parallel` (default: all) and `kv_budget_mb` bound how many run at
-        once; the rest wait. Greedy outputs equal `generate`'s, prompt by prompt.
+        the model's). `parallel` (default: all) and `kv_budget_mb` (default: BATCH_KV_MB,
+        or the largest prompt's cache when that is more) bound how many run at once; the
+        rest wait, so memory does not grow with the number of prompts. Greedy outputs
+        equal `generate`'s, prompt by prompt. A prompt that `generate` would refuse, or
+        whose generation fails, raises KvrunError naming it ("prompt 3: ..."); no output
+        is ever a silent "".
         `stop`, `json_schema` and the sampling options apply to every prompt (each sequence
         has its own state in the schema's grammar; a seed gives each prompt the
         stream `generate` with that seed gives it); runtime/engine/scheduler.py takes them per
         request."""
-        from .scheduler import Scheduler
+        from .scheduler import MiB, Scheduler
         if not isinstance(prompts, (list, tuple)):
             raise KvrunError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
-        ids = [self._prompt_ids(p) for p in prompts]
-        for x in ids:
-            check_ids(x, self.cfg.vocab_size)
+        ids = []
+        for i, p in enumerate(prompts):
+            with _naming(i):
+                ids.append(self._prompt_ids(p))
+                check_ids(ids[-1], self.cfg.vocab_size)
+        if kv_budget_mb is None:                # the largest cache, when over the default bound
+            probe = Scheduler(self, parallel=1, max_queue=0, kv=kv)
+            need = 0
+            for i, x in enumerate(ids):
+                with _naming(i):
+                    need = max(need, probe.plan(len(x), max_tokens, probe.kv)[2])
+            kv_budget_mb = max(BATCH_KV_MB, need / MiB)
         sched = Scheduler(self, parallel=parallel or max(1, len(ids)), kv_budget_mb=kv_budget_mb,
                           max_queue=len(ids), kv=kv)
         params = sampling_params(sampling)
         grammar = self._grammar(json_schema)
-        reqs = [sched.submit(x, max_tokens, params, stop, grammar=grammar) for x in ids]
+        reqs = []
+        for i, x in enumerate(ids):
+            with _naming(i):
+                reqs.append(sched.submit(x, max_tokens, params, stop, grammar=grammar))
         with self.engine.exclusive():           # the batch shares the model's decode scratch
             sched.run()
+        failed = [(i, r) for i, r in enumerate(reqs) if r.finish_reason == "error"]
+        if failed:
+            i, r = failed[0]
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            raise KvrunError(f"prompt {i}: {r.error}{more}")
         return [r.text for r in reqs]
 
     # -- scoring --
@@ -163,6 +207,9 @@ class Model:
         if not ids:
             raise KvrunError("logits() needs at least one token")
         ids = list(ids)
+        if len(ids) > self.ctx:                 # (T, V) floats and a cache of T tokens
+            raise KvrunError(f"logits() takes at most the context's {self.ctx} ids (got "
+                             f"{len(ids)}; raise ctx / -c)")
         check_ids(ids, self.cfg.vocab_size)
         with self.engine.exclusive():
             return self._logits(ids)

@@ -31,6 +31,7 @@ class Tokenizer:
         # `encode_special_tokens` (special-token text read as text) is the tokenizer's state,
         # set per call: one encode at a time
         self._lock = threading.Lock()
+        self._max_chars: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -39,7 +40,15 @@ class Tokenizer:
     def max_token_chars(self) -> int:
         """Most characters one token stands for (its vocabulary entry's length: byte-level
         symbols are one byte each, so a token never covers more input characters)."""
-        return max(map(len, self.tok.get_vocab(with_added_tokens=True)))
+        if self._max_chars is None:
+            self._max_chars = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
+        return self._max_chars
+
+    def max_text_chars(self, n_tokens: int) -> int:
+        """More characters than this cannot tokenize into `n_tokens` tokens or fewer,
+        whatever they are (4x max_token_chars: a normalizer may fold characters): text
+        over it is too long for a context of `n_tokens` without tokenizing it."""
+        return n_tokens * self.max_token_chars() * 4
 
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """Token ids for `text`; special tokens written in the text are recognized.

@@ -39,14 +39,16 @@ def start(model, drain=30.0, **app_kw):
     """(port, scheduler, stop()) of a server on a free loopback port."""
     sched = Scheduler(model, parallel=app_kw.pop("parallel", 2), max_queue=app_kw.pop("queue", 8),
                       ctx=CTX, kv="fp32")
-    srv = Server(uvicorn.Config(create_app(model, sched, NAME, **app_kw), log_level="critical",
-                                http=QuickDeadline), sched, drain)
+    app = create_app(model, sched, NAME, **app_kw)
+    srv = Server(uvicorn.Config(app, log_level="critical", http=QuickDeadline), sched, drain,
+                 app.state.drain)
     port, th = run_in_thread(srv)
 
     def stop():
         srv.should_exit = True
         th.join(30)
         assert not th.is_alive()
+    stop.server = srv                                   # its signal handler, for the tests
     return port, sched, stop
 
 

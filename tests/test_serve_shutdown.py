@@ -60,6 +60,9 @@ def test_signal_shutdown_exits_0(tiny_dir, sig):
         assert time.monotonic() - t0 < 10
         err = p.stderr.read()
         assert "Traceback" not in err, err
+        # a request is one log line (issue 55), and the shutdown says when it starts and ends
+        assert " POST /v1/chat/completions 400 " in err, err
+        assert "kvrun serve: shutting down" in err and "kvrun serve: stopped after" in err, err
         if host == "::1":                               # the banner's URL can be pasted
             assert f"http://[::1]:{port}/v1" in err
     finally:
@@ -106,3 +109,77 @@ def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
               if ln.startswith("data: {")]
     assert events[-1]["error"]["message"] == "the server is shutting down"
     assert not sched.busy() and sched.kv_used == 0
+
+
+# -- the exit stays within --shutdown-timeout (issue 56) -------------------------------------------
+
+def test_a_slow_body_does_not_hold_the_exit(tiny_m):
+    """A client sending its body slowly kept a server with a 3 s timeout up for 14 s, then
+    a CancelledError traceback; its request could never have run: a 503 at once."""
+    port, _, stop = start(tiny_m, drain=1.0)
+    body = json.dumps(chat()).encode()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        stop()
+        assert time.monotonic() - t0 < 1.0 + 1.5
+        c.settimeout(5)
+        reply = c.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 503") and "the server is shutting down" in reply, reply
+
+
+def _slow_after_stop(monkeypatch, stopping: threading.Event, seconds: float):
+    """Every batch step sleeps 0.05 s, and one step after `stopping` sleeps `seconds`
+    (a long prefill chunk in flight when the drain ends)."""
+    from kvrun.engine import batch as batch_mod
+    real = batch_mod.batch_forward
+
+    def slow(*a):
+        time.sleep(seconds if stopping.is_set() else 0.05)
+        return real(*a)
+    monkeypatch.setattr(batch_mod, "batch_forward", slow)
+
+
+def test_a_long_step_does_not_hold_the_exit(tiny_m, monkeypatch):
+    """A step still computing when the drain ends (a prefill chunk: ~4 s) delayed the
+    replies and the exit; now the waiting clients get their 503 at the deadline."""
+    stopping = threading.Event()
+    _slow_after_stop(monkeypatch, stopping, 6.0)
+    port, sched, stop = start(tiny_m, drain=1.0)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=call(port, "POST", "/v1/completions", {
+        "prompt": list(range(3, 20)), "max_tokens": 100, "temperature": 0}, timeout=30)))
+    t.start()
+    while not sched.running:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    stopping.set()
+    t0 = time.monotonic()
+    stop()
+    t.join(10)
+    assert time.monotonic() - t0 < 1.0 + 1.5 + 0.5
+    openai_error(got["r"][0], got["r"][2], 503)
+
+
+def test_a_second_ctrl_c_answers_in_json(tiny_m, monkeypatch):
+    """A second Ctrl-C gave non-streaming clients uvicorn's plain-text 500."""
+    stopping = threading.Event()
+    _slow_after_stop(monkeypatch, stopping, 0.05)
+    port, sched, stop = start(tiny_m, drain=30.0)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=call(port, "POST", "/v1/completions", {
+        "prompt": list(range(3, 20)), "max_tokens": 1000, "temperature": 0}, timeout=30)))
+    t.start()
+    while not sched.running:
+        time.sleep(0.01)
+    srv = stop.server
+    srv.handle_exit(signal.SIGINT, None)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    srv.handle_exit(signal.SIGINT, None)
+    t.join(10)
+    assert time.monotonic() - t0 < 3
+    openai_error(got["r"][0], got["r"][2], 503)
+    stop()

@@ -125,7 +125,8 @@ def serve_cmd(model, ctx, kv, ctx_policy, parallel, kv_budget_mb, cache_ram, cac
             + ("" if api_key else " (no --api-key: anyone who can connect may use it)"
                if host not in ("127.0.0.1", "localhost", "::1") else ""))
     server = Server(uvicorn.Config(app, log_level="warning", http=HeaderDeadline,
-                                   timeout_keep_alive=5), sched, shutdown_timeout)
+                                   timeout_keep_alive=5), sched, shutdown_timeout,
+                    app.state.drain)
     server.run(sockets=[sock])
 
 

@@ -39,8 +39,11 @@ cancels its request: its sequence leaves the batch at the next step and its cach
 freed. HTTP-level limits (API key, content type, body size and deadline, header deadline,
 CORS) are runtime/cli/server_http.py. On Ctrl-C or SIGTERM the server stops accepting
 requests and lets the running ones finish for `--shutdown-timeout` seconds; those still
-running then end with "the server is shutting down" (an SSE error event, or 503); the
-process exits 0. A second Ctrl-C quits at once.
+running then end with "the server is shutting down" (an SSE error event, or 503) at once,
+without waiting for the batch's current step; the process exits 0 within the timeout
+(runtime/cli/server_http.py). A second Ctrl-C ends them the same way at once. Every request
+is logged on stderr in one line when its reply is done (runtime/cli/server_log.py), and the
+shutdown says when it starts and ends.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import KvrunError
 from ..kv.profile import shipped_profiles
+from ..engine.generate import StreamEvent
 from ..engine.scheduler import SHUTTING_DOWN, Closed, QueueFull, Request, Scheduler
 from . import server_format as fmt, server_tokens
 from .server_fields import (ApiError, check_fields, field, grammar_from, logprobs_from,
@@ -67,7 +71,8 @@ try:
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    from .server_http import Guard, read_body
+    from .server_http import GRACE, Drain, Guard, read_body
+    from .server_log import RequestLog, log_tokens
     from .server_metrics import Metrics
 except ImportError:                                 # the optional extra
     Starlette = None
@@ -86,7 +91,8 @@ class App:
         self.shipped = {p.stem: p for p in shipped_profiles()}
         # more characters than this cannot fit in a sequence's context, whatever they are
         # (4x: a normalizer may fold characters): refused without tokenizing them
-        self.max_chars = scheduler.ctx * model.tokenizer.max_token_chars() * 4
+        self.max_chars = model.tokenizer.max_text_chars(scheduler.ctx)
+        self.drain = Drain()                # the shutdown, as the HTTP layer sees it
 
     # -- parsing (a worker thread) ---------------------------------------------------------
     def _prepare(self, raw: bytes, chat: bool) -> "Job":
@@ -150,13 +156,15 @@ class App:
                                 f"context per sequence ({self.sched.ctx} tokens)", param=param)
 
     # -- events ------------------------------------------------------------------------------
-    @staticmethod
-    async def events(req: Request):
+    async def events(self, req: Request):
         """The request's StreamEvents, awaited without blocking the event loop; cancelling
-        or closing this iterator (a client gone) cancels the request."""
+        or closing this iterator (a client gone) cancels the request. Once the shutdown's
+        drain has expired, a request still waiting ends at once with finish reason "error"
+        (the server is shutting down), whatever the batch is computing."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         req.notify = lambda: loop.call_soon_threadsafe(ready.set)
+        unwatch = self.drain.watch(ready.set)
         finished = False
         try:
             while True:
@@ -164,6 +172,10 @@ class App:
                     ev = req._events.popleft() if req._events else None
                     if ev is None:
                         ready.clear()
+                if ev is None and self.drain.expired:
+                    req.cancel(SHUTTING_DOWN)
+                    req.error = SHUTTING_DOWN
+                    ev = StreamEvent("", None, req.timings, "error")
                 if ev is None:
                     await ready.wait()
                     continue
@@ -173,6 +185,7 @@ class App:
                     return
         finally:
             req.notify = None
+            unwatch()
             if not finished:
                 req.cancel()
 
@@ -185,11 +198,12 @@ class App:
 
     async def _complete(self, http, chat: bool):
         try:
-            raw = await read_body(http, self.max_body)
+            raw = await read_body(http, self.max_body, drain=self.drain)
             job = await asyncio.to_thread(self._prepare, raw, chat)
         except ApiError as e:
             return e.response()
         job.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        log_tokens(http.scope, job.reqs)
         if job.stream:
             return StreamingResponse(self._sse(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -298,7 +312,7 @@ class App:
 
     async def _tokens(self, http, fn):
         try:
-            raw = await read_body(http, self.max_body)
+            raw = await read_body(http, self.max_body, drain=self.drain)
             return JSONResponse(await asyncio.to_thread(fn, self.model, raw))
         except ApiError as e:
             return e.response()
@@ -364,8 +378,10 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
         if scheduler._thread is None:
             scheduler.start()
         yield
-        # uvicorn has drained the connections: what still runs has no reader
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown, False)
+        # uvicorn has drained the connections: what still runs has no reader; a batch step
+        # still computing (a prefill chunk) is not waited for past GRACE (the thread is a
+        # daemon: the process ends without it)
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.shutdown, False, GRACE)
 
     async def not_found(http, exc):
         return ApiError(404, f"no route {http.method} {http.url.path:.200}", code="not_found").response()
@@ -386,11 +402,15 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
               Route("/health", app.health, methods=["GET"]),
               Route("/metrics", app.metrics, methods=["GET"])]
     app.prom = Metrics(scheduler, {r.path for r in routes})
+    request_log = RequestLog()
     scheduler.on_done = app.prom.done
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                              allow_methods=["GET", "POST"],
                              allow_headers=["Authorization", "Content-Type"])] if cors_origins else []
     middleware.append(Middleware(Guard, api_key=api_key))
     middleware.insert(0, Middleware(app.prom.middleware))       # outermost: counts 401s too
-    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                     exception_handlers={404: not_found, 405: bad_method, Exception: internal})
+    middleware.insert(0, Middleware(request_log.middleware))
+    web = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={404: not_found, 405: bad_method, Exception: internal})
+    web.state.drain = app.drain         # for server_http.Server: the shutdown's side here
+    return web

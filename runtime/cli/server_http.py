@@ -14,25 +14,62 @@ cannot be held open by sending headers slowly.
   counted from the connection (or the previous response); uvicorn itself only times out
   idle keep-alive connections, so a client that sends a header byte now and then held its
   connection forever. h11 bounds the header size (16 KiB).
-- `Server`: uvicorn's server with a bounded drain on SIGINT / SIGTERM (running requests
-  finish or end with "the server is shutting down"), and exit status 0 after it.
+- `Drain` and `Server`: uvicorn's server with a bounded drain on SIGINT / SIGTERM. At the
+  signal the server takes no new request and a body still arriving is answered 503 at once
+  (it could never be submitted); running requests get `--shutdown-timeout` seconds to
+  finish, then every one still waiting is answered at once — 503, or an SSE error event, in
+  the API's JSON shape — without waiting for the batch's current step (a prefill chunk may
+  take seconds); a second Ctrl-C does the same at once. The process exits 0 within the
+  timeout plus GRACE seconds, and says on stderr when it starts and ends its shutdown.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
+import sys
 import threading
+import time
+from typing import Callable
 
 import h11
 import uvicorn
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..engine.scheduler import SHUTTING_DOWN
 from .server_fields import ApiError
 
 HEADER_TIMEOUT = 10.0           # seconds for a request line and its headers
 BODY_TIMEOUT = 30.0             # seconds for a whole request body
+GRACE = 1.0                     # seconds past --shutdown-timeout to write the last replies
+
+
+class Drain:
+    """The HTTP layer's side of a shutdown, in the event loop's thread: `stopping` from the
+    signal on (no body is read on), `expired` once the drain's time is up (nothing waits for
+    the batch any more). `watch(fn)` calls fn at each of the two (a waiting request wakes)."""
+
+    def __init__(self):
+        self.stopping = self.expired = False
+        self._watchers: set[Callable[[], None]] = set()
+
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call `fn` at `begin()` and `expire()`; returns the function that stops it."""
+        self._watchers.add(fn)
+        return lambda: self._watchers.discard(fn)
+
+    def begin(self) -> None:
+        self.stopping = True
+        self._wake()
+
+    def expire(self) -> None:
+        self.stopping = self.expired = True
+        self._wake()
+
+    def _wake(self) -> None:
+        for fn in list(self._watchers):
+            fn()
 
 
 class Guard:
@@ -70,8 +107,10 @@ def _bearer(value: bytes) -> bytes:
     return token.strip() if scheme.lower() == b"bearer" else b""
 
 
-async def read_body(http, limit: int, timeout: float = BODY_TIMEOUT) -> bytes:
-    """The request body, at most `limit` bytes (ApiError 413), within `timeout` s (408)."""
+async def read_body(http, limit: int, timeout: float = BODY_TIMEOUT,
+                    drain: Drain | None = None) -> bytes:
+    """The request body, at most `limit` bytes (ApiError 413), within `timeout` s (408);
+    ApiError 503 as soon as the server is stopping (`drain`)."""
     too_big = ApiError(413, f"request body larger than {limit} bytes (kvrun serve "
                             f"--max-body-mb)", code="request_too_large")
     length = http.headers.get("content-length")
@@ -86,13 +125,24 @@ async def read_body(http, limit: int, timeout: float = BODY_TIMEOUT) -> bytes:
             if n > limit:
                 raise too_big
             chunks.append(c)
+    stopping = ApiError(503, SHUTTING_DOWN, "server_error", code="shutting_down")
+    if drain is not None and drain.stopping:
+        raise stopping
+    task = asyncio.ensure_future(asyncio.wait_for(read(), timeout))
+    unwatch = drain.watch(task.cancel) if drain is not None else lambda: None
     try:
-        await asyncio.wait_for(read(), timeout)
+        await task
+    except asyncio.CancelledError:
+        if drain is None or not drain.stopping or not task.cancelled():
+            raise
+        raise stopping from None
     except asyncio.TimeoutError:
         raise ApiError(408, f"request body not received within {timeout:g} s",
                        code="request_timeout") from None
     except ClientDisconnect:                    # gone mid-body: nobody reads the reply
         raise ApiError(499, "client disconnected") from None
+    finally:
+        unwatch()
     return b"".join(chunks)
 
 
@@ -137,25 +187,59 @@ class HeaderDeadline(H11Protocol):
 
 
 class Server(uvicorn.Server):
-    """uvicorn.Server that stops well on SIGINT / SIGTERM: the scheduler takes no new
-    requests, the running ones get `drain_timeout` seconds to finish, then end with an error
-    event / HTTP 503 ("the server is shutting down") instead of a cut connection; a second
-    Ctrl-C quits at once. A shutdown by signal exits 0 (uvicorn re-raises the signal after
-    its shutdown, which made the exit status 130 or -15)."""
+    """uvicorn.Server that stops well on SIGINT / SIGTERM (module docstring): the scheduler
+    takes no new requests, `drain` stops body reads, the running requests get
+    `drain_timeout` seconds to finish, then are cancelled and answered at once ("the server
+    is shutting down"); a second Ctrl-C expires the drain at once. uvicorn's own deadline
+    (the drain's + GRACE) is the backstop. A shutdown by signal exits 0 (uvicorn re-raises
+    the signal after its shutdown, which made the exit status 130 or -15)."""
 
-    def __init__(self, config, scheduler=None, drain_timeout: float = 30.0):
-        # uvicorn's own deadline is the backstop: it cancels what still runs, uncleanly
-        config.timeout_graceful_shutdown = drain_timeout + 10
+    def __init__(self, config, scheduler=None, drain_timeout: float = 30.0,
+                 drain: Drain | None = None):
+        config.timeout_graceful_shutdown = drain_timeout + GRACE
         super().__init__(config)
         self.scheduler, self.drain_timeout = scheduler, drain_timeout
+        self.drain = drain if drain is not None else Drain()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._t0 = 0.0
 
     async def shutdown(self, sockets=None) -> None:
+        self._loop, self._t0 = asyncio.get_running_loop(), time.monotonic()
+        running = self.scheduler.stats()["running"] if self.scheduler is not None else 0
+        print(f"kvrun serve: shutting down ({running} running; they may take "
+              f"{self.drain_timeout:g} s, Ctrl-C again to stop them now)", file=sys.stderr,
+              flush=True)
         if self.scheduler is not None:
-            from ..engine.scheduler import SHUTTING_DOWN
             self.scheduler.close()
-            asyncio.get_running_loop().call_later(self.drain_timeout, self.scheduler.cancel_all,
-                                                  SHUTTING_DOWN)
-        await super().shutdown(sockets)
+        self.drain.begin()
+        expiry = self._loop.call_later(self.drain_timeout, self._expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            expiry.cancel()
+        print(f"kvrun serve: stopped after {time.monotonic() - self._t0:.1f} s", file=sys.stderr,
+              flush=True)
+
+    def _expire(self) -> None:
+        """The drain's time is up: cancel what runs and answer every waiting client now."""
+        if self.drain.expired:
+            return
+        if self.scheduler is not None:
+            self.scheduler.cancel_all(SHUTTING_DOWN)
+        self.drain.expire()
+
+    def handle_exit(self, sig, frame) -> None:
+        import signal
+        if self.should_exit and sig == signal.SIGINT and self._loop is not None:
+            # a second Ctrl-C: answer everyone now (JSON 503s, not uvicorn's plain-text 500
+            # of a forced exit), then stop once they are written
+            self._loop.call_soon_threadsafe(self._expire)
+            self._loop.call_soon_threadsafe(self._loop.call_later, GRACE, self._force)
+            return
+        super().handle_exit(sig, frame)
+
+    def _force(self) -> None:
+        self.force_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self):

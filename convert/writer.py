@@ -1,9 +1,11 @@
 """Atomic writer for a kvrun model directory (config.json, model.safetensors, tokenizer.json).
 
 Both converters end here. Everything is written into a temp dir beside the destination
-(`.NAME.tmp-XXXX`, same parent so the final `rename` stays on one filesystem and is atomic),
-then renamed into place. A failure, Ctrl-C, SIGTERM or SIGHUP at any point removes the temp
-dir, so a destination either holds a complete model or does not exist. An existing
+(`.NAME.tmp-PID-XXXX`, same parent so the final `rename` stays on one filesystem and is
+atomic), then renamed into place. A failure, Ctrl-C, SIGTERM or SIGHUP at any point removes
+the temp dir, so a destination either holds a complete model or does not exist; the temp
+dir of a conversion killed outright (kill -9, a power cut) is removed by the next
+conversion to the same destination, once its PID no longer runs. An existing
 destination is replaced (`overwrite`) only if it is a kvrun model directory
 (`foreign_entries`), never the current or home directory: a mistyped `-o` costs an error
 line, not a user's files. Before anything is written,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -30,7 +33,7 @@ from safetensors.torch import save_file
 
 from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError, raise_on_signals
-from kvrun.files import check_can_create_in
+from kvrun.files import check_can_create_in, pid_running
 
 Progress = Callable[[int, int, str], None]   # converters call it per tensor: (done, total, name)
 
@@ -225,6 +228,7 @@ def atomic_dir(dest: str | Path, overwrite: bool = False):
     with raise_on_signals():
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
+            sweep_stale(dest)
             tmp = _sibling(dest, "tmp")
             tmp.mkdir()                         # not mkdtemp: its 0700 mode would stick to dest
         except OSError as e:
@@ -238,11 +242,29 @@ def atomic_dir(dest: str | Path, overwrite: bool = False):
 
 
 def _sibling(dest: Path, kind: str) -> Path:
-    """An unused hidden name in dest's directory, e.g. `.smollm2.tmp-3f9a0c1b`."""
+    """An unused hidden name in dest's directory, e.g. `.smollm2.tmp-4242-3f9a0c1b` (the
+    writer's PID: `sweep_stale` can tell a killed writer's from a running one's)."""
     while True:
-        p = dest.parent / f".{dest.name}.{kind}-{secrets.token_hex(4)}"
+        p = dest.parent / f".{dest.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
         if not p.exists():
             return p
+
+
+def sweep_stale(dest: Path) -> None:
+    """Remove the temp dirs a killed conversion to `dest` left (a PID that no longer runs);
+    a killed replacement's `.old-` dir only while `dest` exists (else it is the previous
+    model's one copy, left for its owner). Symlinks and other names are never touched."""
+    pat = re.compile(rf"^\.{re.escape(dest.name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    try:
+        entries = list(os.scandir(dest.parent))
+    except OSError:
+        return
+    for e in entries:
+        m = pat.match(e.name)
+        if m is None or pid_running(int(m[2])) or not e.is_dir(follow_symlinks=False):
+            continue
+        if m[1] == "tmp" or dest.is_dir():
+            shutil.rmtree(e.path, ignore_errors=True)
 
 
 def _replace(tmp: Path, dest: Path, overwrite: bool) -> None:

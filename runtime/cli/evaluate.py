@@ -178,8 +178,7 @@ def bench_cmd(model, kv_list, pp, tg, depths, ctx, reps, fill, layer, as_json, a
     if plot_path is not None:
         if importlib.util.find_spec("matplotlib") is None:      # installed? (not imported yet)
             raise KvrunError("-o needs matplotlib: pip install 'kvrun[plot]'")
-        from ..files import check_writable
-        check_writable(plot_path)               # before the run, not after minutes of it
+        B.check_plot_path(plot_path)            # before the run, not after minutes of it
     if threads is not None:
         from ..threads import configure
         configure(threads)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import KvrunError
-from ..files import atomic_output
+from ..files import atomic_output, check_writable
 from ..kv.build import build_cache, fp16_bytes
 from ..kv.layout import layer_windows
 
@@ -364,6 +364,21 @@ def plot_title(records: list[BenchRecord]) -> str:
     fill = {r.fill for r in records} - {"none"}
     return (f"{r.model} | {r.cpu} | {r.threads} thread{'s' if r.threads != 1 else ''} | {r.backend}"
             + (" | synthetic K/V" if fill == {"synthetic"} else ""))
+
+
+# the formats matplotlib's savefig writes, by extension (it refuses any other, after the run)
+PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz",
+                "tif", "tiff", "webp")
+
+
+def check_plot_path(path: str) -> None:
+    """Before the run: `path` can take the plot (an image extension savefig writes, a
+    writable place); KvrunError saying which otherwise."""
+    ext = Path(path).suffix.lower().lstrip(".")
+    if ext not in PLOT_FORMATS:
+        raise KvrunError(f"-o {path}: the plot's format comes from its extension, one of "
+                         f"{', '.join('.' + e for e in PLOT_FORMATS)} (e.g. bench.png)")
+    check_writable(path)
 
 
 def plot(records: list[BenchRecord], path: str) -> None:

@@ -155,7 +155,7 @@ def main():
     if a.session:
         def load(kv):
             return kvrun.load(a.model, ctx=a.session + 64, kv=kv, prefill_chunk=a.chunk,
-                              threads=a.threads)
+                              threads=a.threads, cache_ram_mb=0)     # a cold re-prefill
         sizes = {}
         with tempfile.TemporaryDirectory() as d:
             for kv in kvs:

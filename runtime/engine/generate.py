@@ -163,15 +163,18 @@ class Engine:
             self.canon = min(self.canon, n)
         return n
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
+    def prefill(self, ids: list[int], checkpoint: bool = False) -> torch.Tensor:
         """Append `ids` to the cache in chunks aligned to multiples of the chunk size;
-        returns the last position's logits (V,)."""
+        returns the last position's logits (V,). `checkpoint`: tell `prefix` each chunk
+        boundary reached from a fresh prefill's state (a generation does; a caller timing
+        a prefill does not)."""
         logits = None
-        for logits, _ in self.prefill_chunks(ids):
+        for logits, _ in self.prefill_chunks(ids, checkpoint=checkpoint):
             pass
         return logits
 
-    def prefill_chunks(self, ids: list[int], rows: bool = False) -> Iterator[tuple[torch.Tensor, int]]:
+    def prefill_chunks(self, ids: list[int], rows: bool = False,
+                       checkpoint: bool = False) -> Iterator[tuple[torch.Tensor, int]]:
         """`prefill` one chunk per `next()` (a batch interleaves them with the decode steps
         of other sequences): yields (the chunk's last-position logits (V,), ids still to
         prefill); with `rows`, the logits of every position of the chunk (T, V) instead.
@@ -186,9 +189,10 @@ class Engine:
             raise PromptTooLong(f"prompt too long: {held}{len(ids)} new tokens > context size "
                                 f"{self.max_ctx}{keep} (raise -c/--ctx-size)",
                                 0 if self.can_shift else len(self.cached), len(ids), self.max_ctx)
-        return self._prefill_chunks(ids, rows)
+        return self._prefill_chunks(ids, rows, checkpoint and self.prefix is not None)
 
-    def _prefill_chunks(self, ids: list[int], rows: bool = False) -> Iterator[tuple[torch.Tensor, int]]:
+    def _prefill_chunks(self, ids: list[int], rows: bool = False,
+                        checkpoint: bool = False) -> Iterator[tuple[torch.Tensor, int]]:
         exact = self.canon == len(self.cached)          # resumed where a fresh prefill would be
         shifts = self.n_shifts
         s, C = 0, self.prefill_chunk
@@ -200,8 +204,7 @@ class Engine:
                 self.cache.end_prompt()
                 if exact and shifts == self.n_shifts:
                     self.canon = len(self.cached)
-            if self.prefix is not None and exact and shifts == self.n_shifts \
-                    and len(self.cached) % C == 0:
+            if checkpoint and exact and shifts == self.n_shifts and len(self.cached) % C == 0:
                 self.prefix.checkpoint(self)
             yield (logits[0] if rows else logits[0, -1]), len(ids) - s
 
@@ -280,9 +283,10 @@ class Engine:
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         t0 = time.perf_counter()
         start = self.reuse_prefix(prompt, append)
-        if self.prefix is not None and not append:
+        use_prefix = self.prefix is not None and not append
+        if use_prefix:
             start = self.prefix.resume(self, prompt, start)
-        logits = self.prefill(prompt[start:])
+        logits = self.prefill(prompt[start:], checkpoint=use_prefix)
         timings.prompt_tokens, timings.prompt_s = len(prompt) - start, time.perf_counter() - t0
         history = list(prompt)
         state = grammar.start() if grammar is not None else None

@@ -53,11 +53,28 @@ def connect(address: str | None, namespace: str) -> None:
     """Join the cluster at `address` (None: start a local one)."""
     if ray.is_initialized():
         return
+    _reachable(address)
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise KvrunError(f"cannot reach the Ray cluster at {address}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+
+
+def _reachable(address: str | None, timeout: float = 5.0) -> None:
+    """KvrunError unless a TCP connection to a host:port (or ray://host:port) address opens
+    within `timeout` s: Ray itself retries an unreachable address for minutes."""
+    if not address or address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not port.isdigit() or not host:
+        raise KvrunError(f"--address must be 'auto', HOST:PORT or ray://HOST:PORT (got {address!r})")
+    import socket
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+    except OSError as e:
+        raise KvrunError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 def deploy(cluster: ClusterSpec, rs: ReplicaSpec) -> str:
@@ -99,8 +116,14 @@ def undeploy(namespace: str) -> None:
 
 def serve_until_interrupted(cluster: ClusterSpec, rs: ReplicaSpec, say) -> None:
     """Deploy, print where, and keep the app up until Ctrl-C / SIGTERM; then remove it
-    (and stop the local Ray this started)."""
+    (and stop the local Ray this started). Running requests are not drained: Serve stops
+    the replicas (each gets its deployment's graceful_shutdown_timeout_s)."""
+    import signal
+
+    def stop(*_):
+        raise KeyboardInterrupt
     url = deploy(cluster, rs)
+    signal.signal(signal.SIGTERM, stop)             # after ray.init, which installs its own
     say(f"kvrun serve --ray: {cluster.replicas} replicas ({cluster.routing} routing), "
         f"shared tier {rs.shared_mb:g} MiB; {url}")
     try:

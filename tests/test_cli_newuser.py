@@ -30,6 +30,11 @@ def test_an_unknown_model_name_lists_the_registry_and_the_closest(name, close):
     assert (f"did you mean '{close}'?" in err) if close else "did you mean" not in err
 
 
+def test_pull_names_the_closest_too():
+    err = _error(_run(["pull", "smollm"]))
+    assert "unknown model 'smollm'" in err and "did you mean 'smollm2-135m'?" in err
+
+
 def test_a_missing_path_is_still_a_missing_path():
     assert "/no/such/dir: no such file or directory" in _error(_run(["info", "/no/such/dir"]))
 

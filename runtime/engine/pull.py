@@ -124,7 +124,8 @@ def _stderr(msg: str) -> None:
 def lookup(name: str) -> Pullable:
     """The registry entry `name`, or one line naming the models that can be pulled."""
     if name not in REGISTRY:
-        raise KvrunError(f"unknown model {name!r} (kvrun pull --list shows: {', '.join(REGISTRY)})")
+        raise KvrunError(f"unknown model {name!r} (kvrun pull --list shows: "
+                         f"{', '.join(REGISTRY)}){closest_hint(name)}")
     return REGISTRY[name]
 
 
@@ -173,13 +174,17 @@ def resolve_model(model: str | Path | None, progress: Callable[[str], None] | No
 
 def not_found(model: str) -> str:
     """The message for `-m` naming neither an existing path nor a registry name: the names
-    `kvrun pull --list` shows, and the closest one when one is close (difflib)."""
-    import difflib
-    names = list(REGISTRY)
-    close = difflib.get_close_matches(model.lower(), names, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    `kvrun pull --list` shows, and the closest one when one is close (closest_hint)."""
     return (f"{model}: no such model directory, and no model of that name to pull "
-            f"(`kvrun pull --list`: {', '.join(names)}){hint}")
+            f"(`kvrun pull --list`: {', '.join(REGISTRY)}){closest_hint(model)}")
+
+
+def closest_hint(name: str) -> str:
+    """"; did you mean 'X'?" for the registry name closest to `name` (difflib), when one
+    is close; else ""."""
+    import difflib
+    close = difflib.get_close_matches(name.lower(), list(REGISTRY), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 @contextmanager

@@ -341,3 +341,40 @@ def test_endless_chat_line_is_refused(tiny_dir, monkeypatch):
     r = run(["chat", "-m", str(tiny_dir), "-n", "1", "-c", "256"], input="x" * 1001)
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert r.stderr.strip().splitlines()[-1].startswith("error: an input line is over")
+
+
+# -- Ctrl-C while the command line starts (issue 56) ------------------------------------------
+
+def test_the_console_script_starts_under_the_interrupt_handler():
+    import tomllib
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["kvrun"].split("#")[0].strip() == "kvrun.cli.entry:main"
+
+
+def test_ctrl_c_while_the_cli_is_imported_is_interrupted_not_a_traceback():
+    code = ("import sys\n"
+            "class Boom:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'kvrun.cli.main':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Boom())\n"
+            "from kvrun.cli.entry import main\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and r.stderr.strip() == "interrupted", r.stderr
+
+
+def test_ctrl_c_inside_an_import_waits_for_its_end(tmp_path):
+    """A KeyboardInterrupt in the middle of torch's or numpy's import left them half-loaded
+    (a later import: "cannot load module more than once per process", an internal error)
+    or was swallowed with an ImportError (the command ran on); it now arrives after the
+    import, where the command's handlers turn it into "interrupted"."""
+    (tmp_path / "slowmod.py").write_text("import os, signal, time\n"
+                                         "os.kill(os.getpid(), signal.SIGINT)\n"
+                                         "time.sleep(0.3)\ndone = True\n")
+    code = ("import sys, time\nfrom kvrun.cli import interrupts\ninterrupts.install()\n"
+            f"sys.path.insert(0, {str(tmp_path)!r})\n"
+            "try:\n    import slowmod\n    time.sleep(5)\n    print('not interrupted')\n"
+            "except KeyboardInterrupt:\n    print('interrupted after', slowmod.done)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "interrupted after True", r.stdout + r.stderr

@@ -29,10 +29,17 @@ class ThreadCount(click.IntRange):
     def __init__(self):
         super().__init__(1)
 
-    def convert(self, value, param, ctx):
+    def _load(self) -> None:
         from ..threads import MAX_THREADS
         self.max = MAX_THREADS
+
+    def convert(self, value, param, ctx):
+        self._load()
         return super().convert(value, param, ctx)
+
+    def _describe_range(self) -> str:          # a command's --help (loads torch there)
+        self._load()
+        return super()._describe_range()
 
 
 def threads_option(f):

@@ -12,8 +12,9 @@ byte bound), so a Model resumes from the longest one of them: the same output as
 prefill, bit for bit, by the same argument as the server's.
 
 The bound is `load(cache_ram_mb=...)`: by default 1/32 of the machine's memory, at most
-1024 MiB (runtime/engine/prefix_budget.py); 0 turns it off. `Model.prefix_cache.stats()`
-counts lookups and hits.
+1024 MiB (runtime/engine/prefix_budget.py); 0 turns it off. `Model.prefix_cache.stats()`:
+`requests` counts the prompts looked up in it (those the engine's own reuse kept nothing
+of, and those an entry beat), `hits` the ones restored from it, `hit_tokens` their ids.
 """
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ class ModelPrefix:
     def resume(self, engine, prompt: list[int], have: int) -> int:
         """The prompt ids to keep: `have` (what the engine's own reuse kept), or more when an
         entry holds a longer prefix (restored into the engine, replacing its state)."""
-        e = self.cache.best(self.kv, prompt, engine.max_ctx, engine.prefill_chunk)
-        if e is None or len(e.tokens) <= have:
-            return have
-        return self.cache.resume(self.kv, engine, prompt)     # 0: restore failed, engine reset
+        if have:
+            e = self.cache.best(self.kv, prompt, engine.max_ctx, engine.prefill_chunk)
+            if e is None or len(e.tokens) <= have:
+                return have
+        # the engine holds nothing of the prompt (truncated to 0), or an entry holds more
+        return self.cache.resume(self.kv, engine, prompt)     # 0: a cold start, engine reset
 
     def checkpoint(self, engine) -> None:
         """The engine's prefill reached a chunk boundary from a fresh prefill's state: keep it."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvrun.kernels.codecs import KEY_ONLY, METHODS
 from ..errors import KvrunError
-from ..files import atomic_output
+from ..files import atomic_output, read_regular
 from .key_map import check_key_map
 
 FORMAT = "kvrun-kv-profile"
@@ -161,20 +161,11 @@ def read_profile(path) -> Profile:
     """A profile file: a regular file of at most MAX_PROFILE_BYTES (a FIFO would block the
     open for ever, /dev/zero fill memory), JSON in the kvrun-kv-profile format."""
     path = resolve_profile(path)
-    if path.is_dir():
-        raise KvrunError(f"{path}: is a directory, not a KV profile")
-    if path.exists() and not path.is_file():
-        raise KvrunError(f"{path}: not a regular file, not a KV profile")
+    raw = read_regular(path, MAX_PROFILE_BYTES, "KV profile")
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)
-        if len(raw) > MAX_PROFILE_BYTES:
-            raise KvrunError(f"{path}: larger than {MAX_PROFILE_BYTES >> 20} MiB, not a KV profile")
         d = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvrunError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:                            # unreadable, or removed meanwhile
-        raise KvrunError(f"{path}: cannot read the KV profile ({e.strerror})") from None
     p = parse_profile(d, str(path))
     p.path = str(path)
     return p

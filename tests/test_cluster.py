@@ -3,7 +3,8 @@
 client against the ingress, greedy replies equal to the single-machine server's, a prefix
 computed on one replica restored on the other from the shared tier, corrupt and foreign
 entries refused, the shared tier down (the replicas go on, /metrics says so), and a replica
-killed mid-stream (its stream ends with an error event, the other request finishes).
+killed mid-stream (its stream ends with an error event, the other request finishes), a node
+removed (the service answers on the rest).
 
 One cluster for the module, round-robin routing (so "the other replica" is the next request;
 the prefix-affinity policy is tests/test_cluster_unit.py's), few and short requests."""
@@ -203,6 +204,21 @@ def test_corrupt_and_foreign_entries_are_refused(cluster, single, tmp_path):
     assert got is None or ray.get(got[0]) != good
 
 
+def test_client_gone_frees_the_replicas_slot(cluster):
+    """A client that leaves mid-stream cancels its sequence on the replica (as on one
+    machine): the replica's running count goes back to 0."""
+    url = cluster[0]
+    with client(url).chat.completions.with_streaming_response.create(
+            model=NAME, messages=[{"role": "user", "content": "Tell me about bread."}],
+            max_tokens=CTX - 40, temperature=0, stream=True) as r:
+        replica = r.headers["x-kvrun-replica"]
+        next(iter(r.parse()))
+        assert wait_metric(url, "kvrun_replica_running", lambda v: v == 1, replica=replica) == 1
+    # well before its ~340 tokens could be done
+    assert wait_metric(url, "kvrun_replica_running", lambda v: v == 0, timeout=5,
+                       replica=replica) == 0
+
+
 def test_shared_tier_down_falls_back_to_local_caches(cluster, single):
     url = cluster[0]
     ray.kill(ray.get_actor(STORE_NAME, namespace=NS), no_restart=True)
@@ -246,3 +262,17 @@ def test_replica_killed_mid_stream(cluster):
     assert other.get("text") and other["replica"] != victim
     assert value(metrics(url), "kvrun_cluster_replica_failures_total", stage="mid_stream") >= 1
     ask(client(url), "Still there?", n=2)           # the service goes on
+
+
+def test_node_removed_leaves_the_service_up(cluster):
+    """The worker node (one replica, maybe the ingress or the store) leaves: requests are
+    answered by what is left within a bounded time, none hangs."""
+    url, c, worker = cluster
+    c.remove_node(worker)
+    deadline, answered = time.monotonic() + 90, 0
+    while answered < 2:
+        try:
+            answered += bool(ask(client(url), "Any bread left?", n=2)[0])
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the service did not come back without the node"
+            time.sleep(1)

@@ -59,3 +59,34 @@ def test_a_named_library_that_cannot_load_is_reported(monkeypatch, tmp_path, lib
     monkeypatch.setenv("KVRUN_NATIVE_LIB", path)
     assert native.load() is None
     assert lib in native.error()
+
+
+@needs_gcc
+def test_every_mirrored_struct_has_cs_layout():
+    """The ctypes mirrors (kernels/native/structs.py) against the layout table the build
+    generates from them and compiles against args.h: equal on the default and the portable
+    build, so no argument is read from the wrong offset."""
+    from kvrun.kernels.native.structs import MIRRORS, check_layout
+    assert len(MIRRORS) == 8
+    assert check_layout(native.load()) is None
+    assert check_layout(ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))) is None
+
+
+@needs_gcc
+def test_a_mirror_that_drifts_from_c_is_named(monkeypatch):
+    """A field whose ctypes type no longer matches C (RingArgs.Hkv widened to int64), or a
+    field added on the Python side only: check_layout names what differs."""
+    import ctypes as c
+    from kvrun.kernels.native import structs
+    lib, original = native.load(), structs.MIRRORS
+    fields = list(structs.RingArgs._fields_)
+
+    class Wide(c.Structure):
+        _fields_ = [("Hkv", c.c_int64)] + fields[1:]
+
+    class Longer(c.Structure):
+        _fields_ = fields + [("extra", c.c_void_p)]
+    for cls, what in ((Wide, "RingArgs.Gq"), (Longer, "entries")):
+        mirrors = tuple((cls if m is structs.RingArgs else m, n) for m, n in original)
+        monkeypatch.setattr(structs, "MIRRORS", mirrors)
+        assert what in (structs.check_layout(lib) or ""), what

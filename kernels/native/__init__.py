@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .structs import check_layout, layout_source
+
 # one shared object from every C source here: attention (decode_attention.c, with its integer
 # q.K over KIVI keys in kdot_int.c), the flushes
 # into the compressed tail (pack.c), the dense part of a decoder layer (decode_layer.c) with
@@ -42,9 +44,13 @@ SRCS = [Path(__file__).with_name(n) for n in ("decode_attention.c", "kdot_int.c"
 # ring, the GEMVs' interface, the integer q.K's, the integer ISA choice both share, the codec
 # descriptor the attention reads, what the one-call decode step hands the attention, the
 # codebook groups both codebook readers decode
-HEADERS = [Path(__file__).with_name(n) for n in ("codec_layout.h", "math_inline.h", "rows_inline.h",
+HEADERS = [Path(__file__).with_name(n) for n in ("args.h", "codec_layout.h", "math_inline.h", "rows_inline.h",
                                                  "quant_inline.h", "gemv.h", "kdot_int.h", "int_dot.h",
-                                                 "codec_desc.h", "step_io.h", "codebook_group.h")]
+                                                 "codec_desc.h", "step_io.h", "codebook_group.h",
+                                                 # decode_attention.c's parts (one translation unit)
+                                                 "attn_code_rows.h", "attn_tiles_int.h", "attn_fp_rows.h",
+                                                 "attn_tiles_avx512.h", "attn_tiles_avx2.h",
+                                                 "attn_tail_reads.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-std=gnu11"]
 
@@ -70,7 +76,7 @@ def _remove_stale_builds(d: Path) -> None:
     """Temps of compiles that a signal or a kill interrupted (the `finally` below does not
     run on SIGKILL, nor on SIGTERM in a library that installs no handler)."""
     import time
-    for p in d.glob(TMP_PREFIX + "*.so"):
+    for p in d.glob(TMP_PREFIX + "*"):                # the .so and its generated -layout.c
         try:
             if time.time() - p.stat().st_mtime > STALE_S:
                 p.unlink()
@@ -82,7 +88,8 @@ def _build(extra: tuple = ()) -> Path:
     """Compile (once) and return the shared object's path. `extra` flags make a variant,
     e.g. ("-DKVRUN_NO_AVX512",): the portable tile path the tests also check."""
     cc = _compiler()
-    src = b"".join(p.read_bytes() for p in SRCS + HEADERS)     # a header edit rebuilds too
+    layout = layout_source().encode()                          # structs.py's generated table
+    src = b"".join(p.read_bytes() for p in SRCS + HEADERS) + layout   # a header edit rebuilds too
     flags = FLAGS + list(extra)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(src + ver.encode() + " ".join(flags).encode()).hexdigest()[:16]
@@ -93,14 +100,18 @@ def _build(extra: tuple = ()) -> Path:
     _remove_stale_builds(out.parent)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=".so", dir=out.parent)
     os.close(fd)
+    gen = tmp[:-3] + "-layout.c"
     try:
-        r = subprocess.run([cc, *flags, *map(str, SRCS), "-o", tmp, "-lm"], capture_output=True, text=True)
+        Path(gen).write_bytes(layout)
+        r = subprocess.run([cc, *flags, "-I", str(Path(__file__).parent), *map(str, SRCS), gen,
+                            "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for f in (tmp, gen):
+            if os.path.exists(f):
+                os.unlink(f)
     return out
 
 
@@ -121,6 +132,9 @@ def load():
         import torch                                    # noqa: F401  (loads torch's libgomp first)
         _lib = ctypes.CDLL(os.environ.get("KVRUN_NATIVE_LIB") or str(_build(extra)))
         _lib.kvrun_decode_attention.restype = ctypes.c_int
+        bad = check_layout(_lib)                 # the ctypes mirrors against C's layout
+        if bad:
+            raise OSError(f"argument structs disagree: {bad}")
     except (OSError, subprocess.SubprocessError, FileNotFoundError,
             AttributeError) as e:               # AttributeError: a KVRUN_NATIVE_LIB without our symbols
         _err = str(e).splitlines()[0] if str(e) else type(e).__name__

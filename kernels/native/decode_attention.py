@@ -16,6 +16,7 @@ from ..decode_attention import DEFAULT_BLOCK, DEFAULT_Q_CHUNK, SCORE_LIMIT
 from ..hadamard import k_bias, k_matrix, q_matrix
 from ..table import covers
 from . import load
+from .structs import Args, CodecDesc  # noqa: F401  (the C structs, mirrored in one place)
 
 FP16, BF16, FP32, INT8, KIVI, TADA, CB = range(7)    # codec_desc.h's kinds
 _FP = {torch.float16: FP16, torch.bfloat16: BF16, torch.float32: FP32}
@@ -25,29 +26,6 @@ _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-class CodecDesc(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("kind", "role", "bits", "G", "g", "rank", "k2", "mu_int8")] + [
-        ("x", _p), ("xs", _i64 * 2),
-        ("codes", _p), ("cs", _i64 * 4),
-        ("hi", _p), ("hs", _i64 * 2),
-        ("scale", _p), ("zero", _p), ("ss", _i64 * 3),
-        ("mu", _p), ("mu_scale", _p), ("mus", _i64),
-        ("lr_a", _p), ("as_", _i64 * 2),
-        ("lr_b", _p), ("bs", _i64 * 3),
-        ("oidx", _p), ("oval", _p), ("os", _i64 * 3),
-        ("lv", ctypes.c_float * 16)]
-
-
-class Args(ctypes.Structure):
-    """decode_attention.c's `Args`; qint: KIVI q.K in int32 (decode_attention.c), 0 or 1."""
-    _fields_ = [(n, ctypes.c_int32) for n in ("Hkv", "R", "D", "Tq", "t0", "n_tail", "W", "Tn", "wdtype",
-                                               "ndtype", "qdtype", "mass_lo", "Gq", "nthreads")] + [
-        ("qin", _p), ("qs", _i64 * 2), ("q", _p), ("kw", _p), ("vw", _p), ("kws", _i64 * 2), ("vws", _i64 * 2),
-        ("kn", _p), ("vn", _p), ("kns", _i64 * 2), ("vns", _i64 * 2),
-        ("out", _p), ("sc", _p), ("part", _p), ("mass", _p), ("mass_stride", _i64),
-        ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc)),
-        ("rk", _p), ("rv", _p), ("rq", _p), ("kb", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2),
-        ("qint", ctypes.c_int32)]
 
 
 ATTN_PATHS = ("fp32", "int")       # how the C kernel multiplies KIVI keys (decode_attention)

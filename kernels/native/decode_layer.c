@@ -42,31 +42,9 @@
 #include <omp.h>
 #include "gemv.h"
 #include "step_io.h"
+#include "args.h"         /* the argument structs ctypes mirrors */
 
-typedef struct {
-    int32_t hidden, H, Hkv, D, inter, nthreads;
-    float eps;
-    const float *norm1, *norm2;     /* (hidden,) RMSNorm weights */
-    Weight qkv, o, gate, up, down;
-    /* scratch, (MAXB, ...) float32 each */
-    float *x;                        /* residual stream (B, hidden), in and out */
-    float *xn;                       /* normed input (B, max(hidden, inter)) */
-    float *xsum;                     /* fp32 path: group sums of a GEMV input
-                                      * (B, max(hidden, inter, H D) / 32) */
-    float *qkv_out;                  /* (B, (H + 2 Hkv) D): q, k, v of each row */
-    float *tmp;                      /* (B, hidden) o_proj output */
-    float *h;                        /* (B, inter) SwiGLU output */
-    /* Gemma 3 (NULL / 0 / 1 for Llama) */
-    const float *q_norm, *k_norm;    /* (D,) per-head RMSNorm weights of q and k, before RoPE */
-    const float *attn_out_norm;      /* (hidden,) RMSNorm of o_proj's output before the add */
-    const float *mlp_out_norm;       /* (hidden,) RMSNorm of down's output before the add */
-    int32_t act;                     /* ACT_SILU or ACT_GELU_TANH, of the gate rows */
-    float q_scale;                   /* q multiplied by it after RoPE */
-    /* the integer GEMVs' quantized input: (MAXB, ldq) bytes, ldq >= gi_row_bytes(widest K) */
-    uint8_t *xq;
-    int64_t ldq;
-    int32_t gemv_int;                /* 1: integer GEMVs (gemv_int.c), 0: fp32 (gemv_fp32.c) */
-} Layer;
+/* Layer: one decoder layer's weights and scratch (args.h) */
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
@@ -264,30 +242,7 @@ int kvrun_gemv(const Weight *w, int B, const float *x, int64_t ldx, float *y, ui
 int kvrun_decode_attention_rows(void *const *args, const StepIO *io, int B);   /* decode_attention.c */
 int kvrun_ring_attention_rows(void *const *args, const StepIO *io, int B);     /* ring_attention.c */
 
-/* one row's cache: per layer its prebuilt attention arguments, and this step's lengths
- * (native/decode_step.py RowPlan) */
-typedef struct {
-    void *const *args;               /* (L,) decode_attention.c Args, or ring_attention.c
-                                      * RingArgs where ring[l] */
-    const int32_t *n_tail, *n_win;   /* (L,) arena layers' tail and window tokens before this step */
-    const uint8_t *ring;             /* (L,) 1: a sliding-window ring layer; NULL: none */
-    int32_t ring_slot, ring_n;       /* ring layers: the slot the new token takes, the filled
-                                      * slots it attends (one ring position for all of them) */
-} RowCache;
-
-typedef struct {
-    int32_t n_layers, nthreads;
-    Layer *const *layers;            /* (L,) */
-    const uint8_t *local;            /* (L,) 1: the layer takes cos_local / sin_local */
-    const float *cos, *sin, *cos_local, *sin_local;     /* (MAXB, D) each row's tables */
-    const RowCache *const *rows;     /* (B,) */
-    float *attn;                     /* (MAXB, H D) the rows' attention outputs */
-    float *qs, *sc, *part;           /* attention scratch (step_io.h), one block per row: */
-    int64_t qs_row, sc_row, part_row;   /* floats per row's block of qs, sc, part */
-    const float *norm;               /* (hidden,) the final norm */
-    const Weight *head;              /* lm_head */
-    float *logits;                   /* (MAXB, V) */
-} Step;
+/* RowCache, Step: the one-call step's arguments (args.h) */
 
 /* The decode step of B rows over every layer: per layer kvrun_layer_pre, the rows' attention
  * each on its own cache (an arena layer's new K/V written to its window slot n_win, a ring

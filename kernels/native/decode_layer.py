@@ -30,6 +30,7 @@ import torch
 
 from . import load
 from .gemv_reference import QB
+from .structs import LayerDesc, WeightDesc  # noqa: F401  (the C structs, mirrored in one place)
 
 W_INT4, W_INT8 = 0, 1
 MAX_ROWS = 32                    # gemv.h MAXB
@@ -38,20 +39,6 @@ GEMV_PATHS = {"int": 1, "fp32": 0}      # decode_layer.c Layer.gemv_int
 _p = ctypes.c_void_p
 
 
-class WeightDesc(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
-                ("G", ctypes.c_int32), ("q", _p), ("s", _p), ("m", _p), ("scale", _p), ("bias", _p),
-                ("rp", _p)]
-
-
-class LayerDesc(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("hidden", "H", "Hkv", "D", "inter", "nthreads")] + [
-        ("eps", ctypes.c_float), ("norm1", _p), ("norm2", _p)] + [
-        (n, WeightDesc) for n in ("qkv", "o", "gate", "up", "down")] + [
-        (n, _p) for n in ("x", "xn", "xsum", "qkv_out", "tmp", "h")] + [
-        (n, _p) for n in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
-        ("act", ctypes.c_int32), ("q_scale", ctypes.c_float),
-        ("xq", _p), ("ldq", ctypes.c_int64), ("gemv_int", ctypes.c_int32)]
 
 
 ACTS = {"silu": 0, "gelu_tanh": 1}          # decode_layer.c ACT_*

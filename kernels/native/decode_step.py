@@ -29,25 +29,12 @@ from . import load
 from .decode_attention import MAX_D, TILE, _FP, _descriptors, _splits_max, step_args
 from .decode_layer import MAX_ROWS, LayerDesc, WeightDesc
 from .ring_attention import step_args as ring_step_args
+from .structs import RowCache, StepDesc  # noqa: F401  (the C structs, mirrored in one place)
 
 _p = ctypes.c_void_p
 _i32 = ctypes.c_int32
 
 
-class RowCache(ctypes.Structure):
-    _fields_ = [("args", ctypes.POINTER(_p)), ("n_tail", ctypes.POINTER(_i32)),
-                ("n_win", ctypes.POINTER(_i32)), ("ring", ctypes.POINTER(ctypes.c_uint8)),
-                ("ring_slot", _i32), ("ring_n", _i32)]
-
-
-class StepDesc(ctypes.Structure):
-    _fields_ = [("n_layers", _i32), ("nthreads", _i32),
-                ("layers", ctypes.POINTER(ctypes.POINTER(LayerDesc))), ("local", _p)] + [
-        (n, _p) for n in ("cos", "sin", "cos_local", "sin_local")] + [
-        ("rows", ctypes.POINTER(ctypes.POINTER(RowCache))),
-        ("attn", _p), ("qs", _p), ("sc", _p), ("part", _p),
-        ("qs_row", ctypes.c_int64), ("sc_row", ctypes.c_int64), ("part_row", ctypes.c_int64), ("norm", _p),
-        ("head", ctypes.POINTER(WeightDesc)), ("logits", _p)]
 
 
 def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,

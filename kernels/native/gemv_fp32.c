@@ -99,7 +99,7 @@ static float i8_dot(const Weight *w, int n, const float *x)
 /* Row blocks: weight row n dotted with NB (<= 4) input rows at once. The codes are decoded
  * once per block and used for every row; each row's arithmetic is exactly q4_dot's / i8_dot's
  * (same accumulators, same order), so a row's result does not depend on the batch it is in
- * (runtime/batch.py relies on it: a sequence decodes bit-identically alone or batched). */
+ * (runtime/engine/batch.py relies on it: a sequence decodes bit-identically alone or batched). */
 #define Q4_GROUP(ACC, NB)                                                                   \
     {                                                                                       \
         const __m512 sg = _mm512_set1_ps((float)sp[g]);                                     \

@@ -55,6 +55,7 @@
 #include "quant_inline.h"
 #include "rows_inline.h"    /* f16, MAXD, the rows' dtypes, load_row / store_row, the rotations */
 #include "step_io.h"
+#include "args.h"         /* the argument structs ctypes mirrors */
 #if !defined(KVRUN_NO_AVX512)
 #define HAVE_FAST 1
 #else
@@ -68,29 +69,7 @@ enum { RING_SPLITS = 4 };
 
 int kvrun_ring_splits_max(void) { return RING_SPLITS; }
 
-/* One role's (K or V) ring storage, all sliding layers: codes (L, Hkv, W, D*bits/8) uint8,
- * scale and min (L, Hkv, W, D/group) fp16 — or, for a 16-bit ring, rows (L, Hkv, W, D) of the
- * ring dtype in `codes` (no scale / min). Strides layer, head, slot: cs in bytes, ss in
- * elements. */
-typedef struct {
-    uint8_t *codes; f16 *scale, *min;
-    int64_t cs[3], ss[3];
-} RingStore;
-
-typedef struct {
-    int32_t Hkv, Gq, D, n, slot, layer, bits, group, qdtype, kdtype, vdtype, rdtype, nthreads;
-    const void *q; int64_t qs;         /* (H, D) queries in qdtype (model space), head stride */
-    const void *kn, *vn; int64_t kns, vns;   /* (Hkv, D) new rows (model space), head stride   */
-    RingStore k, v;
-    const float *rk, *rv;              /* (D,) signs of R_k (q and k are rotated by it) and of
-                                        * R_v (v rotated, the output un-rotated), or NULL:
-                                        * R = diag(s) blockdiag(H_n)/sqrt(n), by its butterfly */
-    float *out;                        /* (H, D) fp32, H = Hkv * Gq (head = kv * Gq + g)     */
-    float *qp;                         /* scratch (H, D): q R / sqrt(D), in the working order */
-    float *kx, *vx;                    /* scratch (Hkv, D): the new rows, working order      */
-    float *sc;                         /* scratch (H, n): logits, then probabilities         */
-    float *part;                       /* scratch (RING_SPLITS, H, D): partial outputs       */
-} RingArgs;
+/* RingStore, RingArgs: the step's arguments (args.h) */
 
 /* -- scalar helpers ------------------------------------------------------------------------ */
 

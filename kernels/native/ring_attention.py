@@ -21,6 +21,7 @@ import torch
 
 from . import load
 from ..hadamard import Hadamard
+from .structs import RingArgs, RingStoreDesc  # noqa: F401  (the C structs, mirrored in one place)
 
 _FP = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 MAX_D, MAX_GQ = 256, 16
@@ -29,20 +30,6 @@ _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-class RingStoreDesc(ctypes.Structure):
-    """One role's storage: codes (L, Hkv, W, D*bits/8) uint8, scale / min (L, Hkv, W,
-    D/group) fp16 (a 16-bit ring: rows (L, Hkv, W, D) in `codes`, no scale / min); strides
-    layer, head, slot, of the codes in bytes, of scale and min in elements."""
-    _fields_ = [("codes", _p), ("scale", _p), ("min", _p), ("cs", _i64 * 3), ("ss", _i64 * 3)]
-
-
-class RingArgs(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("Hkv", "Gq", "D", "n", "slot", "layer", "bits",
-                                              "group", "qdtype", "kdtype", "vdtype", "rdtype",
-                                              "nthreads")] + [
-        ("q", _p), ("qs", _i64), ("kn", _p), ("vn", _p), ("kns", _i64), ("vns", _i64),
-        ("k", RingStoreDesc), ("v", RingStoreDesc), ("rk", _p), ("rv", _p), ("out", _p),
-        ("qp", _p), ("kx", _p), ("vx", _p), ("sc", _p), ("part", _p)]
 
 
 def _store(parts) -> RingStoreDesc:

@@ -17,7 +17,7 @@ front of the window — exactly KVArena.append, so a caller can swap this in for
 This module is the Triton kernels' oracle (kernels/triton/fused_compress.py: bit-identical
 packed storage) and the CPU path. Kernels must not import the runtime, so RoPE's cos/sin
 tables come in as arguments; the rotation is HF's rotate-half, computed in x's dtype like
-runtime/rope.apply_rope (x·cos + rotate_half(x)·sin, cos/sin cast to x's dtype).
+kernels/rope.py apply_rope (x·cos + rotate_half(x)·sin, cos/sin cast to x's dtype).
 """
 from __future__ import annotations
 

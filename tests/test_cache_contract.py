@@ -9,6 +9,7 @@ from kvrun.kv.ring import LayeredKVCache
 from tiny import tiny_config
 
 SPECS = ["fp16", "fp32", "kivi-4", "int8", "kivi-4/kivi-2+rot"]
+FUSED = ("kivi-4", "int8", "tada-4")  # the specs kernels/fused_compress.py writes in one op
 CASES = ([(a, s) for a in ("llama", "gemma3") for s in SPECS]
          + [("llama", "tada-4")])             # TaDA needs > 1 KV head: not the tiny Gemma
 
@@ -25,7 +26,18 @@ def test_every_cache_is_a_kvcache(arch, spec):
     assert c.n_layers == cfg.num_layers
     assert inner.lossless == (spec in ("fp16", "fp32")) and c.n_compressed() == 0
     assert max(c.n_tail) == 0 and c.seq_len == 0 and c.max_ctx == 128 and c.can_shift is False
-    assert c.takes_new_kv(0, 1) in (True, False)
+    # the fused-write route: never on native; on torch for the codecs the fused write ops
+    # cover (unrotated kivi, int8, tada: FUSED), for as many tokens as the window has free
+    # slots; a sliding (ring) layer never takes it
+    fused = spec in FUSED
+    for backend in ("native", "torch"):
+        inner.backend = backend
+        j = c.route[cfg.num_layers - 1][1] if arch == "gemma3" else 0       # a full layer
+        full = cfg.num_layers - 1 if arch == "gemma3" else 0
+        assert c.takes_new_kv(full, 1) == (backend == "torch" and fused), backend
+        assert inner.takes_new_kv(j, inner.win_k.shape[2] + 1) is False     # over the free slots
+        if arch == "gemma3":
+            assert c.takes_new_kv(0, 1) is False                             # layer 0 slides
     assert c.bytes_per_token() == sum(c.nbytes().values()) / 128
     lines = c.report()
     assert any("ring:" in ln for ln in lines) == (arch == "gemma3")

@@ -103,7 +103,7 @@ def test_rope_compress_k_half_inputs_and_int8_means(xdt, wdt, method, tada_mu):
 
 
 def test_rope_matches_the_models_rotation():
-    """The kernels' RoPE is runtime/rope.apply_rope (rotate-half) on the same tables."""
+    """The kernels' RoPE is kernels/rope.py apply_rope (rotate-half) on the same tables."""
     from kvrun.kernels.rope import Rope, apply_rope
     rope = Rope(64, 10000.0, None, 128)
     pos = torch.tensor([3, 50, 51, 99])

@@ -1,6 +1,6 @@
 """Gemma 3's decoder layer (text model; Gemma Team, "Gemma 3 Technical Report", 2025).
 
-What differs from the Llama layer in model.py, each as HF's `modeling_gemma3` computes it:
+What differs from the Llama layer in llama.py, each as HF's `modeling_gemma3` computes it:
 
 - RMSNorm scales by (1 + w), in fp32, then casts back (`OffsetRMSNorm`). Weights are stored
   as HF stores them (w, not 1 + w); the GGUF converter subtracts the 1 llama.cpp adds.
@@ -13,8 +13,8 @@ What differs from the Llama layer in model.py, each as HF's `modeling_gemma3` co
   D**-0.5, so q is multiplied by the ratio (exactly 1 for every released size but 27B).
 - GeGLU MLP with the tanh GELU approximation.
 - Layers of two kinds (config.layer_types): sliding-window layers get the local RoPE tables
-  (the model picks them, model.py) and the cache restricts them to their last
-  `sliding_window` tokens (runtime/kv/cache.py); the layer itself does not know its window.
+  (the model picks them, llama.py) and the cache restricts them to their last
+  `sliding_window` tokens (runtime/kv/ring.py); the layer itself does not know its window.
 
 The token embedding is scaled by sqrt(hidden) and logits may be soft-capped: both in
 model.py's `Transformer`, which serves every architecture.

@@ -4,7 +4,7 @@ Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
 writes K/V only through the cache object (`cache.attend`, runtime/kv/contract.py); the
 model does not know which cache it is. A cache that offers the
-fused-write step (`takes_new_kv` / `write_attend`, runtime/kv/cache.py: the arena on
+fused-write step (`takes_new_kv` / `write_attend`, runtime/kv/contract.py: the arena on
 the torch and Triton backends) gets K before RoPE and V's projection operands instead, so
 its fused ops apply RoPE and run the V GEMM while compressing.
 

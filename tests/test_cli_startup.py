@@ -25,8 +25,9 @@ def test_import_kvrun_does_not_load_torch():
 
 
 def test_kvrun_help_does_not_load_torch():
-    body = ("from kvrun.cli.main import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0")
+    body = ("sys.argv = ['kvrun', '--help']\n"            # the console script's own entry
+            "from kvrun.cli.entry import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0")
     assert not _torch_loaded(body)
 
 

@@ -77,18 +77,16 @@ def _reachable(address: str | None, timeout: float = 5.0) -> None:
         raise KvrunError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
-def deploy(cluster: ClusterSpec, rs: ReplicaSpec) -> str:
-    """Deploy the app (module docstring); returns the ingress's base URL (…/v1)."""
+def application(cluster: ClusterSpec, rs: ReplicaSpec):
+    """The bound Serve application (ingress over the replicas), after putting the store and
+    registry actors up (found, not duplicated, when they are there). Needs a connected Ray."""
     check(cluster)
-    connect(cluster.address, rs.namespace)
     ray.remote(PrefixStore).options(
         name=STORE_NAME, namespace=rs.namespace, lifetime="detached", get_if_exists=True,
         max_restarts=-1, num_cpus=0).remote(int(rs.shared_mb * MiB))
     ray.remote(Registry).options(
         name=REGISTRY_NAME, namespace=rs.namespace, lifetime="detached", get_if_exists=True,
         max_restarts=-1, num_cpus=0).remote()
-    serve.start(http_options={"host": cluster.host, "port": cluster.port},
-                proxy_location=cluster.proxy)
     router = RequestRouterConfig(request_router_class=KvrunRouter, request_router_kwargs={
         "policy": cluster.routing, "bound": cluster.load_bound})
     replica = serve.deployment(Replica, name="kvrun-replica", num_replicas=cluster.replicas,
@@ -98,8 +96,46 @@ def deploy(cluster: ClusterSpec, rs: ReplicaSpec) -> str:
                                graceful_shutdown_timeout_s=5)
     ingress = serve.deployment(Ingress, name="kvrun-ingress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
-    serve.run(ingress.bind(replica.bind(rs), rs.max_body, rs.api_key, rs.namespace),
-              name=APP, route_prefix="/", blocking=False)
+    return ingress.bind(replica.bind(rs), rs.max_body, rs.api_key, rs.namespace)
+
+
+def build(args: dict):
+    """Ray Serve's application builder (`import_path: kvrun.cluster.deploy:build` in a Serve
+    config file or a KubeRay RayService; docs/cluster.md): `args` holds ClusterSpec's
+    `replicas`, `replica_cpus`, `routing`, `load_bound` and ReplicaSpec's fields by name;
+    unknown names are an error. Host and port are the Serve config's http_options."""
+    names = {f: "c" for f in ("replicas", "replica_cpus", "routing", "load_bound")}
+    names.update({f: "r" for f in ReplicaSpec.__dataclass_fields__})
+    bad = sorted(set(args) - set(names))
+    if bad:
+        raise KvrunError(f"unknown kvrun app argument {bad[0]!r} (known: {', '.join(sorted(names))})")
+    c = {k: _typed(ClusterSpec, k, v) for k, v in args.items() if names[k] == "c"}
+    r = {k: _typed(ReplicaSpec, k, v) for k, v in args.items() if names[k] == "r"}
+    return application(ClusterSpec(**c), ReplicaSpec(**r))
+
+
+def _typed(cls, name: str, value):
+    """`value` as field `name` of dataclass `cls` wants it: `serve run … key=value` passes
+    strings (a config file's YAML passes typed values, kept as they are)."""
+    if not isinstance(value, str):
+        return value
+    kind = str(cls.__dataclass_fields__[name].type).split(" ")[0]
+    try:
+        if kind in ("int", "float"):
+            return {"int": int, "float": float}[kind](value)
+    except ValueError:
+        raise KvrunError(f"kvrun app argument {name}={value!r}: not a number") from None
+    return tuple(v for v in value.split(",") if v) if kind == "tuple" else value
+
+
+def deploy(cluster: ClusterSpec, rs: ReplicaSpec) -> str:
+    """Deploy the app (module docstring) and serve it on cluster.host:port; returns the
+    ingress's base URL (…/v1)."""
+    check(cluster)
+    connect(cluster.address, rs.namespace)
+    serve.start(http_options={"host": cluster.host, "port": cluster.port},
+                proxy_location=cluster.proxy)
+    serve.run(application(cluster, rs), name=APP, route_prefix="/", blocking=False)
     where = f"[{cluster.host}]" if ":" in cluster.host else cluster.host
     return f"http://{where}:{cluster.port}/v1"
 

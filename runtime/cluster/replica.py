@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from ray import serve
@@ -50,7 +50,6 @@ class ReplicaSpec:
     max_body: int = 4 << 20
     shared_mb: float = 1024.0           # the shared tier's budget (0: no shared tier)
     namespace: str = "kvrun"            # the store actor's namespace
-    extra: dict = field(default_factory=dict)
 
 
 class Replica:

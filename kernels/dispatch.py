@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from .. import knobs
 from . import native
 from .decode_attention import decode_attention as decode_attention_torch
 from .hadamard import rotate_step
@@ -41,7 +42,7 @@ def select(device="cpu") -> str:
     """'triton', 'native' or 'torch' for ops on `device`, honouring KVRUN_BACKEND. Chosen
     once: a cache calls this at construction and passes its answer to every op below
     (`backend=`), so the environment is read when a model or cache is built, not per step."""
-    want = os.environ.get("KVRUN_BACKEND", "").strip().lower()
+    want = knobs.backend()
     if want and want not in BACKENDS:
         raise BackendError(f"KVRUN_BACKEND={want!r}: expected one of {', '.join(BACKENDS)}")
     cuda = torch.device(device).type == "cuda"
@@ -73,7 +74,7 @@ def gemv_path() -> str:
     attention kernels split a cache by its length, not by the threads:
     tests/test_thread_invariance.py). fp32 is the reference the model tests compare with
     the eager forward."""
-    want = os.environ.get("KVRUN_GEMV", "").strip().lower() or "int"
+    want = knobs.gemv() or "int"
     if want not in GEMV_PATHS:
         raise BackendError(f"KVRUN_GEMV={want!r}: expected one of {', '.join(GEMV_PATHS)}")
     return want
@@ -103,7 +104,7 @@ def attn_path() -> str:
     result is the same bits on any thread count. fp32 is the reference the kernel tests
     compare with the dequantized cache. Unset, int where the native build has AVX512-VNNI or
     AVX2 and fp32 in plain C, whose integer loop is slower than its fp32 kernel."""
-    want = os.environ.get("KVRUN_ATTN", "").strip().lower() or _default_attn()
+    want = knobs.attn() or _default_attn()
     if want not in ATTN_PATHS:
         raise BackendError(f"KVRUN_ATTN={want!r}: expected one of {', '.join(ATTN_PATHS)}")
     return want

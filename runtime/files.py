@@ -14,6 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from . import knobs
 from .errors import KvrunError
 
 PRIVATE = 0o600                 # files that hold a user's prompts (sessions, prefix-cache entries)
@@ -228,5 +229,5 @@ def file_sha256(*paths) -> str:
 def kvrun_home(home: str | Path | None = None) -> Path:
     """`home`, else $KVRUN_HOME, else ~/.cache/kvrun."""
     if home is None:
-        home = os.environ.get("KVRUN_HOME") or Path.home() / ".cache" / "kvrun"
+        home = knobs.home()
     return Path(home).expanduser().absolute()

@@ -29,6 +29,8 @@ from collections import deque
 
 import torch
 
+from . import knobs
+
 SAMPLE_S = 0.002            # at most one reading per 2 ms: a tiny model's step is ~1 ms
 HISTORY = 5                 # a transient process (a shell command) moves no decision
 MAX_THREADS = 1024          # -t beyond this overflowed inside torch
@@ -66,7 +68,7 @@ class Governor:
 
     def __init__(self):
         self.cap = available_cpus()
-        self.adapt = os.environ.get("KVRUN_THREADS_ADAPT", "1") != "0"
+        self.adapt = knobs.threads_adapt()
         self.current = None             # the count last given to torch
         self.others: deque[int] = deque(maxlen=HISTORY)
         self.last = 0.0

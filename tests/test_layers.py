@@ -14,6 +14,7 @@ FOLDERS = {"runtime": "kvrun", "kernels": "kvrun.kernels", "convert": "kvrun.con
 
 # lowest first; a module's layer is the first prefix that matches its name
 LAYERS = [
+    ("knobs", ("kvrun.knobs",)),                # the KVRUN_* settings, read by every layer
     ("kernels", ("kvrun.kernels",)),
     ("base", ("kvrun.errors", "kvrun.files", "kvrun.threads", "kvrun.progress")),
     ("kv", ("kvrun.kv",)),

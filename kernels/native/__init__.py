@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ... import knobs
 from .structs import check_layout, layout_source
 
 # one shared object from every C source here: attention (decode_attention.c, with its integer
@@ -60,8 +61,7 @@ _tried = False
 
 
 def cache_dir() -> Path:
-    home = os.environ.get("KVRUN_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "kvrun")
-    return Path(home) / "native"
+    return knobs.home() / "native"
 
 
 def _compiler() -> str:
@@ -121,7 +121,7 @@ def load():
     if _tried:
         return _lib
     _tried = True
-    mode = os.environ.get("KVRUN_NATIVE", "1")
+    mode = knobs.native()
     if mode == "0":
         _err = "disabled by KVRUN_NATIVE=0"
         return None
@@ -130,7 +130,7 @@ def load():
     extra = {"portable": ("-DKVRUN_NO_AVX512",), "clock": ("-DKVRUN_PHASE_CLOCK",)}.get(mode, ())
     try:
         import torch                                    # noqa: F401  (loads torch's libgomp first)
-        _lib = ctypes.CDLL(os.environ.get("KVRUN_NATIVE_LIB") or str(_build(extra)))
+        _lib = ctypes.CDLL(knobs.native_lib() or str(_build(extra)))
         _lib.kvrun_decode_attention.restype = ctypes.c_int
         bad = check_layout(_lib)                 # the ctypes mirrors against C's layout
         if bad:
@@ -139,7 +139,7 @@ def load():
             AttributeError) as e:               # AttributeError: a KVRUN_NATIVE_LIB without our symbols
         _err = str(e).splitlines()[0] if str(e) else type(e).__name__
         _lib = None
-        if os.environ.get("KVRUN_DEBUG"):
+        if knobs.debug():
             print(f"kvrun: native kernels unavailable: {_err}", file=sys.stderr)
     return _lib
 

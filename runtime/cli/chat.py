@@ -12,10 +12,10 @@ line never ends the session.
 from __future__ import annotations
 
 import io
-import os
 import sys
 from pathlib import Path
 
+from .. import knobs
 from ..engine.chat_session import ChatSession
 from ..engine.generate import PromptTooLong
 from ..errors import KvrunError, as_utf8
@@ -61,7 +61,7 @@ def parse_command(line: str) -> tuple[str | None, str | None]:
 
 
 def history_path() -> Path | None:
-    env = os.environ.get("KVRUN_CHAT_HISTORY")
+    env = knobs.chat_history()
     if env is not None:
         return Path(env).expanduser() if env.strip() else None
     return kvrun_home() / "chat_history"

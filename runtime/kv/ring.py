@@ -40,13 +40,10 @@ in the rotated space (hadamard.rotate_step, as the arena's layers) — q is rota
 once per call, the output un-rotated once if V is rotated, never the ring —
 which is exact in full precision (q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a
 channel's large values over all D channels, so each channel group's min/max range fits the
-bulk of its values. Measured on Gemma 3 270M (WikiText-2, one 4096-token window, 4-bit
-rings with fp32 global layers): KLD to the fp16 cache 0.0066 → 0.0039 with K and V
-rotated. K is where it matters (per-token K groups lose the most; kivi-4's KLD 0.0157 →
-0.0102 with ring K and V rotated, 0.0148 with V alone), and K costs two butterflies per
-layer and call (q, k); V's adds two more (v, the output). The arena's K
-rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes (kivi-4+rot
-0.0160).
+bulk of its values; K is where it matters (per-token K groups lose the most: the KLD
+figures, with their commands, are in docs/measurements.md, "Gemma 3 270M"). K costs two
+butterflies per layer and call (q, k); V's adds two more (v, the output). The arena's K
+rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes.
 
 `LayeredKVCache` puts the two kinds behind the one cache interface the model and engine
 use (runtime/kv/contract.py): sliding layers go to the ring, full-attention layers to `inner`

@@ -55,9 +55,9 @@ from .qlinear import Int4Linear, Int8Linear
 
 # Prefill chunks up to this many tokens take the native route (`chunk`), MAX_ROWS rows a
 # pass over the weights; longer chunks the eager forward, whose dense GEMM over layers
-# dequantized once a chunk catches up with more rows (AVX2 EPYC, 2 threads: the native
-# route 1.44x faster at 64 tokens, 1.13x at 128, 0.94x at 256; tools/chunk_speed.py,
-# docs/measurements.md). 64 keeps a margin for CPUs whose GEMM is relatively faster.
+# dequantized once a chunk catches up with more rows (where, by chunk size:
+# docs/measurements.md, tools/chunk_speed.py). 64 keeps a margin for CPUs whose GEMM is
+# relatively faster.
 CHUNK_MAX_ROWS = 2 * MAX_ROWS
 
 

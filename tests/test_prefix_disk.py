@@ -262,3 +262,26 @@ def test_an_oversized_file_is_removed_unread_and_outside_the_lock(m, prompt, tmp
     assert warm == cold and start == 128
     assert held and all(held)                            # the lock was free during each read
     assert "larger" in caplog.text and longest.stat().st_size < 64 << 20  # removed, rewritten
+
+
+def test_a_file_too_big_for_the_requests_cache_is_not_read(m, prompt, tmp_path):
+    """A file that passes the budget but holds more than the receiving cache could take
+    back is skipped unread (with a 1 GiB budget a 1 GiB corrupt entry added 2 GB of RSS to
+    every request that looked it up), and the prefill's own write replaces it."""
+    from kvrun.engine import prefix_disk
+    d = tmp_path / "c"
+    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
+    longest = max(_files(d), key=lambda p: p.stat().st_size)
+    with open(longest, "r+b") as f:
+        f.truncate(512 << 20)                            # sparse
+    s = Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d, cache_disk_mb=4096)
+    reads = []
+    real = prefix_disk.read_session
+    prefix_disk.read_session = lambda p, *a, **k: reads.append(p) or real(p, *a, **k)
+    try:
+        warm, start = _run(s, prompt, 2)
+    finally:
+        prefix_disk.read_session = real
+    assert warm == cold and start == 128
+    assert longest not in reads
+    assert longest.stat().st_size < 64 << 20             # the prefill's write replaced it

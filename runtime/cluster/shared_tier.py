@@ -105,7 +105,7 @@ class SharedTier:
     def paths(self, key: str, ids, ns) -> dict:
         return self.local.paths(key, ids, ns)
 
-    def get(self, path: Path, key: str, ids: tuple) -> "tuple[dict, Snapshot] | None":
+    def get(self, path: Path, key: str, ids: tuple, limit: int | None = None) -> "tuple[dict, Snapshot] | None":
         if not self._usable():
             return None
         try:
@@ -117,8 +117,10 @@ class SharedTier:
         if blob is None:
             self.misses += 1
             return None
+        if limit is not None and len(blob) > limit:     # not for this cache's size: kept
+            return None
         path.write_bytes(blob)
-        got = self.local.get(path, key, ids)     # checked; a refused file is removed, logged
+        got = self.local.get(path, key, ids, limit)   # checked; a refused file is removed, logged
         self._unlink(path)
         with self._lock:
             if got is None:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from ..errors import KvrunError
 from ..kv.snapshot import OtherSize, Snapshot
-from .session import engine_state, kv_record, restore_engine
+from .session import EXTRA_LIMIT, engine_state, kv_record, restore_engine
 
 log = logging.getLogger("kvrun.prefix_cache")
 
@@ -129,9 +129,11 @@ class PrefixCache:
         cache of `max_ctx` tokens; None when there is none."""
         return next(self.candidates(kv, prompt, max_ctx, chunk), None)
 
-    def candidates(self, kv, prompt: list[int], max_ctx: int, chunk: int):
+    def candidates(self, kv, prompt: list[int], max_ctx: int, chunk: int,
+                   limit: int | None = None):
         """The entries `best` may return, longest prefix first, found lazily: one dict
-        lookup per boundary, and a boundary's file (read then) on a RAM miss."""
+        lookup per boundary, and a boundary's file (read then) on a RAM miss; `limit`: the
+        most bytes a file may hold to be read (the receiving cache's, `_file_limit`)."""
         key = kv_key(kv)
         ns = range(min(len(prompt) - 1, max_ctx) // chunk * chunk, 0, -chunk)
         files = self.disk.paths(key, prompt, ns) if self.disk is not None and ns else {}
@@ -145,7 +147,7 @@ class PrefixCache:
                 yield e
                 continue
             if n in files:                          # a RAM miss: this boundary's file
-                got = self.disk.get(files[n], key, ids)
+                got = self.disk.get(files[n], key, ids, limit)
                 if got is not None:
                     state, snap = got
                     e = Entry(key, ids, state, snap, snap.nbytes(), files[n])
@@ -158,7 +160,8 @@ class PrefixCache:
         prompt ids need no prefill (0: a cold start, the engine empty). An entry the cache
         refuses is dropped (module docstring) and the next shorter one tried."""
         kept = 0
-        for e in self.candidates(kv, prompt, engine.max_ctx, engine.prefill_chunk):
+        for e in self.candidates(kv, prompt, engine.max_ctx, engine.prefill_chunk,
+                                 _file_limit(engine)):
             try:
                 restore_engine(engine, e.snap, e.state, engine.model.cfg.vocab_size)
                 kept = engine.reuse_prefix(prompt)
@@ -193,3 +196,9 @@ class PrefixCache:
                   "requests": self.requests, "hits": self.hits,
                   "prompt_tokens": self.queried, "hit_tokens": self.hit_tokens}
         return st if self.disk is None else {**st, **self.disk.stats()}
+
+
+def _file_limit(engine) -> int:
+    """The most bytes an entry file that `engine`'s cache can take back may hold: a snapshot
+    holds a filled part of the cache's allocated tensors, beside a header (session.py)."""
+    return sum(engine.cache.nbytes().values()) + EXTRA_LIMIT

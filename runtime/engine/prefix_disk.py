@@ -42,7 +42,7 @@ from pathlib import Path
 from ..errors import KvrunError
 from ..files import is_stale_temp
 from ..kv.snapshot import Snapshot
-from .session import check_origin, read_session, write_session
+from .session import EXTRA_LIMIT, check_origin, read_session, write_session
 
 log = logging.getLogger("kvrun.prefix_cache")
 NAME = re.compile(r"^[0-9a-f]{64}\.kvpc$")
@@ -95,13 +95,17 @@ class DiskTier:
         return st if stat.S_ISREG(st.st_mode) else None
 
     # -- reading ----------------------------------------------------------------------------------
-    def get(self, path: Path, key: str, ids: tuple):
+    def get(self, path: Path, key: str, ids: tuple, limit: int | None = None):
         """The (state, snapshot) the file `path` holds for `ids` under KV config `key`; None
-        when there is no such file or it fails its checks (then it is removed, logged)."""
+        when there is no such file, it fails its checks (then it is removed, logged), or it
+        holds more than `limit` bytes (the receiving cache could not take it back: kept,
+        unread, for a bigger one)."""
         st = self._regular(path)
         if st is None:
             if path.is_symlink():
                 log.warning("prefix cache: %s is a symlink; ignored", path.name)
+            return None
+        if limit is not None and st.st_size > limit and st.st_size <= self.budget:
             return None
         try:
             header, snap = read_session(path, self.budget, follow=False)
@@ -123,9 +127,11 @@ class DiskTier:
 
     # -- writing ----------------------------------------------------------------------------------
     def put(self, path: Path, key: str, state: dict, snap: Snapshot) -> bool:
-        """Write an entry's file (once: an existing one is only marked used), then keep the
-        bound; returns whether the file is there."""
-        if self._regular(path) is not None:
+        """Write an entry's file (once: an existing one is only marked used, unless it is
+        larger than this entry's file could be: then it is not this entry, and is
+        replaced), then keep the bound; returns whether the file is there."""
+        st = self._regular(path)
+        if st is not None and st.st_size <= snap.nbytes() + EXTRA_LIMIT:
             try:
                 os.utime(path)
                 return True
@@ -133,7 +139,7 @@ class DiskTier:
                 return False
         if snap.nbytes() > self.budget:
             return False
-        if os.path.lexists(path):               # a symlink, FIFO, device or directory
+        if st is None and os.path.lexists(path):    # a symlink, FIFO, device or directory
             log.warning("prefix cache: %s is not a regular file; not replaced", path.name)
             return False
         try:

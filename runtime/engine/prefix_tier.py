@@ -18,9 +18,10 @@ class PrefixTier(Protocol):
         """{n: the name of the entry holding the first n of `ids`} for each n in `ns`, KV
         config `key`; a name whether or not the entry exists."""
 
-    def get(self, name, key: str, ids: tuple) -> "tuple[dict, Snapshot] | None":
+    def get(self, name, key: str, ids: tuple, limit: int | None = None) -> "tuple[dict, Snapshot] | None":
         """(engine state, snapshot) of the entry `name` for `ids` under `key`; None when
-        there is none, it fails its checks (then it is dropped) or the store is away."""
+        there is none, it fails its checks (then it is dropped), it holds more than `limit`
+        bytes (the receiving cache cannot take it: kept, unread) or the store is away."""
 
     def put(self, name, key: str, state: dict, snap: Snapshot) -> bool:
         """Store an entry (an existing one is only marked used); whether it is (or is being)

@@ -2,10 +2,10 @@
 cluster's store actor (store.py), so a prefix one replica computed is restored by any other.
 
 Format and checks are the disk tier's, by construction: each entry goes through a
-prefix_disk.DiskTier in a private scratch directory (tmpfs where there is one). `put` writes
-the session file there and ships its bytes to the store; `get` fetches the bytes, writes them
-there and lets DiskTier.get read and check them (checksum, weights, dtype, KV config, the ids
-the name says) — a blob that fails is logged, refused, and dropped from the store. Names are
+prefix_disk.DiskTier in a private scratch directory. `put` writes the session file there
+and ships its bytes to the store; `get` fetches the bytes, writes them there and lets
+DiskTier.get read and check them (checksum, weights, dtype, KV config, the ids the name
+says) — a blob that fails is logged, refused, and dropped from the store. Names are
 DiskTier.paths' (weights sha256, dtype, KV config, token ids).
 
 Faults: every call to the store has a deadline (`timeout`). A call that fails or times out
@@ -43,9 +43,9 @@ class SharedTier:
     def __init__(self, model: dict, budget: int, namespace: str, name: str = STORE_NAME,
                  timeout: float = 2.0, retry: float = 5.0):
         self.namespace, self.name, self.timeout, self.retry = namespace, name, timeout, retry
-        shm = Path("/dev/shm")
-        self._dir = tempfile.mkdtemp(prefix="kvrun-tier-",
-                                     dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
+        # the system's temporary directory, not /dev/shm: containers often give that 64 MiB,
+        # less than one long fp16 prefix; a file written and read at once stays in page cache
+        self._dir = tempfile.mkdtemp(prefix="kvrun-tier-")
         self.local = DiskTier(self._dir, budget, model)      # the format, the checks
         self.budget = budget
         self.store = None

@@ -108,9 +108,7 @@ async def call_app(app, req: Forward, extra_headers: list = ()):
                 break
     finally:
         gone.set()
-        try:
+        try:        # the app's own errors became its 500 reply (starlette's error middleware)
             await asyncio.wait_for(task, 30)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             task.cancel()
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        raise task.exception()

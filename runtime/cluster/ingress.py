@@ -8,8 +8,9 @@ checks are the replica's app (runtime/cli/server.py) — except two things only 
 - GET /metrics is the cluster's (metrics.py), behind the same API key check
   (server_http.Guard).
 
-Faults: a replica that fails before its reply starts (killed, its node gone) is retried once
-on another replica, as nothing was sent; if that fails too the client gets 503. One that
+Faults: a replica that fails before its reply starts (killed, its node gone) is retried once,
+as nothing was sent (the router no longer offers a replica Ray reports dead); if that fails
+too the client gets 503. One that
 fails mid-stream ends its stream with an OpenAI error event (`data: {"error": …}`), as a
 failed generation does on one machine, and the other requests go on."""
 from __future__ import annotations

@@ -303,6 +303,8 @@ def test_save_never_replaces_a_fifo_or_device(tiny_m, tmp_path):
                 tiny_m.save(p)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["n"]          # no lock file beside a refused path
+    assert not os.path.exists("/dev/.full.lock") and not os.path.exists("/dev/.null.lock")
 
 
 def test_loading_a_fifo_or_dev_zero_fails_at_once(tiny_m, tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import KvrunError
-from ..files import FileLock, sweep_stale_temps
+from ..files import FileLock, check_writable, sweep_stale_temps
 from .generate import StreamEvent, check_ids
 from .sampling import SamplingParams
 from .session import read_session, save_session, session_limit
@@ -99,6 +99,7 @@ class ChatSession:
         """Keep this conversation in the session file `path`: lock it for this session
         (KvrunError when another kvrun holds it), remove the temporary files a killed
         writer left beside it, and continue the conversation it holds when it exists."""
+        check_writable(path)                # a FIFO or device: refused, and no lock file
         lock = FileLock(path, "session")
         try:
             p = Path(path)

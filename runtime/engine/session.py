@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import KvrunError
-from ..files import PRIVATE, FileLock, atomic_output, file_sha256, read_regular
+from ..files import PRIVATE, FileLock, atomic_output, check_writable, file_sha256, read_regular
 from ..kv.snapshot import OtherSize, Snapshot
 from .generate import check_ids
 
@@ -159,6 +159,8 @@ def write_session(path, model: dict, kv: dict, state: dict, snap: Snapshot,
     header = json.dumps({"format": "kvrun-session", "model": model, "kv": kv, "engine": state,
                          "cache": snap.meta, "tensors": table, "extra": extra or {}}).encode()
     h = hashlib.sha256()
+    if lock:
+        check_writable(path)                # a refused path gets no lock file beside it
     held = FileLock(path, "session") if lock else None
     try:
         with atomic_output(path, mode=PRIVATE) as tmp, open(tmp, "wb") as f:

@@ -198,6 +198,7 @@ class DiskTier:
     def remove(self, path: Path, why: str) -> None:
         """Remove the entry file `path` (one of `paths`' names, a regular file) that passed
         `get` but whose tensors its cache refused (`why`), with one log line."""
+        self.hits -= 1                          # get counted it; it restored nothing
         st = self._regular(path)
         if st is not None and NAME.match(path.name):
             log.warning("prefix cache: removing %s: it cannot be restored (%s)", path.name, why)

@@ -137,6 +137,7 @@ def test_too_many_threads_is_one_error(tiny_dir):
 
 def test_an_over_long_text_is_refused_untokenized(tiny, monkeypatch):
     """A 50 MB prompt was tokenized (80 s, 6.5 GB) before the length check refused it."""
+    from kvrun.engine.chat_session import ChatSession
     big = "word " * (tiny.tokenizer.max_text_chars(tiny.ctx) // 5 + 1)
     for name in ("encode", "encode_parts"):
         def no(x, *a, real=getattr(tiny.tokenizer, name), **k):
@@ -145,7 +146,8 @@ def test_an_over_long_text_is_refused_untokenized(tiny, monkeypatch):
         monkeypatch.setattr(tiny.tokenizer, name, no)
     for call in (lambda: tiny.generate(big, 2), lambda: tiny.stream(big, 2),
                  lambda: tiny.chat([{"role": "user", "content": big}], 2),
-                 lambda: tiny.generate_batch(["ok", big], 2)):
+                 lambda: tiny.generate_batch(["ok", big], 2),
+                 lambda: list(ChatSession(tiny).reply(big, 2))):
         with pytest.raises(kvrun.KvrunError, match="prompt too long"):
             call()
 

@@ -81,7 +81,7 @@ class Model:
         check_ids(ids, self.cfg.vocab_size)
         return self.tokenizer.decode(ids)
 
-    def _check_chars(self, n_chars: int) -> None:
+    def check_text_fits(self, n_chars: int) -> None:
         """KvrunError for prompt text of `n_chars` characters that cannot fit the context,
         before it is tokenized."""
         if n_chars > self.tokenizer.max_text_chars(self.ctx):
@@ -92,7 +92,7 @@ class Model:
         """A raw prompt's ids: text is tokenized (after the length check it can take
         untokenized), a list or tuple of ids is taken as is."""
         if isinstance(prompt, str):
-            self._check_chars(len(prompt))
+            self.check_text_fits(len(prompt))
             return self.tokenize(prompt)
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
@@ -139,7 +139,7 @@ class Model:
         text); only the template's markers are control tokens. `stop` and `json_schema` as
         in `stream`."""
         if isinstance(messages, list):
-            self._check_chars(sum(len(m["content"]) for m in messages if isinstance(m, dict)
+            self.check_text_fits(sum(len(m["content"]) for m in messages if isinstance(m, dict)
                                   and isinstance(m.get("content"), str)))
         ids = self.tokenizer.encode_parts(self.template.render_parts(messages))
         return with_stops(self.engine.stream(ids, max_tokens, sampling_params(sampling),

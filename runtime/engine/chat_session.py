@@ -48,6 +48,7 @@ class ChatSession:
 
     def _turn_ids(self, text: str) -> list[int]:
         """The ids of the next turn; the text is a message's: special-token text stays text."""
+        self.m.check_text_fits(len(text) + len(self.system or ""))     # before tokenizing it
         user = {"role": "user", "content": text}
         if not self.ids:
             msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [user]

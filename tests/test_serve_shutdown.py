@@ -20,14 +20,14 @@ pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a te
 from hostile_serving import call, chat, openai_error, start, tiny_m  # noqa: E402
 
 
-def _serve(tiny_dir, host="127.0.0.1"):
+def _serve(tiny_dir, host="127.0.0.1", *extra):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
     p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "serve", "-m", str(tiny_dir),
                           "-t", "1", "-c", "128", "--dtype", "fp32", "--port", str(port),
-                          "--host", host], stderr=subprocess.PIPE, text=True)
+                          "--host", host, *extra], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while True:
         assert p.poll() is None, p.stderr.read()
@@ -183,3 +183,28 @@ def test_a_second_ctrl_c_answers_in_json(tiny_m, monkeypatch):
     assert time.monotonic() - t0 < 3
     openai_error(got["r"][0], got["r"][2], 503)
     stop()
+
+
+def test_a_slow_body_client_does_not_hold_a_real_server(tiny_dir):
+    """The probe's case: --shutdown-timeout 3 and a client sending its body slowly kept
+    `kvrun serve` up 14.1 s and printed a CancelledError traceback."""
+    p, port = _serve(tiny_dir, "127.0.0.1", "--shutdown-timeout", "3")
+    try:
+        body = json.dumps(chat()).encode()
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            c.settimeout(10)
+            reply = c.recv(65536).decode()
+            assert p.wait(30) == 0
+            assert time.monotonic() - t0 < 3 + 1.5
+        assert reply.startswith("HTTP/1.1 503") and "shutting down" in reply, reply
+        err = p.stderr.read()
+        assert "Traceback" not in err and "CancelledError" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

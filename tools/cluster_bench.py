@@ -14,7 +14,9 @@ one. Requests are streamed chat completions, greedy, --max-tokens each; a reques
 to first token is from sending it to its first content chunk. Hit rate is the replicas'
 prompt tokens restored (RAM or shared tier) over prompt tokens looked up, from the
 ingress's /metrics before and after (vLLM's convention). One line per result to stdout,
-and --json FILE for a program.
+and --json FILE for a program. Under round robin it also times one --long-tokens prompt
+cold on one replica and then restored from the shared tier on the other (restore + first
+token against re-prefill). `--shared-mb 0` is the no-shared-tier baseline.
 """
 from __future__ import annotations
 
@@ -87,6 +89,25 @@ def run_load(url: str, model: str, chats: list, concurrency: int, max_tokens: in
             "req_per_s": len(res) / wall, "tok_per_s": sum(r[1] for r in res) / wall}
 
 
+def restore_vs_prefill(url: str, model: str, tokens: int) -> dict:
+    """Time to first token of one long prompt (~`tokens` tokens) cold on one replica, then
+    the same prompt on the next one (round robin), which restores it from the shared tier."""
+    import openai
+    c = openai.OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0)
+    msgs = [{"role": "user", "content": system_prompts(1, tokens, seed=7)[0]}]
+    out = {}
+    for k in ("cold", "restored"):
+        t0 = time.perf_counter()
+        with c.chat.completions.with_streaming_response.create(
+                model=model, messages=msgs, max_tokens=1, temperature=0, stream=True) as r:
+            for ch in r.parse():
+                if ch.choices and (ch.choices[0].delta.content or ch.choices[0].finish_reason):
+                    break           # the first token (not the role chunk that opens a chat)
+            out[k + "_ttft_s"] = time.perf_counter() - t0
+            out[k + "_replica"] = r.headers.get("x-kvrun-replica")
+    return out
+
+
 def bench_routing(args, routing: str, address: str, chats: list) -> dict:
     from kvrun.cluster.deploy import ClusterSpec, deploy, undeploy
     from kvrun.cluster.replica import ReplicaSpec
@@ -100,6 +121,8 @@ def bench_routing(args, routing: str, address: str, chats: list) -> dict:
     base = url[:-3]
     try:
         run_load(url, "bench", chats[:args.replicas], args.replicas, 1)      # warm up the path
+        long = restore_vs_prefill(url, "bench", args.long_tokens) \
+            if routing == "round-robin" and args.long_tokens else {}
         time.sleep(2.5)                                 # the replicas' reports
         before = scrape(base)
         res = run_load(url, "bench", chats, args.concurrency, args.max_tokens)
@@ -109,6 +132,7 @@ def bench_routing(args, routing: str, address: str, chats: list) -> dict:
         undeploy(ns)                                    # the cluster stays for the next policy
     d = {k: after[k] - before[k] for k in after}
     q = d["kvrun_replica_prefix_cache_queries_total"]
+    res.update(long)
     res.update(routing=routing, hit_rate=d["kvrun_replica_prefix_cache_hits_total"] / q if q else 0.0,
                shared_restores=d["kvrun_replica_shared_tier_restores_total"],
                shared_bytes_in=d["kvrun_replica_shared_tier_bytes_in_total"],
@@ -154,7 +178,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("-c", "--ctx", type=int, default=2048)
+    ap.add_argument("--long-tokens", type=int, default=2048,
+                    help="round robin: one prompt this long cold, then restored (0: skip)")
+    ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("-b", "--chunk", type=int, default=256)
     ap.add_argument("-np", "--parallel", type=int, default=4)
     ap.add_argument("-t", "--threads", type=int, default=None)
@@ -163,10 +189,11 @@ def main() -> None:
     ap.add_argument("--shared-mb", type=float, default=1024.0)
     ap.add_argument("--port", type=int, default=18300)
     ap.add_argument("--bytes-only", action="store_true", help="only the bytes per 2048-token prefix")
+    ap.add_argument("--no-bytes", action="store_true", help="skip the bytes per 2048-token prefix")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args()
     results = {"bytes": [], "routing": []}
-    for kv in args.kv.split(","):
+    for kv in [] if args.no_bytes else args.kv.split(","):
         b = prefix_bytes(kv, threads=args.threads)
         results["bytes"].append(b)
         print(f"bytes per 2048-token prefix, kv {b['kv']}: {b['file_bytes']} (file), "
@@ -194,6 +221,10 @@ def main() -> None:
                       f"{r['tok_per_s']:.1f} tok/s  shared restores {r['shared_restores']:.0f} "
                       f"({r['shared_bytes_in'] / 2**20:.1f} MiB in, {r['shared_bytes_out'] / 2**20:.1f} MiB out)",
                       flush=True)
+                if "restored_ttft_s" in r:
+                    print(f"{args.long_tokens}-token prompt: cold TTFT {r['cold_ttft_s'] * 1e3:.0f} ms, "
+                          f"restored from the shared tier on the other replica "
+                          f"{r['restored_ttft_s'] * 1e3:.0f} ms", flush=True)
         finally:
             from ray import serve
             serve.shutdown()

@@ -177,14 +177,14 @@ def read_regular(path, limit: int, what: str = "file", follow: bool = True) -> b
 
 class FileLock:
     """An exclusive lock on `path` for this process: a flock on the hidden file
-    `.<name>.lock` beside it (the file itself is replaced by renames, so it cannot hold a
-    lock). A second holder, in this process or another, gets a KvrunError at once instead
+    `.<name>.lock` beside it, or beside the file a symlink at `path` names (the file itself
+    is replaced by renames, so it cannot hold a lock). A second holder, in this process or another, gets a KvrunError at once instead
     of waiting; the lock ends with `release()` or with the process. The lock file stays (a
     lock file removed while another process opens it would let two hold it)."""
 
     def __init__(self, path, what: str = "file"):
-        p = Path(path)
-        lock = (p.parent if str(p.parent) else Path(".")) / f".{p.name}.lock"
+        p = Path(os.path.realpath(path))         # two symlinks to one file: one lock
+        lock = p.parent / f".{p.name}.lock"
         try:
             self.fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, PRIVATE)
         except OSError as e:

@@ -198,5 +198,9 @@ def test_lock_refuses_a_second_holder(tmp_path):
                             "except KvrunError as e: print(e); sys.exit(3)", str(f)],
                            capture_output=True, text=True)
     assert other.returncode == 3 and "in use" in other.stdout
+    link = tmp_path / "link.kvs"
+    link.symlink_to(f)
+    with pytest.raises(KvrunError, match="in use"):     # the same file by another name
+        FileLock(link)
     lock.release()
     FileLock(f).release()

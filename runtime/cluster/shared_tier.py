@@ -154,6 +154,15 @@ class SharedTier:
         if self._usable():
             self.store.drop.remote(path.name)
 
+    def remove(self, path: Path, why: str) -> None:
+        """Drop from the store an entry `get` returned whose tensors the cache refused."""
+        log.warning("shared prefix tier: dropping %s: %s", path.name, why)
+        with self._lock:
+            self.hits -= 1                      # get counted it; it restored nothing
+            self.refused += 1
+        if self._usable():
+            self.store.drop.remote(path.name)
+
     def _unlink(self, p: Path) -> None:
         try:
             os.unlink(p)

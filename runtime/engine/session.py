@@ -42,6 +42,7 @@ import torch
 
 from ..errors import KvrunError
 from ..files import PRIVATE, FileLock, atomic_output, check_writable, file_sha256, read_regular
+from ..kv.build import kv_bytes_at
 from ..kv.snapshot import OtherSize, Snapshot
 from .generate import check_ids
 
@@ -179,9 +180,12 @@ def write_session(path, model: dict, kv: dict, state: dict, snap: Snapshot,
 
 
 def session_limit(m) -> int:
-    """The most bytes a session file `m` can load may hold: its cache's allocated bytes (a
-    snapshot holds the filled part of them) and a header of EXTRA_LIMIT."""
-    return sum(m.cache.nbytes().values()) + EXTRA_LIMIT
+    """The most bytes a session file `m` can load may hold: a cache of its KV config at the
+    larger of its context and the model's trained one (a snapshot holds a filled part of a
+    cache's tensors; a file from a longer -c is then refused by its header, saying so),
+    and a header of EXTRA_LIMIT."""
+    n = max(m.ctx, m.cfg.max_position)
+    return sum(kv_bytes_at(m.cfg, m.cache.kv, n).values()) + EXTRA_LIMIT
 
 
 def read_session(path, limit: int, follow: bool = True) -> tuple[dict, Snapshot]:

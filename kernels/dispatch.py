@@ -9,8 +9,9 @@ first imported); without it, forcing triton on CPU is an error rather than a sil
 fallback. The Triton module is imported lazily, so the torch path never needs triton.
 `gemv_path()` reads `KVRUN_GEMV=fp32|int` the same way, once, when a model's native decode
 step is built: its GEMVs on int16-quantized inputs (the default) or in fp32 (the reference).
-`attn_path()` reads `KVRUN_ATTN=fp32|int` for the native attention ops below, per call (the
-arena's one-token step keeps its choice while it is the same): KIVI keys' q.K in int32 over
+`attn_path()` reads `KVRUN_ATTN=fp32|int` for the native attention ops below the same way:
+once, when a cache is built (the cache passes its `attn` to every op, as its backend; an op
+called without one reads it then): KIVI keys' q.K in int32 over
 int16-quantized queries, a KIVI V's p.V with its scales folded into the weights (the
 default), or both in fp32 as the codes dequantize (the reference).
 
@@ -125,14 +126,16 @@ def _triton(required: bool = True):
     return tri
 
 
-def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, backend=None, **kw):
-    """kernels.decode_attention on `backend` (None: backend_for(q)); same arguments and result."""
+def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, backend=None,
+                     attn=None, **kw):
+    """kernels.decode_attention on `backend` (None: backend_for(q)); same arguments and
+    result. attn: the native kernel's product path (None: attn_path())."""
     extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk", "mass", "mass_from")}
     be = backend or backend_for(q)
     if be == "native":
         from .native.decode_attention import decode_attention as decode_attention_native
         out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
-                                      attn=attn_path(), **kw)
+                                      attn=attn or attn_path(), **kw)
         if out is not None:                 # None: a request the C kernel does not cover
             return out
     if be == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
@@ -144,7 +147,7 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, back
 
 
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                  rot_k=None, rot_v=None, backend=None, **kw):
+                  rot_k=None, rot_v=None, backend=None, attn=None, **kw):
     """The arena's decode step as one op where the backend has it fused (native CPU:
     rotate + round + window append + attention, kernels/native/decode_attention.py
     `attend_append`); None elsewhere, and the caller runs the steps one by one."""
@@ -152,34 +155,35 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
         return None
     from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                 rot_k, rot_v, attn=attn_path(), **kw)
+                 rot_k, rot_v, attn=attn or attn_path(), **kw)
 
 
-def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None):
+def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None, attn=None):
     """`attend_append` for one token of one arena layer with its arguments built once, a
     callable (q, k_tail, v_tail, n_tail, w, k, v) -> o or None (native CPU:
     kernels/native/decode_attention.py `FusedStep`); None on the other backends."""
     if (backend or backend_for(win_k)) != "native" or native.load() is None:
         return None
     from .native.decode_attention import fused_step as native_fused_step
-    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn_path())
+    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn or attn_path())
 
 
-def step_row(H: int, group: int, layers: list, backend=None, ring: tuple | None = None):
+def step_row(H: int, group: int, layers: list, backend=None, ring: tuple | None = None,
+             attn=None):
     """A cache's layers as one row of the one-call decode step (native CPU:
     kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
     step of a layer would not be a native kernel call. group: the tail grows by multiples
     of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
     (Hkv, cap, D), as `fused_step` takes them — or None for a sliding ring layer, the j-th
     None being ring layer j of `ring` = (k_parts, v_parts, D, bits, group, dtype, rot_k,
-    rot_v), as `ring_step` takes them. The kernel's q.K path is attn_path()'s now: the
-    caller rebuilds the row when that changes."""
+    rot_v), as `ring_step` takes them. attn: the kernel's product path (None: attn_path());
+    the caller rebuilds the row when its own changes."""
     if backend is None:
         backend = backend_for(next(x[2] for x in layers if x is not None))
     if backend != "native" or native.load() is None:
         return None
     from .native.decode_step import row_plan
-    return row_plan(H, group, layers, attn_path(), ring)
+    return row_plan(H, group, layers, attn or attn_path(), ring)
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k=None,

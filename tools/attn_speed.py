@@ -50,7 +50,7 @@ def step(cache, cfg, q, k, general=False, attn=None, clock=time.perf_counter):
     if general:                             # the arena's one-token route off: attend_append
         arena_mod.fused_step = lambda *a, **kw: None
     if attn:
-        os.environ["KVRUN_ATTN"] = attn
+        cache.attn = attn                   # the arena's product path (read from KVRUN_ATTN when built)
     t0 = clock()
     for l in range(cfg.num_layers):
         cache.attend(l, q, k, k)

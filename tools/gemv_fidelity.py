@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import sys
 import time
 
@@ -59,8 +58,9 @@ def compare(model, wins: list[list[int]], kv: str, progress=None, switch: str = 
     steps = {p: NativeDecodeStep(T, gemv=p if switch == "gemv" else gemv) for p in PATHS}
 
     def run(p, x, c):
-        if switch == "attn":              # read by kernels/dispatch.py per attention call
-            os.environ["KVRUN_ATTN"] = p
+        if switch == "attn":              # each path's caches step on its own product path
+            for ci in c:
+                ci.attn = p
         return steps[p].rows(x, c)
 
     ctx, B = len(wins[0]), len(wins)

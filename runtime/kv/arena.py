@@ -46,8 +46,8 @@ import torch
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
-from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step, pack,  # per backend
-                                 rope_compress_k, select, vproj_compress)
+from kvrun.kernels.dispatch import (attend_append, attn_path, decode_attention, fused_step,  # per backend
+                                 pack, rope_compress_k, select, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
 from kvrun.kernels.hadamard import (KeyMap, random_signs, rotate, rotate_k, rotate_step, rotation_matrix,
                                     unrotate, unrotate_k)
@@ -117,6 +117,9 @@ class KVArena(KVCache):
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.backend = select(device)         # every kernel call below runs on it
+        # the native attention's product path (KVRUN_ATTN), read once here like the backend;
+        # every kernel call below passes it (a tool comparing paths sets it on the cache)
+        self.attn = attn_path() if self.backend == "native" else "fp32"
         # Hadamard rotation: K and/or V are stored as x @ R; the read
         # path rotates q once and un-rotates the attention output once, never the cache.
         signs = random_signs(head_dim, kv.rotation.seed) if kv.rotation.seed is not None else None
@@ -173,7 +176,8 @@ class KVArena(KVCache):
         mass, mass_from = self.ev.mass_buffer(layer, T) if self.ev else (None, 0)
         kt, vt = (self.k_codecs[layer], self.k_store[layer]), (self.v_codecs[layer], self.v_store[layer])
         if T == 1 and self.ev is None and w < self.win_k.shape[2]:     # a decode step
-            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend=self.backend)
+            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend=self.backend,
+                              attn=self.attn)
             o = step(q, kt, vt, nt, w, k, v) if step is not None else None
             if o is not None:
                 self.n_win[layer] = w + 1
@@ -183,7 +187,7 @@ class KVArena(KVCache):
         if w + T <= self.win_k.shape[2] and (self.ev is None or rk is None and rv is None):
             o = attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                               k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
-                              rk, rv, backend=self.backend, mass=mass, mass_from=mass_from)
+                              rk, rv, backend=self.backend, attn=self.attn, mass=mass, mass_from=mass_from)
             if o is not None:
                 if self.ev:
                     self.ev.observe(layer, mass, T)
@@ -194,7 +198,7 @@ class KVArena(KVCache):
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
         o = decode_attention(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
-                             backend=self.backend)
+                             backend=self.backend, attn=self.attn)
         if self.ev:
             self.ev.observe(layer, mass, T)
         self.append(layer, k[0], v[0])
@@ -230,7 +234,7 @@ class KVArena(KVCache):
         # the new tokens are the window's last T, apart for the causal mask between them
         o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
                              wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block,
-                             backend=self.backend)
+                             backend=self.backend, attn=self.attn)
         self._flush(layer)
         return o
 

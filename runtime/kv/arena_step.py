@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-from kvrun.kernels.dispatch import attn_path, step_row
+from kvrun.kernels.dispatch import step_row
 from kvrun.kernels.fused_compress import flush_count
 
 # cache -> ((H, attention path), RowPlan or None); outside the cache so a copy (deepcopy,
@@ -21,10 +21,10 @@ from kvrun.kernels.fused_compress import flush_count
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def cached_plan(cache, H: int, build):
+def cached_plan(cache, H: int, build, attn: str):
     """The cache's RowPlan (or None) from `build(cache, H)`, built again only when H or the
-    attention path `attend` takes this step changed (layered_step.py's rows use it too)."""
-    key = (H, attn_path())
+    cache's attention path `attn` (KVArena.attn) changed (layered_step.py's rows use it too)."""
+    key = (H, attn)
     hit = _PLANS.get(cache)
     if hit is None or hit[0] != key:
         hit = _PLANS[cache] = (key, build(cache, H))
@@ -33,7 +33,7 @@ def cached_plan(cache, H: int, build):
 
 def native_row(arena, H: int):
     """The arena's RowPlan with this step's lengths, or None (the module docstring)."""
-    plan = cached_plan(arena, H, _build)
+    plan = cached_plan(arena, H, _build, arena.attn)
     if plan is None or window_full(arena):
         return None
     return plan.lengths(arena.n_tail, arena.n_win)
@@ -42,7 +42,7 @@ def native_row(arena, H: int):
 def _build(arena, H: int):
     if arena.ev is not None:
         return None
-    return step_row(H, arena.G, layer_inputs(arena), backend=arena.backend)
+    return step_row(H, arena.G, layer_inputs(arena), backend=arena.backend, attn=arena.attn)
 
 
 def layer_inputs(arena) -> list:

@@ -20,7 +20,8 @@ from . import arena_step
 
 def native_row(cache, H: int):
     """The cache's RowPlan with this step's lengths, or None (the module docstring)."""
-    plan, arena, ring = arena_step.cached_plan(cache, H, _build), cache.inner, cache.ring
+    plan = arena_step.cached_plan(cache, H, _build, cache.inner.attn)
+    arena, ring = cache.inner, cache.ring
     if plan is None or arena_step.window_full(arena):
         return None
     n_tail, n_win = [0] * cache.n_layers, [0] * cache.n_layers
@@ -39,7 +40,7 @@ def _build(cache, H: int):
         layers[i] = x
     spec = (ring.k.parts, ring.v.parts, ring.head_dim, ring.bits, ring.k.group, ring.dtype,
             ring.rot_k, ring.rot_v)
-    return step_row(H, arena.G, layers, backend=arena.backend, ring=spec)
+    return step_row(H, arena.G, layers, backend=arena.backend, ring=spec, attn=arena.attn)
 
 
 def stepped(cache) -> None:

@@ -293,6 +293,15 @@ class LayeredKVCache(KVCache):
     def write_attend(self, layer: int, q, new):
         return self.inner.write_attend(self.route[layer][1], q, new)
 
+    @property
+    def attn(self) -> str:
+        """The native attention's product path of the full layers (KVArena.attn)."""
+        return self.inner.attn
+
+    @attn.setter
+    def attn(self, path: str) -> None:
+        self.inner.attn = path
+
     native_row = layered_step.native_row           # the one-call native step (contract.py)
     native_stepped = layered_step.stepped
 

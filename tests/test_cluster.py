@@ -6,8 +6,9 @@ entries refused, the shared tier down (the replicas go on, /metrics says so), an
 killed mid-stream (its stream ends with an error event, the other request finishes), a node
 removed (the service answers on the rest).
 
-One cluster for the module, round-robin routing (so "the other replica" is the next request;
-the prefix-affinity policy is tests/test_cluster_unit.py's), few and short requests."""
+One cluster for the module, round-robin routing (so "the other replica" is the next request)
+until one test redeploys it with prefix routing and checks affinity and the load bound
+(the policy's cases are tests/test_cluster_unit.py's); few and short requests."""
 from __future__ import annotations
 
 import json
@@ -262,6 +263,33 @@ def test_replica_killed_mid_stream(cluster):
     assert other.get("text") and other["replica"] != victim
     assert value(metrics(url), "kvrun_cluster_replica_failures_total", stage="mid_stream") >= 1
     ask(client(url), "Still there?", n=2)           # the service goes on
+
+
+def test_prefix_routing_and_its_load_bound(cluster):
+    """Redeployed with --routing prefix --load-bound 0: a prompt goes back to the replica
+    that computed its prefix; while that one is busy, the next goes to the other (spill)."""
+    from ray import serve
+    url = cluster[0]
+    serve.delete("kvrun")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    deploy(ClusterSpec(address=cluster[1].address, replicas=2, port=port, routing="prefix",
+                       load_bound=0),
+           ReplicaSpec(ctx=CTX, parallel=2, chunk=CHUNK, threads=1, cache_ram=8, shared_mb=64,
+                       alias=NAME, namespace=NS))
+    q = "Which crust is crispest? " + "Our ovens run hot and our loaves rest overnight. " * 6
+    served_by = {ask(client(url), q, n=2)[1] for _ in range(3)}
+    assert len(served_by) == 1                      # affinity: the same replica each time
+    owner = served_by.pop()
+    text = metrics(url)
+    assert value(text, "kvrun_cluster_route_decisions_total", kind="affinity") >= 2
+    with client(url).chat.completions.with_streaming_response.create(
+            model=NAME, messages=[{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": q}],
+            max_tokens=CTX // 2, temperature=0, stream=True) as r:
+        assert r.headers["x-kvrun-replica"] == owner
+        next(iter(r.parse()))                       # in flight on the owner: over bound 0
+        assert ask(client(url), q, n=2)[1] != owner
+    assert value(metrics(url), "kvrun_cluster_route_decisions_total", kind="spill") >= 1
 
 
 def test_node_removed_leaves_the_service_up(cluster):

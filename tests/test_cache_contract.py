@@ -75,3 +75,25 @@ def test_all_rows_gives_back_what_ingest_took(spec):
         assert torch.equal(gk[layer, :, n - held:].float(), k[layer, :, n - held:])
         assert torch.equal(gv[layer, :, n - held:].float(), v[layer, :, n - held:])
         assert not gk[layer, :, :n - held].any()
+
+
+@pytest.mark.parametrize("policy", ["error", "shift"])
+def test_context_shift_is_part_of_the_contract(policy):
+    """shift_keep / shift_plan / shift are declared by KVCache (the engine calls them): a
+    cache that cannot shift says so in one line; one that can keeps --keep rounded to a
+    tail block, drops half of the rest, and counts the dropped tokens."""
+    cfg = tiny_config()
+    c = make_cache(cfg, 128, parse_kv("fp16", residual=32, group=32, ctx_policy=policy, n_keep=4))
+    assert c.can_shift == (policy == "shift")
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(cfg.num_layers, cfg.num_kv_heads, 100, cfg.head_dim, generator=g).half()
+            for _ in range(2))
+    c.ingest(k, v)
+    if policy == "error":
+        assert KVCache.shift_keep(c) == 0
+        with pytest.raises(NotImplementedError, match="cannot shift"):
+            KVCache.shift(c)
+        return
+    a, nd = c.shift_plan()
+    assert (a, nd) == (32, (100 - 32) // 2) and c.shift_keep() == 32
+    assert c.shift() == nd and c.seq_len == 100 - nd

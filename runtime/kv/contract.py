@@ -149,3 +149,18 @@ class KVCache(ABC):
     def report(self) -> list[str]:
         """Lines `/kv` adds about this cache's structure (rings, eviction)."""
         return []
+
+    # -- context shift (llama.cpp's): only a cache whose `can_shift` is True does it ----------
+    def shift_keep(self) -> int:
+        """The most tokens a shift keeps at the start (the engine's room for a prompt is
+        max_ctx less this); a cache that cannot shift keeps nothing it could shift."""
+        return 0
+
+    def shift_plan(self) -> tuple[int, int]:
+        """(a, nd) of the next shift: keep tokens [0, a), drop [a, a + nd), keep the rest at
+        positions moved down by nd (the engine moves its token ids the same way)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shift its context")
+
+    def shift(self) -> int:
+        """Do the shift `shift_plan` describes; returns the number of tokens dropped."""
+        raise NotImplementedError(f"{type(self).__name__} cannot shift its context")

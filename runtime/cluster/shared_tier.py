@@ -149,12 +149,6 @@ class SharedTier:
         return True
 
     def remove(self, path: Path, why: str) -> None:
-        """PrefixTier.remove: an entry `get` returned whose tensors the cache refused."""
-        log.warning("shared prefix tier: dropping %s: it cannot be restored (%s)", path.name, why)
-        if self._usable():
-            self.store.drop.remote(path.name)
-
-    def remove(self, path: Path, why: str) -> None:
         """Drop from the store an entry `get` returned whose tensors the cache refused."""
         log.warning("shared prefix tier: dropping %s: %s", path.name, why)
         with self._lock:

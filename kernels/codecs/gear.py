@@ -51,7 +51,8 @@ class GearCodec(KiviCodec):
         self.method = ("gear" if sparsity else "gear-l") + f"-{bits}"
         self._B0: dict[int, torch.Tensor] = {}
 
-    def _k(self, D):
+    def outliers_per_row(self, D: int) -> int:
+        """Outliers kept per side of one row (a token block of G for K, a row of D for V)."""
         length = self.G if self.role == "k" else D
         return outliers_per_side(self.sparsity, length)
 
@@ -61,7 +62,7 @@ class GearCodec(KiviCodec):
         sl += [Slot("lr_a", "lowrank", (Hkv, S, r), torch.float16, 1, 1),
                Slot("lr_b", "lowrank", (Hkv, S // G, D, r), torch.float16, 1, G)]
         if self.sparsity:
-            k2 = 2 * self._k(D)
+            k2 = 2 * self.outliers_per_row(D)
             if self.role == "k":                                         # per (block, channel)
                 shp, unit = (Hkv, S // G, D, k2), G
             else:                                                        # per token
@@ -80,7 +81,7 @@ class GearCodec(KiviCodec):
         nb, b0 = n // G, s0 // G
         sparse = torch.zeros_like(x)
         if self.sparsity:
-            k = self._k(D)
+            k = self.outliers_per_row(D)
             if self.role == "k":
                 xv = x.view(Hkv, nb, G, D)
                 hi = xv.topk(k, dim=2).indices

@@ -148,8 +148,8 @@ class LayerPlan:
         L.ldq = scratch.xq.stride(0)
         L.gemv_int = GEMV_PATHS[gemv]
         self.scratch = scratch
-        self._lib = load()
-        assert self._lib is not None, "the native kernels did not build"
+        self.lib = load()
+        assert self.lib is not None, "the native kernels did not build"
 
     def pre(self, B: int, nthreads: int, local: bool = False) -> None:
         """scratch.x (B, hidden) -> scratch.qkv (B, (H + 2 Hkv) D), q and k roped with
@@ -157,21 +157,21 @@ class LayerPlan:
         self.desc.nthreads = nthreads
         s = self.scratch
         cos, sin = (s.cos_local, s.sin_local) if local else (s.cos, s.sin)
-        rc = self._lib.kvrun_layer_pre(ctypes.byref(self.desc), B, _p(_ptr(cos)), _p(_ptr(sin)))
+        rc = self.lib.kvrun_layer_pre(ctypes.byref(self.desc), B, _p(_ptr(cos)), _p(_ptr(sin)))
         assert rc == 0, rc
 
     def post(self, B: int, attn: torch.Tensor, nthreads: int) -> None:
         """attn (B, H D) float32 rows (row stride attn.stride(0)) -> scratch.x updated."""
         assert attn.dtype == torch.float32 and attn.stride(1) == 1, (attn.dtype, attn.stride())
         self.desc.nthreads = nthreads
-        rc = self._lib.kvrun_layer_post(ctypes.byref(self.desc), B, _p(_ptr(attn)),
+        rc = self.lib.kvrun_layer_post(ctypes.byref(self.desc), B, _p(_ptr(attn)),
                                         ctypes.c_int64(attn.stride(0)))
         assert rc == 0, rc
 
     def logits(self, B: int, norm: torch.Tensor, head: WeightDesc, nthreads: int) -> torch.Tensor:
         """(B, V) float32 = lm_head(RMSNorm(scratch.x)), a view of the scratch buffer."""
         self.desc.nthreads = nthreads
-        rc = self._lib.kvrun_logits(ctypes.byref(self.desc), B, _p(_ptr(norm)), ctypes.byref(head),
+        rc = self.lib.kvrun_logits(ctypes.byref(self.desc), B, _p(_ptr(norm)), ctypes.byref(head),
                                     _p(_ptr(self.scratch.logits)))
         assert rc == 0, rc
         return self.scratch.logits[:B, :head.N]

@@ -140,7 +140,7 @@ class DecodeStep:
         st.rows, st.attn, st.qs, st.part = self.rows, self.attn.data_ptr(), self.qs.data_ptr(), self.part.data_ptr()
         st.qs_row, st.part_row = self.qs.shape[1], self.part.shape[1]
         st.norm, st.head, st.logits = norm.data_ptr(), ctypes.pointer(head), s.logits.data_ptr()
-        self.lib = plans[0]._lib                # the build the layer plans call
+        self.lib = plans[0].lib                # the build the layer plans call
 
     def __call__(self, rows: list, nthreads: int) -> torch.Tensor:
         """rows: B RowPlans, lengths set. Reads scratch.x, cos / sin (B rows, set by the

@@ -296,7 +296,7 @@ def _codec_args(codec, st: dict, D: int):
     bits = 8 if kind == INT8 else codec.bits
     mu8 = kind == TADA and codec.mu == "int8"
     rank = codec.rank if kind == GEAR else 0
-    k2 = 2 * codec._k(D) if kind == GEAR and codec.sparsity else 0
+    k2 = 2 * codec.outliers_per_row(D) if kind == GEAR and codec.sparsity else 0
     return [x, sc, zp, mu, mus, la, lb, oi, ov], ints, (kind, bits, mu8, rank, k2)
 
 

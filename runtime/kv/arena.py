@@ -181,7 +181,7 @@ class KVArena(KVCache):
             o = step(q, kt, vt, nt, w, k, v) if step is not None else None
             if o is not None:
                 self.n_win[layer] = w + 1
-                self._flush(layer)
+                self.flush(layer)
                 return o
         # fits: the fused op (evicting layers not rotated: their rows stay torch's rotation)
         if w + T <= self.win_k.shape[2] and (self.ev is None or rk is None and rv is None):
@@ -192,7 +192,7 @@ class KVArena(KVCache):
                 if self.ev:
                     self.ev.observe(layer, mass, T)
                 self.n_win[layer] = w + T
-                self._flush(layer)
+                self.flush(layer)
                 return o
         q, k, v = rotate_step(q, k, v, rk, rv)    # q·k = (qR)·(kR), P·V = (P·(VR))·Rᵀ
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
@@ -235,7 +235,7 @@ class KVArena(KVCache):
         o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
                              wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block,
                              backend=self.backend, attn=self.attn)
-        self._flush(layer)
+        self.flush(layer)
         return o
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -379,12 +379,12 @@ class KVArena(KVCache):
             self.win_k[l, :, w:w + T] = k
             self.win_v[l, :, w:w + T] = v
             self.n_win[l] = w + T
-            return self._flush(l)
+            return self.flush(l)
         seq_k = torch.cat([self.win_k[l, :, :w], k], 1)                 # (Hkv, w+T, D), transient
         seq_v = torch.cat([self.win_v[l, :, :w], v], 1)
         self._pack(l, seq_k, seq_v, flush_count(w, T, self.R, self.G))
 
-    def _flush(self, l: int) -> None:
+    def flush(self, l: int) -> None:
         """Pack the oldest whole G-blocks of layer l's window until it holds R .. R+G-1."""
         f = flush_count(self.n_win[l], 0, self.R, self.G)
         if f:

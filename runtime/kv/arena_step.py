@@ -63,4 +63,4 @@ def stepped(arena) -> None:
     for l in range(arena.L):
         nw[l] += 1
         if flush_count(nw[l], 0, R, G):
-            arena._flush(l)
+            arena.flush(l)

@@ -6,8 +6,8 @@ weights, dropping what kvrun does not load (rotary `inv_freq` buffers, a tied `l
 and copying tokenizer.json. Chat template, BOS/EOS and the BOS policy come from
 tokenizer_config.json / chat_template.jinja / generation_config.json when present.
 
-Sliding-window attention (Mistral v0.1's `sliding_window`, Qwen2's `use_sliding_window`) is
-ignored, as llama.cpp does: kvrun attends over the whole context.
+What differs per family (its architecture, its config quirks, tensor fix-ups such as
+Phi-3's fused projections) is in hf_families.py; this module is what they share.
 """
 from __future__ import annotations
 
@@ -21,14 +21,11 @@ from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.files import file_sha256
 
+from .hf_families import FAMILIES, MODEL_TYPES, Family
 from .quantize import check_weight_format, describe, is_quantized, quantize, target_format
 from .templates import chat_stop_tokens, detect_chat_template
 from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
                      validate_tensors, write_model_dir)
-
-_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
 
 def _read_json(path: Path, required: bool = True) -> dict | None:
     if not path.is_file():
@@ -44,22 +41,24 @@ def _read_json(path: Path, required: bool = True) -> dict | None:
     return d
 
 
-def _architecture(hf: dict) -> str:
+def _family(hf: dict) -> Family:
     if isinstance(hf.get("architectures"), str):        # a hand-written config: one name
         hf = {**hf, "architectures": [hf["architectures"]]}
     for a in hf.get("architectures") or []:
-        if a in _ARCHS:
-            return _ARCHS[a]
-    if not hf.get("architectures") and hf.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[hf["model_type"]]
+        if a in FAMILIES:
+            return FAMILIES[a]
+    if not hf.get("architectures") and hf.get("model_type") in MODEL_TYPES:
+        return FAMILIES[MODEL_TYPES[hf["model_type"]]]
     name = (hf.get("architectures") or [hf.get("model_type")])[0]
     raise KvrunError(f"unsupported architecture {name!r} "
-                     f"(supported: {', '.join(sorted(_ARCHS))})")
+                     f"(supported: {', '.join(sorted(FAMILIES))})")
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
     """(theta, kvrun rope_scaling) from `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
     params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:                      # Gemma 3: per layer kind
+        params = params["full_attention"] or {}
     scaling = hf.get("rope_scaling") or params
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
@@ -119,9 +118,8 @@ def _load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def config_from_hf(src: Path, hf: dict, tok, dtype: str) -> ModelConfig:
     """ModelConfig from an HF config.json plus the folder's tokenizer metadata."""
-    arch = _architecture(hf)
-    if hf.get("mlp_bias") or (arch == "llama" and hf.get("attention_bias")):
-        raise KvrunError("llama checkpoints with attention/MLP biases are not supported")
+    fam = _family(hf)
+    fields = fam.fields(hf)                   # the family's quirks; raises on refused ones
     theta, scaling = _rope(hf)
     tk_cfg = _read_json(src / "tokenizer_config.json", required=False) or {}
     template = tk_cfg.get("chat_template")
@@ -140,25 +138,26 @@ def config_from_hf(src: Path, hf: dict, tok, dtype: str) -> ModelConfig:
         ids = tok.encode("a", add_special_tokens=True).ids
         add_bos = bos is not None and len(ids) > 0 and ids[0] == bos
     n_heads = int(hf["num_attention_heads"])
+    fields.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False)))
     return ModelConfig(
-        architecture=arch, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        architecture=fam.arch, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
         num_heads=n_heads, num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=int(hf.get("head_dim") or 0),
         max_position=int(hf.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos if i is not None)),
         add_bos=bool(add_bos), chat_template=family, default_system=default_system,
-        torch_dtype=dtype)
+        torch_dtype=dtype, **fields)
 
 
 def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
                progress: Progress | None = None, overwrite: bool = False,
                weights: str = "float", group: int = 32,
                log: Callable[[str], None] | None = None) -> ModelConfig:
-    """Convert an HF Llama/Mistral/Qwen2 checkpoint folder into a kvrun model dir.
+    """Convert an HF checkpoint folder of a family in hf_families.FAMILIES into a kvrun
+    model dir.
 
     `dtype` is the float tensors' dtype; `weights` float | int8 | int4 (with `group`
     columns per int4 scale) how linear weights are stored (convert/quantize.py). Returns
@@ -189,6 +188,9 @@ def convert_hf(src_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
 
     files = _shards(src)
     raw = _load_tensors(files)
+    tensors_fixup = _family(hf).tensors
+    if tensors_fixup is not None:                # Phi-3's fused projections, Granite's multiplier
+        tensors_fixup(hf, raw)
     drop = [k for k in raw if k.endswith("rotary_emb.inv_freq")]
     if cfg.tie_word_embeddings:
         drop.append("lm_head.weight")

@@ -82,33 +82,17 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def _float_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q_dim, C),
-            p + "self_attn.k_proj.weight": (kv_dim, C),
-            p + "self_attn.v_proj.weight": (kv_dim, C),
-            p + "self_attn.o_proj.weight": (C, q_dim),
-            p + "mlp.gate_proj.weight": (I, C),
-            p + "mlp.up_proj.weight": (I, C),
-            p + "mlp.down_proj.weight": (C, I),
-            p + "input_layernorm.weight": (C,),
-            p + "post_attention_layernorm.weight": (C,),
-        })
-        if cfg.architecture == "gemma3":     # sandwich norms and QK-norm (runtime/model/gemma3.py)
-            shapes.update({p + "pre_feedforward_layernorm.weight": (C,),
-                           p + "post_feedforward_layernorm.weight": (C,),
-                           p + "self_attn.q_norm.weight": (cfg.head_dim,),
-                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_dim,),
-                           p + "self_attn.k_proj.bias": (kv_dim,),
-                           p + "self_attn.v_proj.bias": (kv_dim,)})
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, C)
+    """Every float tensor `Transformer(cfg)` loads, name → shape (lm_head absent when tied):
+    read off the model itself, built on the meta device, so each family's layer (its norms,
+    biases, q/k norms) is described once, where it is defined."""
+    import dataclasses
+
+    from kvrun.model.llama import Transformer
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(cfg, weights="float", weight_group=0))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del shapes["lm_head.weight"]
     return shapes
 
 

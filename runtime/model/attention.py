@@ -1,7 +1,12 @@
 """The attention block every architecture shares: q/k/v/o projections, RoPE, and the
 cache's attention in between (`cache.attend`, or `cache.write_attend` when the cache takes
-K before RoPE and V's projection operands: kv/cache.py). Gemma 3 subclasses it (gemma3.py)
-for its q/k norms and per-layer RoPE tables."""
+K before RoPE and V's projection operands: kv/cache.py).
+
+The families' quirks, from the config: q/k RMSNorm before RoPE (`qk_norm` "head": per head
+over D, Qwen3 / Gemma 3; "proj": over the whole projection, OLMo 2), and q multiplied by
+`q_scale` after RoPE where the family's score scale is not D**-0.5 (Gemma's
+query_pre_attn_scalar, Granite's attention_multiplier). Gemma 3 subclasses it (gemma3.py)
+for its (1 + w) norms."""
 from __future__ import annotations
 
 from torch import nn
@@ -9,11 +14,13 @@ from torch import nn
 from kvrun.kernels.rope import apply_rope
 from ..kv.cache import NewKV
 from .config import ModelConfig
-from .layers import Linear
+from .layers import Linear, RMSNorm
 from .qlinear import make_linear
 
 
 class Attention(nn.Module):
+    norm_cls = RMSNorm                      # the q/k norms' kind (Gemma: OffsetRMSNorm)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -24,16 +31,31 @@ class Attention(nn.Module):
         self.k_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias)
         self.v_proj = lin(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias)
         self.o_proj = lin(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = self.norm_cls(cfg.head_dim * (1 if per_head else cfg.num_heads), cfg.rms_norm_eps)
+            self.k_norm = self.norm_cls(cfg.head_dim * (1 if per_head else cfg.num_kv_heads), cfg.rms_norm_eps)
+        self.q_scale = None if cfg.q_scale == 1.0 else cfg.q_scale
 
     def forward(self, x, cos, sin, cache):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        return self._attend(x, apply_rope(q, cos, sin), k, cos, sin, cache)
+        q, k = self.q_proj(x), self.k_proj(x)                           # (B, T, H D), (B, T, Hkv D)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)   # (B, H, T, D)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)      # (B, Hkv, T, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        # the normalized K is what RoPE rotates, so the fused writes take it as is
+        return self._attend(x, q, k, cos, sin, cache)
 
     def _attend(self, x, q, k, cos, sin, cache):
         """q (B, H, T, D) after RoPE, k (B, Hkv, T, D) before it: the cache's attention, then
-        o_proj. Every architecture's attention ends here (gemma3.py too)."""
+        o_proj. Every architecture's attention ends here."""
         B, T = x.shape[:2]
         if cache.takes_new_kv(self.layer_idx, T):
             # K's RoPE and the V projection run inside the cache's fused window writes

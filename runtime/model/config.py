@@ -9,6 +9,17 @@ names). A sliding layer attends to its last `sliding_window` tokens (the current
 included) with RoPE base `rope_local_theta` and no rope scaling; a full layer to every
 cached token with `rope_theta` / `rope_scaling`. Llama-family configs have only full layers.
 `layer_windows` gives what a KV cache needs: per layer the window, 0 for full attention.
+
+Family quirks are fields, each HF's own setting (convert/hf.py reads them):
+- `qk_norm`: RMSNorm of q and k before RoPE: "head" (per head over D: Qwen3, Gemma 3) or
+  "proj" (over the whole H·D / Hkv·D projection: OLMo 2); "" none. Derived from the
+  architecture.
+- `nope_layers`: layers that apply no RoPE (SmolLM3's NoPE layers, every 4th).
+- `embedding_multiplier`, `attention_multiplier` (the score scale, replacing D**-0.5; 0 keeps
+  it), `logits_scaling` (logits divided by it): Granite's multipliers. Its
+  residual_multiplier is folded into o_proj / down_proj at conversion (convert/hf.py).
+`q_scale` is what q is multiplied by so that the caches' D**-0.5 scaling gives the
+family's score scale.
 """
 from __future__ import annotations
 
@@ -20,7 +31,9 @@ from pathlib import Path
 from ..errors import KvrunError
 from kvrun.kernels.rope import ROPE_TYPES
 
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# granite and smollm3 run the Llama layer with their config quirks; olmo2 its own (olmo2.py)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "olmo2", "smollm3")
+QK_NORMS = {"qwen3": "head", "gemma3": "head", "olmo2": "proj"}
 CHAT_TEMPLATES = ("chatml", "llama3", "mistral", "gemma", "none")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Gemma 3: every 6th layer is global (HF Gemma3TextConfig.sliding_window_pattern, llama.cpp
@@ -49,6 +62,11 @@ class ModelConfig:
     rope_local_theta: float = 0.0           # RoPE base of sliding layers (0 → rope_theta)
     query_pre_attn_scalar: float = 0.0      # scores scaled by this**-0.5 (0 → head_dim)
     final_logit_softcapping: float | None = None   # logits = cap·tanh(logits / cap)
+    qk_norm: str = ""                       # "head" | "proj" | "" (derived: QK_NORMS)
+    nope_layers: list[int] = field(default_factory=list)   # layers without RoPE (SmolLM3)
+    embedding_multiplier: float = 1.0       # Granite: embeddings times this
+    attention_multiplier: float = 0.0       # Granite: score scale (0 → query_pre_attn_scalar**-0.5)
+    logits_scaling: float = 1.0             # Granite: logits divided by this
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     add_bos: bool = False                   # prepend BOS when tokenizing a raw prompt
@@ -92,6 +110,15 @@ class ModelConfig:
             self.rope_local_theta = self.rope_theta
         if self.query_pre_attn_scalar == 0.0:
             self.query_pre_attn_scalar = float(self.head_dim)
+        self.qk_norm = QK_NORMS.get(self.architecture, "")
+        self.nope_layers = sorted({int(i) for i in self.nope_layers})
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise KvrunError(f"nope_layers must be layer indices below {self.num_layers}")
+        if self.nope_layers and "sliding_attention" in self.layer_types:
+            # both would take the model's second RoPE table set (llama.py rope_local)
+            raise KvrunError("a config cannot have both nope_layers and sliding_attention layers")
+        if self.logits_scaling == 0.0:
+            raise KvrunError("config: logits_scaling must be a finite number > 0 (got 0)")
         self.eos_token_ids = [int(t) for t in self.eos_token_ids]
         if self.weights not in ("float", "int8", "int4"):
             raise KvrunError(f"unknown weight format {self.weights!r} (float, int8, int4)")
@@ -112,7 +139,8 @@ class ModelConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 0:
                 raise KvrunError(f"config: {name} must be an integer >= 0 (got {x!r})")
-        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "query_pre_attn_scalar"):
+        for name in ("rms_norm_eps", "rope_theta", "rope_local_theta", "query_pre_attn_scalar",
+                     "embedding_multiplier", "attention_multiplier", "logits_scaling"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise KvrunError(f"config: {name} must be a finite number >= 0 (got {x!r})")
@@ -122,6 +150,16 @@ class ModelConfig:
         """Per layer the attention window in tokens: sliding_window for sliding layers, 0
         (everything cached) for full ones. Caches size and mask their layers by this."""
         return [self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types]
+
+    @property
+    def q_scale(self) -> float:
+        """What q is multiplied by before the caches' D**-0.5 scaling: 1.0 unless the family
+        scales scores otherwise (Gemma's query_pre_attn_scalar**-0.5, Granite's
+        attention_multiplier)."""
+        import math
+        if self.attention_multiplier:
+            return self.attention_multiplier * math.sqrt(self.head_dim)
+        return math.sqrt(self.head_dim / self.query_pre_attn_scalar)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -21,8 +21,6 @@ model.py's `Transformer`, which serves every architecture.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +29,6 @@ from .config import ModelConfig
 from .layers import MLP, RMSNorm
 from .attention import Attention
 from .qlinear import make_linear
-from kvrun.kernels.rope import apply_rope
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -46,6 +43,9 @@ class OffsetRMSNorm(RMSNorm):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
+    def multiplier(self) -> torch.Tensor:
+        return 1.0 + self.weight.detach().float()
+
 
 class GeGLUMLP(MLP):
     """down(gelu_tanh(gate(x)) * up(x)): HF's `gelu_pytorch_tanh` activation."""
@@ -55,30 +55,16 @@ class GeGLUMLP(MLP):
 
 
 class Gemma3Attention(Attention):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__(cfg, layer_idx)
-        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        # the caches scale scores by D**-0.5; Gemma by query_pre_attn_scalar**-0.5
-        ratio = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
-        self.q_scale = None if ratio == 1.0 else ratio
-
-    def forward(self, x, cos, sin, cache):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        q, k = self.q_norm(q), self.k_norm(k)          # per head over D, before RoPE
-        q = apply_rope(q, cos, sin)
-        if self.q_scale is not None:
-            q = q * self.q_scale
-        # the normalized K is what RoPE rotates, so the fused writes take it as is
-        return self._attend(x, q, k, cos, sin, cache)
+    """The shared attention with (1 + w) q/k norms (config.qk_norm "head", q_scale from
+    query_pre_attn_scalar: attention.py)."""
+    norm_cls = OffsetRMSNorm
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.local_rope = self.sliding          # the model's rope_local tables (llama.py)
         self.self_attn = Gemma3Attention(cfg, layer_idx)
         self.mlp = GeGLUMLP(cfg.hidden_size, cfg.intermediate_size,
                             lambda i, o: make_linear(cfg.weights, cfg.weight_group, i, o))

@@ -1,4 +1,4 @@
-"""Building blocks: RMSNorm and a Linear that can hold a second, decode-friendly copy.
+"""Building blocks: RMSNorm, RoPE's identity tables, the logits' last scaling, and a Linear that can hold a second, decode-friendly copy.
 
 Decode on CPU is bound by reading the weights: a single-row GEMV over fp16 weights reads
 half the bytes of fp32, while a many-row prefill GEMM is fastest in fp32 (no AMX/bf16
@@ -27,6 +27,32 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def multiplier(self) -> torch.Tensor:
+        """The fp32 vector the normalized rows are multiplied by (the native step's norm)."""
+        return self.weight.detach().float()
+
+
+class NoRope:
+    """RoPE tables that rotate nothing (cos 1, sin 0: apply_rope returns its input bit for
+    bit), for layers without positional encoding (SmolLM3's NoPE layers). Same interface
+    as kernels/rope.py `Rope`, so every path that takes RoPE tables takes these."""
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        shape = (positions.shape[0], self.head_dim)                      # (T, D)
+        return torch.ones(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+def final_logits(logits: torch.Tensor, scaling: float, cap: float | None) -> torch.Tensor:
+    """lm_head's output divided by `scaling` (Granite's logits_scaling), then soft-capped
+    to cap·tanh(x / cap) where `cap` is set; both the eager forward and the native step
+    end here."""
+    if scaling != 1.0:
+        logits = logits / scaling
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class Linear(nn.Module):

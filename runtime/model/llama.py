@@ -1,4 +1,11 @@
-"""kvrun's transformer for the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral) and Qwen2.
+"""kvrun's transformer for the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Phi-3
+with its fused projections split at conversion), Qwen2/Qwen3, Granite and SmolLM3; Gemma 3
+and OLMo 2 bring their own decoder layer (gemma3.py, olmo2.py) to the same `Transformer`.
+
+Family quirks are config fields (config.py): q/k norms and the query scale live in
+attention.py; SmolLM3's NoPE layers take the second RoPE table set (`rope_local`, here the
+identity: layers.NoRope), which Gemma 3's sliding layers take with their local base;
+Granite's embedding multiplier and logits scaling are applied here.
 
 Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
@@ -22,7 +29,7 @@ from torch import nn
 from .. import threads
 from .config import ModelConfig
 from .attention import Attention
-from .layers import MLP, Linear, RMSNorm
+from .layers import MLP, Linear, NoRope, RMSNorm, final_logits
 from .qlinear import QUANT_MODULES, Int8Embedding, Int8Linear, make_linear
 from kvrun.kernels.rope import Rope
 
@@ -32,6 +39,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
+        self.local_rope = layer_idx in cfg.nope_layers   # the identity tables (module docstring)
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size,
                        lambda i, o: make_linear(cfg.weights, cfg.weight_group, i, o))
@@ -48,6 +56,9 @@ def _blocks(cfg: ModelConfig):
     if cfg.architecture == "gemma3":
         from .gemma3 import Gemma3DecoderLayer, OffsetRMSNorm
         return Gemma3DecoderLayer, OffsetRMSNorm
+    if cfg.architecture == "olmo2":
+        from .olmo2 import Olmo2DecoderLayer
+        return Olmo2DecoderLayer, RMSNorm
     return DecoderLayer, RMSNorm
 
 
@@ -72,11 +83,16 @@ class Transformer(nn.Module):
         self.tie_weights()
         with torch.device("cpu"):       # tables stay real even when built on the meta device
             self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
-            # sliding-window layers (Gemma 3): their own base, no scaling (HF: rope_local_base_freq)
+            # the second table set, for the layers whose `local_rope` is set: Gemma 3's sliding
+            # layers (their own base, no scaling; HF: rope_local_base_freq), or the identity
+            # for SmolLM3's NoPE layers (the config has not both)
             self.rope_local = (Rope(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position)
-                               if "sliding_attention" in cfg.layer_types else None)
-        # Gemma scales embeddings by sqrt(hidden), rounded to the compute dtype as HF does
-        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.architecture == "gemma3" else None
+                               if "sliding_attention" in cfg.layer_types else
+                               NoRope(cfg.head_dim) if cfg.nope_layers else None)
+        # Gemma scales embeddings by sqrt(hidden), Granite by its embedding_multiplier; rounded
+        # to the compute dtype as HF's Gemma does (the same value in fp32)
+        self.embed_scale = (cfg.hidden_size ** 0.5 if cfg.architecture == "gemma3" else
+                            cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else None)
 
     def tie_weights(self) -> None:
         """Make a tied lm_head share the embedding's tensors (again after `to_empty`)."""
@@ -121,13 +137,12 @@ class Transformer(nn.Module):
             # HF keeps sqrt(hidden) as an fp32 buffer and casts it to the weights' dtype
             h = h * torch.tensor(self.embed_scale, dtype=torch.float32).to(self.dtype)
         for layer in self.model.layers:
-            h = layer(h, *(local if layer.sliding else (cos, sin)), cache)
+            h = layer(h, *(local if layer.local_rope else (cos, sin)), cache)
         cache.commit(T)
         if last_only:
             h = h[:, -1:]
         logits = self.lm_head(self.model.norm(h)).float()
-        cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return final_logits(logits, self.cfg.logits_scaling, self.cfg.final_logit_softcapping)
 
     def native_step(self, ids: torch.Tensor, cache):
         """The native decode step (native_step.py) when it covers a one-token step of `ids`

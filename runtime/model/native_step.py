@@ -29,8 +29,10 @@ stay fp32 in preallocated buffers and the weights are read in their stored bytes
 (kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/test_decode_layer.py) and serves everything this step does not cover.
 
-Covered: the Llama/Qwen2 and Gemma 3 `Transformer` (Gemma's extra norms, QK-norm, GeGLU,
-local RoPE tables and embedding scale are the C layer's optional fields) with int4 or int8
+Covered: the Llama/Qwen2/Qwen3/Granite/SmolLM3 and Gemma 3 `Transformer` (Gemma's extra
+norms, QK-norm (Qwen3's too), GeGLU, local RoPE tables (SmolLM3's NoPE identity tables in
+the same slot), embedding scale and query scale (Granite's attention_multiplier) are the C
+layer's optional fields; not OLMo 2: `supported`) with int4 or int8
 linear layers (the weights `kvrun convert --weights int4|int8` writes, the default model's
 int4), an int8 lm_head, CPU tensors, the native library built, up to MAX_ROWS rows of one
 new token each, and a cache that takes K/V after RoPE (`attend`; a layer whose cache wants
@@ -51,6 +53,7 @@ from kvrun.kernels import dispatch, native
 from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
 from kvrun.kernels.native.decode_step import DecodeStep, splits_max
 from .. import threads
+from .layers import final_logits
 from .qlinear import Int4Linear, Int8Linear
 
 # Prefill chunks up to this many tokens take the native route (`chunk`), MAX_ROWS rows a
@@ -59,6 +62,7 @@ from .qlinear import Int4Linear, Int8Linear
 # docs/measurements.md, tools/chunk_speed.py). 64 keeps a margin for CPUs whose GEMM is
 # relatively faster.
 CHUNK_MAX_ROWS = 2 * MAX_ROWS
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "smollm3")
 
 
 def _stored(lin) -> dict:
@@ -83,14 +87,11 @@ def _stacked(lins) -> dict:
     return out
 
 
-def _offset(norm) -> torch.Tensor:
-    """A Gemma (1 + w) RMSNorm's weight as the multiplier the C norm takes."""
-    return 1.0 + norm.weight.detach().float()
-
-
 def supported(model) -> bool:
     """Whether this step can run `model` (see the module docstring)."""
-    if model.cfg.architecture not in ("llama", "qwen2", "gemma3"):
+    # OLMo 2 has no block-input norms and normalizes q/k over the whole projection, which the
+    # C layer does not do: it decodes on the eager forward
+    if model.cfg.architecture not in NATIVE_ARCHITECTURES:
         return False
     if native.load() is None:
         return False
@@ -127,20 +128,23 @@ class NativeDecodeStep:
             w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj),
                  "gate": _stored(mlp.gate_proj), "up": _stored(mlp.up_proj),
                  "down": _stored(mlp.down_proj)}
-            if gemma:                   # runtime/model/gemma3.py's layer, its (1 + w) norms folded
-                norms = (_offset(layer.input_layernorm), _offset(layer.pre_feedforward_layernorm))
-                extra = {"q_norm": _offset(a.q_norm), "k_norm": _offset(a.k_norm),
-                         "attn_out_norm": _offset(layer.post_attention_layernorm),
-                         "mlp_out_norm": _offset(layer.post_feedforward_layernorm),
-                         "act": "gelu_tanh", "q_scale": a.q_scale or 1.0}
+            # norms as the multipliers the C norm takes (Gemma's 1 + w: norm.multiplier())
+            extra = {"q_scale": a.q_scale or 1.0}
+            if cfg.qk_norm == "head":                       # Qwen3, Gemma 3
+                extra.update(q_norm=a.q_norm.multiplier(), k_norm=a.k_norm.multiplier())
+            if gemma:                   # runtime/model/gemma3.py's sandwich norms and GeGLU
+                norms = (layer.input_layernorm.multiplier(), layer.pre_feedforward_layernorm.multiplier())
+                extra.update(attn_out_norm=layer.post_attention_layernorm.multiplier(),
+                             mlp_out_norm=layer.post_feedforward_layernorm.multiplier(), act="gelu_tanh")
             else:
-                norms, extra = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight), None
+                norms = (layer.input_layernorm.multiplier(), layer.post_attention_layernorm.multiplier())
             self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, *norms, w, self.scratch, extra,
                                         gemv=self.gemv))
-        self.local = [getattr(layer, "sliding", False) for layer in model.model.layers]
+        # the layers on the second RoPE tables: Gemma's sliding ones, SmolLM3's NoPE ones
+        self.local = [layer.local_rope for layer in model.model.layers]
         self.keep: list = []
         self.head = weight_desc(_stored(model.lm_head), self.keep, integer=self.gemv == "int")
-        self.norm = (_offset(model.model.norm) if gemma else model.model.norm.weight).detach().float().contiguous()
+        self.norm = model.model.norm.multiplier().contiguous()
         self.attn = torch.zeros(MAX_ROWS, H * D)          # _layers(): each row's attention output
         # the one-call step; None keeps every step on the per-layer route (the reference
         # tools/step_speed.py times it against)
@@ -229,11 +233,11 @@ class NativeDecodeStep:
         s = self.scratch
         cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
         tables = [(s.cos, cos), (s.sin, sin)]
-        if self.model.rope_local is not None:                           # sliding layers' base
+        if self.model.rope_local is not None:             # sliding layers' base, or NoPE's identity
             cl, sl = self.model.rope_local.tables(positions, torch.float32)
             tables += [(s.cos_local, cl), (s.sin_local, sl)]
         x = self.model.model.embed_tokens(ids)[:, 0].to(torch.float32, copy=True)   # (B, hidden)
-        if self.model.embed_scale is not None:                          # Gemma: sqrt(hidden)
+        if self.model.embed_scale is not None:            # Gemma: sqrt(hidden); Granite's multiplier
             x *= torch.tensor(self.model.embed_scale, dtype=torch.float32)
         if B <= MAX_ROWS:
             s.x[:B] = x
@@ -242,8 +246,7 @@ class NativeDecodeStep:
         return x, tables
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return final_logits(logits, self.cfg.logits_scaling, self.cfg.final_logit_softcapping)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, caches: list) -> torch.Tensor:
         """The layers over B rows at `positions` (B,), row b on caches[b]: one native call

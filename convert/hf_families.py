@@ -1,0 +1,167 @@
+"""What differs per model family when converting an HF folder: the kvrun architecture it
+runs as, the config.json keys its quirks come from, and the tensor fix-ups done once here
+so the runtime loads HF's module names with strict=True (convert/hf.py reads the rest,
+which every family shares).
+
+Each `Family` is read off the family's transformers modeling file (`models/<family>/`):
+
+- Llama, Mistral, Qwen2: as they are (Qwen2: q/k/v biases).
+- Qwen3: q/k RMSNorm per head before RoPE, head_dim from the config.
+- Gemma 3 (text): (1 + w) norms stored as w (as kvrun's Gemma layer takes them), sliding
+  and full layers from `layer_types`, local / global RoPE bases, query_pre_attn_scalar.
+- Granite: embedding, attention and logits multipliers as config fields; its
+  residual_multiplier scales the attention and MLP outputs before each residual add, so it
+  is folded into o_proj and down_proj here (the native step then needs nothing for it).
+- OLMo 2: post-norms only, q/k norm over the whole projection (runtime/model/olmo2.py).
+- SmolLM3: `no_rope_layers` (1 = RoPE, 0 = NoPE) → `nope_layers`.
+- Phi-3: fused qkv_proj and gate_up_proj split into Llama's projections; then a Llama.
+  Long-context scaling (longrope / su) and partial rotary are refused.
+
+Sliding-window settings of the Llama-layer families (Mistral v0.1, Qwen2/3's
+`use_sliding_window`, Phi-3's `sliding_window`) are ignored, as llama.cpp does for most of
+them: kvrun attends over the whole context (see README's families table).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvrun.errors import KvrunError
+
+
+def _no_bias(name: str) -> Callable[[dict], dict]:
+    """Fields of a family whose attention_bias would also bias o_proj (and mlp_bias the
+    MLP), which kvrun's layers do not have: refused."""
+    def fields(hf: dict) -> dict:
+        if hf.get("mlp_bias") or hf.get("attention_bias"):
+            raise KvrunError(f"{name} checkpoints with attention/MLP biases are not supported")
+        return {}
+    return fields
+
+
+def _gemma3_fields(hf: dict) -> dict:
+    if hf.get("attn_logit_softcapping") is not None:
+        raise KvrunError("Gemma checkpoints with attention logit soft-capping are not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise KvrunError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise KvrunError(f"Gemma 3 with hidden_activation {act!r} is not supported "
+                         "(kvrun runs gelu_pytorch_tanh)")
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:           # transformers' default: every `sliding_window_pattern`-th global
+        every = int(hf.get("sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise KvrunError(f"Gemma 3's sliding layers with rope scaling {local['rope_type']!r} "
+                         "are not supported")
+    return dict(layer_types=list(types), sliding_window=int(hf.get("sliding_window") or 4096),
+                rope_local_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq")
+                                       or 10000.0),
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+                final_logit_softcapping=hf.get("final_logit_softcapping"),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
+def _granite_fields(hf: dict) -> dict:
+    _no_bias("Granite")(hf)
+    return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
+                logits_scaling=float(hf.get("logits_scaling", 1.0)))
+
+
+def _granite_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
+    """Fold residual_multiplier into the two projections that feed the residual adds."""
+    m = float(hf.get("residual_multiplier", 1.0))
+    if m == 1.0:
+        return
+    for k in raw:
+        if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            raw[k] = raw[k].float() * m          # in fp32; cast to the target dtype later
+
+
+def _smollm3_fields(hf: dict) -> dict:
+    _no_bias("SmolLM3")(hf)
+    n = int(hf["num_hidden_layers"])
+    flags = hf.get("no_rope_layers")
+    if flags is None:           # transformers' default: NoPE every `no_rope_layer_interval`-th
+        every = int(hf.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if len(flags) != n:
+        raise KvrunError(f"no_rope_layers lists {len(flags)} layers, the model has {n}")
+    return dict(nope_layers=[i for i, rope in enumerate(flags) if not rope],
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
+def _phi3_fields(hf: dict) -> dict:
+    _no_bias("Phi-3")(hf)
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind != "default":
+        raise KvrunError(f"Phi-3 with {kind!r} rope scaling (the long-context variants) is not "
+                         "supported; the 4k-context checkpoints are")
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise KvrunError(f"Phi-3 with partial_rotary_factor {partial:g} (RoPE on part of each "
+                         "head, as Phi-4-mini) is not supported")
+    return {}
+
+
+def _phi3_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
+    """qkv_proj (rows q | k | v) and gate_up_proj (rows gate | up) into Llama's projections."""
+    H, C = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    Hkv = int(hf.get("num_key_value_heads") or H)
+    D = int(hf.get("head_dim") or C // H)
+    for k in [k for k in raw if k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        w, base = raw.pop(k), k.rsplit(".", 2)[0]
+        if k.endswith("qkv_proj.weight"):
+            if w.shape[0] != (H + 2 * Hkv) * D:
+                raise KvrunError(f"tensor {k} has {w.shape[0]} rows, the config implies {(H + 2 * Hkv) * D}")
+            q, kk, v = w.split([H * D, Hkv * D, Hkv * D])
+            raw.update({f"{base}.q_proj.weight": q, f"{base}.k_proj.weight": kk, f"{base}.v_proj.weight": v})
+        else:
+            gate, up = w.chunk(2)
+            raw.update({f"{base}.gate_proj.weight": gate, f"{base}.up_proj.weight": up})
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str                                       # the kvrun architecture it runs as
+    fields: Callable[[dict], dict] = lambda hf: {}  # ModelConfig fields beyond the shared ones
+    tensors: Callable[[dict, dict], None] | None = None   # in-place fix-up of the state dict
+
+
+def _llama_fields(hf: dict) -> dict:
+    return _no_bias("llama")(hf)
+
+
+def _qwen2_fields(hf: dict) -> dict:
+    """Qwen2's q/k/v biases are the architecture's (config.py); an MLP bias is not."""
+    if hf.get("mlp_bias"):
+        raise KvrunError("Qwen2 checkpoints with MLP biases are not supported")
+    return {}
+
+
+FAMILIES = {   # HF architecture name → Family
+    "LlamaForCausalLM": Family("llama", _llama_fields),
+    "MistralForCausalLM": Family("llama", _llama_fields),
+    "Qwen2ForCausalLM": Family("qwen2", _qwen2_fields),
+    "Qwen3ForCausalLM": Family("qwen3", _no_bias("Qwen3")),
+    "Gemma3ForCausalLM": Family("gemma3", _gemma3_fields),
+    "GraniteForCausalLM": Family("granite", _granite_fields, _granite_tensors),
+    "Olmo2ForCausalLM": Family("olmo2", _no_bias("OLMo 2")),
+    "SmolLM3ForCausalLM": Family("smollm3", _smollm3_fields),
+    "Phi3ForCausalLM": Family("llama", _phi3_fields, _phi3_tensors),
+}
+MODEL_TYPES = {   # config.json's model_type, for a config without `architectures`
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+}

@@ -1,0 +1,179 @@
+"""The model families kvrun converts from HF folders, each against transformers itself.
+
+Per family a tiny random-weight checkpoint is built with transformers from the family's
+config with its quirks (2 layers, GQA, head dims 64/96/128, tied and untied embeddings,
+Granite's multipliers, Gemma's sliding + global layers and query scalar, SmolLM3's NoPE
+layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrained`, and converted with
+`convert_hf` to fp32 weights. The oracle is that transformers model's own forward.
+
+- logits: a prefill chunk then single-token decode steps through kvrun's KV cache (fp32 and
+  fp16 rows, and a compressed --kv), on the torch and the native backend, against the
+  oracle's full forward over the same 64 tokens;
+- greedy tokens through `Model.stream`, identical to `generate`;
+- the native one-call decode step (int8 weights, fp32 GEMVs) against the eager forward of
+  the same int8 model, for every family the step takes (OLMo 2 is declared eager-only).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvrun
+from kvrun.convert import convert_hf
+from kvrun.errors import KvrunError
+from kvrun.kv.build import build_cache
+from kvrun.model import qlinear
+from kvrun.model.native_step import NativeDecodeStep, supported
+from hf_oracle import greedy_pair
+from tiny import byte_level_tokenizer
+
+PROMPT, STEPS = 40, 24                  # 64 tokens: one prefill chunk, then decode steps
+VOCAB = 320                             # > the byte-level tokenizer's 259 ids
+
+# family → (transformers config class, its kwargs); every model: 2 layers, GQA where the
+# family has it, intermediate sizes a multiple of 32 (the native GEMV's blocks)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=128, intermediate_size=96, tie_word_embeddings=True,
+                                  rope_theta=1e6)),
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                        head_dim=64, intermediate_size=128, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        query_pre_attn_scalar=48, final_logit_softcapping=30.0,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})),
+    "granite": ("GraniteConfig", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=96, tie_word_embeddings=False,
+                                      embedding_multiplier=12.0, attention_multiplier=0.03,
+                                      residual_multiplier=0.22, logits_scaling=2.0)),
+    "olmo2": ("Olmo2Config", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
+                                  intermediate_size=96, tie_word_embeddings=False)),
+    "smollm3": ("SmolLM3Config", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=96, tie_word_embeddings=True,
+                                      no_rope_layers=[1, 0])),
+    "mistral": ("MistralConfig", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1,
+                                      intermediate_size=96, tie_word_embeddings=False,
+                                      sliding_window=None)),
+    "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
+                                intermediate_size=128, tie_word_embeddings=False)),
+}
+KV = ("fp32", "fp16", "kivi-4")
+
+
+def _checkpoint(root, family: str):
+    """(HF folder, the transformers model) of a random 2-layer checkpoint of `family`."""
+    import transformers
+    cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls)(num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256,
+                                     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15,
+                                     **kw)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():      # norms are constant at init: make them count (Gemma's w is 0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(mean=0.0 if family == "gemma3" else 1.0, std=0.3)
+    model.float().eval()
+    d = root / family
+    model.save_pretrained(d)
+    byte_level_tokenizer().save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    return d, model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers model, kvrun fp32 dir, kvrun int8 dir, the oracle's logits (T, V)
+    over `ids`, ids)."""
+    root = tmp_path_factory.mktemp(request.param)
+    src, hf = _checkpoint(root, request.param)
+    convert_hf(src, root / "fp32", dtype="fp32")
+    convert_hf(src, root / "int8", dtype="fp32", weights="int8")
+    ids = torch.randint(3, 259, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()
+    return request.param, hf, root / "fp32", root / "int8", ref, ids
+
+
+def _stepped(transformer, cache, ids) -> torch.Tensor:
+    """(T, V) logits of ids (1, T): PROMPT tokens as one chunk, then one token per step."""
+    out = [transformer(ids[:, :PROMPT], cache)[0]]
+    out += [transformer(ids[:, t:t + 1], cache)[0] for t in range(PROMPT, ids.shape[1])]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_logits_equal_transformers(family, backend, monkeypatch):
+    name, _, d32, _, ref, ids = family
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    assert ref.std() > 0.5, "a degenerate oracle"
+    for kv in KV:
+        got = _stepped(m.transformer, build_cache(m.cfg, 128, kv), ids)
+        assert got.shape == ref.shape and torch.isfinite(got).all(), (name, kv)
+        if kv == "fp32":            # fp32 rounding only
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name}: {s}")
+        elif kv == "fp16":          # K/V rows rounded to fp16
+            torch.testing.assert_close(got, ref, atol=2e-2 * ref.abs().max().item(), rtol=0,
+                                       msg=lambda s: f"{name} fp16 cache: {s}")
+
+
+def test_greedy_tokens_equal_transformers(family):
+    name, hf, d32, _, _, ids = family
+    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    mine, want = greedy_pair(m, hf, ids[0, :PROMPT].tolist(), 24)
+    assert mine == want, name
+
+
+def test_native_step_equals_the_eager_forward(family, monkeypatch):
+    """The one-call native step (int8 weights, fp32 GEMVs) against the eager forward of the
+    same weights dequantized, on the torch backend (test_decode_layer.py's oracle); OLMo 2
+    is refused by the step and decodes eagerly."""
+    name, _, _, d8, _, ids = family
+    monkeypatch.setattr(qlinear.Int8Linear, "uses_fused_op", lambda self, rows: False)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    m = kvrun.load(d8, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    want = _stepped(m.transformer, build_cache(m.cfg, 128, "fp32"), ids)
+    if name == "olmo2":
+        assert not supported(m.transformer)
+        return
+    assert supported(m.transformer), name
+    monkeypatch.setenv("KVRUN_BACKEND", "native")
+    cache = build_cache(m.cfg, 128, "fp32")
+    step = NativeDecodeStep(m.transformer, gemv="fp32")
+    assert step.applies_chunk(ids[:, :PROMPT], cache)
+    out = [step.chunk(ids[:, :PROMPT], cache)[0]]
+    for t in range(PROMPT, ids.shape[1]):
+        assert step.applies(ids[:, t:t + 1], cache) and cache.native_row(m.cfg.num_heads) is not None
+        out.append(step(ids[:, t:t + 1], cache)[0])
+    torch.testing.assert_close(torch.cat(out), want, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name}: {s}")
+
+
+def test_refused_variants_say_why(tmp_path):
+    """A family variant kvrun cannot run is one line naming the quirk, not a wrong model."""
+    src, _ = _checkpoint(tmp_path, "phi3")
+    hf = json.loads((src / "config.json").read_text())
+    cases = {"longrope": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 48,
+                                           "long_factor": [1.0] * 48,
+                                           "original_max_position_embeddings": 128}},
+             "partial_rotary_factor": {"partial_rotary_factor": 0.75,
+                                       "rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
+                                                           "partial_rotary_factor": 0.75}},
+             "biases": {"attention_bias": True}}
+    for why, patch in cases.items():
+        (src / "config.json").write_text(json.dumps({**hf, **patch}))
+        with pytest.raises(KvrunError, match=why.split("_")[0]) as e:
+            convert_hf(src, tmp_path / why, dtype="fp32")
+        assert "\n" not in str(e.value)
+    (src / "config.json").write_text(json.dumps({**hf, "architectures": ["Gemma2ForCausalLM"]}))
+    with pytest.raises(KvrunError, match="unsupported architecture 'Gemma2ForCausalLM'") as e:
+        convert_hf(src, tmp_path / "g2", dtype="fp32")
+    for arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                 "SmolLM3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
+        assert arch in str(e.value)

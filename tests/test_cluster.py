@@ -35,6 +35,9 @@ from kvrun.engine.session import model_record  # noqa: E402
 from kvrun.kv.config import parse_kv  # noqa: E402
 from serving import openai_client, served  # noqa: E402
 
+# one process runs them all under -n N (pyproject's --dist loadgroup): one cluster, in order
+pytestmark = pytest.mark.xdist_group("ray-cluster")
+
 NAME, CTX, CHUNK, NS = "smol", 384, 32, "kvrun-test"
 TIMEOUT = 120
 SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short sentence, "

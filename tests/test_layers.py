@@ -116,3 +116,42 @@ def test_no_import_circles():
 def test_the_layer_table_covers_every_module():
     for m in modules():
         layer_of(m)
+
+
+# attributes of other libraries that are private by name only (torch's aten ops, CPython's
+# frame table), and super()'s own: not a reach into another kvrun module
+FOREIGN_PRIVATE = ("torch.ops.aten.", "sys.", "super().")
+
+
+def _owned(tree: ast.AST) -> set[str]:
+    """The _names a module defines: its functions and methods, and attributes it assigns
+    on `self` / `cls` (or class bodies)."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name.startswith("_"):
+            out.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr.startswith("_"):
+            out.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id.startswith("_"):
+            out.add(n.id)
+    return out
+
+
+def test_no_module_reaches_into_another_ones_private_names():
+    """`obj._name` outside `self` / `cls` only where the module itself defines `_name` (its
+    own classes' internals); a private of another module is a contract nobody wrote down:
+    give its owner a public name instead."""
+    reaches = []
+    for mod, path in modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        own = _owned(tree)
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                continue
+            text = ast.unparse(n)
+            if n.attr in own or text.startswith(FOREIGN_PRIVATE):
+                continue
+            reaches.append(f"{path.relative_to(ROOT)}:{n.lineno} {text}")
+    assert not reaches, "private names reached across modules:\n" + "\n".join(reaches)

@@ -168,10 +168,7 @@ class App:
         finished = False
         try:
             while True:
-                with req._cond:
-                    ev = req._events.popleft() if req._events else None
-                    if ev is None:
-                        ready.clear()
+                ev = req.pop_event(on_empty=ready.clear)
                 if ev is None and self.drain.expired:
                     req.cancel(SHUTTING_DOWN)
                     req.error = SHUTTING_DOWN
@@ -375,7 +372,7 @@ def create_app(model, scheduler: Scheduler, name: str, *, api_key: str | None = 
 
     @asynccontextmanager
     async def lifespan(_):
-        if scheduler._thread is None:
+        if not scheduler.started:
             scheduler.start()
         yield
         # uvicorn has drained the connections: what still runs has no reader; a batch step

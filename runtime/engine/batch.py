@@ -240,7 +240,7 @@ class Batch:
         states = []
         for s in feed:
             states.append(s.engine.decode_begin())
-            s.engine._make_room(1)                      # a context shift, where the cache can
+            s.engine.make_room(1)                      # a context shift, where the cache can
         try:
             logits = batch_forward(self.model, [s.token for s in feed], [s.cache for s in feed])
         except KeyboardInterrupt:

@@ -233,7 +233,7 @@ class Engine:
         """Tokens the cache holds compressed (the arena's compressed tail)."""
         return self.cache.n_compressed()
 
-    def _make_room(self, T: int) -> None:
+    def make_room(self, T: int) -> None:
         """Shift the context (when the cache can) until T more tokens fit; the discarded
         ids leave `cached` too."""
         while len(self.cached) + T > self.max_ctx and self.can_shift:
@@ -249,7 +249,7 @@ class Engine:
         without `last_only`. A Ctrl-C in the middle (some layers written, others not) is
         repaired before it propagates: the cache is truncated back to the ids it fully
         holds (a compressed cache may keep fewer; they are dropped)."""
-        self._make_room(len(ids))
+        self.make_room(len(ids))
         try:
             logits = self.model(torch.tensor([ids]), self.cache, last_only=last_only)
         except KeyboardInterrupt:

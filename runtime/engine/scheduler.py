@@ -113,6 +113,17 @@ class Request:
             except RuntimeError:                    # the waiter's event loop is closed
                 self.notify = None
 
+    def pop_event(self, on_empty=None) -> StreamEvent | None:
+        """The next event without waiting, or None; `on_empty()` runs under the request's
+        lock when there is none, so an event pushed after it is never missed by a waiter
+        that `notify` wakes."""
+        with self._cond:
+            if self._events:
+                return self._events.popleft()
+            if on_empty is not None:
+                on_empty()
+            return None
+
     def _fail(self, reason: str, error: str | None = None) -> None:
         """End a request that never ran (cancelled or failed while queued)."""
         if self.finish_reason is None:
@@ -343,6 +354,11 @@ class Scheduler:
         """Step in the calling thread until every submitted request is done."""
         while self.step():
             pass
+
+    @property
+    def started(self) -> bool:
+        """Whether `start` has run (the loop's thread exists)."""
+        return self._thread is not None
 
     def start(self) -> "Scheduler":
         """Run the loop in a background thread; returns self."""

@@ -11,9 +11,10 @@ differ from an HF checkpoint and are undone here:
 2. Q/K row order: llama.cpp's convert_hf_to_gguf.py permutes the rows of the `llama`
    architecture's attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
    adjacent pairs; kvrun's RoPE is HF's rotate-half, so the rows are put back (`unpermute`).
-   Qwen2 files are written without this permutation.
-3. Names: `blk.N.attn_q` → `model.layers.N.self_attn.q_proj` etc. (`_NAMES`; Gemma 3's
-   norms map differently, `_NAMES_GEMMA3`).
+   Qwen2, Qwen3 and OLMo 2 files are written without this permutation (llama.cpp runs
+   them with NEOX-style RoPE, HF's rotate-half).
+3. Names: `blk.N.attn_q` → `model.layers.N.self_attn.q_proj` etc. (`_NAMES`; Gemma 3's,
+   Qwen3's and OLMo 2's norms map differently: `_NAMES_BY_ARCH`).
 4. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
    weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows are
    not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half).
@@ -42,7 +43,8 @@ from .templates import chat_stop_tokens, detect_chat_template
 from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
                      validate_tensors, write_model_dir)
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}   # GGUF → kvrun architecture
+# GGUF → kvrun architecture
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "olmo2": "olmo2"}
 _SUPPORTED_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                     "Q6_K")
 
@@ -58,6 +60,12 @@ _NAMES_GEMMA3 = {**_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm",
                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Qwen3: QK-norm per head beside Llama's norms; OLMo 2: its two post-norms and QK-norm over
+# the projection, no pre-norms (`ffn_norm` absent)
+_NAMES_QWEN3 = {**_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_NAMES_OLMO2 = {**_NAMES_QWEN3, "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_NAMES_BY_ARCH = {"gemma3": _NAMES_GEMMA3, "qwen3": _NAMES_QWEN3, "olmo2": _NAMES_OLMO2}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -67,7 +75,7 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name → HF name; None for names kvrun has no module for."""
     if name in _TOP:
         return _TOP[name]
-    names = _NAMES_GEMMA3 if arch == "gemma3" else _NAMES
+    names = _NAMES_BY_ARCH.get(arch, _NAMES)
     m = _BLOCK.match(name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -281,7 +289,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
                  progress: Progress | None = None, overwrite: bool = False,
                  weights: str = "float", group: int = 32,
                  log: Callable[[str], None] | None = None) -> ModelConfig:
-    """Convert a GGUF file (llama / qwen2 / gemma3 architecture) into a kvrun model dir at `out_dir`.
+    """Convert a GGUF file (an architecture in `_ARCHS`) into a kvrun model dir at `out_dir`.
 
     `dtype` is the float tensors' dtype; `weights` float | int8 | int4 (with `group`
     columns per int4 scale) how linear weights are stored. Returns the written config.

@@ -10,6 +10,9 @@ layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrain
   fp16 rows, and a compressed --kv), on the torch and the native backend, against the
   oracle's full forward over the same 64 tokens;
 - greedy tokens through `Model.stream`, identical to `generate`;
+- GGUF (Qwen3, OLMo 2): the same checkpoint written as llama.cpp's convert_hf_to_gguf.py
+  names and lays out those architectures (gguf's own tensor-name table, no Q/K permutation,
+  f32 tensors), converted with `convert_gguf`, gives the same logits;
 - the native one-call decode step (int8 weights, fp32 GEMVs) against the eager forward of
   the same int8 model, for every family the step takes (OLMo 2 is declared eager-only).
 """
@@ -21,7 +24,8 @@ import pytest
 import torch
 
 import kvrun
-from kvrun.convert import convert_hf
+from kvrun.convert import convert_gguf, convert_hf
+from kvrun.convert.gguf_file import hf_name
 from kvrun.errors import KvrunError
 from kvrun.kv.build import build_cache
 from kvrun.model import qlinear
@@ -128,6 +132,61 @@ def test_greedy_tokens_equal_transformers(family):
     m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
     mine, want = greedy_pair(m, hf, ids[0, :PROMPT].tolist(), 24)
     assert mine == want, name
+
+
+def _write_gguf(path, arch: str, hf) -> None:
+    """`hf` (a transformers model) as a GGUF of llama.cpp architecture `arch`, f32 tensors,
+    with the byte-level tokenizer as gpt2-model metadata."""
+    import gguf
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(0)
+    tok = byte_level_tokenizer()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    # one merge ("a b" → id 259: convert requires merges), beyond the ids the tests feed
+    w.add_token_list([t for t, _ in vocab] + ["ab"])
+    w.add_token_types([3 if i < 3 else 1 for _, i in vocab] + [1])  # specials: CONTROL
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    names = [gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]]
+    inverse = {hf_name(f"{n.format(bid=i)}.weight", arch): f"{n.format(bid=i)}.weight"
+               for n in names for i in range(c.num_hidden_layers)}
+    for k, t in hf.state_dict().items():
+        if not (c.tie_word_embeddings and k == "lm_head.weight"):
+            w.add_tensor(inverse[k], t.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatch):
+    name, hf, _, _, ref, ids = family
+    if name not in ("qwen3", "olmo2"):
+        pytest.skip(f"kvrun converts no {name} GGUF")
+    _write_gguf(tmp_path / "m.gguf", name, hf)
+    cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="fp32")
+    assert (cfg.architecture, cfg.head_dim, cfg.tie_word_embeddings) == \
+        (name, hf.config.head_dim if name == "qwen3" else 64, hf.config.tie_word_embeddings)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    m = kvrun.load(tmp_path / "out", dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    got = _stepped(m.transformer, build_cache(m.cfg, 128, "fp32"), ids)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name} GGUF: {s}")
 
 
 def test_native_step_equals_the_eager_forward(family, monkeypatch):

@@ -81,12 +81,14 @@ def application(cluster: ClusterSpec, rs: ReplicaSpec):
     """The bound Serve application (ingress over the replicas), after putting the store and
     registry actors up (found, not duplicated, when they are there). Needs a connected Ray."""
     check(cluster)
-    ray.remote(PrefixStore).options(
+    store = ray.remote(PrefixStore).options(
         name=STORE_NAME, namespace=rs.namespace, lifetime="detached", get_if_exists=True,
         max_restarts=-1, num_cpus=0).remote(int(rs.shared_mb * MiB))
     ray.remote(Registry).options(
         name=REGISTRY_NAME, namespace=rs.namespace, lifetime="detached", get_if_exists=True,
         max_restarts=-1, num_cpus=0).remote()
+    # up before the replicas look for it (a worker process can take seconds to start)
+    ray.get(store.ping.remote(), timeout=120)
     router = RequestRouterConfig(request_router_class=KvrunRouter, request_router_kwargs={
         "policy": cluster.routing, "bound": cluster.load_bound})
     replica = serve.deployment(Replica, name="kvrun-replica", num_replicas=cluster.replicas,

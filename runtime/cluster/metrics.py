@@ -46,7 +46,7 @@ REPLICA_SHARED = (("shared_hits", "restores", "Entries restored from the shared 
 class ClusterMetrics:
     """The ingress's counters and the scrape (module docstring)."""
 
-    def __init__(self, namespace: str, timeout: float = 2.0):
+    def __init__(self, namespace: str, timeout: float = 5.0):
         self.namespace, self.timeout = namespace, timeout
         self.requests: collections.Counter = collections.Counter()     # (replica, status)
         self.failures: collections.Counter = collections.Counter()     # stage

@@ -41,7 +41,7 @@ class SharedTier:
     (session.model_record); entries up to `budget` bytes."""
 
     def __init__(self, model: dict, budget: int, namespace: str, name: str = STORE_NAME,
-                 timeout: float = 2.0, retry: float = 5.0):
+                 timeout: float = 5.0, retry: float = 5.0):
         self.namespace, self.name, self.timeout, self.retry = namespace, name, timeout, retry
         # the system's temporary directory, not /dev/shm: containers often give that 64 MiB,
         # less than one long fp16 prefix; a file written and read at once stays in page cache

@@ -236,3 +236,14 @@ def test_refused_variants_say_why(tmp_path):
     for arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                  "SmolLM3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
         assert arch in str(e.value)
+
+
+def test_context_shift_is_refused_with_nope_layers():
+    """A shift re-rotates cached keys by RoPE; SmolLM3's NoPE layers have none to undo."""
+    from kvrun.kv.config import KVConfig
+    from tiny import tiny_config
+    cfg = tiny_config(nope_layers=[1])
+    with pytest.raises(KvrunError, match="NoPE"):
+        build_cache(cfg, 64, KVConfig.from_settings(k_method="fp16", v_method="fp16", ctx_policy="shift"))
+    assert build_cache(tiny_config(), 64, KVConfig.from_settings(k_method="fp16", v_method="fp16",
+                                                                 ctx_policy="shift")) is not None

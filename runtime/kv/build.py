@@ -38,6 +38,10 @@ def check_kv(cfg, kv_config) -> KVConfig:
     if any(layer_windows(cfg)) and kv.context.on_full == "shift":
         raise KvrunError("--ctx-policy shift is not supported on a model with sliding-window "
                          "layers (a shift would cut the windows they attend to): raise -c instead")
+    if cfg.nope_layers and kv.context.on_full == "shift":
+        # the shift re-rotates every cached key by RoPE's -nd angle; NoPE layers have none
+        raise KvrunError("--ctx-policy shift is not supported on a model with NoPE layers "
+                         "(SmolLM3): raise -c instead")
     return kv
 
 

@@ -28,6 +28,7 @@ import kvrun  # noqa: E402
 from kvrun import threads as kthreads  # noqa: E402
 from kvrun.cluster.deploy import ClusterSpec, deploy, undeploy  # noqa: E402
 from kvrun.cluster.replica import ReplicaSpec  # noqa: E402
+from kvrun.cluster.registry import REGISTRY_NAME  # noqa: E402
 from kvrun.cluster.store import STORE_NAME, PrefixStore  # noqa: E402
 from kvrun.engine.prefix_cache import kv_key  # noqa: E402
 from kvrun.engine.prefix_disk import DiskTier  # noqa: E402
@@ -244,9 +245,11 @@ def test_shared_tier_down_falls_back_to_local_caches(cluster, single):
 
 
 def test_replica_killed_mid_stream(cluster):
-    """Its stream ends with an error event (no hang); the other replica's request finishes."""
+    """Its stream ends with an error event (no hang); the other replica's request finishes;
+    Ray Serve starts a new replica in its place, which reports in."""
     url = cluster[0]
     c = client(url)
+    first = set(ray.get(ray.get_actor(REGISTRY_NAME, namespace=NS).replica_reports.remote()))
     msgs = [{"role": "user", "content": "Tell me a long story about bread."}]
     with c.chat.completions.with_streaming_response.create(
             model=NAME, messages=msgs, max_tokens=300, temperature=0, stream=True) as r:
@@ -266,6 +269,11 @@ def test_replica_killed_mid_stream(cluster):
     assert other.get("text") and other["replica"] != victim
     assert value(metrics(url), "kvrun_cluster_replica_failures_total", stage="mid_stream") >= 1
     ask(client(url), "Still there?", n=2)           # the service goes on
+    registry = ray.get_actor(REGISTRY_NAME, namespace=NS)
+    deadline = time.monotonic() + 90
+    while not set(ray.get(registry.replica_reports.remote(max_age=3))) - first:
+        assert time.monotonic() < deadline, "no replica took the killed one's place"
+        time.sleep(1)
 
 
 def test_prefix_routing_and_its_load_bound(cluster):

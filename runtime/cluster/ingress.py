@@ -76,7 +76,7 @@ class Ingress:
                 self.prom.failures["before"] += 1
                 gen.cancel()
                 log.warning("replica call failed before its reply (%s)%s", _line(e),
-                            "; retrying on another" if not attempt else "")
+                            "; retrying it" if not attempt else "")
         else:
             return ApiError(503, "no replica could serve the request", "server_error",
                             code="replica_unavailable").response()

@@ -127,8 +127,10 @@ def test_logits_equal_transformers(family, backend, monkeypatch):
                                        msg=lambda s: f"{name} fp16 cache: {s}")
 
 
-def test_greedy_tokens_equal_transformers(family):
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_greedy_tokens_equal_transformers(family, backend, monkeypatch):
     name, hf, d32, _, _, ids = family
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
     m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
     mine, want = greedy_pair(m, hf, ids[0, :PROMPT].tolist(), 24)
     assert mine == want, name
@@ -247,3 +249,24 @@ def test_context_shift_is_refused_with_nope_layers():
         build_cache(cfg, 64, KVConfig.from_settings(k_method="fp16", v_method="fp16", ctx_policy="shift"))
     assert build_cache(tiny_config(), 64, KVConfig.from_settings(k_method="fp16", v_method="fp16",
                                                                  ctx_policy="shift")) is not None
+
+
+QUIRKS = {   # family → what its converted config.json must say
+    "qwen3": dict(architecture="qwen3", qk_norm="head", head_dim=128, tie_word_embeddings=True),
+    "gemma3": dict(architecture="gemma3", qk_norm="head", layer_types=FAMILIES["gemma3"][1]["layer_types"],
+                   sliding_window=16, query_pre_attn_scalar=48.0, rope_theta=1e6, rope_local_theta=1e4,
+                   rope_scaling={"type": "linear", "factor": 2.0}, final_logit_softcapping=30.0),
+    "granite": dict(architecture="granite", embedding_multiplier=12.0, attention_multiplier=0.03,
+                    logits_scaling=2.0, tie_word_embeddings=False),
+    "olmo2": dict(architecture="olmo2", qk_norm="proj"),
+    "smollm3": dict(architecture="smollm3", nope_layers=[1], tie_word_embeddings=True),
+    "mistral": dict(architecture="llama", head_dim=32, num_kv_heads=1),
+    "phi3": dict(architecture="llama", head_dim=96),
+}
+
+
+def test_config_carries_the_quirks(family):
+    from kvrun.model.config import ModelConfig
+    name, _, d32, _, _, _ = family
+    cfg = ModelConfig.from_file(d32 / "config.json")
+    assert {k: getattr(cfg, k) for k in QUIRKS[name]} == QUIRKS[name]

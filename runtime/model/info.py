@@ -42,6 +42,24 @@ def _count_parameters(f: Path) -> int:
     return n_params
 
 
+def _quirks(cfg: ModelConfig) -> dict:
+    """The family settings that differ from a Llama's (config.py), by their config names."""
+    out = {}
+    if cfg.qk_norm:
+        out["qk_norm"] = cfg.qk_norm
+    if cfg.nope_layers:
+        out["nope_layers"] = list(cfg.nope_layers)
+    for name, plain in (("embedding_multiplier", 1.0), ("attention_multiplier", 0.0),
+                        ("logits_scaling", 1.0)):
+        if getattr(cfg, name) != plain:
+            out[name] = getattr(cfg, name)
+    if cfg.query_pre_attn_scalar != cfg.head_dim:
+        out["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
+    if cfg.final_logit_softcapping is not None:
+        out["final_logit_softcapping"] = cfg.final_logit_softcapping
+    return out
+
+
 def model_facts(path) -> dict:
     """The model directory `path` described with typed values (the `info --json` record)."""
     return _describe(path)[1]
@@ -77,6 +95,7 @@ def _describe(path) -> tuple[ModelConfig, dict]:
         "context": cfg.max_position,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling or None,
+        "quirks": _quirks(cfg),
         "vocab": cfg.vocab_size,
         "tied_embeddings": cfg.tie_word_embeddings,
         "chat_template": cfg.chat_template,
@@ -104,6 +123,7 @@ def model_info(path) -> dict:
         "heads (q / kv)": f"{d['heads']} / {d['kv_heads']}, head dim {d['head_dim']}",
         "context": d["context"],
         "rope": f"theta {d['rope_theta']:g}" + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""),
+        **({"quirks": ", ".join(f"{k} {v}" for k, v in d["quirks"].items())} if d["quirks"] else {}),
         "vocab": d["vocab"],
         "tied embeddings": d["tied_embeddings"],
         "chat template": d["chat_template"],

@@ -8,8 +8,9 @@ holds the live sequences and advances them together, one `step()` at a time:
 1. one prefill chunk of the oldest sequence still reading its prompt (the engine's own
    chunked prefill, on its own cache), so a long prompt delays the others by one chunk
    per step, not by its whole prefill;
-2. every sequence with next-token logits samples a token, exactly as `Engine.tokens`
-   does (same order of checks: stop token, max_tokens, full context), and emits it;
+2. every sequence with next-token logits samples a token through the same bookkeeping
+   as `Engine.tokens` (decoding.py `Decoding`: one order of checks, stop token,
+   max_tokens, full context), and emits it;
    finished sequences leave the batch at once;
 3. one forward of the rest, `batch_forward`: B rows through every norm and GEMV (each
    weight read once per step), RoPE at each row's own position, attention per row on
@@ -35,8 +36,8 @@ from kvrun.kernels.native.decode_layer import MAX_ROWS
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
 from .grammar import Grammar
-from .sampling import (MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, next_logprobs, sample,
-                       token_logprob)
+from .decoding import Decoding
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob, next_logprobs, token_logprob
 from .stops import StopStrings, check_stops
 
 
@@ -106,9 +107,7 @@ class Sequence:
         self.stop_ids = stop_ids
         self.stops = StopStrings(check_stops(stop))
         self.on_event = on_event or (lambda ev: None)
-        self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.grammar = grammar.start() if grammar is not None else None
-        self.history = list(prompt)
+        self.decoding = Decoding(prompt, max_tokens, params, stop_ids, grammar)   # as Engine.tokens
         self.timings = Timings()
         # checks the prompt's length
         self.chunks = self.engine.prefill_chunks(self.prompt[self.start:], rows=prompt_logprobs is not None)
@@ -161,23 +160,13 @@ class Sequence:
     def sample_next(self) -> bool:
         """Sample the next token and emit it; True if the sequence goes on (its token is to
         be fed by the next forward)."""
-        allowed = self.grammar.allowed() if self.grammar is not None else None
-        tok = sample(self.logits, self.params, self.history, self.gen, allowed)
-        if self.grammar is not None:
-            self.grammar.accept(tok)
+        tok = self.decoding.sample(self.logits)
         lp = None if self.logprobs is None or tok in self.stop_ids else \
             token_logprob(self.logits, tok, self.logprobs)
-        self.history.append(tok)
         self.tokens.append(tok)
         self.timings.gen_tokens = len(self.tokens)
         self.timings.gen_s = time.perf_counter() - self._t0
-        reason = None
-        if tok in self.stop_ids:
-            reason = "stop"
-        elif len(self.tokens) == self.max_tokens:
-            reason = "length"
-        elif len(self.engine.cached) >= self.engine.max_ctx and not self.engine.can_shift:
-            reason = "context"
+        reason = self.decoding.finish_reason(tok, self.engine)
         text = "" if tok in self.stop_ids else self._dec.push(tok)
         if reason is not None:
             text += self._dec.flush()

@@ -32,8 +32,9 @@ from typing import Iterator, Protocol
 import torch
 
 from ..errors import KvrunError
+from .decoding import Decoding
 from .grammar import Grammar
-from .sampling import SamplingParams, TokenLogprob, sample
+from .sampling import SamplingParams, TokenLogprob
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -280,7 +281,7 @@ class Engine:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise KvrunError(f"-n must be an integer >= 0 (got {max_tokens!r})")
         check_ids(prompt, self.model.cfg.vocab_size)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        dec = Decoding(prompt, max_tokens, params, stop_ids, grammar)     # as a batch's Sequence
         t0 = time.perf_counter()
         start = self.reuse_prefix(prompt, append)
         use_prefix = self.prefix is not None and not append
@@ -288,26 +289,14 @@ class Engine:
             start = self.prefix.resume(self, prompt, start)
         logits = self.prefill(prompt[start:], checkpoint=use_prefix)
         timings.prompt_tokens, timings.prompt_s = len(prompt) - start, time.perf_counter() - t0
-        history = list(prompt)
-        state = grammar.start() if grammar is not None else None
         t0 = time.perf_counter()
         for i in range(max_tokens):
-            tok = sample(logits, params, history, gen,
-                         state.allowed() if state is not None else None)
-            if state is not None:
-                state.accept(tok)
-            history.append(tok)
+            tok = dec.sample(logits)
             timings.gen_tokens, timings.gen_s = i + 1, time.perf_counter() - t0
-            if tok in stop_ids:
-                yield tok, "stop"
+            reason = dec.finish_reason(tok, self)
+            yield tok, reason
+            if reason is not None:
                 return
-            if i == max_tokens - 1:
-                yield tok, "length"
-                return
-            if len(self.cached) >= self.max_ctx and not self.can_shift:
-                yield tok, "context"
-                return
-            yield tok, None
             t1 = time.perf_counter()
             logits = self.decode_step(tok)
             t2 = time.perf_counter()

@@ -55,14 +55,17 @@ def _free_port() -> int:
 def cluster():
     """(base url, Cluster) of the app deployed on two 1-CPU nodes; torn down at the end."""
     from ray.cluster_utils import Cluster
+
+    from kvrun.engine.pull import ensure_default_model
+    path = str(ensure_default_model(progress=None))    # pulled once, before two replicas ask
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     worker = c.add_node(num_cpus=1)
     ray.init(address=c.address, namespace=NS, log_to_driver=False)
     try:
         url = deploy(ClusterSpec(address=c.address, replicas=2, port=_free_port(),
                                  routing="round-robin"),
-                     ReplicaSpec(ctx=CTX, parallel=2, chunk=CHUNK, threads=1, cache_ram=8,
-                                 shared_mb=64, alias=NAME, namespace=NS))
+                     ReplicaSpec(model=path, ctx=CTX, parallel=2, chunk=CHUNK, threads=1,
+                                 cache_ram=8, shared_mb=64, alias=NAME, namespace=NS))
         yield url, c, worker
     finally:
         from ray import serve
@@ -276,7 +279,7 @@ def test_replica_killed_mid_stream(cluster):
         time.sleep(1)
 
 
-def test_prefix_routing_and_its_load_bound(cluster):
+def test_prefix_routing_and_its_load_bound(cluster, single):
     """Redeployed with --routing prefix --load-bound 0: a prompt goes back to the replica
     that computed its prefix; while that one is busy, the next goes to the other (spill)."""
     from ray import serve
@@ -285,8 +288,8 @@ def test_prefix_routing_and_its_load_bound(cluster):
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     deploy(ClusterSpec(address=cluster[1].address, replicas=2, port=port, routing="prefix",
                        load_bound=0),
-           ReplicaSpec(ctx=CTX, parallel=2, chunk=CHUNK, threads=1, cache_ram=8, shared_mb=64,
-                       alias=NAME, namespace=NS))
+           ReplicaSpec(model=str(single[1].path), ctx=CTX, parallel=2, chunk=CHUNK, threads=1,
+                       cache_ram=8, shared_mb=64, alias=NAME, namespace=NS))
     q = "Which crust is crispest? " + "Our ovens run hot and our loaves rest overnight. " * 6
     served_by = {ask(client(url), q, n=2)[1] for _ in range(3)}
     assert len(served_by) == 1                      # affinity: the same replica each time

@@ -102,6 +102,13 @@ class Hadamard:
         block_size(self.D)                                          # an odd D is refused here
         self._matrix = None
 
+    @classmethod
+    def for_head_dim(cls, D: int, seed: int | None, device="cpu") -> "Hadamard":
+        """The one construction every cache's rotation comes from: signs from `seed`
+        (`random_signs`; part of the cache's format), or none (all +1) for seed None."""
+        signs = random_signs(D, seed) if seed is not None else torch.ones(D)
+        return cls(signs).to(device)
+
     def to(self, device) -> "Hadamard":
         return Hadamard(self.signs.to(device))
 

@@ -49,8 +49,8 @@ from kvrun.kernels.codecs import make_codec
 from kvrun.kernels.dispatch import (attend_append, attn_path, decode_attention, fused_step,  # per backend
                                  pack, rope_compress_k, select, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
-from kvrun.kernels.hadamard import (KeyMap, random_signs, rotate, rotate_k, rotate_step, rotation_matrix,
-                                    unrotate, unrotate_k)
+from kvrun.kernels.hadamard import (Hadamard, KeyMap, rotate, rotate_k, rotate_step, unrotate,
+                                    unrotate_k)
 from ..errors import KvrunError
 from .arena_evict import ArenaEviction, lossless_codec, tail_sizes
 from .arena_shift import shift_layer
@@ -122,8 +122,8 @@ class KVArena(KVCache):
         self.attn = attn_path() if self.backend == "native" else "fp32"
         # Hadamard rotation: K and/or V are stored as x @ R; the read
         # path rotates q once and un-rotates the attention output once, never the cache.
-        signs = random_signs(head_dim, kv.rotation.seed) if kv.rotation.seed is not None else None
-        rmat = rotation_matrix(head_dim, signs).to(device)                # (D, D) orthogonal
+        # (D, D) orthogonal: the matrix form the arena's kernels take (a KeyMap folds into it)
+        rmat = Hadamard.for_head_dim(head_dim, kv.rotation.seed, device).matrix
         # (a codec that assumes rotated rows, codebook.py's, rotates its role in any case)
         rots = kv.rotation.layers(n_layers)
         self.rot_k = [rmat if kr else None for kr in kv.k_rotated(n_layers)]

@@ -63,7 +63,7 @@ import torch
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
 from kvrun.kernels.dispatch import ring_step, select
-from kvrun.kernels.hadamard import Hadamard, random_signs, rotate, rotate_step, unrotate
+from kvrun.kernels.hadamard import Hadamard, rotate, rotate_step, unrotate
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
 from . import layered_step
@@ -165,7 +165,7 @@ class SlidingWindowKV:
         # K always, V with rotate_v, stored as x @ R (module docstring); fp16 rings never
         # (a Hadamard: the butterfly, the same bits in C and torch on every CPU)
         self.rot_k = None if bits == 16 else \
-            Hadamard(random_signs(head_dim, RING_SIGNS_SEED)).to(device)
+            Hadamard.for_head_dim(head_dim, RING_SIGNS_SEED, device)
         self.rot_v = self.rot_k if rotate_v else None
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:

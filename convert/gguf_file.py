@@ -8,14 +8,17 @@ differ from an HF checkpoint and are undone here:
    `weights="int8"|"int4"` linear weights are stored quantized instead (quantize.py): Q4_0/
    Q4_1 blocks are repacked into int4 (group 32) byte for byte, everything else is
    dequantized and quantized again.
-2. Q/K row order: llama.cpp's convert_hf_to_gguf.py permutes the rows of the `llama`
-   architecture's attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
+2. Q/K row order: llama.cpp's convert_hf_to_gguf.py permutes the rows of the `llama`,
+   `granite` and `smollm3` architectures' attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
    adjacent pairs; kvrun's RoPE is HF's rotate-half, so the rows are put back (`unpermute`).
    Qwen2, Qwen3 and OLMo 2 files are written without this permutation (llama.cpp runs
    them with NEOX-style RoPE, HF's rotate-half).
 3. Names: `blk.N.attn_q` → `model.layers.N.self_attn.q_proj` etc. (`_NAMES`; Gemma 3's,
    Qwen3's and OLMo 2's norms map differently: `_NAMES_BY_ARCH`).
-4. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
+4. Granite: its multipliers are the `embedding_scale`, `attention.scale`, `logit_scale`
+   metadata; `residual_scale` is folded into o_proj and down_proj as convert/hf_families.py
+   does. SmolLM3: NoPE on every 4th layer, as llama.cpp assumes.
+5. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
    weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows are
    not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half).
 
@@ -44,7 +47,13 @@ from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
                      validate_tensors, write_model_dir)
 
 # GGUF → kvrun architecture
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "olmo2": "olmo2"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "olmo2": "olmo2",
+          "granite": "granite", "smollm3": "smollm3"}
+# llama.cpp's converter permutes attn_q / attn_k of the architectures it writes through its
+# LlamaModel class (GraniteModel and SmolLM3Model subclass it)
+_PERMUTED = ("llama", "granite", "smollm3")
+# SmolLM3: the GGUF stores no NoPE layer list; llama.cpp (llama-model.cpp) fixes every 4th
+SMOLLM3_NOPE_EVERY = 4
 _SUPPORTED_NAMES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                     "Q6_K")
 
@@ -210,6 +219,13 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
         # Some GGUF converters drop the chat template; every Gemma 3 uses the same one.
         template = "gemma" if template == "none" else template
         extra = _gemma3_fields(meta, head_dim)
+    elif arch == "granite":
+        extra = dict(embedding_multiplier=_f32(meta.get("granite.embedding_scale", 1.0)),
+                     attention_multiplier=_f32(meta.get("granite.attention.scale", 0.0)),
+                     logits_scaling=_f32(meta.get("granite.logit_scale", 1.0)))
+    elif arch == "smollm3":
+        extra = dict(nope_layers=[i for i in range(int(need("block_count")))
+                                  if (i + 1) % SMOLLM3_NOPE_EVERY == 0])
     bos, eos, add_bos = _special_ids(meta, template)
     return ModelConfig(**extra,
         architecture=_ARCHS[arch], vocab_size=vocab, hidden_size=hidden,
@@ -261,23 +277,25 @@ def _dequantize(t) -> np.ndarray:
     return np.array(out, dtype=np.float32, order="C").reshape(_torch_shape(t))
 
 
-def _quantized_parts(t, name: str, weights: str, group: int, log) -> dict[str, torch.Tensor]:
-    """Stored int8/int4 parts of one GGUF tensor (still in llama.cpp's Q/K row order)."""
+def _quantized_parts(t, name: str, weights: str, group: int, log,
+                     scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Stored int8/int4 parts of one GGUF tensor times `scale` (still in llama.cpp's Q/K row
+    order)."""
     import gguf
     from kvrun.model.qlinear import int4_group
     qtype = gguf.GGMLQuantizationType(t.tensor_type).name
     shape = _torch_shape(t)
     fmt = target_format(name, weights)
-    if fmt == "int4" and qtype in ("Q4_0", "Q4_1") and int4_group(shape[1], group) == 32:
+    if fmt == "int4" and qtype in ("Q4_0", "Q4_1") and int4_group(shape[1], group) == 32 and scale == 1.0:
         base = name[:-len(".weight")]
         parts = {f"{base}.{k}": v for k, v in repack_gguf_q4(t.data, qtype, shape).items()}
         how = f"int4 g32 <- {qtype} repacked"
     else:
         w = torch.from_numpy(_dequantize(t))
-        parts = quantize(name, w, weights, group)
+        parts = quantize(name, w * scale if scale != 1.0 else w, weights, group)
         how = f"{fmt}{' g%d' % int4_group(shape[1], group) if fmt == 'int4' else ''} <- {qtype}"
     if log:
-        log(describe(name, how, torch.from_numpy(_dequantize(t)), parts))
+        log(describe(name, how, torch.from_numpy(_dequantize(t)) * scale, parts))
     return parts
 
 
@@ -320,16 +338,20 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
     cfg.weights, cfg.weight_group = weights, (group if weights == "int4" else 0)
     expected_tensors(cfg)                  # int4 needs rows that split into groups: fail now
     tensors: dict[str, torch.Tensor] = {}
+    residual = _f32(meta.get("granite.residual_scale", 1.0)) if arch == "granite" else 1.0
     for i, t in enumerate(todo):
         name = hf_name(t.name, arch)
         n_perm = None
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_perm = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        scale = residual if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
         if weights != "float" and is_quantized(name):
-            parts = _quantized_parts(t, name, weights, group, log)
+            parts = _quantized_parts(t, name, weights, group, log, scale)
             tensors.update({k: unpermute(v, n_perm) if n_perm else v for k, v in parts.items()})
         else:
             w = torch.from_numpy(_dequantize(t))
+            if scale != 1.0:                # Granite's residual_scale (the module docstring)
+                w = w * scale
             if arch == "gemma3" and name.endswith("norm.weight"):
                 w = w - 1       # llama.cpp stores Gemma's (1 + w); kvrun keeps HF's w
             tensors[name] = (unpermute(w, n_perm) if n_perm else w).to(target)

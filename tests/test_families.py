@@ -10,9 +10,11 @@ layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrain
   fp16 rows, and a compressed --kv), on the torch and the native backend, against the
   oracle's full forward over the same 64 tokens;
 - greedy tokens through `Model.stream`, identical to `generate`;
-- GGUF (Qwen3, OLMo 2): the same checkpoint written as llama.cpp's convert_hf_to_gguf.py
-  names and lays out those architectures (gguf's own tensor-name table, no Q/K permutation,
-  f32 tensors), converted with `convert_gguf`, gives the same logits;
+- GGUF (Qwen3, OLMo 2, Granite, SmolLM3): the same checkpoint written as llama.cpp's
+  convert_hf_to_gguf.py names and lays out those architectures (gguf's own tensor-name
+  table; Q/K permuted for Granite and SmolLM3, its LlamaModel subclasses; Granite's
+  multipliers as *_scale metadata; SmolLM3 with llama.cpp's NoPE every 4th layer), f32
+  tensors, converted with `convert_gguf`, gives the same logits;
 - the native one-call decode step (int8 weights, fp32 GEMVs) against the eager forward of
   the same int8 model, for every family the step takes (OLMo 2 is declared eager-only).
 """
@@ -31,6 +33,7 @@ from kvrun.kv.build import build_cache
 from kvrun.model import qlinear
 from kvrun.model.native_step import NativeDecodeStep, supported
 from hf_oracle import greedy_pair
+from test_convert import _permute
 from tiny import byte_level_tokenizer
 
 PROMPT, STEPS = 40, 24                  # 64 tokens: one prefill chunk, then decode steps
@@ -68,12 +71,14 @@ FAMILIES = {
 KV = ("fp32", "fp16", "kivi-4")
 
 
-def _checkpoint(root, family: str):
-    """(HF folder, the transformers model) of a random 2-layer checkpoint of `family`."""
+def _checkpoint(root, family: str, **over):
+    """(HF folder, the transformers model) of a random 2-layer checkpoint of `family`
+    (`over`: config keys replaced)."""
     import transformers
     cls, kw = FAMILIES[family]
+    kw = {"num_hidden_layers": 2, **kw, **over}
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls)(num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256,
+    cfg = getattr(transformers, cls)(vocab_size=VOCAB, max_position_embeddings=256,
                                      rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15,
                                      **kw)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -154,6 +159,11 @@ def _write_gguf(path, arch: str, hf) -> None:
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(0)
+    if arch == "granite":                       # llama.cpp's GraniteModel: *_multiplier → *_scale
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     tok = byte_level_tokenizer()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
@@ -169,24 +179,37 @@ def _write_gguf(path, arch: str, hf) -> None:
     inverse = {hf_name(f"{n.format(bid=i)}.weight", arch): f"{n.format(bid=i)}.weight"
                for n in names for i in range(c.num_hidden_layers)}
     for k, t in hf.state_dict().items():
+        t = t.detach().float()
+        if arch in ("granite", "smollm3") and k.endswith(("q_proj.weight", "k_proj.weight")):
+            t = _permute(t, c.num_attention_heads if "q_proj" in k else c.num_key_value_heads)
         if not (c.tie_word_embeddings and k == "lm_head.weight"):
-            w.add_tensor(inverse[k], t.detach().float().numpy())
+            w.add_tensor(inverse[k], t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
+GGUF_FAMILIES = ("qwen3", "olmo2", "granite", "smollm3")
+
+
 def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatch):
     name, hf, _, _, ref, ids = family
-    if name not in ("qwen3", "olmo2"):
+    if name not in GGUF_FAMILIES:
         pytest.skip(f"kvrun converts no {name} GGUF")
+    if name == "smollm3":     # llama.cpp's SmolLM3 is NoPE on every 4th layer: 4 layers, HF's default
+        _, hf = _checkpoint(tmp_path, name, num_hidden_layers=4, no_rope_layers=None)
+        with torch.no_grad():
+            ref = hf(ids).logits[0].float()
     _write_gguf(tmp_path / "m.gguf", name, hf)
-    cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="fp32")
-    assert (cfg.architecture, cfg.head_dim, cfg.tie_word_embeddings) == \
-        (name, hf.config.head_dim if name == "qwen3" else 64, hf.config.tie_word_embeddings)
+    for weights in ("float", "int8"):
+        cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / weights, dtype="fp32", weights=weights)
+        assert (cfg.architecture, cfg.tie_word_embeddings) == (name, hf.config.tie_word_embeddings)
+    assert {k: getattr(cfg, k) for k in QUIRKS[name] if k != "nope_layers"} == \
+        {k: v for k, v in QUIRKS[name].items() if k != "nope_layers"}
+    assert cfg.nope_layers == ([3] if name == "smollm3" else [])
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
-    m = kvrun.load(tmp_path / "out", dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    m = kvrun.load(tmp_path / "float", dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
     got = _stepped(m.transformer, build_cache(m.cfg, 128, "fp32"), ids)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name} GGUF: {s}")
 

@@ -36,7 +36,7 @@ def per_byte(bits: int) -> int:
     return 8 // bits
 
 
-def planes(bits: int) -> list[tuple[str, int, int]]:
+def byte_planes(bits: int) -> list[tuple[str, int, int]]:
     """The byte-plane buffers of `bits`-bit codes: (slot name, plane width, code shift).
     3 bits are split in two buffers, the low two bits ("codes", 2-bit planes) and the third
     ("hi", 1-bit planes), so every plane keeps the layout above: a 32-token run of a channel
@@ -102,7 +102,7 @@ def unpack_into(buf: torch.Tensor, a: int, s1: int, bits: int, ws, key: str = "k
 
 
 def add_high(u: torch.Tensor, hi: torch.Tensor, a: int, s1: int, ws) -> torch.Tensor:
-    """u = unpack_into(lo, a, s1, 2) of a split 3-bit buffer (planes(3)), a a multiple of
+    """u = unpack_into(lo, a, s1, 2) of a split 3-bit buffer (byte_planes(3)), a a multiple of
     unit(1): add 4 × the third bit from the 1-bit buffer `hi`, in u's plane-major order.
     Token a + 128·i + 32·e + j is run e of 2-bit block i, and run 4·(i % 2) + e of 1-bit
     block i // 2."""

@@ -83,20 +83,21 @@ def tok_unit(bits: int) -> int:
     return 128 if bits == 2 else 64
 
 
-def planes(bits: int) -> int:
+def nibble_planes(bits: int) -> int:
+    """Nibble planes of the nibble layouts (8 bits: hi and lo; else one)."""
     return 2 if bits == 8 else 1
 
 
 def tok_shape(bits: int, Hkv: int, D: int, S: int) -> tuple:
     U = tok_unit(bits)
     nsb = -(-S // U)
-    return (Hkv, planes(bits), nsb, D, 32)                               # uint8
+    return (Hkv, nibble_planes(bits), nsb, D, 32)                               # uint8
 
 
 def chan_shape(bits: int, Hkv: int, D: int, S: int) -> tuple:
     Dp = -(-D // 64)
     rows = -(-S // 64) * 32 if bits == 2 else -(-S // 64) * 64           # token rows
-    return (Hkv, planes(bits), Dp, rows, 32)                             # uint8
+    return (Hkv, nibble_planes(bits), Dp, rows, 32)                             # uint8
 
 
 def _split_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
@@ -139,7 +140,7 @@ def tok_codes(buf: torch.Tensor, s0: int, s1: int, bits: int) -> torch.Tensor:
     a, e = s0 // U * U, -(-s1 // U) * U
     j, shift = _tok_pos(U)
     out = 0
-    for p in range(planes(bits)):
+    for p in range(nibble_planes(bits)):
         b = buf[:, p, a // U:e // U].to(torch.int32)                     # (Hkv, nsb, D, 32)
         c = (b[..., j] >> shift) & (3 if bits == 2 else 15)              # (Hkv, nsb, D, U)
         c = c.transpose(2, 3).reshape(b.shape[0], -1, b.shape[2])[:, s0 - a:s1 - a]
@@ -170,7 +171,7 @@ def tok_dot(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int,
             outs += [_op(xb[h], m[half].view(N // 2, D // 2), 32, unit) for half in range(2)]
         else:
             outs += [_op(xb[h], buf[h, p, a // U:e // U].view(N, D // 2), 32, unit)
-                     for p in range(planes(bits))]
+                     for p in range(nibble_planes(bits))]
     # one bf16 → fp32 conversion for every head and plane (mixed-dtype ops are slow on CPU)
     # (into reused buffers: fresh ~100 kB temporaries page-fault every step)
     o16 = torch.stack(outs, out=ws.get_as("tok_bf16", (len(outs),) + tuple(outs[0].shape), torch.bfloat16))
@@ -221,7 +222,7 @@ def chan_codes(buf: torch.Tensor, s0: int, s1: int, bits: int, D: int) -> torch.
     """Explicit codes (Hkv, n, D) float32 for tokens [s0, s1)."""
     Hkv = buf.shape[0]
     out = 0
-    for p in range(planes(bits)):
+    for p in range(nibble_planes(bits)):
         if bits == 2:
             a, e = s0 // 64 * 64, -(-s1 // 64) * 64
             b = buf[:, p, :, a // 2:e // 2].to(torch.int32)              # (Hkv, Dp/64, rows, 32)
@@ -274,8 +275,8 @@ def chan_mix(x: torch.Tensor, buf: torch.Tensor, s0: int, s1: int, bits: int, D:
         xb = x.to(torch.bfloat16).contiguous()
         unit = _unit(n // 32, 64, bits, x.device)
         outs = [_op(xb[h], buf[h, p, c, s0:s1].view(64, n // 2), 32, unit)
-                for h in range(Hkv) for c in range(nc) for p in range(planes(bits))]
-        o = torch.stack(outs).float().view(Hkv, nc, planes(bits), M, 64)
+                for h in range(Hkv) for c in range(nc) for p in range(nibble_planes(bits))]
+        o = torch.stack(outs).float().view(Hkv, nc, nibble_planes(bits), M, 64)
         o = torch.add(o[:, :, 1], o[:, :, 0], alpha=16) if bits == 8 else o[:, :, 0]
         out = o.permute(0, 2, 1, 3).reshape(Hkv, M, nc * 64)
         if centered:

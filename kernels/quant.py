@@ -60,7 +60,8 @@ def quantize_sym_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # -- bit packing ------------------------------------------------------------------------
 
-def planes(bits: int) -> int:
+def word_planes(bits: int) -> int:
+    """Codes per int32 word of the word-packed layout (`pack_codes`): its token planes."""
     return 32 // bits
 
 
@@ -72,7 +73,7 @@ def pack_codes(codes: torch.Tensor, bits: int, G: int) -> torch.Tensor:
     the two's-complement field c - 2^(bits-1) so that masking alone yields a signed value.
     """
     *lead, n, D = codes.shape
-    P = planes(bits)
+    P = word_planes(bits)
     J = G // P
     assert n % G == 0 and G % P == 0, (n, G, P)
     c = codes.to(torch.int64).reshape(*lead, n // G, P, J, D)             # (..., nb, P, J, D)
@@ -94,7 +95,7 @@ def unpack_codes_into(words: torch.Tensor, bits: int, G: int, out: torch.Tensor,
     v = (c - β_t) / α_t — the codes up to a per-token power-of-two scale and offset
     (see `plane_fold`). Two wide ops (mask, int→float in place): no shifts, which torch
     runs slowly on CPU, and no per-plane Python loop."""
-    P = planes(bits)
+    P = word_planes(bits)
     J = G // P
     *lead, rows, D = words.shape
     m = _MASKS.get(bits)
@@ -114,7 +115,7 @@ def plane_fold(n: int, bits: int, G: int, device=None) -> tuple[torch.Tensor, to
     """(α, β): (n,) float32 with code c_t = α_t · v_t + β_t for unpacked values v."""
     key = (n, bits, G, str(device))
     if key not in _FOLD:
-        P = planes(bits)
+        P = word_planes(bits)
         J = G // P
         plane = (torch.arange(n) % G) // J                                # (n,)
         alpha = torch.pow(2.0, -(bits * plane).double()).float()
@@ -126,7 +127,7 @@ def plane_fold(n: int, bits: int, G: int, device=None) -> tuple[torch.Tensor, to
 def unpack_codes(words: torch.Tensor, bits: int, G: int) -> torch.Tensor:
     """Integer codes as float32 (..., n, D) — for dequantization and tests."""
     *lead, rows, D = words.shape
-    n = rows * planes(bits)
+    n = rows * word_planes(bits)
     out = torch.empty(*lead, n, D, dtype=torch.float32, device=words.device)
     unpack_codes_into(words, bits, G, out)
     alpha, beta = plane_fold(n, bits, G, words.device)

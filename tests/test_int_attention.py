@@ -74,7 +74,7 @@ def kivi_logits(qh, kc, ks, n_tail):
     amax = qs.abs().amax(-1, keepdim=True)
     qi = torch.round(qs * torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax)))
     codes = sum(chanpack.codes(ks[name], 0, n_tail, w) * (1 << sh)         # 3 bits: two planes
-                for name, w, sh in chanpack.planes(kc.bits)).view(Hkv, nt, 32, D)
+                for name, w, sh in chanpack.byte_planes(kc.bits)).view(Hkv, nt, 32, D)
     dots = torch.einsum("hnrd,hnjd->hnrj", qi.double(), codes.double())  # exact integers
     bias = (qh[:, None] * z).sum(-1, keepdim=True)                        # (Hkv, nt, R, 1)
     tail = (dots.float().double() * (amax / QMAX).double() + bias.double()).float()   # C: fmaf(float(sum), d, q . z)

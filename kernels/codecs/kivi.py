@@ -47,7 +47,7 @@ class KiviCodec(Codec):
             par = (Hkv, S, D // self.g)                       # per (head, token, channel group)
             unit = 1
         codes = ([Slot(name, "codes", chanpack.shape(w, Hkv, D, S), torch.uint8, 2, chanpack.per_byte(w))
-                  for name, w, _ in chanpack.planes(self.bits)] if self.role == "k"
+                  for name, w, _ in chanpack.byte_planes(self.bits)] if self.role == "k"
                  else [self._nib_slot(Hkv, D, S, self.bits)])
         return [*codes,
                 Slot("scale", "scales_zeros", par, torch.float16, 1, unit),
@@ -75,7 +75,7 @@ class KiviCodec(Codec):
             st["zero"][:, s0:s0 + n] = zero[..., 0]
         if self.role == "k":
             codes = codes.reshape(Hkv, n, D)
-            for name, w, sh in chanpack.planes(self.bits):
+            for name, w, sh in chanpack.byte_planes(self.bits):
                 chanpack.write(st[name], (codes >> sh) & ((1 << w) - 1), s0, w)
         else:
             self._nib_write(st, codes.reshape(Hkv, n, D), s0, self.bits)
@@ -84,7 +84,7 @@ class KiviCodec(Codec):
     def dequant(self, st, s0, s1):
         if self.role == "k":                                             # integer codes
             C = sum(chanpack.codes(st[name], s0, s1, w) * (1 << sh)
-                    for name, w, sh in chanpack.planes(self.bits))
+                    for name, w, sh in chanpack.byte_planes(self.bits))
         else:
             C = self._nib_codes(st, s0, s1, self.bits, self.D)
         Hkv, n, D = C.shape
@@ -106,7 +106,7 @@ class KiviCodec(Codec):
         assert self.role == "k"
         Hkv, R, D = qg.shape
         G, n = self.G, s1 - s0
-        planes = chanpack.planes(self.bits)
+        planes = chanpack.byte_planes(self.bits)
         bits = planes[0][1]                                              # the "codes" planes' width
         U = max(chanpack.unit(w) for _, w, _ in planes)
         a = s0 // U * U                                                  # block-aligned start

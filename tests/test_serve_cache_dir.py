@@ -6,10 +6,6 @@ starts from them too."""
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -17,29 +13,15 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")
 
-from hostile_serving import call  # noqa: E402
+from serving import kvrun_serve  # noqa: E402
 from test_serve_features import scrape  # noqa: E402
 
 N_GEN = 10
 
 
 def _serve(cache_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "serve", "-t", "1",
-                          "-c", "1024", "-b", "64", "--kv", "auto", "--cache-ram", "64",
-                          "--cache-dir", str(cache_dir), "--cache-disk-mb", "64",
-                          "--port", str(port), "--alias", "x"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        assert p.poll() is None, p.stderr.read()
-        assert time.monotonic() < deadline, "kvrun serve did not start"
-        try:
-            if call(port, "GET", "/health", timeout=2)[0] == 200:
-                return p, port
-        except OSError:
-            time.sleep(0.2)
+    return kvrun_serve("-c", "1024", "-b", "64", "--kv", "auto", "--cache-ram", "64",
+                       "--cache-dir", str(cache_dir), "--cache-disk-mb", "64", "--alias", "x")
 
 
 def _stop(p):

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -227,6 +228,17 @@ def test_client_gone_frees_the_replicas_slot(cluster):
                        replica=replica) == 0
 
 
+def _logged(cluster, text: str) -> bool:
+    """Whether a replica's log (the nodes' Ray session directories) has `text`."""
+    dirs = {n.get_session_dir_path() for n in (cluster[1].head_node, cluster[2])}
+    for d in dirs:
+        for f in Path(d, "logs").rglob("*"):
+            if f.is_file() and f.suffix in (".err", ".out", ".log") and \
+                    text in f.read_text(errors="replace"):
+                return True
+    return False
+
+
 def test_shared_tier_down_falls_back_to_local_caches(cluster, single):
     url = cluster[0]
     ray.kill(ray.get_actor(STORE_NAME, namespace=NS), no_restart=True)
@@ -237,6 +249,7 @@ def test_shared_tier_down_falls_back_to_local_caches(cluster, single):
     text = metrics(url)
     assert value(text, "kvrun_cluster_store_up") == 0
     assert wait_metric(url, "kvrun_replica_shared_tier_up", lambda v: v == 0) == 0
+    assert _logged(cluster, "shared prefix tier unreachable"), "no log line says the tier is down"
     # a store back under the name: the replicas use it again after their retry delay
     store = ray.remote(PrefixStore).options(name=STORE_NAME, namespace=NS, lifetime="detached",
                                             num_cpus=0).remote(64 << 20)

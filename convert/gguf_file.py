@@ -17,7 +17,9 @@ differ from an HF checkpoint and are undone here:
    Qwen3's and OLMo 2's norms map differently: `_NAMES_BY_ARCH`).
 4. Granite: its multipliers are the `embedding_scale`, `attention.scale`, `logit_scale`
    metadata; `residual_scale` is folded into o_proj and down_proj as convert/hf_families.py
-   does. SmolLM3: NoPE on every 4th layer, as llama.cpp assumes.
+   does. SmolLM3: NoPE on every 4th layer, as llama.cpp assumes. Phi-3: its fused
+   attn_qkv / ffn_up (gate | up) are split into Llama's projections (after quantizing, row
+   by row: hf_families.split_fused); longrope files (rope_factors_* tensors) are refused.
 5. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
    weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows are
    not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half).
@@ -40,6 +42,7 @@ from kvrun.files import file_sha256
 from kvrun.kernels.rope import inv_frequencies
 
 from .gguf_tokenizer import tokenizer_from_gguf
+from .hf_families import split_fused
 from .quantize import (check_weight_format, describe, is_quantized, quantize, repack_gguf_q4,
                        target_format)
 from .templates import chat_stop_tokens, detect_chat_template
@@ -48,7 +51,7 @@ from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
 
 # GGUF → kvrun architecture
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "olmo2": "olmo2",
-          "granite": "granite", "smollm3": "smollm3"}
+          "granite": "granite", "smollm3": "smollm3", "phi3": "llama"}
 # llama.cpp's converter permutes attn_q / attn_k of the architectures it writes through its
 # LlamaModel class (GraniteModel and SmolLM3Model subclass it)
 _PERMUTED = ("llama", "granite", "smollm3")
@@ -74,7 +77,10 @@ _NAMES_GEMMA3 = {**_NAMES, "ffn_norm": "pre_feedforward_layernorm",
 _NAMES_QWEN3 = {**_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _NAMES_OLMO2 = {**_NAMES_QWEN3, "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-_NAMES_BY_ARCH = {"gemma3": _NAMES_GEMMA3, "qwen3": _NAMES_QWEN3, "olmo2": _NAMES_OLMO2}
+# Phi-3: fused projections under HF's fused names, split after reading (hf_families.split_fused)
+_NAMES_PHI3 = {**_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_NAMES_BY_ARCH = {"gemma3": _NAMES_GEMMA3, "qwen3": _NAMES_QWEN3, "olmo2": _NAMES_OLMO2,
+                  "phi3": _NAMES_PHI3}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -213,6 +219,9 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
         raise KvrunError("GGUF file has no token_embd.weight tensor")
     vocab = int(tensors["token_embd.weight"].shape[-1])      # GGUF dims are (cols, rows)
     rope_freqs = tensors.get("rope_freqs.weight")
+    if "rope_factors_long.weight" in tensors:
+        raise KvrunError(f"{arch} with longrope scaling (rope_factors_long: the 128k-context "
+                         "variants) is not supported")
     template, default_system = detect_chat_template(meta.get("tokenizer.chat_template"))
     extra = {}
     if arch == "gemma3":
@@ -327,14 +336,19 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
                          f"embedding only {cfg.vocab_size} rows")
 
     todo = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
-    arch = cfg.architecture
+    arch = meta["general.architecture"]            # the GGUF's (phi3 runs as kvrun's llama)
     for t in todo:
         if hf_name(t.name, arch) is None:
             raise KvrunError(f"GGUF tensor {t.name} has no kvrun equivalent; "
                              "unsupported model variant")
+
+    def unfused(ts: dict) -> dict:
+        if arch == "phi3":
+            split_fused(ts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return ts
     # Check names and shapes on meta tensors first: no dequantizing a file that cannot load.
-    validate_tensors(cfg, {hf_name(t.name, arch): torch.empty(_torch_shape(t), device="meta")
-                           for t in todo})
+    validate_tensors(cfg, unfused({hf_name(t.name, arch): torch.empty(_torch_shape(t), device="meta")
+                                   for t in todo}))
     cfg.weights, cfg.weight_group = weights, (group if weights == "int4" else 0)
     expected_tensors(cfg)                  # int4 needs rows that split into groups: fail now
     tensors: dict[str, torch.Tensor] = {}
@@ -358,6 +372,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
         if progress:
             progress(i + 1, len(todo), name)
 
+    unfused(tensors)
     cfg.source = {"format": "gguf", "path": str(path), "sha256": file_sha256(path),
                   "file_type": meta.get("general.file_type")}
     write_model_dir(out_dir, cfg, tensors, tokenizer.to_str(), overwrite=overwrite)

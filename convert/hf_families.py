@@ -23,6 +23,7 @@ them: kvrun attends over the whole context (see README's families table).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,21 +114,28 @@ def _phi3_fields(hf: dict) -> dict:
     return {}
 
 
-def _phi3_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
-    """qkv_proj (rows q | k | v) and gate_up_proj (rows gate | up) into Llama's projections."""
-    H, C = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-    Hkv = int(hf.get("num_key_value_heads") or H)
-    D = int(hf.get("head_dim") or C // H)
-    for k in [k for k in raw if k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
-        w, base = raw.pop(k), k.rsplit(".", 2)[0]
-        if k.endswith("qkv_proj.weight"):
+def split_fused(raw: dict[str, torch.Tensor], H: int, Hkv: int, D: int) -> None:
+    """Phi-3's fused qkv_proj (rows q | k | v) and gate_up_proj (rows gate | up) into Llama's
+    projections, in place. Every stored part is split along its rows (dim 0): a float
+    `weight`, or the quantized `qweight` / `scales` / `mins` of one (one scale row per
+    weight row), so the GGUF converter splits after quantizing too."""
+    fused = re.compile(r"(.*)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(\w+)$")
+    for k in [k for k in raw if fused.match(k)]:
+        prefix, which, part = fused.match(k).groups()
+        w = raw.pop(k)
+        if which == "self_attn.qkv_proj":
             if w.shape[0] != (H + 2 * Hkv) * D:
                 raise KvrunError(f"tensor {k} has {w.shape[0]} rows, the config implies {(H + 2 * Hkv) * D}")
-            q, kk, v = w.split([H * D, Hkv * D, Hkv * D])
-            raw.update({f"{base}.q_proj.weight": q, f"{base}.k_proj.weight": kk, f"{base}.v_proj.weight": v})
+            names, pieces = ("q_proj", "k_proj", "v_proj"), w.split([H * D, Hkv * D, Hkv * D])
+            names = [f"self_attn.{n}" for n in names]
         else:
-            gate, up = w.chunk(2)
-            raw.update({f"{base}.gate_proj.weight": gate, f"{base}.up_proj.weight": up})
+            names, pieces = ("mlp.gate_proj", "mlp.up_proj"), w.chunk(2)
+        raw.update({f"{prefix}.{n}.{part}": t.contiguous() for n, t in zip(names, pieces)})
+
+
+def _phi3_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
+    H, C = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    split_fused(raw, H, int(hf.get("num_key_value_heads") or H), int(hf.get("head_dim") or C // H))
 
 
 @dataclass(frozen=True)

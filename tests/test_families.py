@@ -10,10 +10,11 @@ layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrain
   fp16 rows, and a compressed --kv), on the torch and the native backend, against the
   oracle's full forward over the same 64 tokens;
 - greedy tokens through `Model.stream`, identical to `generate`;
-- GGUF (Qwen3, OLMo 2, Granite, SmolLM3): the same checkpoint written as llama.cpp's
+- GGUF (Qwen3, OLMo 2, Granite, SmolLM3, Phi-3): the same checkpoint written as llama.cpp's
   convert_hf_to_gguf.py names and lays out those architectures (gguf's own tensor-name
   table; Q/K permuted for Granite and SmolLM3, its LlamaModel subclasses; Granite's
-  multipliers as *_scale metadata; SmolLM3 with llama.cpp's NoPE every 4th layer), f32
+  multipliers as *_scale metadata; SmolLM3 with llama.cpp's NoPE every 4th layer; Phi-3's
+  projections fused as attn_qkv / ffn_up), f32
   tensors, converted with `convert_gguf`, gives the same logits;
 - the native one-call decode step (int8 weights, fp32 GEMVs) against the eager forward of
   the same int8 model, for every family the step takes (OLMo 2 is declared eager-only).
@@ -190,7 +191,7 @@ def _write_gguf(path, arch: str, hf) -> None:
     w.close()
 
 
-GGUF_FAMILIES = ("qwen3", "olmo2", "granite", "smollm3")
+GGUF_FAMILIES = ("qwen3", "olmo2", "granite", "smollm3", "phi3")
 
 
 def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatch):
@@ -204,7 +205,7 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
     _write_gguf(tmp_path / "m.gguf", name, hf)
     for weights in ("float", "int8"):
         cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / weights, dtype="fp32", weights=weights)
-        assert (cfg.architecture, cfg.tie_word_embeddings) == (name, hf.config.tie_word_embeddings)
+        assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert {k: getattr(cfg, k) for k in QUIRKS[name] if k != "nope_layers"} == \
         {k: v for k, v in QUIRKS[name].items() if k != "nope_layers"}
     assert cfg.nope_layers == ([3] if name == "smollm3" else [])
@@ -212,6 +213,16 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
     m = kvrun.load(tmp_path / "float", dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
     got = _stepped(m.transformer, build_cache(m.cfg, 128, "fp32"), ids)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name} GGUF: {s}")
+    # the int8 conversion's weights: those of the same checkpoint converted from its HF folder
+    from safetensors.torch import load_file
+    from_hf = tmp_path / "hf-int8"
+    convert_hf(_checkpoint(tmp_path / "again", name, **({"num_hidden_layers": 4, "no_rope_layers": None}
+                                                        if name == "smollm3" else {}))[0],
+               from_hf, dtype="fp32", weights="int8")
+    a, b = load_file(str(tmp_path / "int8" / "model.safetensors")), load_file(str(from_hf / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6 if a[k].is_floating_point() else 1, rtol=1e-5, msg=k)
 
 
 def test_native_step_equals_the_eager_forward(family, monkeypatch):

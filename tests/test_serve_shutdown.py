@@ -142,18 +142,25 @@ def _slow_after_stop(monkeypatch, stopping: threading.Event, seconds: float):
     monkeypatch.setattr(batch_mod, "batch_forward", slow)
 
 
+def _request_running(port, sched, max_tokens: int):
+    """A completion request on its own thread, returned once the scheduler runs it: (thread,
+    dict whose "r" is call()'s answer when it comes)."""
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=call(port, "POST", "/v1/completions", {
+        "prompt": list(range(3, 20)), "max_tokens": max_tokens, "temperature": 0}, timeout=30)))
+    t.start()
+    while not sched.running:
+        time.sleep(0.01)
+    return t, got
+
+
 def test_a_long_step_does_not_hold_the_exit(tiny_m, monkeypatch):
     """A step still computing when the drain ends (a prefill chunk: ~4 s) delayed the
     replies and the exit; now the waiting clients get their 503 at the deadline."""
     stopping = threading.Event()
     _slow_after_stop(monkeypatch, stopping, 6.0)
     port, sched, stop = start(tiny_m, drain=1.0)
-    got = {}
-    t = threading.Thread(target=lambda: got.update(r=call(port, "POST", "/v1/completions", {
-        "prompt": list(range(3, 20)), "max_tokens": 100, "temperature": 0}, timeout=30)))
-    t.start()
-    while not sched.running:
-        time.sleep(0.01)
+    t, got = _request_running(port, sched, 100)
     time.sleep(0.2)
     stopping.set()
     t0 = time.monotonic()
@@ -168,12 +175,7 @@ def test_a_second_ctrl_c_answers_in_json(tiny_m, monkeypatch):
     stopping = threading.Event()
     _slow_after_stop(monkeypatch, stopping, 0.05)
     port, sched, stop = start(tiny_m, drain=30.0)
-    got = {}
-    t = threading.Thread(target=lambda: got.update(r=call(port, "POST", "/v1/completions", {
-        "prompt": list(range(3, 20)), "max_tokens": 1000, "temperature": 0}, timeout=30)))
-    t.start()
-    while not sched.running:
-        time.sleep(0.01)
+    t, got = _request_running(port, sched, 1000)
     srv = stop.server
     srv.handle_exit(signal.SIGINT, None)
     time.sleep(0.5)

@@ -7,8 +7,8 @@ layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrain
 `convert_hf` to fp32 weights. The oracle is that transformers model's own forward.
 
 - logits: a prefill chunk then single-token decode steps through kvrun's KV cache (fp32 and
-  fp16 rows, and a compressed --kv), on the torch and the native backend, against the
-  oracle's full forward over the same 64 tokens;
+  fp16 rows, and a compressed --kv), on the torch and the native backend (and Triton's
+  interpreter, fp32 rows), against the oracle's full forward over the same 64 tokens;
 - greedy tokens through `Model.stream`, identical to `generate`;
 - GGUF (Qwen3, OLMo 2, Granite, SmolLM3, Phi-3): the same checkpoint written as llama.cpp's
   convert_hf_to_gguf.py names and lays out those architectures (gguf's own tensor-name
@@ -21,7 +21,12 @@ layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrain
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+
+# the Triton backend runs in its CPU interpreter here; set before kvrun.kernels.triton loads
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -38,6 +43,8 @@ from test_convert import _permute
 from tiny import byte_level_tokenizer
 
 PROMPT, STEPS = 40, 24                  # 64 tokens: one prefill chunk, then decode steps
+CTX = 256                               # cache size (Triton's window writes need >= 160)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 VOCAB = 320                             # > the byte-level tokenizer's 259 ids
 
 # family → (transformers config class, its kwargs); every model: 2 layers, GQA where the
@@ -116,15 +123,18 @@ def _stepped(transformer, cache, ids) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", "native", "triton"])
 def test_logits_equal_transformers(family, backend, monkeypatch):
+    """Triton (its CPU interpreter, slow): the fp32 cache only."""
     name, _, d32, _, ref, ids = family
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
     monkeypatch.setenv("KVRUN_BACKEND", backend)
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
-    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
     assert ref.std() > 0.5, "a degenerate oracle"
-    for kv in KV:
-        got = _stepped(m.transformer, build_cache(m.cfg, 128, kv), ids)
+    for kv in KV if backend != "triton" else ("fp32",):
+        got = _stepped(m.transformer, build_cache(m.cfg, CTX, kv), ids)
         assert got.shape == ref.shape and torch.isfinite(got).all(), (name, kv)
         if kv == "fp32":            # fp32 rounding only
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name}: {s}")
@@ -137,7 +147,7 @@ def test_logits_equal_transformers(family, backend, monkeypatch):
 def test_greedy_tokens_equal_transformers(family, backend, monkeypatch):
     name, hf, d32, _, _, ids = family
     monkeypatch.setenv("KVRUN_BACKEND", backend)
-    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
+    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
     mine, want = greedy_pair(m, hf, ids[0, :PROMPT].tolist(), 24)
     assert mine == want, name
 
@@ -210,8 +220,8 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
         {k: v for k, v in QUIRKS[name].items() if k != "nope_layers"}
     assert cfg.nope_layers == ([3] if name == "smollm3" else [])
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
-    m = kvrun.load(tmp_path / "float", dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
-    got = _stepped(m.transformer, build_cache(m.cfg, 128, "fp32"), ids)
+    m = kvrun.load(tmp_path / "float", dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
+    got = _stepped(m.transformer, build_cache(m.cfg, CTX, "fp32"), ids)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name} GGUF: {s}")
     # the int8 conversion's weights: those of the same checkpoint converted from its HF folder
     from safetensors.torch import load_file
@@ -233,14 +243,14 @@ def test_native_step_equals_the_eager_forward(family, monkeypatch):
     monkeypatch.setattr(qlinear.Int8Linear, "uses_fused_op", lambda self, rows: False)
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
-    m = kvrun.load(d8, dtype="fp32", kv="fp32", ctx=128, cache_ram_mb=0)
-    want = _stepped(m.transformer, build_cache(m.cfg, 128, "fp32"), ids)
+    m = kvrun.load(d8, dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
+    want = _stepped(m.transformer, build_cache(m.cfg, CTX, "fp32"), ids)
     if name == "olmo2":
         assert not supported(m.transformer)
         return
     assert supported(m.transformer), name
     monkeypatch.setenv("KVRUN_BACKEND", "native")
-    cache = build_cache(m.cfg, 128, "fp32")
+    cache = build_cache(m.cfg, CTX, "fp32")
     step = NativeDecodeStep(m.transformer, gemv="fp32")
     assert step.applies_chunk(ids[:, :PROMPT], cache)
     out = [step.chunk(ids[:, :PROMPT], cache)[0]]

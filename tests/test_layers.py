@@ -16,7 +16,7 @@ FOLDERS = {"runtime": "kvrun", "kernels": "kvrun.kernels", "convert": "kvrun.con
 LAYERS = [
     ("knobs", ("kvrun.knobs",)),                # the KVRUN_* settings, read by every layer
     ("kernels", ("kvrun.kernels",)),
-    ("base", ("kvrun.errors", "kvrun.files", "kvrun.threads", "kvrun.progress")),
+    ("base", ("kvrun.errors", "kvrun.files", "kvrun.threads", "kvrun.progress", "kvrun.machine")),
     ("kv", ("kvrun.kv",)),
     ("model", ("kvrun.model",)),
     ("convert", ("kvrun.convert",)),

@@ -44,10 +44,10 @@ def one_count(s: str, flag: str) -> int:
 
 def check_bench_size(n: int, bytes_per_token: int, flag: str) -> None:
     """n tokens of `bytes_per_token` must fit the benchmark's limit and this machine."""
-    from ..kv.build import physical_memory
+    from ..machine import memory_bytes
     if n > MAX_BENCH_TOKENS:
         raise KvrunError(f"{flag} {n} tokens is beyond what this benchmark allocates (1M)")
-    mem = physical_memory()
+    mem = memory_bytes()
     if mem is not None and n * bytes_per_token > mem:
         raise KvrunError(f"{flag} {n}: its K/V need {n * bytes_per_token / 2**30:.1f} GiB, more "
                          f"than this machine's {mem / 2**30:.1f} GiB")

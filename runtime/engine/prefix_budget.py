@@ -1,12 +1,11 @@
 """The default RAM bounds of the prefix cache (runtime/engine/prefix_cache.py), computed from
 the machine's memory: `kvrun serve --cache-ram` and a library `Model`'s `cache_ram_mb`.
 
-The machine's memory is the smaller of the physical RAM (sysconf) and a cgroup v2 limit
-(`/sys/fs/cgroup/memory.max`, a container's), so a server in a 4 GiB container does not
-plan for the host's 256 GiB. No torch here: `kvrun serve --help` states the value."""
+The machine's memory is runtime/machine.py's: the smaller of the physical RAM and a cgroup
+v2 limit, so a server in a 4 GiB container does not plan for the host's 256 GiB. No torch here: `kvrun serve --help` states the value."""
 from __future__ import annotations
 
-import os
+from ..machine import memory_bytes
 
 MiB = 1 << 20
 
@@ -17,20 +16,8 @@ MODEL_FRACTION, MODEL_CAP_MB = 32, 1024
 
 
 def machine_memory_mb() -> float:
-    """MiB of memory this process may use: physical RAM, lowered to a cgroup v2 memory.max
-    when one is set; 0 when neither can be read."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        total = 0
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit.isdigit():
-            total = min(total, int(limit)) if total else int(limit)
-    except OSError:
-        pass
-    return total / MiB
+    """MiB of memory this process may use (machine.memory_bytes); 0 when it cannot be read."""
+    return (memory_bytes() or 0) / MiB
 
 
 def default_cache_ram_mb(fraction: int, cap_mb: float) -> float:

@@ -10,12 +10,12 @@ storage layouts, without allocating.
 from __future__ import annotations
 
 import math
-import os
 
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.rope import inv_frequencies
 from ..errors import KvrunError
+from ..machine import memory_bytes
 from .arena import KVArena, codec_factory, window_dtype, window_slots
 from .arena_evict import tail_sizes
 from .config import KVConfig, parse_kv
@@ -113,7 +113,7 @@ def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
     kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
     kv.check_profile(cfg)                   # a profile searched for another model is refused
     need = sum(kv_bytes_at(cfg, kv, ctx).values())
-    have = physical_memory()
+    have = memory_bytes()
     if have is not None and need > have:
         raise KvrunError(f"context size {ctx}: the {kv.label()} KV cache would take "
                          f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
@@ -125,14 +125,6 @@ def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
             raise
         raise KvrunError(f"context size {ctx}: cannot allocate the {kv.label()} KV cache "
                          f"({need / 2**30:.1f} GiB): out of memory") from None
-
-
-def physical_memory() -> int | None:
-    """This machine's RAM in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def kv_bytes_per_token(cfg, kv: "str | KVConfig", n_tokens: int) -> float:

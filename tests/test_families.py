@@ -17,7 +17,8 @@ layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrain
   projections fused as attn_qkv / ffn_up), f32
   tensors, converted with `convert_gguf`, gives the same logits;
 - the native one-call decode step (int8 weights, fp32 GEMVs) against the eager forward of
-  the same int8 model, for every family the step takes (OLMo 2 is declared eager-only).
+  the same int8 model, for every family (OLMo 2's missing pre-norms and projection-wide q/k
+  norms included).
 """
 from __future__ import annotations
 
@@ -237,17 +238,13 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
 
 def test_native_step_equals_the_eager_forward(family, monkeypatch):
     """The one-call native step (int8 weights, fp32 GEMVs) against the eager forward of the
-    same weights dequantized, on the torch backend (test_decode_layer.py's oracle); OLMo 2
-    is refused by the step and decodes eagerly."""
+    same weights dequantized, on the torch backend (test_decode_layer.py's oracle)."""
     name, _, _, d8, _, ids = family
     monkeypatch.setattr(qlinear.Int8Linear, "uses_fused_op", lambda self, rows: False)
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     m = kvrun.load(d8, dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
     want = _stepped(m.transformer, build_cache(m.cfg, CTX, "fp32"), ids)
-    if name == "olmo2":
-        assert not supported(m.transformer)
-        return
     assert supported(m.transformer), name
     monkeypatch.setenv("KVRUN_BACKEND", "native")
     cache = build_cache(m.cfg, CTX, "fp32")

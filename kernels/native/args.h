@@ -67,7 +67,7 @@ typedef struct {
 typedef struct {
     int32_t hidden, H, Hkv, D, inter, nthreads;
     float eps;
-    const float *norm1, *norm2;     /* (hidden,) RMSNorm weights */
+    const float *norm1, *norm2;     /* (hidden,) RMSNorm weights; NULL: none (OLMo 2) */
     Weight qkv, o, gate, up, down;
     /* scratch, (MAXB, ...) float32 each */
     float *x;                        /* residual stream (B, hidden), in and out */
@@ -87,6 +87,8 @@ typedef struct {
     uint8_t *xq;
     int64_t ldq;
     int32_t gemv_int;                /* 1: integer GEMVs (gemv_int.c), 0: fp32 (gemv_fp32.c) */
+    int32_t qk_norm_proj;            /* OLMo 2, 1: q_norm (H D,) / k_norm (Hkv D,) over the whole
+                                      * projection, not per head; norm1 / norm2 may be NULL */
 } Layer;
 
 /* one row's cache: per layer its prebuilt attention arguments, and this step's lengths

@@ -15,6 +15,9 @@
  * before RoPE (q_norm, k_norm), RMSNorm of the attention and MLP outputs before their
  * residual adds (attn_out_norm, mlp_out_norm), the tanh GELU instead of SiLU (act), and a
  * q scale after RoPE (query_pre_attn_scalar). Its (1 + w) norms come in as 1 + w.
+ * OLMo 2 layers have no block-input norms (norm1, norm2 NULL: the input goes in as it is)
+ * and normalize q and k over the whole projection (qk_norm_proj: q_norm (H D,), k_norm
+ * (Hkv D,)) instead of per head.
  *
  * Rows: B rows (each its own sequence or token), every weight byte is read once per call
  * and used for all rows. Activations are fp32 (no casts); weights stay in the bytes kvrun
@@ -136,15 +139,25 @@ int kvrun_layer_pre(const Layer *L, int B, const float *cosb, const float *sinb)
     {
 #pragma omp for schedule(static)
         for (int b = 0; b < B; b++) {
-            rmsnorm(L->x + (int64_t)b * C, L->norm1, C, L->eps, L->xn + (int64_t)b * C);
-            prepare(&in, &L->qkv, L->xn + (int64_t)b * C, b);
+            float *xn = L->xn + (int64_t)b * C;
+            if (L->norm1) rmsnorm(L->x + (int64_t)b * C, L->norm1, C, L->eps, xn);
+            else memcpy(xn, L->x + (int64_t)b * C, (size_t)C * sizeof(float));
+            prepare(&in, &L->qkv, xn, b);
         }
         GEMV_FOR(&in, &L->qkv, B, L->xn, C, L->qkv_out[(int64_t)b * NQKV + n] = v_)
+        if (L->qk_norm_proj) {                  /* OLMo 2: over all of q, all of k */
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                float *q = L->qkv_out + (int64_t)b * NQKV, *k = q + L->H * D;
+                rmsnorm(q, L->q_norm, L->H * D, L->eps, q);
+                rmsnorm(k, L->k_norm, L->Hkv * D, L->eps, k);
+            }
+        }
 #pragma omp for schedule(static)
         for (int i = 0; i < B * (L->H + L->Hkv); i++) {           /* q and k heads of every row */
             const int b = i / (L->H + L->Hkv), hd = i % (L->H + L->Hkv);
             float *head = L->qkv_out + (int64_t)b * NQKV + hd * D;
-            const float *nw = hd < L->H ? L->q_norm : L->k_norm;
+            const float *nw = L->qk_norm_proj ? NULL : hd < L->H ? L->q_norm : L->k_norm;
             if (nw) rmsnorm(head, nw, D, L->eps, head);
             rope(head, cosb + (int64_t)b * D, sinb + (int64_t)b * D, D);
             if (hd < L->H && L->q_scale != 1.0f)
@@ -171,7 +184,8 @@ int kvrun_layer_post(const Layer *L, int B, const float *attn, int64_t lda)
             float *xb = L->x + (int64_t)b * C, *tb = L->tmp + (int64_t)b * C;
             if (L->attn_out_norm) rmsnorm(tb, L->attn_out_norm, C, L->eps, tb);
             for (int i = 0; i < C; i++) xb[i] += tb[i];
-            rmsnorm(xb, L->norm2, C, L->eps, L->xn + (int64_t)b * C);
+            if (L->norm2) rmsnorm(xb, L->norm2, C, L->eps, L->xn + (int64_t)b * C);
+            else memcpy(L->xn + (int64_t)b * C, xb, (size_t)C * sizeof(float));
             prepare(&in, &L->gate, L->xn + (int64_t)b * C, b);          /* up reads it too */
         }
 #pragma omp for schedule(static)

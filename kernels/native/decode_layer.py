@@ -115,21 +115,23 @@ class Scratch:
 
 
 class LayerPlan:
-    def __init__(self, dims: dict, eps: float, norm1: torch.Tensor, norm2: torch.Tensor,
+    def __init__(self, dims: dict, eps: float, norm1: torch.Tensor | None, norm2: torch.Tensor | None,
                  weights: dict, scratch: Scratch, extra: dict | None = None, gemv: str = "int"):
         """dims: hidden, H, Hkv, D, inter; weights: qkv, o, gate, up, down (weight_desc form).
-        extra (Gemma 3; decode_layer.c's optional fields): "q_norm", "k_norm" (D,),
-        "attn_out_norm", "mlp_out_norm" (hidden,) norm weights as multiplied (1 + w for
-        Gemma), "act" ("silu" or "gelu_tanh"), "q_scale". gemv: "int" or "fp32" (the
+        extra (Gemma 3, Qwen3, OLMo 2; decode_layer.c's optional fields): "q_norm", "k_norm"
+        (D,), "attn_out_norm", "mlp_out_norm" (hidden,) norm weights as multiplied (1 + w for
+        Gemma), "act" ("silu" or "gelu_tanh"), "q_scale", "qk_norm_proj" (q_norm / k_norm
+        are (H D,) / (Hkv D,), over the whole projection). norm1 / norm2 None: the block
+        input goes in unnormalized (OLMo 2). gemv: "int" or "fp32" (the
         module docstring), for every GEMV of this layer and of `logits`."""
         self.keep: list = []
         L = self.desc = LayerDesc()
         for k, v in dims.items():
             setattr(L, k, v)
         L.eps = eps
-        n1, n2 = norm1.detach().float().contiguous(), norm2.detach().float().contiguous()
+        n1, n2 = (None if n is None else n.detach().float().contiguous() for n in (norm1, norm2))
         self.keep += [n1, n2, scratch]
-        L.norm1, L.norm2 = _ptr(n1), _ptr(n2)
+        L.norm1, L.norm2 = _ptr(n1), _ptr(n2)          # None: no block-input norm (OLMo 2)
         extra = extra or {}
         for name in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"):
             t = extra.get(name)
@@ -138,6 +140,7 @@ class LayerPlan:
                 self.keep.append(t)
                 setattr(L, name, _ptr(t))
         L.act = ACTS[extra.get("act", "silu")]
+        L.qk_norm_proj = int(bool(extra.get("qk_norm_proj", False)))
         L.q_scale = float(extra.get("q_scale", 1.0))
         for name in ("qkv", "o", "gate", "up", "down"):
             setattr(L, name, weight_desc(weights[name], self.keep, integer=gemv == "int"))

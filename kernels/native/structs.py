@@ -70,7 +70,8 @@ class LayerDesc(ctypes.Structure):
         (n, _p) for n in ("x", "xn", "xsum", "qkv_out", "tmp", "h")] + [
         (n, _p) for n in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
         ("act", ctypes.c_int32), ("q_scale", ctypes.c_float),
-        ("xq", _p), ("ldq", ctypes.c_int64), ("gemv_int", ctypes.c_int32)]
+        ("xq", _p), ("ldq", ctypes.c_int64), ("gemv_int", ctypes.c_int32),
+        ("qk_norm_proj", ctypes.c_int32)]
 
 
 class RowCache(ctypes.Structure):

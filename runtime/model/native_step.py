@@ -32,7 +32,8 @@ stay fp32 in preallocated buffers and the weights are read in their stored bytes
 Covered: the Llama/Qwen2/Qwen3/Granite/SmolLM3 and Gemma 3 `Transformer` (Gemma's extra
 norms, QK-norm (Qwen3's too), GeGLU, local RoPE tables (SmolLM3's NoPE identity tables in
 the same slot), embedding scale and query scale (Granite's attention_multiplier) are the C
-layer's optional fields; not OLMo 2: `supported`) with int4 or int8
+layer's optional fields; OLMo 2's missing pre-norms and q/k norms over the whole
+projection too) with int4 or int8
 linear layers (the weights `kvrun convert --weights int4|int8` writes, the default model's
 int4), an int8 lm_head, CPU tensors, the native library built, up to MAX_ROWS rows of one
 new token each, and a cache that takes K/V after RoPE (`attend`; a layer whose cache wants
@@ -62,7 +63,7 @@ from .qlinear import Int4Linear, Int8Linear
 # docs/measurements.md, tools/chunk_speed.py). 64 keeps a margin for CPUs whose GEMM is
 # relatively faster.
 CHUNK_MAX_ROWS = 2 * MAX_ROWS
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "smollm3")
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "olmo2", "smollm3")
 
 
 def _stored(lin) -> dict:
@@ -89,8 +90,6 @@ def _stacked(lins) -> dict:
 
 def supported(model) -> bool:
     """Whether this step can run `model` (see the module docstring)."""
-    # OLMo 2 has no block-input norms and normalizes q/k over the whole projection, which the
-    # C layer does not do: it decodes on the eager forward
     if model.cfg.architecture not in NATIVE_ARCHITECTURES:
         return False
     if native.load() is None:
@@ -130,15 +129,20 @@ class NativeDecodeStep:
                  "down": _stored(mlp.down_proj)}
             # norms as the multipliers the C norm takes (Gemma's 1 + w: norm.multiplier())
             extra = {"q_scale": a.q_scale or 1.0}
-            if cfg.qk_norm == "head":                       # Qwen3, Gemma 3
-                extra.update(q_norm=a.q_norm.multiplier(), k_norm=a.k_norm.multiplier())
+            if cfg.qk_norm:                  # Qwen3, Gemma 3: per head; OLMo 2: the projection
+                extra.update(q_norm=a.q_norm.multiplier(), k_norm=a.k_norm.multiplier(),
+                             qk_norm_proj=cfg.qk_norm == "proj")
             if gemma:                   # runtime/model/gemma3.py's sandwich norms and GeGLU
                 norms = (layer.input_layernorm.multiplier(), layer.pre_feedforward_layernorm.multiplier())
                 extra.update(attn_out_norm=layer.post_attention_layernorm.multiplier(),
                              mlp_out_norm=layer.post_feedforward_layernorm.multiplier(), act="gelu_tanh")
+            elif cfg.architecture == "olmo2":   # olmo2.py: post-norms only
+                norms = (None, None)
+                extra.update(attn_out_norm=layer.post_attention_layernorm.multiplier(),
+                             mlp_out_norm=layer.post_feedforward_layernorm.multiplier())
             else:
                 norms = (layer.input_layernorm.multiplier(), layer.post_attention_layernorm.multiplier())
-            self.plans.append(LayerPlan(dims, layer.input_layernorm.eps, *norms, w, self.scratch, extra,
+            self.plans.append(LayerPlan(dims, cfg.rms_norm_eps, *norms, w, self.scratch, extra,
                                         gemv=self.gemv))
         # the layers on the second RoPE tables: Gemma's sliding ones, SmolLM3's NoPE ones
         self.local = [layer.local_rope for layer in model.model.layers]

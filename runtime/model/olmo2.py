@@ -7,9 +7,8 @@ too, beside its pre-norms). Its q/k RMSNorm runs over the whole projection (H·D
 before the heads are split: config.qk_norm "proj", in attention.py. SwiGLU MLP, plain
 RMSNorm, RoPE on every layer.
 
-The native decode step does not take this layer (its C layer always normalizes the block
-input and normalizes q/k per head: native_step.supported), so OLMo 2 decodes on the eager
-forward.
+The native decode step runs it with no block-input norms and q/k norms over the projection
+(decode_layer.c's norm1 / norm2 NULL and qk_norm_proj).
 """
 from __future__ import annotations
 

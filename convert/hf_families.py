@@ -18,8 +18,9 @@ Each `Family` is read off the family's transformers modeling file (`models/<fami
   Long-context scaling (longrope / su) and partial rotary are refused.
 
 Sliding-window settings of the Llama-layer families (Mistral v0.1, Qwen2/3's
-`use_sliding_window`, Phi-3's `sliding_window`) are ignored, as llama.cpp does for most of
-them: kvrun attends over the whole context (see README's families table).
+`use_sliding_window`, Phi-3's `sliding_window`) are ignored: kvrun attends over the whole
+context, so past the window its logits differ from transformers' (their layers are all
+sliding, and kvrun's caches keep sliding layers only beside at least one full one).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def _no_bias(name: str) -> Callable[[dict], dict]:
 
 
 def _gemma3_fields(hf: dict) -> dict:
+    _no_bias("Gemma 3")(hf)
     if hf.get("attn_logit_softcapping") is not None:
         raise KvrunError("Gemma checkpoints with attention logit soft-capping are not supported")
     if hf.get("use_bidirectional_attention"):

@@ -111,7 +111,10 @@ class ModelConfig:
         if self.query_pre_attn_scalar == 0.0:
             self.query_pre_attn_scalar = float(self.head_dim)
         self.qk_norm = QK_NORMS.get(self.architecture, "")
-        self.nope_layers = sorted({int(i) for i in self.nope_layers})
+        if not isinstance(self.nope_layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.nope_layers):
+            raise KvrunError(f"config: nope_layers must be a list of layer indices (got {self.nope_layers!r:.60})")
+        self.nope_layers = sorted(set(self.nope_layers))
         if any(not 0 <= i < self.num_layers for i in self.nope_layers):
             raise KvrunError(f"nope_layers must be layer indices below {self.num_layers}")
         if self.nope_layers and "sliding_attention" in self.layer_types:

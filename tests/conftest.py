@@ -12,6 +12,9 @@ import os
 # keep the suite's pace on a machine where other processes hold cores. Set before torch
 # loads libgomp, which reads it once.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The local Ray clusters of the cluster tests listen and talk on 127.0.0.1 only, never on the
+# machine's network address (kvrun.cli.cluster_flags.RAY_LOOPBACK; set before Ray is imported)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 from pathlib import Path
 
 import pytest

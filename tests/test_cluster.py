@@ -151,6 +151,13 @@ def test_replies_equal_the_single_server(cluster, single):
         model=NAME, prompt="The oven", max_tokens=8, temperature=0).choices[0].text
 
 
+def test_the_local_cluster_is_on_loopback(cluster):
+    """Every node of the local cluster (and so its GCS, raylets and object store) is on
+    127.0.0.1: the suite never talks on the machine's network address (conftest.py)."""
+    assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"] * 2
+    assert cluster[1].address.startswith("127.0.0.1:")
+
+
 def test_errors_are_the_servers(cluster):
     c = client(cluster[0])
     with pytest.raises(openai.NotFoundError):

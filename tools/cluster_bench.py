@@ -200,6 +200,9 @@ def main() -> None:
               f"{b['snapshot_bytes']} (KV), {b['file_bytes'] / results['bytes'][0]['file_bytes']:.2f}x "
               f"{results['bytes'][0]['kv']}", flush=True)
     if not args.bytes_only:
+        if args.address is None:                # a local cluster: on 127.0.0.1 only
+            from kvrun.cli.cluster_flags import local_ray_on_loopback
+            local_ray_on_loopback()
         import ray
         cluster = None
         address = args.address

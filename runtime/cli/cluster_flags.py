@@ -2,6 +2,8 @@
 imported only past `--ray`: `kvrun serve` alone, and `import kvrun`, never import it."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from ..errors import KvrunError
@@ -39,6 +41,18 @@ def cluster_options(f):
     return f
 
 
+# Ray's switch for its single-machine mode (named for the platforms where it is the
+# default): the node's address is then 127.0.0.1, so a local Ray's GCS, raylets and object
+# store listen and talk on loopback only, never on the machine's network address
+RAY_LOOPBACK = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def local_ray_on_loopback() -> None:
+    """Before Ray is imported: a Ray this process starts (no --address) stays on 127.0.0.1.
+    The local cluster of tests/test_cluster.py and tools/cluster_bench.py does the same."""
+    os.environ.setdefault(*RAY_LOOPBACK)
+
+
 def serve_on_ray(cluster: dict, say, cache_dir, **serve) -> None:
     """Run `kvrun serve --ray`: `cluster` holds the flags above (without `ray`), `serve` the
     server's own settings (ReplicaSpec's fields, host, port), checked already but --kv."""
@@ -49,6 +63,8 @@ def serve_on_ray(cluster: dict, say, cache_dir, **serve) -> None:
     parse_kv(serve["kv"], **({"ctx_policy": serve["ctx_policy"]} if serve["ctx_policy"] else {}))
     if not 0 <= cluster["shared_mb"] < float("inf"):
         raise KvrunError(f"--shared-mb must be a finite number >= 0 MiB (got {cluster['shared_mb']:g})")
+    if cluster["address"] is None:
+        local_ray_on_loopback()
     try:
         import ray  # noqa: F401
         from ray import serve as _  # noqa: F401

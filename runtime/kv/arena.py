@@ -142,9 +142,12 @@ class KVArena(KVCache):
         # flush, so any prefix can be kept (truncate moves a cut block back to the window)
         self.lossless = self.ev is None and all(lossless_codec(c, self.wdtype)
                                                 for c in self.k_codecs + self.v_codecs)
-        # layers whose decode steps write_attend can take (see the module docstring)
-        self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)
-                        and fused_supports(vc) for rk, rv, kc, vc in
+        # layers whose decode steps write_attend can take (see the module docstring); the
+        # fused write ops take a whole R + G window, so a context shorter than that (its
+        # window is max_ctx slots) keeps the attend route
+        full_window = self.win_k.shape[2] == self.R + self.G
+        self.fusable = [full_window and self.ev is None and rk is None and rv is None
+                        and fused_supports(kc) and fused_supports(vc) for rk, rv, kc, vc in
                         zip(self.rot_k, self.rot_v, self.k_codecs, self.v_codecs)]
 
     # -- the cache interface -----------------------------------------------------------------

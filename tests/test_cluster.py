@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 import kvrun  # noqa: E402
 from kvrun import threads as kthreads  # noqa: E402
 from kvrun.cluster.deploy import ClusterSpec, deploy, undeploy  # noqa: E402
-from kvrun.cluster.replica import ReplicaSpec  # noqa: E402
+from kvrun.cluster.replica import REPORT_EVERY, ReplicaSpec  # noqa: E402
 from kvrun.cluster.registry import REGISTRY_NAME  # noqa: E402
 from kvrun.cluster.store import STORE_NAME, PrefixStore  # noqa: E402
 from kvrun.engine.prefix_cache import kv_key  # noqa: E402
@@ -178,14 +178,15 @@ def test_prefix_from_one_replica_restored_on_the_other(cluster, single):
     q = "Which loaf keeps longest? " + "We bake rye, spelt, wheat and oat loaves daily. " * 6
     want, _ = ask(openai_client(single[0], TIMEOUT), q)
     first, a = ask(client(url), q)                  # computed on a
-    before = value(metrics(url), "kvrun_replica_shared_tier_restores_total")
+    time.sleep(REPORT_EVERY * 1.5)                  # every replica's counts reported since
+    before = metrics(url)                           # (b may have restored in an earlier test)
     second, b = ask(client(url), q)                 # round robin: the other replica
     assert a != b
     assert first == second == want
-    restored = wait_metric(url, "kvrun_replica_shared_tier_restores_total",
-                           lambda v: v > 0, replica=b)
-    assert restored > 0, [l for l in metrics(url).splitlines() if "replica_" in l and not l.startswith("#")]
-    assert value(metrics(url), "kvrun_replica_shared_tier_restores_total") > before
+    name = "kvrun_replica_shared_tier_restores_total"
+    was = value(before, name, replica=b)
+    restored = wait_metric(url, name, lambda v: v > was, replica=b)     # reported every 2 s
+    assert restored > was, [l for l in metrics(url).splitlines() if "replica_" in l and not l.startswith("#")]
     assert wait_metric(url, "kvrun_replica_prefix_cache_hits_total", lambda v: v >= CHUNK,
                        replica=b) >= CHUNK
 

@@ -99,14 +99,15 @@ def test_context_shift_is_part_of_the_contract(policy):
     assert c.shift() == nd and c.seq_len == 100 - nd
 
 
-def test_a_context_shorter_than_the_window_keeps_the_attend_route():
-    """The fused write ops (Triton's in particular) take a whole R + G window: a cache whose
+def test_a_context_shorter_than_the_window_keeps_the_attend_route_on_triton():
+    """Triton's fused write ops take a whole R + G window: on that backend a cache whose
     context is shorter (its window is max_ctx slots) never routes a step to write_attend,
-    where Triton's launcher refused the window's shape."""
+    where the launcher refused the window's shape; torch's fused ops take any window."""
     cfg = tiny_config()
     short = make_cache(cfg, 40, parse_kv("kivi-4", residual=32, group=32, v_group=16))
     full = make_cache(cfg, 128, parse_kv("kivi-4", residual=32, group=32, v_group=16))
-    for c in (short, full):
-        c.backend = "torch"
-    assert short.win_k.shape[2] == 40 and not short.takes_new_kv(0, 1)
-    assert full.takes_new_kv(0, 1)
+    assert short.win_k.shape[2] == 40 and full.win_k.shape[2] == 64
+    for backend, want_short in (("triton", False), ("torch", True)):
+        for c in (short, full):
+            c.backend = backend
+        assert short.takes_new_kv(0, 1) is want_short and full.takes_new_kv(0, 1), backend

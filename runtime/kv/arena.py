@@ -142,12 +142,9 @@ class KVArena(KVCache):
         # flush, so any prefix can be kept (truncate moves a cut block back to the window)
         self.lossless = self.ev is None and all(lossless_codec(c, self.wdtype)
                                                 for c in self.k_codecs + self.v_codecs)
-        # layers whose decode steps write_attend can take (see the module docstring); the
-        # fused write ops take a whole R + G window, so a context shorter than that (its
-        # window is max_ctx slots) keeps the attend route
-        full_window = self.win_k.shape[2] == self.R + self.G
-        self.fusable = [full_window and self.ev is None and rk is None and rv is None
-                        and fused_supports(kc) and fused_supports(vc) for rk, rv, kc, vc in
+        # layers whose decode steps write_attend can take (see the module docstring)
+        self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)
+                        and fused_supports(vc) for rk, rv, kc, vc in
                         zip(self.rot_k, self.rot_v, self.k_codecs, self.v_codecs)]
 
     # -- the cache interface -----------------------------------------------------------------
@@ -216,7 +213,10 @@ class KVArena(KVCache):
         backend (native fuses the window write into its attention call instead). Either
         way the step follows the one contract, so this only picks the faster route."""
         return (self.backend != "native" and self.fusable[layer]            # native: never
-                and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T) and self.n_win[layer] + T <= self.win_k.shape[2])
+                and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T) and self.n_win[layer] + T <= self.win_k.shape[2]
+                # Triton's fused writes take a whole R + G window; a context shorter than
+                # that (a window of max_ctx slots) keeps the attend route there
+                and (self.backend != "triton" or self.win_k.shape[2] == self.R + self.G))
 
     def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """The decode step from the fused ops' inputs (only when takes_new_kv): q (1, H, T,

@@ -63,7 +63,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..hadamard import Hadamard
 from .compress_units import _rhe, _rnd
 from .decode_attention import merge_part
 from .kivi_pack import _asym_params
@@ -310,9 +309,9 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
               n: int, rot_v=None, split: int | None = None):
     """One decode token of a quantized ring layer, as kernels/native/ring_attention.py
     `ring_step`: q (1, H, 1, D) and k (1, Hkv, 1, D) rotated by the ring's K rotation, v
-    (1, Hkv, 1, D) rotated by rot_v when given; k_parts / v_parts the (codes, scale, min)
-    tensors of every sliding layer, (L, Hkv, W, ·); dtype the ring's row dtype (the new rows
-    are rounded to it). Writes the new rows into `slot` of `layer`, attends over slots
+    (1, Hkv, 1, D) rotated by rot_v (the ring's hadamard.Hadamard) when given; k_parts /
+    v_parts the (codes, scale, min) tensors of every sliding layer, (L, Hkv, W, ·); dtype
+    the ring's row dtype (the new rows are rounded to it). Writes the new rows into `slot` of `layer`, attends over slots
     0 .. n-1 (slot `slot` the new rows in full precision) and returns (1, H, 1, D) in q's
     dtype, un-rotated by rot_v. None when not covered (the caller runs the torch step).
     `split`: slots per stage-1 part (default `n_splits`)."""
@@ -336,9 +335,7 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
         D // group, LOG2E / math.sqrt(D),
         BITS=bits, GROUP=group, RDT=_XDT[dtype], BLOCK_R=block_r, BLOCK_N=BLOCK_N,
         BLOCK_C=max(16, triton.next_power_of_2(D * bits // 8)), num_warps=4 if D <= 64 else 8)
-    # the (D, D) form of the ring's V rotation (a hadamard.Hadamard): an fp32 dot per output
-    rv = None if rot_v is None else \
-        (rot_v.matrix if isinstance(rot_v, Hadamard) else rot_v.float().contiguous())
+    rv = None if rot_v is None else rot_v.matrix     # (D, D) fp32 form: one dot per output
     _stage2_kernel[(Hkv,)](
         mid_o, mid_l, rv if rv is not None else mid_o, *(rv.stride() if rv is not None else (0, 0)),
         out, out.stride(1), P, Gq, D, ROT=rv is not None, BLOCK_R=block_r,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -113,15 +114,23 @@ def test_shutdown_drains_then_ends_what_still_runs(tiny_m, monkeypatch):
 
 # -- the exit stays within --shutdown-timeout (issue 56) -------------------------------------------
 
-def test_a_slow_body_does_not_hold_the_exit(tiny_m):
-    """A client sending its body slowly kept a server with a 3 s timeout up for 14 s, then
-    a CancelledError traceback; its request could never have run: a 503 at once."""
-    port, _, stop = start(tiny_m, drain=1.0)
+@contextmanager
+def _slow_body(port):
+    """A connection that sent a chat request's headers and the first 5 bytes of its body,
+    0.3 s ago, and sends no more."""
     body = json.dumps(chat()).encode()
     with socket.create_connection(("127.0.0.1", port)) as c:
         c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
         time.sleep(0.3)
+        yield c
+
+
+def test_a_slow_body_does_not_hold_the_exit(tiny_m):
+    """A client sending its body slowly kept a server with a 3 s timeout up for 14 s, then
+    a CancelledError traceback; its request could never have run: a 503 at once."""
+    port, _, stop = start(tiny_m, drain=1.0)
+    with _slow_body(port) as c:
         t0 = time.monotonic()
         stop()
         assert time.monotonic() - t0 < 1.0 + 1.5
@@ -192,11 +201,7 @@ def test_a_slow_body_client_does_not_hold_a_real_server(tiny_dir):
     `kvrun serve` up 14.1 s and printed a CancelledError traceback."""
     p, port = _serve(tiny_dir, "127.0.0.1", "--shutdown-timeout", "3")
     try:
-        body = json.dumps(chat()).encode()
-        with socket.create_connection(("127.0.0.1", port)) as c:
-            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
-            time.sleep(0.3)
+        with _slow_body(port) as c:
             t0 = time.monotonic()
             p.send_signal(signal.SIGINT)
             c.settimeout(10)

@@ -155,22 +155,11 @@ def test_read_regular_refuses_fifo_and_devices_without_blocking(tmp_path):
     """A FIFO nobody writes, or /dev/zero, is refused at once (reading hung, or ran until
     MemoryError)."""
     import os
-    import threading
     from kvrun.files import read_regular
+    from refusals import refusals
     fifo = tmp_path / "f"
     os.mkfifo(fifo)
-    errors = []
-
-    def read(p):
-        try:
-            read_regular(p, 1 << 20)
-        except KvrunError as e:
-            errors.append(str(e))
-    for p in (fifo, "/dev/zero", tmp_path):
-        t = threading.Thread(target=read, args=(p,), daemon=True)
-        t.start()
-        t.join(10)
-        assert not t.is_alive(), f"reading {p} blocked"
+    errors = refusals(lambda p: read_regular(p, 1 << 20), (fifo, "/dev/zero", tmp_path), 10)
     assert len(errors) == 3 and "not a regular file" in errors[0] and "directory" in errors[2]
 
 

@@ -235,16 +235,23 @@ def test_a_fifo_under_an_entry_name_is_left_alone(m, prompt, tmp_path, caplog):
     assert "not a regular file" in caplog.text
 
 
+def _cold_with_its_longest_file_grown(m, prompt, d, size: int):
+    """(cold reply, path): a cold run that writes cache files into d, then its longest
+    file grown to `size` bytes (sparse: a corrupt entry that big)."""
+    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
+    longest = max(_files(d), key=lambda p: p.stat().st_size)
+    with open(longest, "r+b") as f:
+        f.truncate(size)
+    return cold, longest
+
+
 def test_an_oversized_file_is_removed_unread_and_outside_the_lock(m, prompt, tmp_path, caplog):
     """A 1 GiB corrupt entry was read whole, under the scheduler's lock that /health takes
     (7.8 s frozen, 2 GB RSS): now the size bound refuses it before any read, and no file is
     read while the lock is held."""
     import threading
     d = tmp_path / "c"
-    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
-    longest = max(_files(d), key=lambda p: p.stat().st_size)
-    with open(longest, "r+b") as f:
-        f.truncate(2 << 30)                              # sparse
+    cold, longest = _cold_with_its_longest_file_grown(m, prompt, d, 2 << 30)
     s = Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d, cache_disk_mb=4096)
     s.prefix.disk.budget = 64 << 20
     held = []
@@ -270,10 +277,7 @@ def test_a_file_too_big_for_the_requests_cache_is_not_read(m, prompt, tmp_path):
     every request that looked it up), and the prefill's own write replaces it."""
     from kvrun.engine import prefix_disk
     d = tmp_path / "c"
-    cold, _ = _run(Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d), prompt, 2)
-    longest = max(_files(d), key=lambda p: p.stat().st_size)
-    with open(longest, "r+b") as f:
-        f.truncate(512 << 20)                            # sparse
+    cold, longest = _cold_with_its_longest_file_grown(m, prompt, d, 512 << 20)
     s = Scheduler(m, parallel=1, ctx=1024, kv="fp16", cache_dir=d, cache_disk_mb=4096)
     reads = []
     real = prefix_disk.read_session

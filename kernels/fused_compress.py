@@ -4,7 +4,7 @@ arrive as rows when the model's v_proj is weight-quantized and ran its own op); 
 rounded to the window dtype and appended to the layer's residual window, and (flush=True)
 the tokens that leave the window in this call are packed into the codec's tail storage.
 
-Who calls them: the arena's `write_attend` route (runtime/kv/arena.py; when it is taken:
+Who calls them: the arena's fused-write route (`attend_new` (runtime/kv/arena.py; when it is taken:
 kernels/table.py), through kernels/dispatch.py, with flush=False: the step attends before
 it flushes, so the arena packs the leaving blocks after attention has read tail + window.
 

@@ -19,14 +19,17 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
 | `ring_step` (a sliding ring's one-token rotate + attend + slot write) | 4/8/16-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
 
-Routes, by cache (kv/):
-- arena (arena.py): torch and Triton take `write_attend` — `fused_write` into the window's
-  free slots, `decode_attention`, then `pack` — when both codecs are in `fused_write`'s
-  set with a power-of-two G, for steps of T <= min(R, 64) tokens that fit the window, not
-  rotated, not evicting (`takes_new_kv`). Everything else, and every step on native, takes
-  `attend`: for one token without eviction `fused_step` (inside the model's one-call
-  native step, `step_row`, when every layer has it), else `attend_append` where it
-  runs, else `decode_attention` over separate rows and a window write; then `pack`.
+Routes, by cache (kv/), resolved per layer when the cache is built (kernels/backend.py
+`Backend.layer_route` / `ring_route`, from this table and the layer's shape):
+- arena (arena.py): torch and Triton take the fused write (`attend_new`) — `fused_write`
+  into the window's free slots, `decode_attention`, then `pack` — when both codecs are in
+  `fused_write`'s set with a power-of-two G, not rotated, not evicting (route.fused_write),
+  for steps of T <= min(R, 64) tokens that fit the window (`writes_fused`). On native, a
+  layer whose codecs `decode_attention` covers with D <= 256 and G a multiple of 32 is
+  `fused`: one token without eviction `fused_step` (inside the model's one-call native
+  step, `step_row`, when every layer is), else `attend_append`. Everything else takes
+  `decode_attention` over separate rows (on the route's backend: its kernel, or torch for
+  a codec it has none for) and a window write; then `pack` on the route's packer.
 - evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
   layers without `attend_append`), with the attention-mass output; flushes and the
   compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's
@@ -40,7 +43,7 @@ Routes, by cache (kv/):
 
 The codebook codecs (cb) have no Triton kernel: on CUDA their layers run `decode_attention`
 on torch. Their roles are always rotated (the codec's `needs_rotation`), so they never take
-`write_attend`.
+the fused write.
 
 `ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes or rows of the
 window dtype — so its kernels check the ring's bits themselves instead of `COVERAGE`.

@@ -7,6 +7,13 @@ runs at most once per session.
 from __future__ import annotations
 
 import os
+import sys
+
+# `python -m pytest` in the clone's root puts the root on sys.path, where the folder
+# `kernels/` (kvrun.kernels' source) would shadow the `kernels` package transformers imports
+# (its hub kernels); the tests import kvrun as installed, never from the root by path
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 # Tests are not benchmarks: OpenMP threads that sleep while they wait (instead of spinning)
 # keep the suite's pace on a machine where other processes hold cores. Set before torch

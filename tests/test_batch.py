@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvrun
-from kvrun.engine import batch as batch_mod
+from kvrun.model import llama as llama_mod
 from kvrun.errors import KvrunError
 from kvrun.engine.sampling import SamplingParams
 from kvrun.engine.scheduler import QueueFull, Scheduler
@@ -65,7 +65,7 @@ def test_prefill_chunks_interleave_and_groups(smol, alone, monkeypatch):
     """Small prefill chunks (a long prompt is read over many steps while others decode) and
     more rows than one native call takes (groups of MAX_ROWS) change nothing."""
     ref = alone("kivi-4")
-    monkeypatch.setattr(batch_mod, "MAX_ROWS", 2)
+    monkeypatch.setattr(llama_mod, "MAX_ROWS", 2)             # Transformer.decode_rows' groups
     m = kvrun.load(smol.path, ctx=1024, kv="kivi-4", prefill_chunk=32)
     assert m.generate_batch(PROMPTS, N, temp=0) == ref
 

@@ -116,7 +116,7 @@ def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
     that step (what the model runs), not attend."""
     from kvrun.kv.arena import KVArena
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
-    calls = {"write_attend": 0, "attend": 0}
+    calls = {"_write_attend": 0, "attend": 0}
     for name in calls:
         real = getattr(KVArena, name)
 
@@ -125,7 +125,7 @@ def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
             return _real(self, *a, **k)
         monkeypatch.setattr(KVArena, name, counted)
     B.bench_layer("4,2,32", ["kivi-2"], 80, checkpoints=(64,))
-    assert calls == {"write_attend": 80, "attend": 0}
+    assert calls == {"_write_attend": 80, "attend": 0}
 
 
 def test_cpu_name_reads_proc_cpuinfo_model_name(monkeypatch, tmp_path):

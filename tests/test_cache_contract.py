@@ -34,10 +34,12 @@ def test_every_cache_is_a_kvcache(arch, spec):
         inner.backend = backend
         j = c.route[cfg.num_layers - 1][1] if arch == "gemma3" else 0       # a full layer
         full = cfg.num_layers - 1 if arch == "gemma3" else 0
-        assert c.takes_new_kv(full, 1) == (backend == "torch" and fused), backend
-        assert inner.takes_new_kv(j, inner.win_k.shape[2] + 1) is False     # over the free slots
+        assert c.route[full] == (False, j) if arch == "gemma3" else full == j == 0
+        assert inner.writes_fused(j, 1) == (backend == "torch" and fused), backend
+        assert inner.routes[j].fused == (backend == "native")
+        assert inner.writes_fused(j, inner.win_k.shape[2] + 1) is False     # over the free slots
         if arch == "gemma3":
-            assert c.takes_new_kv(0, 1) is False                             # layer 0 slides
+            assert c.route[0][0] is True                     # layer 0 slides: its ring attends
     assert c.bytes_per_token() == sum(c.nbytes().values()) / 128
     lines = c.report()
     assert any("ring:" in ln for ln in lines) == (arch == "gemma3")
@@ -101,7 +103,7 @@ def test_context_shift_is_part_of_the_contract(policy):
 
 def test_a_context_shorter_than_the_window_keeps_the_attend_route_on_triton():
     """Triton's fused write ops take a whole R + G window: on that backend a cache whose
-    context is shorter (its window is max_ctx slots) never routes a step to write_attend,
+    context is shorter (its window is max_ctx slots) never routes a step to the fused write,
     where the launcher refused the window's shape; torch's fused ops take any window."""
     cfg = tiny_config()
     short = make_cache(cfg, 40, parse_kv("kivi-4", residual=32, group=32, v_group=16))
@@ -110,4 +112,26 @@ def test_a_context_shorter_than_the_window_keeps_the_attend_route_on_triton():
     for backend, want_short in (("triton", False), ("torch", True)):
         for c in (short, full):
             c.backend = backend
-        assert short.takes_new_kv(0, 1) is want_short and full.takes_new_kv(0, 1), backend
+        assert short.writes_fused(0, 1) is want_short and full.writes_fused(0, 1), backend
+
+
+def test_a_layer_without_a_kernel_is_known_when_the_cache_is_built():
+    """Routes are resolved at construction (kernels/backend.py): a native cache whose group
+    is not whole 32-token tiles attends on torch, and says so in its report before any step;
+    a torch cache and a covered native one say nothing."""
+    from kvrun.kernels import native
+    from kvrun.kernels.backend import named
+    if native.load() is None:
+        pytest.skip("the native kernels did not build")
+    cfg = tiny_config()
+    odd = make_cache(cfg, 128, parse_kv("fp16", residual=32, group=16), backend=named("native"))
+    assert [r.attention for r in odd.routes] == ["torch"] * cfg.num_layers
+    assert not any(r.fused for r in odd.routes)
+    line, = odd.report()
+    assert line.startswith(f"  kernels: {cfg.num_layers} of {cfg.num_layers} layers attend on torch")
+    assert "group 16" in line
+    good = make_cache(cfg, 128, parse_kv("kivi-4", residual=32, group=32, v_group=16),
+                      backend=named("native"))
+    assert all(r.fused and r.pack == ("native", "native") for r in good.routes) and good.report() == []
+    ref = make_cache(cfg, 128, parse_kv("fp16", residual=32, group=16), backend=named("torch"))
+    assert ref.report() == [] and ref.backend == "torch"

@@ -4,7 +4,8 @@ full precision), and only then are whole G-blocks flushed into the tail.
 
 The same arena steps — one token at a time through a flush, then a 3-token chunk through
 the next flush — run on torch, native and Triton (interpreter), each through the route the
-model takes on that backend (`write_attend` where `takes_new_kv`, else `attend`). Checked:
+model takes on that backend (`attend_new`: the fused window write where the layer's route
+has one, else `attend`). Checked:
 - after every step the cache bytes (tail storage, window, counts) are equal bit for bit
   on all backends, flush steps included;
 - every step's output equals dense attention over the explicitly dequantized state the
@@ -87,10 +88,7 @@ def _run(backend, kv, monkeypatch):
         before = _snapshot(c)
         pos = c.positions(T)
         cos, sin = rope.tables(pos, torch.float32)
-        if c.takes_new_kv(0, T):
-            o = c.write_attend(0, q, NewKV(k, cos, sin, v=v))
-        else:
-            o = c.attend(0, q, apply_rope(k, cos, sin), v)
+        o = c.attend_new(0, q, NewKV(k, cos, sin, v=v))
         c.commit(T)
         out.append((q, o, before, _snapshot(c), apply_rope(k, cos, sin), v))
     return c, out
@@ -145,16 +143,17 @@ def test_flush_step_output_is_not_the_packed_blocks(monkeypatch):
     assert (o.float() - packed).abs().max() > 0.1
 
 
-def test_dispatch_names_the_fused_write_route_only_off_native(monkeypatch):
+def test_the_backend_resolves_the_fused_write_route_only_off_native(monkeypatch):
     kv = parse_kv("kivi-4", residual=R, group=G)
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     c = build_cache(CFG, 256, kv)
-    assert c.takes_new_kv(0, 1)
+    assert c.writes_fused(0, 1) and c.routes[0].attention == "torch" and not c.routes[0].fused
     if HAS_NATIVE:
         monkeypatch.setenv("KVRUN_BACKEND", "native")
-        assert c.backend == "torch" and c.takes_new_kv(0, 1)      # chosen once, at construction
+        assert c.backend == "torch" and c.writes_fused(0, 1)      # chosen once, at construction
         n = build_cache(CFG, 256, kv)
-        assert n.backend == "native" and not n.takes_new_kv(0, 1)
+        assert n.backend == "native" and not n.writes_fused(0, 1)
+        assert n.routes[0].fused and n.routes[0].pack == ("native", "native")
 
 
 # -- every cache kind at the model's level: dense, and Gemma's rings beside an arena ---------
@@ -193,10 +192,7 @@ def _run_layers(backend, cfg, kv, monkeypatch):
         for layer in range(L):
             q = torch.randn(1, H, T, Dh, generator=g)
             k, v = (torch.randn(1, Hkv, T, Dh, generator=g) for _ in range(2))
-            if c.takes_new_kv(layer, T):
-                outs.append(c.write_attend(layer, q, NewKV(k, cos, sin, v=v)))
-            else:
-                outs.append(c.attend(layer, q, apply_rope(k, cos, sin), v))
+            outs.append(c.attend_new(layer, q, NewKV(k, cos, sin, v=v)))
         c.commit(T)
         out.append((outs, _state(c)))
     return out
@@ -276,7 +272,7 @@ def _run_evicting(backend, kv, monkeypatch):
         T = q.shape[2]
         before = _snapshot(c) + (c.ev.pos_tail[0][:, :c.n_tail[0]].clone(), c.ev.n_drop[0])
         c.positions(T)
-        assert not c.takes_new_kv(0, T)
+        assert not c.writes_fused(0, T)
         o = c.attend(0, q, k, v)
         c.commit(T)
         out.append((q, o, before, _snapshot(c) + (c.ev.pos_tail[0][:, :c.n_tail[0]].clone(),

@@ -16,9 +16,10 @@ import torch
 import kvrun
 from kvrun.kernels import native
 from kvrun.kernels.native.decode_step import DecodeStep
-from kvrun.kv.arena import KVArena
 from kvrun.kv.config import parse_kv
 from kvrun.kv.ring import LayeredKVCache
+from kvrun.model import native_rows
+from kvrun.model.native_rows import row
 from tiny import NATIVE_GEMMA, NATIVE_LLAMA, load_quantized_tiny, make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
@@ -60,8 +61,7 @@ def _decode(m, caches, tokens, monkeypatch, one_call):
         call = DecodeStep.__call__
         mp.setattr(DecodeStep, "__call__", lambda self, *a: (ran.append(1), call(self, *a))[1])
         if not one_call:
-            mp.setattr(KVArena, "native_row", lambda self, H: None)
-            mp.setattr(LayeredKVCache, "native_row", lambda self, H: None)
+            mp.setattr(native_rows, "row", lambda cache, H: None)
         out = []
         for tok in tokens:
             step = m.transformer.native_step(tok[:1, None], caches[0])
@@ -105,23 +105,24 @@ def test_caches_the_one_call_does_not_take(tmp_path):
     """Eviction and Gemma's sliding rings keep the per-layer route; a full window too."""
     cfg = kvrun.load(make_tiny_model_dir(tmp_path / "m", hidden_size=128), ctx=CTX).cfg
     plain = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32))
-    assert plain.native_row(cfg.num_heads) is not None
+    assert row(plain, cfg.num_heads) is not None
     evicting = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32,
                                                       evict="h2o", budget=128))
-    assert evicting.native_row(cfg.num_heads) is None
+    assert row(evicting, cfg.num_heads) is None
     odd_group = kvrun.kv.make_cache(cfg, CTX, parse_kv("fp16", residual=32, group=16))
-    assert odd_group.native_row(cfg.num_heads) is None
+    assert row(odd_group, cfg.num_heads) is None
+    assert not odd_group.routes[0].fused                  # resolved at build: tiles of 32
     plain.n_win[1] = plain.win_k.shape[2]                              # (a restored full window)
-    assert plain.native_row(cfg.num_heads) is None
+    assert row(plain, cfg.num_heads) is None
     gemma = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128, num_heads=4)
     gcfg = kvrun.load(gemma, ctx=CTX).cfg
     layered = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32))
-    assert layered.native_row(gcfg.num_heads) is not None
+    assert row(layered, gcfg.num_heads) is not None
     layered.inner.n_win[0] = layered.inner.win_k.shape[2]              # its arena's window full
-    assert layered.native_row(gcfg.num_heads) is None
+    assert row(layered, gcfg.num_heads) is None
     evicting = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32,
                                                        evict="h2o", budget=128))
-    assert evicting.native_row(gcfg.num_heads) is None
+    assert row(evicting, gcfg.num_heads) is None
 
 
 @pytest.fixture(scope="module")

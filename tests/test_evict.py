@@ -46,8 +46,8 @@ class KeptReference:
     def positions(self, T):
         return torch.arange(self.seq_len, self.seq_len + T)
 
-    def takes_new_kv(self, layer, T):           # the model's one optional question (KVCache)
-        return False
+    def attend_new(self, layer, q, new):        # the model's entry (KVCache): rows to attend
+        return self.attend(layer, q, *new.rows())
 
     def attend(self, layer, q, k, v):
         T, H, Hkv, D = q.shape[2], q.shape[1], k.shape[1], q.shape[3]

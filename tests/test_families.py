@@ -37,7 +37,7 @@ from kvrun.convert import convert_gguf, convert_hf
 from kvrun.convert.gguf_file import hf_name
 from kvrun.errors import KvrunError
 from kvrun.kv.build import build_cache
-from kvrun.model import qlinear
+from kvrun.model import native_rows, qlinear
 from kvrun.model.native_step import NativeDecodeStep, supported
 from hf_oracle import greedy_pair
 from test_convert import _permute
@@ -252,7 +252,7 @@ def test_native_step_equals_the_eager_forward(family, monkeypatch):
     assert step.applies_chunk(ids[:, :PROMPT], cache)
     out = [step.chunk(ids[:, :PROMPT], cache)[0]]
     for t in range(PROMPT, ids.shape[1]):
-        assert step.applies(ids[:, t:t + 1], cache) and cache.native_row(m.cfg.num_heads) is not None
+        assert step.applies(ids[:, t:t + 1], cache) and native_rows.row(cache, m.cfg.num_heads) is not None
         out.append(step(ids[:, t:t + 1], cache)[0])
     torch.testing.assert_close(torch.cat(out), want, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name}: {s}")
 

@@ -112,7 +112,7 @@ def test_routes_it_does_not_take(llama, monkeypatch):
     assert tr.native_step(torch.tensor([[5] * CHUNK_MAX_ROWS]), cache) is not None
     assert tr.native_step(torch.tensor([[5] * (CHUNK_MAX_ROWS + 1)]), cache) is None
     assert tr.native_step(torch.tensor([[5] * 2] * 2), cache) is None          # two sequences
-    monkeypatch.setattr(cache, "takes_new_kv", lambda layer, T: layer == 1)   # Triton's fused writes
+    cache.backend = "torch"                 # a cache of another backend: the eager forward
     assert tr.native_step(torch.tensor([[5] * 4]), cache) is None
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     assert tr.native_step(torch.tensor([[5] * 4]), build_cache(llama.cfg, CTX, parse_kv("fp16"))) is None

@@ -1,4 +1,4 @@
-"""The arena's fused-write decode step (KVArena.write_attend, docs/architecture.md): the fused write
+"""The arena's fused-write decode step (KVArena.attend_new, docs/architecture.md): the fused write
 ops (dispatch.rope_compress_k / vproj_compress, flush=False) write the new K/V into the
 window, dispatch.decode_attention reads tail + window, then the leaving blocks are packed.
 
@@ -71,7 +71,7 @@ def _step(T, seed=1):
 
 
 def _both_steps(a, b, layer, T, v_src):
-    """One step of T tokens: a through attend (attend-then-append), b through write_attend."""
+    """One step of T tokens: a through attend (attend-then-append), b through the fused write."""
     q, k, x, wv = _step(T)
     pos = a.positions(T)
     assert torch.equal(pos, b.positions(T))
@@ -80,8 +80,8 @@ def _both_steps(a, b, layer, T, v_src):
     o_a = a.attend(layer, q, apply_rope(k, cos, sin), v)
     new = (NewKV(k, cos, sin, v=v) if v_src == "rows"
            else NewKV(k, cos, sin, v_x=x, v_weight=wv))
-    assert b.takes_new_kv(layer, T)                       # T new tokens fit the window
-    o_b = b.write_attend(layer, q, new)
+    assert b.writes_fused(layer, T)                       # T new tokens fit the window
+    o_b = b.attend_new(layer, q, new)
     return q, o_a, o_b
 
 
@@ -137,23 +137,23 @@ def test_flush_step_attends_before_it_flushes(monkeypatch, backend, method, T, v
     assert (o_b - after).abs().max() > 1e-3      # the block's packed form would differ
 
 
-def test_takes_new_kv_only_where_the_fused_ops_cover_the_step(monkeypatch):
+def test_writes_fused_only_where_the_fused_ops_cover_the_step(monkeypatch):
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     a = build_cache(CFG, 256, parse_kv("kivi-4", residual=R, group=G))
-    assert a.takes_new_kv(0, 1) and a.takes_new_kv(1, R)
-    assert not a.takes_new_kv(0, R + 1)                          # new tokens would leave the window
+    assert a.writes_fused(0, 1) and a.writes_fused(1, R)
+    assert not a.writes_fused(0, R + 1)                          # new tokens would leave the window
     a.ingest(torch.zeros(L, Hkv, R + G - 2, D), torch.zeros(L, Hkv, R + G - 2, D))
-    assert a.takes_new_kv(0, 2) and not a.takes_new_kv(0, 3)    # only what fits the window
+    assert a.writes_fused(0, 2) and not a.writes_fused(0, 3)    # only what fits the window
     a.reset()
     for spec, kw in [("gear", {}), ("fp16", {"ctx_policy": "shift"}), ("kivi-4", {"rotate": "k"}),
                      ("kivi-4", {"evict": "h2o", "budget": 192})]:
         c = build_cache(CFG, 256, parse_kv(spec, residual=R, group=G, **kw))
-        assert not c.takes_new_kv(0, 1), (spec, kw)
+        assert not c.writes_fused(0, 1), (spec, kw)
     mixed = build_cache(CFG, 256, parse_kv("tada-4/gear", residual=R, group=G))
-    assert not mixed.takes_new_kv(0, 1)                                     # V is GEAR
+    assert not mixed.writes_fused(0, 1)                                     # V is GEAR
     if dispatch.native.load() is not None:
         monkeypatch.setenv("KVRUN_BACKEND", "native")                       # its own fused C step
-        assert not build_cache(CFG, 256, parse_kv("kivi-4", residual=R, group=G)).takes_new_kv(0, 1)
+        assert not build_cache(CFG, 256, parse_kv("kivi-4", residual=R, group=G)).writes_fused(0, 1)
 
 
 # -- the model's decode step ----------------------------------------------------------------

@@ -100,17 +100,23 @@ def write_tiny_hf(d: Path, C: int = 64, I: int = 96, n_layers: int = 2, bias: bo
 def interrupted_forward(m, at_call: int = 2):
     """Within the block, the model's attention call number `at_call` raises KeyboardInterrupt
     (Ctrl-C between two layers of a forward); the cache's own methods are restored after.
-    Calls are counted over `attend` and `write_attend` (the arena's write-then-attend step,
-    which the model uses instead on the torch and Triton backends)."""
+    Calls are counted over `attend_new` (the model's entry, whichever route it takes) and
+    `attend` (the native chunk step's)."""
     calls = {"n": 0}
-    names = [n for n in ("attend", "write_attend") if hasattr(m.cache, n)]
+    names = [n for n in ("attend", "attend_new") if hasattr(m.cache, n)]
 
     def flaky(real):
         def call(*args):
+            if calls.get("inside"):             # attend_new's own attend: one call, not two
+                return real(*args)
             calls["n"] += 1
             if calls["n"] == at_call:
                 raise KeyboardInterrupt
-            return real(*args)
+            calls["inside"] = True
+            try:
+                return real(*args)
+            finally:
+                calls["inside"] = False
         return call
     for name in names:
         setattr(m.cache, name, flaky(getattr(m.cache, name)))

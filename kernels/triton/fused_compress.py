@@ -4,7 +4,7 @@ V rows as given when the model's v_proj is weight-quantized), appends them to th
 window, and packs the tokens that leave the window into the codec's tail storage straight
 from registers — bit-identical to `codec.pack` of the same rows (the torch oracle:
 kernels/fused_compress.py; window semantics of KVArena.append). The arena's decode step
-calls them through kernels/dispatch.py (runtime/kv/arena.py `write_attend`) with
+calls them through kernels/dispatch.py (runtime/kv/arena.py `attend_new`) with
 flush=False: its contract attends before it flushes, so there the launch only writes the
 new rows and the flush follows the attention as a `pack` (`kivi_pack` for KIVI). The
 in-launch flush serves appends with no attention in between, and its bytes are pinned bit

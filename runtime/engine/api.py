@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from kvrun.kernels import native
+from kvrun.kernels.backend import choose
 from ..model.chat_template import template_for
 from ..model.config import ModelConfig
 from ..errors import KvrunError
@@ -288,8 +289,10 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
     # process took 7-12 s to load the default model where 1 thread takes 1 s
     tick_threads()
     transformer = load_transformer(path, cfg, compute, gemv)
+    # the kernels' backend, chosen once: the model's decode step and every cache it runs on
+    transformer.bind(choose())
     tokenizer = load_tokenizer(path, cfg)
-    cache = make_cache(cfg, ctx, kv)
+    cache = make_cache(cfg, ctx, kv, backend=transformer.kernels)
     model = Model(path, cfg, transformer, tokenizer, cache, prefill_chunk)
     model.kv, model.dtype = kv, dtype
     if cache_ram_mb:

@@ -32,7 +32,6 @@ from typing import Callable
 
 import torch
 
-from kvrun.kernels.native.decode_layer import MAX_ROWS
 from ..errors import KvrunError
 from .generate import DEFAULT_PREFILL_CHUNK, Engine, StreamEvent, Timings
 from .grammar import Grammar
@@ -52,16 +51,7 @@ def batch_forward(model, tokens: list[int], caches: list) -> torch.Tensor:
     sequence). Returns float32 next-token logits (B, V)."""
     B = len(tokens)
     assert B == len(caches) and B > 0, (B, len(caches))
-    ids = torch.tensor(tokens)[:, None]                                  # (B, 1)
-    out = torch.empty(B, model.cfg.vocab_size)
-    steps = {b: model.native_step(ids[b:b + 1], caches[b]) for b in range(B)}
-    native = [b for b, step in steps.items() if step is not None]
-    for s in range(0, len(native), MAX_ROWS):                           # groups of MAX_ROWS rows
-        rows = native[s:s + MAX_ROWS]
-        out[rows] = steps[rows[0]].rows(ids[rows], [caches[b] for b in rows])[:, 0]
-    for b in sorted(set(range(B)) - set(native)):                      # the eager forward, alone
-        out[b] = model(ids[b:b + 1], caches[b], last_only=True)[0, -1]
-    return out
+    return model.decode_rows(torch.tensor(tokens)[:, None], caches)
 
 
 class Sequence:

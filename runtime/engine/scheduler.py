@@ -302,7 +302,7 @@ class Scheduler:
                 self.running.append(r)
                 self.kv_used += r.kv_bytes
             try:
-                cache = make_cache(self.model.cfg, r.n_ctx, r.kv)
+                cache = make_cache(self.model.cfg, r.n_ctx, r.kv, backend=self.model.transformer.kernels)
                 resume, checkpoint = self._prefix_hooks(r)
                 r.seq = Sequence(self.model.transformer, self.model.tokenizer, cache, r.prompt,
                                  r.max_tokens, r.params, self.model.stop_ids, r.stop,

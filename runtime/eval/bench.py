@@ -267,7 +267,8 @@ def parse_geometry(spec: str) -> tuple[str, tuple[int, int, int]]:
 def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192, 32768),
                 seed: int = 0, progress=None, dtype=torch.float32) -> list[BenchRecord]:
     """Decode one attention layer from 0 to ctx tokens per method (random q/k/v), through
-    the step the model takes: write_attend where the cache offers it, else attend."""
+    the step the model takes (`attend_new`: the fused window write where the cache's
+    layer has one, else attend; random K counts as rotated there, so no RoPE is timed)."""
     from ..kv.build import make_cache
     from ..model.config import ModelConfig
     from ..kv.cache import NewKV
@@ -283,7 +284,6 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
     window = 64                                   # steps averaged around each checkpoint
     for m in methods:
         cache = make_cache(cfg, ctx, m)
-        fused = cache.takes_new_kv
         step = []
         t_all = time.perf_counter()
         for i in range(ctx):
@@ -291,12 +291,8 @@ def bench_layer(geometry: str, methods: list, ctx: int, checkpoints=(1024, 8192,
             k = torch.randn(1, Hkv, 1, D, generator=g, dtype=dtype)
             v = torch.randn(1, Hkv, 1, D, generator=g, dtype=dtype)
             t0 = time.perf_counter()
-            pos = cache.positions(1)
-            if fused(0, 1):                   # the model's fused-write step (k before RoPE)
-                cos, sin = rope.tables(pos, dtype)
-                cache.write_attend(0, q, NewKV(k, cos, sin, v=v))
-            else:
-                cache.attend(0, q, k, v)
+            cos, sin = rope.tables(cache.positions(1), dtype)
+            cache.attend_new(0, q, NewKV(k, cos, sin, v=v, rotated=lambda k=k, v=v: (k, v)))
             cache.commit(1)
             step.append(time.perf_counter() - t0)
             if progress and (i + 1) % 4096 == 0:

@@ -16,9 +16,11 @@ themselves), and only then are the oldest tokens flushed in whole blocks of G, s
 window holds R .. R+G-1 tokens (all of them while fewer than R + G). A flushed token is
 therefore attended in full precision at the step that flushes it, and compressed from the
 next step on; a prefill chunk longer than the window goes straight into the tail after
-its own attention. The step takes one of two routes, `attend` or `write_attend`
-(`takes_new_kv` picks; which kernels serve each: kernels/table.py). Both give the same
-cache bytes and, on one backend, the same output bit for bit (tests/test_write_attend.py;
+its own attention. The model's step enters through `attend_new` (K before RoPE), which takes
+the fused window write where the layer's route has one (torch and Triton: `writes_fused`),
+else `attend`; which kernels serve each layer was resolved when the cache was built
+(`bind`: kernels/backend.py, from kernels/table.py). Both give the same cache bytes and, on
+one backend, the same output bit for bit (tests/test_write_attend.py;
 tests/test_decode_contract.py across backends).
 
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
@@ -46,22 +48,22 @@ import torch
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
-from kvrun.kernels.dispatch import (attend_append, attn_path, decode_attention, fused_step,  # per backend
-                                 pack, rope_compress_k, select, vproj_compress)
-from kvrun.kernels.fused_compress import flush_count, supports as fused_supports
+from kvrun.kernels.backend import Backend, choose, named
+from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step,  # per backend
+                                 pack, rope_compress_k, vproj_compress)
+from kvrun.kernels.fused_compress import flush_count
 from kvrun.kernels.hadamard import (Hadamard, KeyMap, rotate, rotate_k, rotate_step, unrotate,
                                     unrotate_k)
 from ..errors import KvrunError
 from .arena_evict import ArenaEviction, lossless_codec, tail_sizes
 from .arena_shift import shift_layer
-from . import arena_step
 from .cache import KV_DTYPES, NewKV
 from .config import KVConfig
 from .contract import KVCache
 from .key_map import key_map_tensors
 from .snapshot import Snapshot, arena_restore, arena_snapshot
 
-# write_attend's largest step: decode steps and short chunks of up to 64 new tokens;
+# the fused write's largest step: decode steps and short chunks of up to 64 new tokens;
 # longer prefill chunks keep attend
 WRITE_ATTEND_MAX_T = 64
 
@@ -94,7 +96,8 @@ class KVArena(KVCache):
     """Preallocated window + compressed tail for `max_ctx` tokens, all layers."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
-                 kv: KVConfig, inv_freq: torch.Tensor, device="cpu", n_heads: int | None = None):
+                 kv: KVConfig, inv_freq: torch.Tensor, device="cpu", n_heads: int | None = None,
+                 backend: Backend | None = None):
         kv.check_model(head_dim, n_layers)
         if kv.context.on_full == "shift" and kv.context.n_keep >= max_ctx:
             raise KvrunError(f"--keep {kv.context.n_keep} leaves nothing to shift in a context of "
@@ -116,10 +119,6 @@ class KVArena(KVCache):
         wshape = (n_layers, n_kv_heads, window_slots(kv, max_ctx), head_dim)  # (L, Hkv, R+G, D)
         self.win_k = torch.zeros(wshape, dtype=self.wdtype, device=device)
         self.win_v = torch.zeros(wshape, dtype=self.wdtype, device=device)
-        self.backend = select(device)         # every kernel call below runs on it
-        # the native attention's product path (KVRUN_ATTN), read once here like the backend;
-        # every kernel call below passes it (a tool comparing paths sets it on the cache)
-        self.attn = attn_path() if self.backend == "native" else "fp32"
         # Hadamard rotation: K and/or V are stored as x @ R; the read
         # path rotates q once and un-rotates the attention output once, never the cache.
         # (D, D) orthogonal: the matrix form the arena's kernels take (a KeyMap folds into it)
@@ -142,10 +141,35 @@ class KVArena(KVCache):
         # flush, so any prefix can be kept (truncate moves a cut block back to the window)
         self.lossless = self.ev is None and all(lossless_codec(c, self.wdtype)
                                                 for c in self.k_codecs + self.v_codecs)
-        # layers whose decode steps write_attend can take (see the module docstring)
-        self.fusable = [self.ev is None and rk is None and rv is None and fused_supports(kc)
-                        and fused_supports(vc) for rk, rv, kc, vc in
-                        zip(self.rot_k, self.rot_v, self.k_codecs, self.v_codecs)]
+        self.bind(backend or choose(device))
+
+    # -- the backend, chosen once (kernels/backend.py) ------------------------------------------
+    def bind(self, backend: Backend) -> None:
+        """Run on `backend` from now on: every layer's route (`routes`, a
+        kernels/backend.LayerRoute: which kernel attends, flushes, writes the window) is
+        resolved here, from the backend and the layer's codecs and shape, not per call."""
+        self.kernels = backend
+        self.routes = [backend.layer_route(kc, vc, self.D, self.G, rk is not None or rv is not None,
+                                           self.ev is not None)
+                       for kc, vc, rk, rv in zip(self.k_codecs, self.v_codecs, self.rot_k, self.rot_v)]
+
+    @property
+    def backend(self) -> str:
+        """The backend's name (native | triton | torch)."""
+        return self.kernels.name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.bind(named(name))
+
+    @property
+    def attn(self) -> str:
+        """The native attention's product path (KVRUN_ATTN, read once with the backend)."""
+        return self.kernels.attn
+
+    @attn.setter
+    def attn(self, path: str) -> None:
+        self.bind(Backend(self.kernels.name, path, self.kernels.gemv))
 
     # -- the cache interface -----------------------------------------------------------------
     def positions(self, T: int) -> torch.Tensor:
@@ -175,19 +199,9 @@ class KVArena(KVCache):
         # eviction's scores: this step's attention mass is added into a buffer (None: unused)
         mass, mass_from = self.ev.mass_buffer(layer, T) if self.ev else (None, 0)
         kt, vt = (self.k_codecs[layer], self.k_store[layer]), (self.v_codecs[layer], self.v_store[layer])
-        if T == 1 and self.ev is None and w < self.win_k.shape[2]:     # a decode step
-            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend=self.backend,
-                              attn=self.attn)
-            o = step(q, kt, vt, nt, w, k, v) if step is not None else None
-            if o is not None:
-                self.n_win[layer] = w + 1
-                self.flush(layer)
-                return o
-        # fits: the fused op (evicting layers not rotated: their rows stay torch's rotation)
-        if w + T <= self.win_k.shape[2] and (self.ev is None or rk is None and rv is None):
-            o = attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
-                              k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
-                              rk, rv, backend=self.backend, attn=self.attn, mass=mass, mass_from=mass_from)
+        route = self.routes[layer]
+        if route.fused:             # the native kernel rotates, rounds, writes and attends
+            o = self._attend_fused(layer, q, k, v, kt, vt, mass, mass_from)
             if o is not None:
                 if self.ev:
                     self.ev.observe(layer, mass, T)
@@ -198,34 +212,54 @@ class KVArena(KVCache):
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
         o = decode_attention(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
-                             backend=self.backend, attn=self.attn)
+                             backend=route.attention, attn=self.attn)
         if self.ev:
             self.ev.observe(layer, mass, T)
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
-    native_row = arena_step.native_row          # the one-call native step (contract.py)
-    native_stepped = arena_step.stepped
+    def _attend_fused(self, layer, q, k, v, kt, vt, mass, mass_from):
+        """`attend` as one native kernel call (route.fused), or None when this step does not
+        fit it (the window has no room for the new rows, a chunk longer than the kernel's
+        query block, an evicting layer whose rows are rotated: they stay torch's rotation)."""
+        nt, w, T = self.n_tail[layer], self.n_win[layer], k.shape[2]
+        rk, rv = self.rot_k[layer], self.rot_v[layer]
+        cap = self.win_k.shape[2]
+        if w + T > cap or self.ev is not None and (rk is not None or rv is not None):
+            return None
+        if T == 1 and self.ev is None:      # a decode step: the layer's prebuilt arguments
+            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend="native",
+                              attn=self.attn)
+            return step(q, kt, vt, nt, w, k, v)
+        return attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
+                             k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
+                             rk, rv, backend="native", attn=self.attn, mass=mass, mass_from=mass_from)
 
-    def takes_new_kv(self, layer: int, T: int) -> bool:
-        """Whether write_attend runs this step: a layer the fused write ops cover, 1 <= T <=
-        min(R, 64) new tokens that fit the window's free slots, on the torch or Triton
-        backend (native fuses the window write into its attention call instead). Either
-        way the step follows the one contract, so this only picks the faster route."""
-        return (self.backend != "native" and self.fusable[layer]            # native: never
-                and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T) and self.n_win[layer] + T <= self.win_k.shape[2]
-                # Triton's fused writes take a whole R + G window; a context shorter than
-                # that (a window of max_ctx slots) keeps the attend route there
+    def attend_new(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
+        """`attend` from the step's K before RoPE and V's operands (contract.py): the fused
+        window write where the layer's route has it (route.fused_write, torch and Triton) and
+        the step fits it — 1 <= T <= min(R, 64) new tokens in the window's free slots, and on
+        Triton a whole R + G window (its launcher's shape; a context shorter than that keeps
+        attend) — else `attend` over the rows. Both follow the one step contract, so this
+        only picks the faster route."""
+        if not self.writes_fused(layer, q.shape[2]):
+            return self.attend(layer, q, *new.rows())
+        return self._write_attend(layer, q, new)
+
+    def writes_fused(self, layer: int, T: int) -> bool:
+        """Whether `attend_new` takes the fused window write for a step of T tokens now."""
+        return (self.routes[layer].fused_write and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
+                and self.n_win[layer] + T <= self.win_k.shape[2]
                 and (self.backend != "triton" or self.win_k.shape[2] == self.R + self.G))
 
-    def write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
-        """The decode step from the fused ops' inputs (only when takes_new_kv): q (1, H, T,
-        D) after RoPE; new K before RoPE and V as projection operands or rows. Writes the
-        new tokens into the window's free slots (K's RoPE and the V projection fused into
-        the write), attends over tail + window, then flushes. Returns (1, H, T, D)."""
+    def _write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
+        """The fused-write step: q (1, H, T, D) after RoPE; new K before RoPE and V as
+        projection operands or rows. Writes the new tokens into the window's free slots (K's
+        RoPE and the V projection fused into the write), attends over tail + window, then
+        flushes. Returns (1, H, T, D)."""
         assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
         nt, w, T = self.n_tail[layer], self.n_win[layer], q.shape[2]
-        assert nt + w + T <= self.max_ctx, "positions() must run before write_attend()"
+        assert nt + w + T <= self.max_ctx, "positions() must run before attend_new()"
         kt = (self.k_codecs[layer], self.k_store[layer])
         vt = (self.v_codecs[layer], self.v_store[layer])
         wk, wv = self.win_k[layer], self.win_v[layer]                    # (Hkv, R+G, D)
@@ -237,7 +271,7 @@ class KVArena(KVCache):
         # the new tokens are the window's last T, apart for the causal mask between them
         o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
                              wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block,
-                             backend=self.backend, attn=self.attn)
+                             backend=self.routes[layer].attention, attn=self.attn)
         self.flush(layer)
         return o
 
@@ -368,11 +402,23 @@ class KVArena(KVCache):
         arena_restore(self, snap)
 
     def report(self) -> list[str]:
+        out = self.route_report()
         if self.ev is None:
-            return []
+            return out
         kept = [nt + w for nt, w in zip(self.n_tail, self.n_win)]
-        return [f"  eviction: {self.kv.eviction.policy}, budget {self.kv.eviction.budget} tokens/layer, "
-                f"holding {min(kept)}-{max(kept)} per layer, {sum(self.ev.n_drop)} evicted in all"]
+        return out + [f"  eviction: {self.kv.eviction.policy}, budget {self.kv.eviction.budget} tokens/layer, "
+                      f"holding {min(kept)}-{max(kept)} per layer, {sum(self.ev.n_drop)} evicted in all"]
+
+    def route_report(self) -> list[str]:
+        """A line naming the layers whose attention the backend has no kernel for (they run
+        torch's, slower), resolved when the cache was built; none when every layer has one."""
+        slow = [l for l, r in enumerate(self.routes) if r.attention == "torch"]
+        if self.backend == "torch" or not slow:
+            return []
+        r = self.routes[slow[0]]
+        return [f"  kernels: {len(slow)} of {self.L} layers attend on torch (no {self.backend} kernel "
+                f"for {self.k_codecs[slow[0]].method}/{self.v_codecs[slow[0]].method} at head dim {self.D}, "
+                f"group {self.G}); e.g. layer {slow[0]}: {r.describe()}"]
 
     # -- window → tail ---------------------------------------------------------------------------
     def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -424,10 +470,9 @@ class KVArena(KVCache):
             vst = {name: t[head:head + 1] for name, t in vst.items()}
         for c0 in range(0, k.shape[1], self.kv.block):
             c1 = min(k.shape[1], c0 + self.kv.block)
-            for c, st, x, m in ((self.k_codecs[l], kst, k, means[0]),
-                                (self.v_codecs[l], vst, v, means[1])):
-                pack(c, st, x[:, c0:c1].float(), s0 + c0, self.backend,
-                     mu=None if m is None else m[c0:c1])
+            for c, st, x, m, be in ((self.k_codecs[l], kst, k, means[0], self.routes[l].pack[0]),
+                                    (self.v_codecs[l], vst, v, means[1], self.routes[l].pack[1])):
+                pack(c, st, x[:, c0:c1].float(), s0 + c0, be, mu=None if m is None else m[c0:c1])
 
     def tail_rows(self, l: int, runs, keys: bool = True,
                   values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 
+from kvrun.kernels.backend import Backend, choose
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.rope import inv_frequencies
 from ..errors import KvrunError
@@ -58,19 +59,22 @@ def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
     return 2 * sum(math.prod(shape) * dt.itemsize for shape, dt in parts)
 
 
-def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
+def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu", backend: Backend | None = None):
     """The KV cache for a model config: the KVArena of its full-attention layers; a model
-    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
+    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache). backend:
+    the kernels' backend (kernels/backend.py; the model's, from kvrun.load), None: chosen
+    here for `device`."""
     kv = check_kv(cfg, kv_config)
+    backend = backend or choose(device)
     windows = layer_windows(cfg)
     inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
-                   n_heads=cfg.num_heads)
+                   n_heads=cfg.num_heads, backend=backend)
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
                            max(windows), ctx, window_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           "v" in kv.rotation.which)
+                           "v" in kv.rotation.which, backend=backend)
     return LayeredKVCache(windows, full, ring)
 
 
@@ -106,10 +110,10 @@ def kv_ratio_at(cfg, kv_config, n_tokens: int) -> float:
     return sum(kv_bytes_at(cfg, kv_config, n_tokens).values()) / fp16_bytes(cfg, n_tokens)
 
 
-def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
+def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16", backend: Backend | None = None):
     """A KV cache for `ctx` tokens (`kv` is a --kv spec such as "fp16" or "tada-4", or a
     KVConfig): the arena; sliding-window layers (Gemma 3) keep a ring of their window beside
-    it (ring.py)."""
+    it (ring.py). backend: as build_cache's."""
     kv = (kv if isinstance(kv, KVConfig) else parse_kv(kv)).for_model(cfg)   # auto: its profile
     kv.check_profile(cfg)                   # a profile searched for another model is refused
     need = sum(kv_bytes_at(cfg, kv, ctx).values())
@@ -119,7 +123,7 @@ def make_cache(cfg, ctx: int, kv: "str | KVConfig" = "fp16"):
                          f"{need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
                          f"of memory (lower -c/--ctx-size or pick a smaller --kv)")
     try:
-        return build_cache(cfg, ctx, kv)
+        return build_cache(cfg, ctx, kv, backend=backend)
     except (MemoryError, RuntimeError) as e:        # torch's allocator raises RuntimeError
         if isinstance(e, RuntimeError) and "allocate" not in str(e):
             raise

@@ -1,8 +1,9 @@
 """What the caches share: the float dtypes of the uncompressed methods, and `NewKV`, the
-form one step's K/V takes on the fused-write route (KVCache.write_attend)."""
+form one step's K/V takes from the model's attention (KVCache.attend_new)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -12,10 +13,11 @@ KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float3
 
 @dataclass
 class NewKV:
-    """One step's K/V in the form the fused write ops take (kernels/fused_compress.py): K
-    before RoPE with the cos/sin of its positions, and V either as the projection's operands
-    (v_x, v_weight, v_bias: the op runs the GEMM in its epilogue) or as rows `v` (a
-    weight-quantized v_proj ran its own op)."""
+    """One step's K/V as the model's attention hands it to the cache: in the form the fused
+    write ops take (kernels/fused_compress.py) — K before RoPE with the cos/sin of its
+    positions, and V either as the projection's operands (v_x, v_weight, v_bias: the op runs
+    the GEMM in its epilogue) or as rows `v` (a weight-quantized v_proj ran its own op) —
+    and `rows()`, the same step as K after RoPE and V rows, for every other route."""
     k: torch.Tensor                          # (1, Hkv, T, D) before RoPE
     cos: torch.Tensor                        # (T, D)
     sin: torch.Tensor                        # (T, D)
@@ -23,6 +25,16 @@ class NewKV:
     v_x: torch.Tensor | None = None          # (T, hidden) the V projection's input,
     v_weight: torch.Tensor | None = None     # (Hkv·D, hidden)
     v_bias: torch.Tensor | None = None       # (Hkv·D,) or None
+    rotated: Callable[[], tuple] | None = None   # () -> (K after RoPE, V rows), as attend takes them
 
     def __post_init__(self):
         assert (self.v is None) != (self.v_weight is None), "V as rows or as x @ Wvᵀ, not both"
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) (1, Hkv, T, D): K after RoPE and the V rows, computed as the model's
+        attention computes them for `attend`."""
+        if self.rotated is not None:
+            return self.rotated()
+        from kvrun.kernels.rope import apply_rope
+        assert self.v is not None, "V given as operands needs `rotated`"
+        return apply_rope(self.k, self.cos, self.sin), self.v

@@ -6,10 +6,16 @@ sliding-window layers in a ring beside an arena) — subclasses
 plain cache wants, so callers never probe with `getattr`.
 
 One step, for a decode token or a prefill chunk of T tokens, is
-`positions(T)` → per layer `attend(layer, q, k, v)` (or `write_attend`) → `commit(T)`.
-`attend` is the one write path: it appends k, v (K already RoPE-rotated) to the layer and
-attends q over everything the layer holds, causally among the new tokens; a compressed
-tail cannot be returned as (k, v), hence the inverted call.
+`positions(T)` → per layer `attend(layer, q, k, v)` (or `attend_new(layer, q, NewKV)`,
+the same step from K before RoPE) → `commit(T)`. `attend` is the one write path: it
+appends k, v (K already RoPE-rotated) to the layer and attends q over everything the layer
+holds, causally among the new tokens; a compressed tail cannot be returned as (k, v), hence
+the inverted call.
+
+A cache is storage and bookkeeping: which kernel serves a layer was resolved when it was
+built, from the backend it was given (kernels/backend.py); nothing here says how a step is
+computed. The model's decode step (model/step.py) drives the caches it knows kernels for
+(the native one-call step's rows) by their storage, and every other cache by this contract.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from .cache import NewKV
 from .snapshot import Snapshot
 
 
@@ -30,8 +37,8 @@ class KVCache(ABC):
     kv = None                           # the KVConfig it was built for
     can_shift = False                   # a full context shifts (the arena's shift()) or errors
     n_tail: Sequence[int] = (0,)        # tokens each full-attention layer holds in its tail
-    backend: str = "torch"              # the kernels' backend, chosen once at construction
-                                        # (kernels/dispatch.select); every op call passes it
+    backend: str = "torch"              # the kernels' backend's name, chosen once at
+                                        # construction (kernels/backend.py)
 
     @abstractmethod
     def positions(self, T: int) -> torch.Tensor:
@@ -117,28 +124,12 @@ class KVCache(ABC):
         reuse must find where a fresh prefill would have put them (resume_point)."""
         return max(self.n_tail)
 
-    def takes_new_kv(self, layer: int, T: int) -> bool:
-        """Whether this step of `layer` goes through `write_attend` (the arena's fused-write
-        step on the torch and Triton backends) instead of `attend`."""
-        return False
-
-    def write_attend(self, layer: int, q: torch.Tensor, new) -> torch.Tensor:
-        """`attend` with K before RoPE and V as the projection's operands (kv/cache.py
-        NewKV): the fused ops rotate and project while writing the window."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused-write step")
-
-    def native_row(self, H: int):
-        """This cache as a row of the one-call native decode step (model/native_step.py,
-        kernels/native/decode_step.py RowPlan) with this step's lengths set, for H query
-        heads; None when some layer's one-token step is not one of those kernels' calls,
-        and the step keeps the per-layer route (`attend`). Call after `positions`."""
-        return None
-
-    def native_stepped(self) -> None:
-        """After a one-call native step through `native_row`: the new token is in every
-        layer's window (or ring slot); count it and flush, as `attend` does after its
-        kernel call."""
-        raise NotImplementedError(f"{type(self).__name__} has no one-call native step")
+    def attend_new(self, layer: int, q: torch.Tensor, new: "NewKV") -> torch.Tensor:
+        """`attend` with the step's K before RoPE and V as the model computed them
+        (kv/cache.py NewKV): a cache whose layer has a fused window write (the arena on
+        torch and Triton) runs RoPE and V's projection inside it; every other takes
+        `new.rows()` to `attend`. The same step contract either way."""
+        return self.attend(layer, q, *new.rows())
 
     def end_prompt(self) -> None:
         """The prompt is prefilled; decoding (or a scored continuation) follows. A cache that

@@ -29,8 +29,9 @@ kernel, every width, rotates q and the new rows, reads the rows or codes in plac
 writes the new slot as `_RingStore.write` does; Triton: quantized rings); `_attend` is its
 torch oracle and serves everything else (chunks, the torch backend). On the native backend
 a `LayeredKVCache`'s rings are also a row of the model's one-call decode step
-(`native_row`, runtime/kv/layered_step.py): the same kernel code per ring layer, inside
-one C call per step.
+(runtime/model/native_rows.py): the same kernel code per ring layer, inside one C call per
+step. Which kernel a ring's one-token step runs is resolved when it is built (`bind`,
+kernels/backend.py `RingRoute`).
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
 too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
 the switch the arena uses for the global layers): rows are kept as x @ R (a
@@ -62,11 +63,11 @@ import torch
 
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
-from kvrun.kernels.dispatch import ring_step, select
+from kvrun.kernels.backend import Backend, choose, named
+from kvrun.kernels.dispatch import ring_step
 from kvrun.kernels.hadamard import Hadamard, rotate, rotate_step, unrotate
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
-from . import layered_step
 from .contract import KVCache
 from .snapshot import Snapshot, nest, part, ring_restore, ring_snapshot
 
@@ -150,7 +151,7 @@ class SlidingWindowKV:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
                  max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu", bits: int = 16,
-                 group: int = QGROUP, rotate_v: bool = False):
+                 group: int = QGROUP, rotate_v: bool = False, backend: Backend | None = None):
         if window < 1:
             raise KvrunError(f"sliding window must be >= 1 token (got {window})")
         if bits not in (16, 8, 4):
@@ -161,12 +162,26 @@ class SlidingWindowKV:
         self.n_layers, self.dtype, self.head_dim = n_layers, dtype, head_dim
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
-        self.backend = select(device)
+        self.bind(backend or choose(device))
         # K always, V with rotate_v, stored as x @ R (module docstring); fp16 rings never
         # (a Hadamard: the butterfly, the same bits in C and torch on every CPU)
         self.rot_k = None if bits == 16 else \
             Hadamard.for_head_dim(head_dim, RING_SIGNS_SEED, device)
         self.rot_v = self.rot_k if rotate_v else None
+
+    def bind(self, backend: Backend) -> None:
+        """Run on `backend` from now on: the one-token step's kernel (`route`,
+        kernels/backend.RingRoute) is resolved here."""
+        self.kernels = backend
+        self.ring_route = backend.ring_route(self.bits)
+
+    @property
+    def backend(self) -> str:
+        return self.kernels.name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.bind(named(name))
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows (Hkv, n, D) of the model's space into `slots` of `layer`
@@ -177,13 +192,13 @@ class SlidingWindowKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, T, D); k, v (1, Hkv, T, D) after RoPE. Returns (1, H, T, D)."""
         rv = self.rot_v                         # rot_k or None; rot_k is None for an fp16 ring
-        if k.shape[2] == 1:
-            # one token: the backend's fused step (rotations + attend + slot write) where it
-            # has one (kernels/dispatch.py), same storage as _attend's
+        if k.shape[2] == 1 and self.ring_route.step != "torch":
+            # one token: the backend's fused step (rotations + attend + slot write), same
+            # storage as _attend's (None: a shape its kernel declines)
             s, W = self.seq_len, self.W
             o = ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
                           self.dtype, layer, s % W, min(s + 1, W), self.rot_k, rv,
-                          backend=self.backend)
+                          backend=self.ring_route.step)
             if o is not None:
                 return o
         q, k, v = rotate_step(q, k, v, self.rot_k, rv)
@@ -271,6 +286,10 @@ class LayeredKVCache(KVCache):
     def backend(self) -> str:
         return self.inner.backend
 
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.inner.backend = self.ring.backend = name
+
     @property
     def seq_len(self) -> int:
         return self.inner.seq_len
@@ -286,12 +305,9 @@ class LayeredKVCache(KVCache):
         sliding, j = self.route[layer]
         return (self.ring if sliding else self.inner).attend(j, q, k, v)
 
-    def takes_new_kv(self, layer: int, T: int) -> bool:
+    def attend_new(self, layer: int, q, new):
         sliding, j = self.route[layer]
-        return not sliding and self.inner.takes_new_kv(j, T)
-
-    def write_attend(self, layer: int, q, new):
-        return self.inner.write_attend(self.route[layer][1], q, new)
+        return self.ring.attend(j, q, *new.rows()) if sliding else self.inner.attend_new(j, q, new)
 
     @property
     def attn(self) -> str:
@@ -301,9 +317,6 @@ class LayeredKVCache(KVCache):
     @attn.setter
     def attn(self, path: str) -> None:
         self.inner.attn = path
-
-    native_row = layered_step.native_row           # the one-call native step (contract.py)
-    native_stepped = layered_step.stepped
 
     def commit(self, T: int) -> None:
         self.inner.commit(T)

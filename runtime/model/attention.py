@@ -1,6 +1,7 @@
 """The attention block every architecture shares: q/k/v/o projections, RoPE, and the
-cache's attention in between (`cache.attend`, or `cache.write_attend` when the cache takes
-K before RoPE and V's projection operands: kv/cache.py).
+cache's attention in between (`cache.attend_new`: the step's K before RoPE and V's
+projection operands, which a cache with a fused window write runs inside it, else RoPE'd K
+and V rows: kv/cache.py NewKV).
 
 The families' quirks, from the config: q/k RMSNorm before RoPE (`qk_norm` "head": per head
 over D, Qwen3 / Gemma 3; "proj": over the whole projection, OLMo 2), and q multiplied by
@@ -57,22 +58,19 @@ class Attention(nn.Module):
         """q (B, H, T, D) after RoPE, k (B, Hkv, T, D) before it: the cache's attention, then
         o_proj. Every architecture's attention ends here."""
         B, T = x.shape[:2]
-        if cache.takes_new_kv(self.layer_idx, T):
-            # K's RoPE and the V projection run inside the cache's fused window writes
-            # (kernels/fused_compress.py); same step contract as attend
-            o = cache.write_attend(self.layer_idx, q, self._new_kv(x, k, cos, sin))
-        else:
-            o = cache.attend(self.layer_idx, q, apply_rope(k, cos, sin), self._v(x))  # (B, H, T, D)
+        o = cache.attend_new(self.layer_idx, q, self._new_kv(x, k, cos, sin))     # (B, H, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def _new_kv(self, x, k, cos, sin) -> NewKV:
-        """This step's K/V for the fused writes (batch 1): K before RoPE; V as the operands
-        of x @ Wvᵀ when v_proj is dense (the op runs the GEMM: none here), else the rows a
-        weight-quantized v_proj computes with its own op."""
-        if isinstance(self.v_proj, Linear):
+        """This step's K/V for the cache: K before RoPE; V as the operands of x @ Wvᵀ when
+        v_proj is dense (a fused window write runs the GEMM; `rows()` runs v_proj), else the
+        rows a weight-quantized v_proj computes with its own op."""
+        if isinstance(self.v_proj, Linear) and x.shape[0] == 1:     # the fused writes' batch
             w = self.v_proj.weight_for(x.shape[1])         # the GEMV copy, like forward()
-            return NewKV(k, cos, sin, v_x=x[0].to(w.dtype), v_weight=w, v_bias=self.v_proj.bias)
-        return NewKV(k, cos, sin, v=self._v(x))
+            return NewKV(k, cos, sin, v_x=x[0].to(w.dtype), v_weight=w, v_bias=self.v_proj.bias,
+                         rotated=lambda: (apply_rope(k, cos, sin), self._v(x)))
+        v = self._v(x)
+        return NewKV(k, cos, sin, v=v, rotated=lambda: (apply_rope(k, cos, sin), v))
 
     def _v(self, x):
         B, T, _ = x.shape

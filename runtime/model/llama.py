@@ -9,11 +9,17 @@ Granite's embedding multiplier and logits scaling are applied here.
 
 Module names follow HF (`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm` …) so converted weights load with `strict=True`. Attention reads and
-writes K/V only through the cache object (`cache.attend`, runtime/kv/contract.py); the
-model does not know which cache it is. A cache that offers the
-fused-write step (`takes_new_kv` / `write_attend`, runtime/kv/contract.py: the arena on
-the torch and Triton backends) gets K before RoPE and V's projection operands instead, so
-its fused ops apply RoPE and run the V GEMM while compressing.
+writes K/V only through the cache object (`cache.attend_new`, runtime/kv/contract.py): the
+step's K before RoPE and V's projection operands, which a cache with a fused window write
+(the arena on the torch and Triton backends) runs inside its write; the model does not
+know which cache it is.
+
+The decode step has one owner: `bind(backend)` (kvrun.load calls it once, with the backend
+the model's cache is built on: kernels/backend.py) builds it, and `forward` is the one
+place a step's driver is chosen — the native decode step (native_step.py: one C call for a
+token, the per-layer route for a chunk of up to CHUNK_MAX_ROWS tokens) where the backend is
+native and the model's weights are ones its kernels read, else the eager forward, which is
+also the torch backend's oracle. `decode_rows` is the same for B sequences at once.
 
 Linear layers come from `make_linear`: dense `Linear`, or the weight-only quantized
 `Int8Linear` / `Int4Linear` when the config's `weights` says so (qlinear.py). Quantized
@@ -31,6 +37,7 @@ from .config import ModelConfig
 from .attention import Attention
 from .layers import MLP, Linear, NoRope, RMSNorm, final_logits
 from .qlinear import QUANT_MODULES, Int8Embedding, Int8Linear, make_linear
+from kvrun.kernels.native.decode_layer import MAX_ROWS     # the native step's rows a call
 from kvrun.kernels.rope import Rope
 
 
@@ -111,12 +118,45 @@ class Transformer(nn.Module):
     def set_gemv_dtype(self, dtype: torch.dtype | None) -> None:
         """Prepare the decode path: a second copy of every dense linear weight in `dtype`
         for few-row inputs; quantized layers build their fused op's packed weights."""
-        self.__dict__.pop("_step", None)          # the native step points at the old buffers
         for m in self.modules():
             if isinstance(m, Linear):
                 m.set_gemv_dtype(dtype)
             elif isinstance(m, QUANT_MODULES):
                 m.prepare()
+        if "_kernels" in self.__dict__:          # the native step points at the old buffers
+            self.bind(self._kernels)
+
+    def bind(self, backend) -> None:
+        """Build the decode step for `backend` (kernels/backend.Backend), once: on native,
+        the native decode step when `native_step.supported` says its kernels read this
+        model's weights (`step_route` says which it is, before the first token)."""
+        from .native_step import NativeDecodeStep, supported
+        self._kernels = backend
+        self._step = None
+        if backend.name == "native" and supported(self):
+            self._step = NativeDecodeStep(self, gemv=backend.gemv)
+
+    def step_route(self) -> str:
+        """How a decode token runs on the bound backend, in words."""
+        if self._bound()._step is not None:
+            return "native decode step (one C call a token)"
+        why = ("the torch oracle" if self.kernels.name == "torch" else
+               f"{self.kernels.name} attention" if self.kernels.name != "native" else
+               "float or mixed weights, which the native step does not read")
+        return f"eager forward ({why})"
+
+    @property
+    def kernels(self):
+        """The bound backend (kernels/backend.Backend): its caches are built on it."""
+        return self._bound()._kernels
+
+    def _bound(self):
+        """Bound to the default backend on first use when nothing bound it (a Transformer
+        built directly, as tests do)."""
+        if "_kernels" not in self.__dict__:
+            from kvrun.kernels.backend import choose
+            self.bind(choose(self.model.norm.weight.device))     # norms are float in every format
+        return self
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
@@ -129,6 +169,12 @@ class Transformer(nn.Module):
         step = self.native_step(ids, cache)
         if step is not None:                        # decode on the native layer kernels
             return step(ids, cache) if T == 1 else step.chunk(ids, cache, last_only)
+        return self.eager(ids, cache, last_only)
+
+    def eager(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """The forward layer by layer in torch, attention through `cache.attend_new`: the
+        torch backend's step and the oracle of every other (forward's arguments)."""
+        B, T = ids.shape
         positions = cache.positions(T)                                  # (T,)
         cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
         local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
@@ -145,24 +191,33 @@ class Transformer(nn.Module):
         return final_logits(logits, self.cfg.logits_scaling, self.cfg.final_logit_softcapping)
 
     def native_step(self, ids: torch.Tensor, cache):
-        """The native decode step (native_step.py) when it covers a one-token step of `ids`
-        (B, 1) on `cache`, or a prefill chunk (1, T) of 2 to CHUNK_MAX_ROWS tokens, else
-        None. Built on first use, only where the backend the cache chose at construction is
-        native (KVRUN_BACKEND=torch keeps the eager forward, the oracle), so a run of long
-        chunks only (`kvrun ppl`) never builds it. Calling it runs the step; its
-        `chunk(ids, cache)` runs a chunk, its `rows(ids, caches)` B one-token rows, each on
-        its own cache."""
-        if cache.backend != "native":
-            return None
-        if not hasattr(self, "_step"):
-            from .native_step import CHUNK_MAX_ROWS, NativeDecodeStep, supported
-            if ids.shape[1] > CHUNK_MAX_ROWS:             # nothing to build it for yet
-                return None
-            self._step = NativeDecodeStep(self) if supported(self) else None
-        step = self._step
+        """The native decode step (native_step.py, built by `bind`) when it covers a
+        one-token step of `ids` (1, 1) on `cache`, or a prefill chunk (1, T) of 2 to
+        CHUNK_MAX_ROWS tokens, on a cache built for the native backend; else None (the
+        eager forward). Calling it runs the step; its `chunk(ids, cache)` runs a chunk, its
+        `rows(ids, caches)` B one-token rows, each on its own cache."""
+        step = self._bound()._step
         if step is None or not (step.applies(ids, cache) or step.applies_chunk(ids, cache)):
             return None
         return step
+
+    @torch.inference_mode()
+    def decode_rows(self, ids: torch.Tensor, caches: list) -> torch.Tensor:
+        """One decode step of B sequences: ids (B, 1), row b the next token of the sequence
+        in caches[b] (each cache one sequence). Returns float32 logits (B, V). The rows the
+        native step covers run together, MAX_ROWS at a time (each weight read once a group;
+        every row's logits the bits of its own step); the others one by one through
+        `forward`, what a lone sequence runs."""
+        B = ids.shape[0]
+        out = torch.empty(B, self.cfg.vocab_size)
+        step = self._bound()._step
+        native = [b for b in range(B) if step is not None and step.applies(ids[b:b + 1], caches[b])]
+        for s in range(0, len(native), MAX_ROWS):                       # groups of MAX_ROWS rows
+            rows = native[s:s + MAX_ROWS]
+            out[rows] = step.rows(ids[rows], [caches[b] for b in rows])[:, 0]
+        for b in sorted(set(range(B)) - set(native)):                  # the eager forward, alone
+            out[b] = self(ids[b:b + 1], caches[b], last_only=True)[0, -1]
+        return out
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Strict load; a tied lm_head is the only key allowed to be absent."""

@@ -4,11 +4,11 @@ one C call after it (o_proj, residual, RMSNorm, gate+up, SwiGLU, down, residual)
 final norm and lm_head.
 
 Two routes, one result. When every cache is a row of the one-call step
-(`cache.native_row`: native backend, no eviction, every layer's attention a
-decode_attention.c call, or for Gemma's sliding layers a ring_attention.c call), the
+(native_rows.py `row`: a native-backend cache whose every layer's route is the fused native
+kernel, no eviction; Gemma's sliding layers a ring_attention.c call), the
 whole step over all layers and rows is ONE C call (kernels/native/decode_step.py,
 decode_layer.c `kvrun_decode_step`): no Python between layers, and the caches count the
-token and flush after it (`cache.native_stepped`). Otherwise (eviction, a layer the
+token and flush after it (native_rows.py `stepped`). Otherwise (eviction, a layer the
 kernels decline) the per-layer route: `LayerPlan.pre`, the cache's `attend` per row (the
 arena's native attend_append, or a ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
 order with the same arguments, so their logits and cache bytes are bit-identical
@@ -37,7 +37,7 @@ projection too) with int4 or int8
 linear layers (the weights `kvrun convert --weights int4|int8` writes, the default model's
 int4), an int8 lm_head, CPU tensors, the native library built, up to MAX_ROWS rows of one
 new token each, and a cache that takes K/V after RoPE (`attend`; a layer whose cache wants
-the fused-write step `write_attend` keeps the eager forward). The rows are a batch axis:
+a cache built for another backend keeps the eager forward). The rows are a batch axis:
 `__call__` runs one row; `rows` runs row b on its own cache `caches[b]` at that cache's
 position (batched decoding, runtime/engine/batch.py): the norms and GEMVs read every
 weight once for all rows, RoPE takes each row's position, and attention runs per row on
@@ -54,6 +54,7 @@ from kvrun.kernels import dispatch, native
 from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
 from kvrun.kernels.native.decode_step import DecodeStep, splits_max
 from .. import threads
+from . import native_rows
 from .layers import final_logits
 from .qlinear import Int4Linear, Int8Linear
 
@@ -112,7 +113,8 @@ class NativeDecodeStep:
 
     def __init__(self, model, gemv: str | None = None):
         """gemv: "int" or "fp32", how the GEMVs multiply (kernels/native/decode_layer.py);
-        None reads KVRUN_GEMV (kernels/dispatch.py gemv_path)."""
+        None reads KVRUN_GEMV (kernels/dispatch.py gemv_path; the model's backend passes
+        its own, read once with it)."""
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         self.gemv = gemv or dispatch.gemv_path()
@@ -157,8 +159,7 @@ class NativeDecodeStep:
 
     def applies(self, ids: torch.Tensor, cache) -> bool:
         """One token of one sequence (B rows of B sequences: `rows`)."""
-        return (ids.shape == (1, 1) and ids.device.type == "cpu"
-                and not any(cache.takes_new_kv(i, 1) for i in range(len(self.plans))))
+        return ids.shape == (1, 1) and ids.device.type == "cpu" and cache.backend == "native"
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -184,7 +185,7 @@ class NativeDecodeStep:
         """A prefill chunk of 2 to CHUNK_MAX_ROWS tokens of one sequence (`chunk`)."""
         T = ids.shape[1]
         return (ids.shape[0] == 1 and 2 <= T <= CHUNK_MAX_ROWS and ids.device.type == "cpu"
-                and not any(cache.takes_new_kv(i, T) for i in range(len(self.plans))))
+                and cache.backend == "native")
 
     @torch.inference_mode()
     def chunk(self, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
@@ -254,16 +255,16 @@ class NativeDecodeStep:
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, caches: list) -> torch.Tensor:
         """The layers over B rows at `positions` (B,), row b on caches[b]: one native call
-        when every cache is a row of it (`native_row`), else per layer. Returns float32
+        when every cache is a row of it (native_rows.row), else per layer. Returns float32
         logits (B, 1, V)."""
         B = ids.shape[0]
         nth = torch.get_num_threads()
         self._inputs(ids, positions)
-        rows = [c.native_row(self.cfg.num_heads) for c in caches] if self.one_call else [None]
+        rows = [native_rows.row(c, self.cfg.num_heads) for c in caches] if self.one_call else [None]
         if all(r is not None for r in rows):
             logits = self.one_call(rows, nth).clone()[:, None]
             for c in caches:
-                c.native_stepped()
+                native_rows.stepped(c)
         else:
             logits = self._layers(B, caches, nth)
         return self._capped(logits)

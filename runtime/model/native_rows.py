@@ -1,0 +1,107 @@
+"""A cache as a row of the one-call native decode step (model/native_step.py,
+kernels/native/decode_step.py): `row(cache, H)` before the step, `stepped(cache)` after it.
+
+The step drives a cache through its storage, not through `attend`: per model layer it runs
+exactly what `attend` runs for one token on the native backend — an arena layer's prebuilt
+one-token kernel call (FusedStep's arguments, writing the new K/V into window slot n_win), a
+sliding ring layer's ring kernel call (kernels/native/ring_attention.c, the one
+`SlidingWindowKV.attend` makes: q and the new rows rotated, the new rows written into slot
+seq_len mod W, attention over the min(seq_len + 1, W) filled slots, the output un-rotated) —
+and leaves the rest of `attend` to `stepped`: the windows count the token and flush (the
+rings have nothing to do before `commit`). Moving a layer's flush after the other layers'
+steps changes nothing, since it touches that layer only.
+
+Which caches are rows is decided by their kind and their resolved routes (kernels/backend.py):
+an arena (KVArena) whose every layer is `fused`, or a LayeredKVCache of such an arena beside a
+ring whose step is native, without eviction. Decided once per cache and built once (the plan
+is kept per cache); per step only a full window (a restored one) keeps the per-layer route.
+Any other cache (the tests' oracle, an evicting arena) is never a row.
+"""
+from __future__ import annotations
+
+import weakref
+
+from kvrun.kernels.dispatch import step_row
+from kvrun.kernels.fused_compress import flush_count
+from ..kv.arena import KVArena
+from ..kv.ring import LayeredKVCache
+
+# cache -> ((H, backend), RowPlan or None); outside the cache so a copy (deepcopy,
+# snapshot) never carries pointers into another cache's tensors
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def row(cache, H: int):
+    """The cache's RowPlan with this step's lengths set, for H query heads, or None when the
+    cache is not a row of the one-call step (the module docstring). Call after `positions`."""
+    if isinstance(cache, LayeredKVCache):
+        return _layered_row(cache, H)
+    if isinstance(cache, KVArena):
+        plan = _plan(cache, H, _arena_plan, cache.kernels)
+        if plan is None or window_full(cache):
+            return None
+        return plan.lengths(cache.n_tail, cache.n_win)
+    return None
+
+
+def stepped(cache) -> None:
+    """After a one-call step through `row`: the new token is in every layer's window (or
+    ring slot); count it and flush, as `attend` does after its kernel call."""
+    arena = cache.inner if isinstance(cache, LayeredKVCache) else cache
+    nw, R, G = arena.n_win, arena.R, arena.G
+    for l in range(arena.L):
+        nw[l] += 1
+        if flush_count(nw[l], 0, R, G):
+            arena.flush(l)
+
+
+def _plan(cache, H: int, build, backend):
+    """The cache's RowPlan (or None) from `build(cache, H)`, built again only when H or the
+    cache's backend (its attention path: KVArena.attn) changed."""
+    key = (H, backend)
+    hit = _PLANS.get(cache)
+    if hit is None or hit[0] != key:
+        hit = _PLANS[cache] = (key, build(cache, H))
+    return hit[1]
+
+
+def _arena_plan(arena, H: int):
+    if arena.ev is not None or not all(r.fused for r in arena.routes):
+        return None
+    return step_row(H, arena.G, layer_inputs(arena), backend="native", attn=arena.attn)
+
+
+def layer_inputs(arena) -> list:
+    """Per layer what dispatch.step_row takes of an arena layer."""
+    return [((arena.k_codecs[l], arena.k_store[l]), (arena.v_codecs[l], arena.v_store[l]),
+             arena.win_k[l], arena.win_v[l], arena.rot_k[l], arena.rot_v[l]) for l in range(arena.L)]
+
+
+def window_full(arena) -> bool:
+    """Whether some layer's window has no slot for the step's token (`attend` appends
+    first, then: a restored full window)."""
+    return max(arena.n_win) >= arena.win_k.shape[2]
+
+
+def _layered_row(cache, H: int):
+    plan = _plan(cache, H, _layered_plan, cache.inner.kernels)
+    arena, ring = cache.inner, cache.ring
+    if plan is None or window_full(arena):
+        return None
+    n_tail, n_win = [0] * cache.n_layers, [0] * cache.n_layers
+    for j, i in enumerate(cache.full):
+        n_tail[i], n_win[i] = arena.n_tail[j], arena.n_win[j]
+    s = ring.seq_len
+    return plan.lengths(n_tail, n_win, s % ring.W, min(s + 1, ring.W))
+
+
+def _layered_plan(cache, H: int):
+    arena, ring = cache.inner, cache.ring
+    if arena.ev is not None or ring.ring_route.step != "native" or not all(r.fused for r in arena.routes):
+        return None
+    layers: list = [None] * cache.n_layers                  # None: a ring layer, in order
+    for i, x in zip(cache.full, layer_inputs(arena)):
+        layers[i] = x
+    spec = (ring.k.parts, ring.v.parts, ring.head_dim, ring.bits, ring.k.group, ring.dtype,
+            ring.rot_k, ring.rot_v)
+    return step_row(H, arena.G, layers, backend="native", ring=spec, attn=arena.attn)

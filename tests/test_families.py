@@ -54,6 +54,12 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=128, intermediate_size=96, tie_word_embeddings=True,
                                   rope_theta=1e6)),
+    # 3 layers, the middle one dense (mlp_only_layers); 8 experts of width 32, top-2
+    "qwen3moe": ("Qwen3MoeConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                        num_hidden_layers=3, mlp_only_layers=[1],
+                                        tie_word_embeddings=False)),
     "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                         head_dim=64, intermediate_size=128, sliding_window=16,
                                         layer_types=["sliding_attention", "full_attention"],
@@ -294,6 +300,9 @@ def test_context_shift_is_refused_with_nope_layers():
 
 QUIRKS = {   # family → what its converted config.json must say
     "qwen3": dict(architecture="qwen3", qk_norm="head", head_dim=128, tie_word_embeddings=True),
+    "qwen3moe": dict(architecture="qwen3moe", qk_norm="head", head_dim=32, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                     mlp_only_layers=[1]),
     "gemma3": dict(architecture="gemma3", qk_norm="head", layer_types=FAMILIES["gemma3"][1]["layer_types"],
                    sliding_window=16, query_pre_attn_scalar=48.0, rope_theta=1e6, rope_local_theta=1e4,
                    rope_scaling={"type": "linear", "factor": 2.0}, final_logit_softcapping=30.0),

@@ -161,14 +161,11 @@ def _qwen3moe_fields(hf: dict) -> dict:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), mlp_only_layers=sorted(dense))
 
 
-def per_expert(raw: dict[str, torch.Tensor], prefix: str, gate: torch.Tensor, up: torch.Tensor,
-               down: torch.Tensor, part: str = "weight") -> None:
-    """Stacked expert tensors gate, up (E, I, hidden) and down (E, hidden, I) into `raw` as
-    one module per expert, `{prefix}.experts.N.gate_proj.{part}` …: the layout kvrun loads
-    (hf_families docstring); shared with the GGUF converter's ffn_*_exps."""
-    for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-        for e in range(w.shape[0]):
-            raw[f"{prefix}.experts.{e}.{name}.{part}"] = w[e].contiguous()
+def per_expert(prefix: str, proj: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One projection of every expert stacked (E, rows, cols) as one tensor per expert,
+    `{prefix}.experts.N.{proj}.weight`: the layout kvrun loads (the module docstring);
+    shared with the GGUF converter's ffn_*_exps."""
+    return {f"{prefix}.experts.{e}.{proj}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
 
 
 def _qwen3moe_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
@@ -179,7 +176,8 @@ def _qwen3moe_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
         down = raw.pop(f"{prefix}.experts.down_proj", None)
         if down is None:
             raise KvrunError(f"{k} has no {prefix}.experts.down_proj beside it")
-        per_expert(raw, prefix, gate, up, down)
+        for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            raw.update(per_expert(prefix, proj, w))
 
 
 @dataclass(frozen=True)

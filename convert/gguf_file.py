@@ -42,7 +42,7 @@ from kvrun.files import file_sha256
 from kvrun.kernels.rope import inv_frequencies
 
 from .gguf_tokenizer import tokenizer_from_gguf
-from .hf_families import split_fused
+from .hf_families import per_expert, split_fused
 from .quantize import (check_weight_format, describe, is_quantized, quantize, repack_gguf_q4,
                        target_format)
 from .templates import chat_stop_tokens, detect_chat_template
@@ -50,7 +50,8 @@ from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
                      validate_tensors, write_model_dir)
 
 # GGUF → kvrun architecture
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "olmo2": "olmo2",
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
+          "gemma3": "gemma3", "olmo2": "olmo2",
           "granite": "granite", "smollm3": "smollm3", "phi3": "llama"}
 # llama.cpp's converter permutes attn_q / attn_k of the architectures it writes through its
 # LlamaModel class (GraniteModel and SmolLM3Model subclass it)
@@ -79,8 +80,13 @@ _NAMES_OLMO2 = {**_NAMES_QWEN3, "post_attention_norm": "post_attention_layernorm
                 "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3: fused projections under HF's fused names, split after reading (hf_families.split_fused)
 _NAMES_PHI3 = {**_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Qwen3-MoE: the router, and each projection of all experts stacked (E, rows, cols) under a
+# name of its own, split into kvrun's per-expert modules after reading (`_split_experts`)
+_EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj"}
+_NAMES_QWEN3MOE = {**_NAMES_QWEN3, "ffn_gate_inp": "mlp.gate", **_EXPERTS}
 _NAMES_BY_ARCH = {"gemma3": _NAMES_GEMMA3, "qwen3": _NAMES_QWEN3, "olmo2": _NAMES_OLMO2,
-                  "phi3": _NAMES_PHI3}
+                  "phi3": _NAMES_PHI3, "qwen3moe": _NAMES_QWEN3MOE}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -95,6 +101,17 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
+
+
+_STACKED = re.compile(r"(.*)\.experts\.(\w+_proj)\.weight$")
+
+
+def _split_experts(ts: dict) -> dict:
+    """Stacked `….mlp.experts.{gate,up,down}_proj.weight` (E, rows, cols) into one tensor per
+    expert, in place (hf_families.per_expert); returns `ts`."""
+    for k in [k for k in ts if _STACKED.match(k)]:
+        ts.update(per_expert(*_STACKED.match(k).groups(), ts.pop(k)))
+    return ts
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -232,6 +249,8 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
         extra = dict(embedding_multiplier=_f32(meta.get("granite.embedding_scale", 1.0)),
                      attention_multiplier=_f32(meta.get("granite.attention.scale", 0.0)),
                      logits_scaling=_f32(meta.get("granite.logit_scale", 1.0)))
+    elif arch == "qwen3moe":
+        extra = _qwen3moe_fields(meta, tensors, int(need("block_count")))
     elif arch == "smollm3":
         extra = dict(nope_layers=[i for i in range(int(need("block_count")))
                                   if (i + 1) % SMOLLM3_NOPE_EVERY == 0])
@@ -267,6 +286,20 @@ def _gemma3_fields(meta: dict, head_dim: int) -> dict:
     return dict(sliding_window=int(window), rope_local_theta=10000.0,
                 query_pre_attn_scalar=float(head_dim),
                 final_logit_softcapping=_f32(cap) if cap else None)
+
+
+def _qwen3moe_fields(meta: dict, tensors: dict, n_layers: int) -> dict:
+    """Qwen3-MoE's expert settings: count, top-k and width from the metadata; llama.cpp
+    renormalizes the top-k weights of this architecture always (norm_topk_prob); a layer
+    without a router (ffn_gate_inp) keeps the dense MLP."""
+    for key in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+        if f"qwen3moe.{key}" not in meta:
+            raise KvrunError(f"GGUF metadata lacks qwen3moe.{key}")
+    return dict(num_experts=int(meta["qwen3moe.expert_count"]),
+                num_experts_per_tok=int(meta["qwen3moe.expert_used_count"]),
+                moe_intermediate_size=int(meta["qwen3moe.expert_feed_forward_length"]),
+                norm_topk_prob=True,
+                mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
 
 
 def _f32(v) -> float:
@@ -345,7 +378,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
     def unfused(ts: dict) -> dict:
         if arch == "phi3":
             split_fused(ts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        return ts
+        return _split_experts(ts)
     # Check names and shapes on meta tensors first: no dequantizing a file that cannot load.
     validate_tensors(cfg, unfused({hf_name(t.name, arch): torch.empty(_torch_shape(t), device="meta")
                                    for t in todo}))
@@ -359,7 +392,12 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
         if arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             n_perm = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
         scale = residual if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-        if weights != "float" and is_quantized(name):
+        if _STACKED.match(name):
+            # stacked experts: split, then quantized one expert at a time (each a linear layer)
+            w = _split_experts({name: torch.from_numpy(_dequantize(t))})
+            for k, v in w.items():
+                tensors.update(quantize(k, v, weights, group) if weights != "float" else {k: v.to(target)})
+        elif weights != "float" and is_quantized(name):
             parts = _quantized_parts(t, name, weights, group, log, scale)
             tensors.update({k: unpermute(v, n_perm) if n_perm else v for k, v in parts.items()})
         else:

@@ -14,6 +14,12 @@ Each `Family` is read off the family's transformers modeling file (`models/<fami
   is folded into o_proj and down_proj here (the native step then needs nothing for it).
 - OLMo 2: post-norms only, q/k norm over the whole projection (runtime/model/olmo2.py).
 - SmolLM3: `no_rope_layers` (1 = RoPE, 0 = NoPE) → `nope_layers`.
+- Qwen3-MoE: Qwen3's attention with a sparse MLP (runtime/model/moe.py); `num_experts`
+  (transformers 5 also says `num_local_experts`), top-k, expert width, `norm_topk_prob`;
+  the dense layers are `mlp_only_layers` plus every layer `decoder_sparse_step` skips.
+  Experts are stored one module per expert (`mlp.experts.N.gate_proj` …, what
+  transformers writes); a folder with the fused 3-D `experts.gate_up_proj` /
+  `experts.down_proj` (transformers 5's in-memory layout) is split into that.
 - Phi-3: fused qkv_proj and gate_up_proj split into Llama's projections; then a Llama.
   Long-context scaling (longrope / su) and partial rotary are refused.
 
@@ -140,6 +146,40 @@ def _phi3_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
     split_fused(raw, H, int(hf.get("num_key_value_heads") or H), int(hf.get("head_dim") or C // H))
 
 
+def _qwen3moe_fields(hf: dict) -> dict:
+    _no_bias("Qwen3-MoE")(hf)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise KvrunError(f"Qwen3-MoE with hidden_act {act!r} is not supported (kvrun runs silu)")
+    if hf.get("shared_expert_intermediate_size"):
+        raise KvrunError("MoE checkpoints with a shared expert (Qwen2-MoE) are not supported")
+    n, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or []) | {i for i in range(n) if (i + 1) % step}
+    return dict(num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+                num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), mlp_only_layers=sorted(dense))
+
+
+def per_expert(prefix: str, proj: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One projection of every expert stacked (E, rows, cols) as one tensor per expert,
+    `{prefix}.experts.N.{proj}.weight`: the layout kvrun loads (the module docstring);
+    shared with the GGUF converter's ffn_*_exps."""
+    return {f"{prefix}.experts.{e}.{proj}.weight": stacked[e].contiguous() for e in range(stacked.shape[0])}
+
+
+def _qwen3moe_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
+    """transformers 5's fused expert tensors, where a folder has them, into per-expert ones."""
+    for k in [k for k in raw if k.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = k[:-len(".experts.gate_up_proj")]
+        gate, up = raw.pop(k).chunk(2, dim=1)                # (E, 2I, hidden): gate rows first
+        down = raw.pop(f"{prefix}.experts.down_proj", None)
+        if down is None:
+            raise KvrunError(f"{k} has no {prefix}.experts.down_proj beside it")
+        for proj, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            raw.update(per_expert(prefix, proj, w))
+
+
 @dataclass(frozen=True)
 class Family:
     arch: str                                       # the kvrun architecture it runs as
@@ -163,6 +203,7 @@ FAMILIES = {   # HF architecture name → Family
     "MistralForCausalLM": Family("llama", _llama_fields),
     "Qwen2ForCausalLM": Family("qwen2", _qwen2_fields),
     "Qwen3ForCausalLM": Family("qwen3", _no_bias("Qwen3")),
+    "Qwen3MoeForCausalLM": Family("qwen3moe", _qwen3moe_fields, _qwen3moe_tensors),
     "Gemma3ForCausalLM": Family("gemma3", _gemma3_fields),
     "GraniteForCausalLM": Family("granite", _granite_fields, _granite_tensors),
     "Olmo2ForCausalLM": Family("olmo2", _no_bias("OLMo 2")),
@@ -171,7 +212,7 @@ FAMILIES = {   # HF architecture name → Family
 }
 MODEL_TYPES = {   # config.json's model_type, for a config without `architectures`
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
 }

@@ -35,6 +35,8 @@ from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError, raise_on_signals
 from kvrun.files import check_can_create_in, pid_running
 
+from .quantize import is_quantized
+
 Progress = Callable[[int, int, str], None]   # converters call it per tensor: (done, total, name)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,7 +64,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
     from kvrun.model.qlinear import int4_group
     out = {}
     for name, shape in shapes.items():
-        if not name.endswith(".weight") or len(shape) != 2:    # norms, biases
+        if len(shape) != 2 or not is_quantized(name):     # norms, biases, an MoE router
             out[name] = (shape, torch_dtype(cfg.torch_dtype))
             continue
         base, (N, K) = name[:-len(".weight")], shape

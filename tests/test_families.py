@@ -3,14 +3,16 @@
 Per family a tiny random-weight checkpoint is built with transformers from the family's
 config with its quirks (2 layers, GQA, head dims 64/96/128, tied and untied embeddings,
 Granite's multipliers, Gemma's sliding + global layers and query scalar, SmolLM3's NoPE
-layer, Phi-3's fused projections; Mistral as a Llama), saved with `save_pretrained`, and converted with
+layer, Phi-3's fused projections, Qwen3-MoE's experts with a dense layer between sparse
+ones; Mistral as a Llama), saved with `save_pretrained`, and converted with
 `convert_hf` to fp32 weights. The oracle is that transformers model's own forward.
 
 - logits: a prefill chunk then single-token decode steps through kvrun's KV cache (fp32 and
   fp16 rows, and a compressed --kv), on the torch and the native backend (and Triton's
   interpreter, fp32 rows), against the oracle's full forward over the same 64 tokens;
 - greedy tokens through `Model.stream`, identical to `generate`;
-- GGUF (Qwen3, OLMo 2, Granite, SmolLM3, Phi-3): the same checkpoint written as llama.cpp's
+- GGUF (Qwen3, Qwen3-MoE with experts stacked as ffn_*_exps, OLMo 2, Granite, SmolLM3,
+  Phi-3): the same checkpoint written as llama.cpp's
   convert_hf_to_gguf.py names and lays out those architectures (gguf's own tensor-name
   table; Q/K permuted for Granite and SmolLM3, its LlamaModel subclasses; Granite's
   multipliers as *_scale metadata; SmolLM3 with llama.cpp's NoPE every 4th layer; Phi-3's
@@ -54,6 +56,12 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=128, intermediate_size=96, tie_word_embeddings=True,
                                   rope_theta=1e6)),
+    # 3 layers, the middle one dense (mlp_only_layers); 8 experts of width 32, top-2
+    "qwen3moe": ("Qwen3MoeConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+                                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                        num_hidden_layers=3, mlp_only_layers=[1],
+                                        tie_word_embeddings=False)),
     "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                         head_dim=64, intermediate_size=128, sliding_window=16,
                                         layer_types=["sliding_attention", "full_attention"],
@@ -171,6 +179,10 @@ def _write_gguf(path, arch: str, hf) -> None:
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(0)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "granite":                       # llama.cpp's GraniteModel: *_multiplier → *_scale
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_attention_scale(c.attention_multiplier)
@@ -190,7 +202,7 @@ def _write_gguf(path, arch: str, hf) -> None:
     names = [gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]]
     inverse = {hf_name(f"{n.format(bid=i)}.weight", arch): f"{n.format(bid=i)}.weight"
                for n in names for i in range(c.num_hidden_layers)}
-    for k, t in hf.state_dict().items():
+    for k, t in _stacked_experts(hf.state_dict()).items():
         t = t.detach().float()
         if arch in ("granite", "smollm3") and k.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, c.num_attention_heads if "q_proj" in k else c.num_key_value_heads)
@@ -202,23 +214,41 @@ def _write_gguf(path, arch: str, hf) -> None:
     w.close()
 
 
-GGUF_FAMILIES = ("qwen3", "olmo2", "granite", "smollm3", "phi3")
+def _stacked_experts(state: dict) -> dict:
+    """transformers 5's fused experts (E, 2I, hidden) / (E, hidden, I) as llama.cpp stacks
+    them: gate, up and down each (E, rows, cols), named as gguf_file.hf_name maps ffn_*_exps."""
+    out = {}
+    for k, t in state.items():
+        if k.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out.update({k.replace("gate_up_proj", "gate_proj.weight"): gate,
+                        k.replace("gate_up_proj", "up_proj.weight"): up})
+        else:
+            out[k + ".weight" if k.endswith("experts.down_proj") else k] = t
+    return out
+
+
+GGUF_OVER_KEYS = ("nope_layers", "mlp_only_layers")     # what GGUF_OVER changes
+GGUF_FAMILIES = ("qwen3", "qwen3moe", "olmo2", "granite", "smollm3", "phi3")
+# checkpoints as llama.cpp writes the family: SmolLM3 NoPE on every 4th of 4 layers, HF's
+# default; Qwen3-MoE experts in every layer (llama.cpp's qwen3moe has no dense layers)
+GGUF_OVER = {"smollm3": dict(num_hidden_layers=4, no_rope_layers=None), "qwen3moe": dict(mlp_only_layers=[])}
 
 
 def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatch):
     name, hf, _, _, ref, ids = family
     if name not in GGUF_FAMILIES:
         pytest.skip(f"kvrun converts no {name} GGUF")
-    if name == "smollm3":     # llama.cpp's SmolLM3 is NoPE on every 4th layer: 4 layers, HF's default
-        _, hf = _checkpoint(tmp_path, name, num_hidden_layers=4, no_rope_layers=None)
+    if name in GGUF_OVER:
+        _, hf = _checkpoint(tmp_path, name, **GGUF_OVER[name])
         with torch.no_grad():
             ref = hf(ids).logits[0].float()
     _write_gguf(tmp_path / "m.gguf", name, hf)
     for weights in ("float", "int8"):
         cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / weights, dtype="fp32", weights=weights)
         assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert {k: getattr(cfg, k) for k in QUIRKS[name] if k != "nope_layers"} == \
-        {k: v for k, v in QUIRKS[name].items() if k != "nope_layers"}
+    assert {k: getattr(cfg, k) for k in QUIRKS[name] if k not in GGUF_OVER_KEYS} == \
+        {k: v for k, v in QUIRKS[name].items() if k not in GGUF_OVER_KEYS}
     assert cfg.nope_layers == ([3] if name == "smollm3" else [])
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
     m = kvrun.load(tmp_path / "float", dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
@@ -227,8 +257,7 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
     # the int8 conversion's weights: those of the same checkpoint converted from its HF folder
     from safetensors.torch import load_file
     from_hf = tmp_path / "hf-int8"
-    convert_hf(_checkpoint(tmp_path / "again", name, **({"num_hidden_layers": 4, "no_rope_layers": None}
-                                                        if name == "smollm3" else {}))[0],
+    convert_hf(_checkpoint(tmp_path / "again", name, **GGUF_OVER.get(name, {}))[0],
                from_hf, dtype="fp32", weights="int8")
     a, b = load_file(str(tmp_path / "int8" / "model.safetensors")), load_file(str(from_hf / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -294,6 +323,9 @@ def test_context_shift_is_refused_with_nope_layers():
 
 QUIRKS = {   # family → what its converted config.json must say
     "qwen3": dict(architecture="qwen3", qk_norm="head", head_dim=128, tie_word_embeddings=True),
+    "qwen3moe": dict(architecture="qwen3moe", qk_norm="head", head_dim=32, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                     mlp_only_layers=[1]),
     "gemma3": dict(architecture="gemma3", qk_norm="head", layer_types=FAMILIES["gemma3"][1]["layer_types"],
                    sliding_window=16, query_pre_attn_scalar=48.0, rope_theta=1e6, rope_local_theta=1e4,
                    rope_scaling={"type": "linear", "factor": 2.0}, final_logit_softcapping=30.0),

@@ -63,6 +63,20 @@ typedef struct {
     float *part;                       /* scratch (RING_SPLITS, H, D): partial outputs       */
 } RingArgs;
 
+/* -- decode_layer.c: Qwen3-MoE's sparse MLP of one layer (Layer.moe; moe_mlp) ---------- */
+typedef struct {
+    int32_t E, top_k, inter;         /* experts, each row's chosen count, an expert's width */
+    int32_t norm_topk;               /* 1: the chosen probabilities renormalized to sum 1 */
+    const float *router;             /* (E, hidden) fp32 */
+    const Weight *gate, *up, *down;  /* (E,) each: expert e's (inter, hidden) / (hidden, inter) */
+    float *probs;                    /* scratch (MAXB, E): router logits, then probabilities */
+    int32_t *chosen;                 /* out (MAXB, top_k): each row's experts, most probable first */
+    float *weight;                   /* out (MAXB, top_k): their weights */
+    float *xg, *hg, *yg, *acc;       /* scratch (MAXB, hidden), (MAXB, inter), (MAXB, hidden),
+                                      * (MAXB, hidden): one expert's gathered rows, its SwiGLU
+                                      * and down outputs, each row's weighted sum */
+} Moe;
+
 /* -- decode_layer.c: a decoder layer's dense part, and the whole one-call step ----------- */
 typedef struct {
     int32_t hidden, H, Hkv, D, inter, nthreads;
@@ -89,6 +103,8 @@ typedef struct {
     int32_t gemv_int;                /* 1: integer GEMVs (gemv_int.c), 0: fp32 (gemv_fp32.c) */
     int32_t qk_norm_proj;            /* OLMo 2, 1: q_norm (H D,) / k_norm (Hkv D,) over the whole
                                       * projection, not per head; norm1 / norm2 may be NULL */
+    const Moe *moe;                  /* Qwen3-MoE: the sparse MLP replaces gate / up / down
+                                      * (inter is then the experts' width); NULL: dense */
 } Layer;
 
 /* one row's cache: per layer its prebuilt attention arguments, and this step's lengths

@@ -167,11 +167,129 @@ int kvrun_layer_pre(const Layer *L, int B, const float *cosb, const float *sinb)
     return 0;
 }
 
-/* attn (B, H D) -> x += o_proj(attn); x += down(silu(gate(n(x))) * up(n(x))) */
+/* Row b's router probabilities M->probs (E,) from its logits, in place: softmax in fp32;
+ * then its top_k experts (most probable first, ties to the lower id, as torch.topk) and their
+ * weights, renormalized to sum 1 (summed most probable first) when norm_topk. */
+static void moe_route(const Moe *M, int b)
+{
+    const int E = M->E, K = M->top_k;
+    float *p = M->probs + (int64_t)b * E, mx = p[0], sum = 0.0f;
+    for (int e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+    for (int e = 0; e < E; e++) { p[e] = expf(p[e] - mx); sum += p[e]; }
+    int32_t *ch = M->chosen + b * K;
+    float *w = M->weight + b * K, tot = 0.0f;
+    for (int j = 0; j < K; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= ch[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ch[j] = best;
+        w[j] = p[best] / sum;
+        tot += w[j];
+    }
+    if (M->norm_topk)
+        for (int j = 0; j < K; j++) w[j] /= tot;
+}
+
+/* x (B, hidden) += the sparse MLP of xn (B, hidden), inside a parallel region (orphaned
+ * `omp for`s): the router GEMV in fp32 and each row's top-k (moe_route); then per expert in
+ * ascending id, only the rows that chose it, gathered: gate and up, SwiGLU, down, each row's
+ * output times its weight added into acc (runtime/model/moe.py's order); x += acc. An expert
+ * no row chose is skipped, its weights never read. */
+static void moe_mlp(const Layer *L, const Input *in, int B)
+{
+    const Moe *M = L->moe;
+    const int C = L->hidden, E = M->E, K = M->top_k, I = M->inter;
+#pragma omp for schedule(static)
+    for (int i = 0; i < B * E; i++) {                               /* router logits (B, E) */
+        const float *xb = L->xn + (int64_t)(i / E) * C, *we = M->router + (int64_t)(i % E) * C;
+        float acc = 0.0f;
+        for (int c = 0; c < C; c++) acc += xb[c] * we[c];
+        M->probs[i] = acc;
+    }
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) {
+        moe_route(M, b);
+        memset(M->acc + (int64_t)b * C, 0, (size_t)C * sizeof(float));
+    }
+    for (int e = 0; e < E; e++) {              /* every thread walks the experts in step */
+        int row[MAXB], slot[MAXB], nr = 0;     /* the rows that chose e, and where in their list */
+        for (int b = 0; b < B; b++)
+            for (int j = 0; j < K; j++)
+                if (M->chosen[b * K + j] == e) { row[nr] = b; slot[nr++] = j; }
+        if (!nr) continue;
+        const Weight *gw = M->gate + e, *uw = M->up + e, *dw = M->down + e;
+#pragma omp for schedule(static)
+        for (int r = 0; r < nr; r++) {         /* gather; gate and up read one quantized row */
+            memcpy(M->xg + (int64_t)r * C, L->xn + (int64_t)row[r] * C, (size_t)C * sizeof(float));
+            prepare(in, gw, M->xg + (int64_t)r * C, r);
+        }
+#pragma omp for schedule(static)
+        for (int n0 = 0; n0 < I; n0 += GEMV_NR) {
+            float g_[GEMV_NR][MAXB], u_[GEMV_NR][MAXB];
+            const int nn = I - n0 < GEMV_NR ? I - n0 : GEMV_NR;
+            rows(in, gw, n0, nn, nr, M->xg, C, g_[0]);
+            rows(in, uw, n0, nn, nr, M->xg, C, u_[0]);
+            for (int j = 0; j < nn; j++)
+                for (int r = 0; r < nr; r++)
+                    M->hg[(int64_t)r * I + n0 + j] = act(ACT_SILU, g_[j][r]) * u_[j][r];
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < nr; r++)
+            prepare(in, dw, M->hg + (int64_t)r * I, r);
+        GEMV_FOR(in, dw, nr, M->hg, I, M->yg[(int64_t)b * C + n] = v_)
+#pragma omp for schedule(static)
+        for (int r = 0; r < nr; r++) {
+            const float w = M->weight[row[r] * K + slot[r]];
+            float *ab = M->acc + (int64_t)row[r] * C;
+            const float *yb = M->yg + (int64_t)r * C;
+            for (int c = 0; c < C; c++) ab[c] += yb[c] * w;
+        }
+    }
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++)
+        for (int c = 0; c < C; c++) L->x[(int64_t)b * C + c] += M->acc[(int64_t)b * C + c];
+}
+
+/* x (B, hidden) += down(act(gate(xn)) * up(xn)) (mlp_out_norm: normed first), inside a
+ * parallel region; xn's rows already prepared for gate */
+static void dense_mlp(const Layer *L, const Input *in, int B)
+{
+    const int C = L->hidden, I = L->inter;
+#pragma omp for schedule(static)
+    for (int n0 = 0; n0 < I; n0 += GEMV_NR) {      /* gate and up rows, then SwiGLU */
+        float g_[GEMV_NR][MAXB], u_[GEMV_NR][MAXB];
+        const int nn = I - n0 < GEMV_NR ? I - n0 : GEMV_NR;
+        rows(in, &L->gate, n0, nn, B, L->xn, C, g_[0]);
+        rows(in, &L->up, n0, nn, B, L->xn, C, u_[0]);
+        for (int j = 0; j < nn; j++)
+            for (int b = 0; b < B; b++)
+                L->h[(int64_t)b * I + n0 + j] = act(L->act, g_[j][b]) * u_[j][b];
+    }
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++)
+        prepare(in, &L->down, L->h + (int64_t)b * I, b);
+    if (!L->mlp_out_norm) {
+        GEMV_FOR(in, &L->down, B, L->h, I, L->x[(int64_t)b * C + n] += v_)
+    } else {
+        GEMV_FOR(in, &L->down, B, L->h, I, L->tmp[(int64_t)b * C + n] = v_)
+#pragma omp for schedule(static)
+        for (int b = 0; b < B; b++) {
+            float *xb = L->x + (int64_t)b * C, *tb = L->tmp + (int64_t)b * C;
+            rmsnorm(tb, L->mlp_out_norm, C, L->eps, tb);
+            for (int i = 0; i < C; i++) xb[i] += tb[i];
+        }
+    }
+}
+
+/* attn (B, H D) -> x += o_proj(attn); x += down(silu(gate(n(x))) * up(n(x))), or with
+ * L->moe the sparse MLP of n(x) (moe_mlp) */
 int kvrun_layer_post(const Layer *L, int B, const float *attn, int64_t lda)
 {
     if (B < 1 || B > MAXB) return -1;
-    const int C = L->hidden, I = L->inter;
+    const int C = L->hidden;
     const Input in = layer_input(L);
 #pragma omp parallel num_threads(L->nthreads)
     {
@@ -186,32 +304,10 @@ int kvrun_layer_post(const Layer *L, int B, const float *attn, int64_t lda)
             for (int i = 0; i < C; i++) xb[i] += tb[i];
             if (L->norm2) rmsnorm(xb, L->norm2, C, L->eps, L->xn + (int64_t)b * C);
             else memcpy(L->xn + (int64_t)b * C, xb, (size_t)C * sizeof(float));
-            prepare(&in, &L->gate, L->xn + (int64_t)b * C, b);          /* up reads it too */
+            if (!L->moe) prepare(&in, &L->gate, L->xn + (int64_t)b * C, b);   /* up reads it too */
         }
-#pragma omp for schedule(static)
-        for (int n0 = 0; n0 < I; n0 += GEMV_NR) {      /* gate and up rows, then SwiGLU */
-            float g_[GEMV_NR][MAXB], u_[GEMV_NR][MAXB];
-            const int nn = I - n0 < GEMV_NR ? I - n0 : GEMV_NR;
-            rows(&in, &L->gate, n0, nn, B, L->xn, C, g_[0]);
-            rows(&in, &L->up, n0, nn, B, L->xn, C, u_[0]);
-            for (int j = 0; j < nn; j++)
-                for (int b = 0; b < B; b++)
-                    L->h[(int64_t)b * I + n0 + j] = act(L->act, g_[j][b]) * u_[j][b];
-        }
-#pragma omp for schedule(static)
-        for (int b = 0; b < B; b++)
-            prepare(&in, &L->down, L->h + (int64_t)b * I, b);
-        if (!L->mlp_out_norm) {
-            GEMV_FOR(&in, &L->down, B, L->h, I, L->x[(int64_t)b * C + n] += v_)
-        } else {
-            GEMV_FOR(&in, &L->down, B, L->h, I, L->tmp[(int64_t)b * C + n] = v_)
-#pragma omp for schedule(static)
-            for (int b = 0; b < B; b++) {
-                float *xb = L->x + (int64_t)b * C, *tb = L->tmp + (int64_t)b * C;
-                rmsnorm(tb, L->mlp_out_norm, C, L->eps, tb);
-                for (int i = 0; i < C; i++) xb[i] += tb[i];
-            }
-        }
+        if (L->moe) moe_mlp(L, &in, B);
+        else dense_mlp(L, &in, B);
     }
     return 0;
 }

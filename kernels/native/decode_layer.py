@@ -121,7 +121,9 @@ class LayerPlan:
         extra (Gemma 3, Qwen3, OLMo 2; decode_layer.c's optional fields): "q_norm", "k_norm"
         (D,), "attn_out_norm", "mlp_out_norm" (hidden,) norm weights as multiplied (1 + w for
         Gemma), "act" ("silu" or "gelu_tanh"), "q_scale", "qk_norm_proj" (q_norm / k_norm
-        are (H D,) / (Hkv D,), over the whole projection). norm1 / norm2 None: the block
+        are (H D,) / (Hkv D,), over the whole projection), "moe" (a kernels/native/moe.py
+        MoePlan: the sparse MLP in place of gate / up / down, which `weights` then lacks,
+        and dims' inter is the experts' width). norm1 / norm2 None: the block
         input goes in unnormalized (OLMo 2). gemv: "int" or "fp32" (the
         module docstring), for every GEMV of this layer and of `logits`."""
         self.keep: list = []
@@ -143,7 +145,11 @@ class LayerPlan:
         L.qk_norm_proj = int(bool(extra.get("qk_norm_proj", False)))
         L.q_scale = float(extra.get("q_scale", 1.0))
         for name in ("qkv", "o", "gate", "up", "down"):
-            setattr(L, name, weight_desc(weights[name], self.keep, integer=gemv == "int"))
+            if name in weights:               # an MoE layer has no gate / up / down
+                setattr(L, name, weight_desc(weights[name], self.keep, integer=gemv == "int"))
+        self.moe = extra.get("moe")           # a moe.MoePlan: Qwen3-MoE's sparse MLP
+        if self.moe is not None:
+            L.moe = ctypes.pointer(self.moe.desc)
         for name, t in (("x", scratch.x), ("xn", scratch.xn), ("xsum", scratch.xsum),
                         ("qkv_out", scratch.qkv), ("tmp", scratch.tmp), ("h", scratch.h),
                         ("xq", scratch.xq)):

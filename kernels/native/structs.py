@@ -63,6 +63,12 @@ class WeightDesc(ctypes.Structure):
                 ("rp", _p)]
 
 
+class MoeDesc(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("E", "top_k", "inter", "norm_topk")] + [
+        ("router", _p)] + [(n, ctypes.POINTER(WeightDesc)) for n in ("gate", "up", "down")] + [
+        (n, _p) for n in ("probs", "chosen", "weight", "xg", "hg", "yg", "acc")]
+
+
 class LayerDesc(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("hidden", "H", "Hkv", "D", "inter", "nthreads")] + [
         ("eps", ctypes.c_float), ("norm1", _p), ("norm2", _p)] + [
@@ -71,7 +77,7 @@ class LayerDesc(ctypes.Structure):
         (n, _p) for n in ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")] + [
         ("act", ctypes.c_int32), ("q_scale", ctypes.c_float),
         ("xq", _p), ("ldq", ctypes.c_int64), ("gemv_int", ctypes.c_int32),
-        ("qk_norm_proj", ctypes.c_int32)]
+        ("qk_norm_proj", ctypes.c_int32), ("moe", ctypes.POINTER(MoeDesc))]
 
 
 class RowCache(ctypes.Structure):
@@ -92,7 +98,7 @@ class StepDesc(ctypes.Structure):
 
 # (ctypes mirror, C type name), in the order `layout_source` lists them
 MIRRORS = ((CodecDesc, "Codec"), (Args, "Args"), (RingStoreDesc, "RingStore"),
-           (RingArgs, "RingArgs"), (WeightDesc, "Weight"), (LayerDesc, "Layer"),
+           (RingArgs, "RingArgs"), (WeightDesc, "Weight"), (MoeDesc, "Moe"), (LayerDesc, "Layer"),
            (RowCache, "RowCache"), (StepDesc, "Step"))
 
 

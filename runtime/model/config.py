@@ -18,6 +18,11 @@ Family quirks are fields, each HF's own setting (convert/hf.py reads them):
 - `embedding_multiplier`, `attention_multiplier` (the score scale, replacing D**-0.5; 0 keeps
   it), `logits_scaling` (logits divided by it): Granite's multipliers. Its
   residual_multiplier is folded into o_proj / down_proj at conversion (convert/hf.py).
+- `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
+  `mlp_only_layers`: Qwen3-MoE's sparse MLP (runtime/model/moe.py). Every layer not in
+  `mlp_only_layers` routes each token to its top `num_experts_per_tok` of `num_experts`
+  SwiGLU experts of `moe_intermediate_size`; the listed layers keep the dense MLP of
+  `intermediate_size`. HF's `decoder_sparse_step` is folded into the list at conversion.
 `q_scale` is what q is multiplied by so that the caches' D**-0.5 scaling gives the
 family's score scale.
 """
@@ -32,8 +37,8 @@ from ..errors import KvrunError
 from kvrun.kernels.rope import ROPE_TYPES
 
 # granite and smollm3 run the Llama layer with their config quirks; olmo2 its own (olmo2.py)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "olmo2", "smollm3")
-QK_NORMS = {"qwen3": "head", "gemma3": "head", "olmo2": "proj"}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "granite", "olmo2", "smollm3")
+QK_NORMS = {"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmo2": "proj"}
 CHAT_TEMPLATES = ("chatml", "llama3", "mistral", "gemma", "none")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Gemma 3: every 6th layer is global (HF Gemma3TextConfig.sliding_window_pattern, llama.cpp
@@ -67,6 +72,11 @@ class ModelConfig:
     embedding_multiplier: float = 1.0       # Granite: embeddings times this
     attention_multiplier: float = 0.0       # Granite: score scale (0 → query_pre_attn_scalar**-0.5)
     logits_scaling: float = 1.0             # Granite: logits divided by this
+    num_experts: int = 0                    # Qwen3-MoE: experts per sparse layer (0: dense model)
+    num_experts_per_tok: int = 0            # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0          # each expert's SwiGLU width
+    norm_topk_prob: bool = False            # the top-k probabilities renormalized to sum 1
+    mlp_only_layers: list[int] = field(default_factory=list)   # dense layers of an MoE model
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     add_bos: bool = False                   # prepend BOS when tokenizing a raw prompt
@@ -120,6 +130,7 @@ class ModelConfig:
         if self.nope_layers and "sliding_attention" in self.layer_types:
             # both would take the model's second RoPE table set (llama.py rope_local)
             raise KvrunError("a config cannot have both nope_layers and sliding_attention layers")
+        self._check_experts()
         if self.logits_scaling == 0.0:
             raise KvrunError("config: logits_scaling must be a finite number > 0 (got 0)")
         self.eos_token_ids = [int(t) for t in self.eos_token_ids]
@@ -127,6 +138,25 @@ class ModelConfig:
             raise KvrunError(f"unknown weight format {self.weights!r} (float, int8, int4)")
         if self.weights == "int4" and self.weight_group == 0:
             self.weight_group = 32
+
+    def _check_experts(self) -> None:
+        """An MoE config has experts, a top-k among them and their width; others none."""
+        if (self.architecture == "qwen3moe") != (self.num_experts > 0):
+            raise KvrunError("config: num_experts must be >= 1 for qwen3moe and 0 otherwise "
+                             f"(got {self.num_experts} for {self.architecture})")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise KvrunError(f"config: num_experts_per_tok must be 1..{self.num_experts} and "
+                             "moe_intermediate_size >= 1")
+        if not isinstance(self.mlp_only_layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_layers
+                for i in self.mlp_only_layers):
+            raise KvrunError(f"config: mlp_only_layers must list layer indices below {self.num_layers}")
+        self.mlp_only_layers = sorted(set(self.mlp_only_layers))
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the sparse expert block (runtime/model/moe.py)."""
+        return self.num_experts > 0 and layer not in self.mlp_only_layers
 
     def _check_numbers(self) -> None:
         """Sizes are positive integers and float settings finite numbers, whoever wrote the
@@ -138,7 +168,8 @@ class ModelConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise KvrunError(f"config: {name} must be an integer >= 1 (got {x!r})")
-        for name in ("head_dim", "sliding_window", "weight_group"):
+        for name in ("head_dim", "sliding_window", "weight_group", "num_experts",
+                     "num_experts_per_tok", "moe_intermediate_size"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 0:
                 raise KvrunError(f"config: {name} must be an integer >= 0 (got {x!r})")
@@ -189,4 +220,8 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         if "sliding_attention" not in self.layer_types:
             del d["layer_types"]     # all full: derived again from num_layers, as before
+        if not self.num_experts:     # a dense model's config.json as before the MoE fields
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "norm_topk_prob", "mlp_only_layers"):
+                del d[k]
         return {"format": "kvrun", "format_version": 1, **d}

@@ -1,5 +1,6 @@
 """kvrun's transformer for the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Phi-3
-with its fused projections split at conversion), Qwen2/Qwen3, Granite and SmolLM3; Gemma 3
+with its fused projections split at conversion), Qwen2/Qwen3 (Qwen3-MoE: its sparse MLP
+from moe.py), Granite and SmolLM3; Gemma 3
 and OLMo 2 bring their own decoder layer (gemma3.py, olmo2.py) to the same `Transformer`.
 
 Family quirks are config fields (config.py): q/k norms and the query scale live in
@@ -36,6 +37,7 @@ from .. import threads
 from .config import ModelConfig
 from .attention import Attention
 from .layers import MLP, Linear, NoRope, RMSNorm, final_logits
+from .moe import SparseMoeBlock
 from .qlinear import QUANT_MODULES, Int8Embedding, Int8Linear, make_linear
 from kvrun.kernels.native.decode_layer import MAX_ROWS     # the native step's rows a call
 from kvrun.kernels.rope import Rope
@@ -48,8 +50,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.local_rope = layer_idx in cfg.nope_layers   # the identity tables (module docstring)
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size,
-                       lambda i, o: make_linear(cfg.weights, cfg.weight_group, i, o))
+        self.mlp = (SparseMoeBlock(cfg) if cfg.is_moe(layer_idx) else       # Qwen3-MoE: moe.py
+                    MLP(cfg.hidden_size, cfg.intermediate_size,
+                        lambda i, o: make_linear(cfg.weights, cfg.weight_group, i, o)))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

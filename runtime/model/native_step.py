@@ -29,7 +29,9 @@ stay fp32 in preallocated buffers and the weights are read in their stored bytes
 (kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/test_decode_layer.py) and serves everything this step does not cover.
 
-Covered: the Llama/Qwen2/Qwen3/Granite/SmolLM3 and Gemma 3 `Transformer` (Gemma's extra
+Covered: the Llama/Qwen2/Qwen3/Qwen3-MoE/Granite/SmolLM3 and Gemma 3 `Transformer` (Qwen3-MoE's
+sparse MLP is the C layer's `moe`: the router, top-k and softmax in C, then only the
+experts each row chose, kernels/native/moe.py; Gemma's extra
 norms, QK-norm (Qwen3's too), GeGLU, local RoPE tables (SmolLM3's NoPE identity tables in
 the same slot), embedding scale and query scale (Granite's attention_multiplier) are the C
 layer's optional fields; OLMo 2's missing pre-norms and q/k norms over the whole
@@ -53,9 +55,11 @@ import torch
 from kvrun.kernels import dispatch, native
 from kvrun.kernels.native.decode_layer import MAX_ROWS, LayerPlan, Scratch, weight_desc
 from kvrun.kernels.native.decode_step import DecodeStep, splits_max
+from kvrun.kernels.native.moe import MoePlan, MoeScratch
 from .. import threads
 from . import native_rows
 from .layers import final_logits
+from .moe import SparseMoeBlock
 from .qlinear import Int4Linear, Int8Linear
 
 # Prefill chunks up to this many tokens take the native route (`chunk`), MAX_ROWS rows a
@@ -64,7 +68,7 @@ from .qlinear import Int4Linear, Int8Linear
 # docs/measurements.md, tools/chunk_speed.py). 64 keeps a margin for CPUs whose GEMM is
 # relatively faster.
 CHUNK_MAX_ROWS = 2 * MAX_ROWS
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "olmo2", "smollm3")
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "granite", "olmo2", "smollm3")
 
 
 def _stored(lin) -> dict:
@@ -89,6 +93,20 @@ def _stacked(lins) -> dict:
     return out
 
 
+def _mlp_linears(mlp) -> list:
+    """The MLP's projections: gate, up, down, or every expert's (Qwen3-MoE; not the router,
+    which the step reads as fp32)."""
+    mlps = mlp.experts if isinstance(mlp, SparseMoeBlock) else [mlp]
+    return [x for m in mlps for x in (m.gate_proj, m.up_proj, m.down_proj)]
+
+
+def _moe_plan(mlp: SparseMoeBlock, scratch: MoeScratch, gemv: str) -> MoePlan:
+    experts = [{"gate": _stored(x.gate_proj), "up": _stored(x.up_proj), "down": _stored(x.down_proj)}
+               for x in mlp.experts]
+    return MoePlan(mlp.gate.weight, experts, mlp.top_k, mlp.norm_topk_prob, scratch,
+                   integer=gemv == "int")
+
+
 def supported(model) -> bool:
     """Whether this step can run `model` (see the module docstring)."""
     if model.cfg.architecture not in NATIVE_ARCHITECTURES:
@@ -98,13 +116,14 @@ def supported(model) -> bool:
     cfg = model.cfg
     lins = [m for layer in model.model.layers for m in
             (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+             layer.self_attn.o_proj, *_mlp_linears(layer.mlp))]
     kinds = {type(m) for m in lins}
     return (len(kinds) == 1 and kinds <= {Int4Linear, Int8Linear}
             and isinstance(model.lm_head, Int8Linear)
             and model.lm_head.qweight.device.type == "cpu"
             and len({getattr(m, "group", 0) for m in lins[:3]}) == 1
             and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 32 == 0
+            and cfg.moe_intermediate_size % 32 == 0
             and cfg.head_dim % 2 == 0 and model.lm_head.bias is None)
 
 
@@ -120,17 +139,21 @@ class NativeDecodeStep:
         self.gemv = gemv or dispatch.gemv_path()
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = (H * D, (H + Hkv) * D)            # q | k | v columns of scratch.qkv
-        self.scratch = Scratch(cfg.hidden_size, H, Hkv, D, cfg.intermediate_size, cfg.vocab_size)
+        self.scratch = Scratch(cfg.hidden_size, H, Hkv, D,
+                               max(cfg.intermediate_size, cfg.moe_intermediate_size), cfg.vocab_size)
         dims = dict(hidden=cfg.hidden_size, H=H, Hkv=Hkv, D=D, inter=cfg.intermediate_size)
+        moe = MoeScratch(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts) if cfg.num_experts else None
         self.plans = []
         gemma = cfg.architecture == "gemma3"
-        for layer in model.model.layers:
+        for i, layer in enumerate(model.model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj),
-                 "gate": _stored(mlp.gate_proj), "up": _stored(mlp.up_proj),
-                 "down": _stored(mlp.down_proj)}
+            w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj)}
             # norms as the multipliers the C norm takes (Gemma's 1 + w: norm.multiplier())
             extra = {"q_scale": a.q_scale or 1.0}
+            if cfg.is_moe(i):                # Qwen3-MoE: the experts in place of gate / up / down
+                extra["moe"] = _moe_plan(mlp, moe, self.gemv)
+            else:
+                w.update(gate=_stored(mlp.gate_proj), up=_stored(mlp.up_proj), down=_stored(mlp.down_proj))
             if cfg.qk_norm:                  # Qwen3, Gemma 3: per head; OLMo 2: the projection
                 extra.update(q_norm=a.q_norm.multiplier(), k_norm=a.k_norm.multiplier(),
                              qk_norm_proj=cfg.qk_norm == "proj")
@@ -144,8 +167,9 @@ class NativeDecodeStep:
                              mlp_out_norm=layer.post_feedforward_layernorm.multiplier())
             else:
                 norms = (layer.input_layernorm.multiplier(), layer.post_attention_layernorm.multiplier())
-            self.plans.append(LayerPlan(dims, cfg.rms_norm_eps, *norms, w, self.scratch, extra,
-                                        gemv=self.gemv))
+            inter = cfg.moe_intermediate_size if cfg.is_moe(i) else cfg.intermediate_size
+            self.plans.append(LayerPlan({**dims, "inter": inter}, cfg.rms_norm_eps, *norms, w,
+                                        self.scratch, extra, gemv=self.gemv))
         # the layers on the second RoPE tables: Gemma's sliding ones, SmolLM3's NoPE ones
         self.local = [layer.local_rope for layer in model.model.layers]
         self.keep: list = []

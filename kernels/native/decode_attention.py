@@ -278,9 +278,10 @@ def step_args(H: int, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
               attn: str = "int") -> Args:
     """The fields of a one-token arena step that stay from step to step: k_win, v_win (Hkv,
     cap, D) one layer's window, H query heads, rot_k / rot_v (D, D) float32 or None, attn
-    as decode_attention's. FusedStep and the one-call decode step
-    (decode_step.py) both start from it; a step sets the lengths, q, the new rows and the
-    window slot they go to, the scratch and the tail descriptors."""
+    as decode_attention's. The one argument builder: FusedStep, the one-call decode step
+    (decode_step.py) and every general call (`_attend`) start from it; a step sets the
+    lengths, q, the new rows and the window slot they go to, the scratch and the tail
+    descriptors."""
     Hkv, _, D = k_win.shape
     a = Args()
     a.qint = _qint(attn)
@@ -314,28 +315,32 @@ def fused_step(win_k: torch.Tensor, win_v: torch.Tensor, layer: int, H: int, rot
 
 def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, fuse=None,
             attn: str = "int"):
+    """One kvrun_decode_attention call for queries q (1, H, Tq, D) at chunk offset t0 over
+    [tail (descriptors kd, vd), window k_win / v_win (1, Hkv, W, D), new rows (1, Hkv, Tn,
+    D)]; fuse = (k_dst, v_dst, rot_k, rot_v): the window append (attend_append). The
+    arguments start from `step_args`, the one builder FusedStep and the one-call step use,
+    and the fields a general call sets on top."""
     _, H, Tq, D = q.shape
     Hkv, W, Tn = k_new.shape[1], k_win.shape[2], k_new.shape[2]
-    Gq = H // Hkv
-    R = Gq * Tq
+    R = H // Hkv * Tq
     N = n_tail + W + Tn
-    nth = torch.get_num_threads()
     lib = load()
     q, kw, vw, kn, vn = _rows(q), _rows(k_win), _rows(v_win), _rows(k_new), _rows(v_new)
     assert kw.dtype == vw.dtype and kn.dtype == vn.dtype, (kw.dtype, kn.dtype)
     out = torch.empty(1, H, Tq, D)
-    a = Args(Hkv, R, D, Tq, t0, n_tail, W, Tn, _FP[kw.dtype], _FP[kn.dtype], _FP[q.dtype],
-             mass_from, Gq, nth, q.data_ptr(), (q.stride(1), q.stride(2)),
-             _scratch("q", H * Tq * D), kw.data_ptr(), vw.data_ptr(),
-             (kw.stride(1), kw.stride(2)), (vw.stride(1), vw.stride(2)), kn.data_ptr(),
-             vn.data_ptr(), (kn.stride(1), kn.stride(2)), (vn.stride(1), vn.stride(2)),
-             out.data_ptr(), _scratch("sc", Hkv * R * N), _scratch("part", Hkv * _splits_max(lib) * R * D),
-             mass.data_ptr() if mass is not None else None,
-             mass.stride(0) if mass is not None else 0, ctypes.pointer(kd), ctypes.pointer(vd))
-    a.qint = _qint(attn)
+    k_dst, v_dst, rot_k, rot_v = fuse if fuse is not None else (None, None, None, None)
+    a = step_args(H, kw[0], vw[0], rot_k, rot_v, attn)
+    a.R, a.Tq, a.t0, a.Tn, a.n_tail, a.W, a.mass_lo = R, Tq, t0, Tn, n_tail, W, mass_from
+    a.ndtype, a.qdtype, a.nthreads = _FP[kn.dtype], _FP[q.dtype], torch.get_num_threads()
+    a.qin, a.qs[0], a.qs[1] = q.data_ptr(), q.stride(1), q.stride(2)
+    a.kn, a.vn = kn.data_ptr(), vn.data_ptr()
+    a.kns[0], a.kns[1], a.vns[0], a.vns[1] = kn.stride(1), kn.stride(2), vn.stride(1), vn.stride(2)
+    a.q, a.out = _scratch("q", H * Tq * D), out.data_ptr()
+    a.sc, a.part = _scratch("sc", Hkv * R * N), _scratch("part", Hkv * _splits_max(lib) * R * D)
+    if mass is not None:
+        a.mass, a.mass_stride = mass.data_ptr(), mass.stride(0)
+    a.kc, a.vc = ctypes.pointer(kd), ctypes.pointer(vd)
     if fuse is not None:
-        k_dst, v_dst, rot_k, rot_v = fuse
-        _set_rotations(a, rot_k, rot_v)
         a.kdst, a.vdst = k_dst.data_ptr(), v_dst.data_ptr()
         a.kds[0], a.kds[1], a.vds[0], a.vds[1] = k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1)
     rc = lib.kvrun_decode_attention(ctypes.byref(a))

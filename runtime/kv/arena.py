@@ -230,7 +230,9 @@ class KVArena(KVCache):
         if T == 1 and self.ev is None:      # a decode step: the layer's prebuilt arguments
             step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend="native",
                               attn=self.attn)
-            return step(q, kt, vt, nt, w, k, v)
+            o = step(q, kt, vt, nt, w, k, v) if step is not None else None
+            if o is not None:               # (None: q / k / v strides it does not take)
+                return o
         return attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
                              rk, rv, backend="native", attn=self.attn, mass=mass, mass_from=mass_from)

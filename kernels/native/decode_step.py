@@ -6,10 +6,11 @@ layer's (Gemma 3) with them written into its ring slot — the dense part after 
 
 Why: the per-layer route crosses from Python to C 2 + B times a layer (pre, each row's
 attention, post) and rebinds the attention's arguments each time, which at depth 0 costs
-a sizeable share of a small model's step (docs/measurements.md). Here the per-row,
-per-layer arguments are built once per cache (`RowPlan`, from decode_attention.py
-`step_args`, as its FusedStep builds them, and ring_attention.py `step_args`) and a step
-sets only the lengths (and a ring's slot), a slice assignment per row.
+a sizeable share of a small model's step (docs/measurements-archive.md, "The whole decode
+step in one native call"). Here the per-row, per-layer arguments are built once per cache
+(`RowPlan`, from decode_attention.py `step_args`, as its FusedStep builds them, and
+ring_attention.py `step_args`) and a step sets only the lengths (and a ring's slot), a
+slice assignment per row.
 
 Same calls in the same order with the same arguments as the per-layer route, so the same
 bits (tests/test_decode_step.py). The window count advance and the flushes stay with the

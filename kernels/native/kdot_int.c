@@ -348,7 +348,7 @@ float ki_fold_quantize(const float *q, const float *s, const float *z, int n, in
  * first). On an AVX2 machine whose ymm FMA and vpmaddwd both do 8 products a cycle
  * (tools/isa_peak.c) this still beats the fp32 kernel, by the decode (no int -> float
  * conversion, one widening per 16 codes): 1.10-1.20x over 30 layers on Zen 1
- * (docs/measurements.md, "Integer attention on AVX2"). */
+ * (docs/measurements.md, "Attention and GEMV kernels"). */
 enum { PREFETCH = 256 };
 
 /* two adjacent int16 words in every int32 lane: one load-broadcast (vbroadcastss of their 4

@@ -42,7 +42,7 @@ once per call, the output un-rotated once if V is rotated, never the ring —
 which is exact in full precision (q·k = qR·kR, P·V = (P·VR)·Rᵀ). The rotation spreads a
 channel's large values over all D channels, so each channel group's min/max range fits the
 bulk of its values; K is where it matters (per-token K groups lose the most: the KLD
-figures, with their commands, are in docs/measurements.md, "Gemma 3 270M"). K costs two
+figures, with their commands, are in docs/measurements-archive.md, "Gemma 3 270M"). K costs two
 butterflies per layer and call (q, k); V's adds two more (v, the output). The arena's K
 rotation is not tied to it: KIVI quantizes K per channel, which rotation mixes.
 

@@ -12,6 +12,7 @@ Phi-3's fused projections) is in hf_families.py; this module is what they share.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -72,7 +73,28 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
                        "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
                        "original_max_position_embeddings":
                            int(scaling.get("original_max_position_embeddings", 8192))}
-    raise KvrunError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    if kind in ("longrope", "su"):                      # su: longrope's earlier name (Phi-3)
+        return theta, _longrope(hf, scaling)
+    raise KvrunError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, longrope)")
+
+
+def _longrope(hf: dict, scaling: dict) -> dict:
+    """kvrun's longrope settings, as transformers' `_compute_longrope_parameters` derives
+    them: the original context from the scaling or the config, the attention factor given
+    or sqrt(1 + ln(s) / ln(original)) for s = `factor`, else max_position_embeddings /
+    original (1 when s <= 1)."""
+    orig = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not orig:
+        raise KvrunError("longrope scaling without original_max_position_embeddings")
+    orig = int(orig)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else int(hf.get("max_position_embeddings", orig)) / orig
+    att = scaling.get("attention_factor")
+    att = float(att) if att is not None else (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+    return {"type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
+            "long_factor": [float(x) for x in scaling["long_factor"]],
+            "original_max_position_embeddings": orig, "attention_factor": att}
 
 
 def _token_id(tok, token: str | dict | None) -> int | None:

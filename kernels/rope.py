@@ -2,8 +2,15 @@
 and k, the arena to re-rotate keys when the context shifts.
 
 Frequencies follow HF's `rope_scaling` variants: default, `linear` (positions divided by
-the factor) and `llama3` (long wavelengths scaled by the factor, short ones kept, a
-smooth blend between; Llama 3.1 §"RoPE scaling").
+the factor), `llama3` (long wavelengths scaled by the factor, short ones kept, a smooth
+blend between; Llama 3.1 §"RoPE scaling") and `longrope` (Phi-3's, LongRoPE: each
+frequency divided by its own factor, from `short_factor` or, for a context longer than
+`original_max_position_embeddings`, `long_factor`; cos and sin times an attention factor).
+
+Partial rotary (Phi-4-mini): RoPE on `rotary_dim` < D channels of each head. kvrun keeps
+the full-D "rotate_half" pairing (i, i + D/2) everywhere: convert/ permutes q and k's rows
+so the rotated pairs are i < rotary_dim/2, and the channels beyond see frequency 0 (cos 1,
+sin 0: passed through bit for bit, and a context shift's re-rotation leaves them too).
 """
 from __future__ import annotations
 
@@ -12,17 +19,43 @@ import math
 import torch
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """(D/2,) float64 inverse frequencies after scaling."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if not scaling:
-        return inv
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None, rotary_dim: int = 0,
+                    ctx: int = 0) -> torch.Tensor:
+    """(D/2,) float64 inverse frequencies after scaling: those of the first rotary_dim
+    channels (0: all D), then zeros for the channels RoPE passes through. `ctx`: the
+    context the tables serve (longrope takes its long factors above the original one)."""
+    rd = rotary_dim or head_dim
+    inv = _scaled(1.0 / (theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)), scaling, ctx)
+    return torch.cat([inv, torch.zeros((head_dim - rd) // 2, dtype=torch.float64)])
+
+
+def rope_kind(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def long_factors(scaling: dict | None, ctx: int) -> bool:
+    """Whether longrope runs a cache of `ctx` tokens on its long factors: when the context
+    exceeds the original one, as llama.cpp picks them from -c (HF switches per forward on
+    the longest position, which rotates cached keys with one set and new ones with the
+    other once a sequence crosses it; kvrun rotates every position of a cache alike)."""
+    return rope_kind(scaling) == "longrope" and ctx > int(scaling["original_max_position_embeddings"])
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What longrope multiplies cos and sin by (1 for the other kinds)."""
+    return float(scaling["attention_factor"]) if rope_kind(scaling) == "longrope" else 1.0
+
+
+def _scaled(inv: torch.Tensor, scaling: dict | None, ctx: int) -> torch.Tensor:
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv
+    if kind == "longrope":
+        ext = scaling["long_factor" if long_factors(scaling, ctx) else "short_factor"]
+        return inv / torch.tensor(ext, dtype=torch.float64)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
@@ -41,17 +74,24 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
 
 
 class Rope:
-    """Precomputed cos/sin tables for positions [0, max_pos); grown on demand."""
+    """Precomputed cos/sin tables for positions [0, max_pos); grown on demand. rotary_dim
+    and ctx: as inv_frequencies."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int):
-        self.inv = inv_frequencies(head_dim, theta, scaling)
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
+                 rotary_dim: int = 0, ctx: int = 0):
+        self.inv = inv_frequencies(head_dim, theta, scaling, rotary_dim, ctx)
+        # longrope's attention factor on the rotated channels; the passed-through ones stay as they are
+        rd = rotary_dim or head_dim
+        half = torch.cat([torch.full((rd // 2,), attention_factor(scaling), dtype=torch.float64),
+                          torch.ones((head_dim - rd) // 2, dtype=torch.float64)])
+        self.gain = torch.cat([half, half])                   # (D,)
         self._build(max_pos)
 
     def _build(self, n: int):
         t = torch.arange(n, dtype=torch.float64)
         freqs = torch.outer(t, self.inv)                      # (n, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)               # (n, D)
-        self.cos, self.sin = emb.cos().float(), emb.sin().float()
+        self.cos, self.sin = (emb.cos() * self.gain).float(), (emb.sin() * self.gain).float()
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin: (T, D) for integer positions (T,)."""

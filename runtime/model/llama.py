@@ -82,7 +82,7 @@ class Transformer(nn.Module):
                         else Int8Linear(cfg.hidden_size, cfg.vocab_size))
         self.tie_weights()
         with torch.device("cpu"):       # tables stay real even when built on the meta device
-            self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+            self.rope = Rope(**cfg.rope_args(), max_pos=cfg.max_position)
             # the second table set, for the layers whose `local_rope` is set: Gemma 3's sliding
             # layers (their own base, no scaling; HF: rope_local_base_freq), or the identity
             # for SmolLM3's NoPE layers (the config has not both)

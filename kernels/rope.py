@@ -4,7 +4,7 @@ and k, the arena to re-rotate keys when the context shifts.
 Frequencies follow HF's `rope_scaling` variants: default, `linear` (positions divided by
 the factor), `llama3` (long wavelengths scaled by the factor, short ones kept, a smooth
 blend between; Llama 3.1 §"RoPE scaling") and `longrope` (Phi-3's, LongRoPE: each
-frequency divided by its own factor, from `short_factor` or, for a context longer than
+frequency divided by its own factor, from `short_factor` or, for a cache larger than
 `original_max_position_embeddings`, `long_factor`; cos and sin times an attention factor).
 
 Partial rotary (Phi-4-mini): RoPE on `rotary_dim` < D channels of each head. kvrun keeps
@@ -37,10 +37,12 @@ def rope_kind(scaling: dict | None) -> str:
 
 
 def long_factors(scaling: dict | None, ctx: int) -> bool:
-    """Whether longrope runs a cache of `ctx` tokens on its long factors: when the context
-    exceeds the original one, as llama.cpp picks them from -c (HF switches per forward on
-    the longest position, which rotates cached keys with one set and new ones with the
-    other once a sequence crosses it; kvrun rotates every position of a cache alike)."""
+    """Whether longrope runs a cache of `ctx` tokens on its long factors: when its size
+    exceeds the original context, as llama.cpp picks them from its context size. Every
+    position of a cache takes one set. (HF switches per forward on the longest position:
+    the same for a sequence that stays within the original context in a cache within it,
+    and for one that starts past it; a sequence that crosses it there keeps its cached keys
+    on the short factors while new tokens take the long ones.)"""
     return rope_kind(scaling) == "longrope" and ctx > int(scaling["original_max_position_embeddings"])
 
 
@@ -73,19 +75,12 @@ def _scaled(inv: torch.Tensor, scaling: dict | None, ctx: int) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling type {kind!r} ({', '.join(ROPE_TYPES)})")
 
 
-class Rope:
-    """Precomputed cos/sin tables for positions [0, max_pos); grown on demand. rotary_dim
-    and ctx: as inv_frequencies."""
+class _Tables:
+    """cos/sin tables of one frequency set for positions [0, n); grown on demand."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
-                 rotary_dim: int = 0, ctx: int = 0):
-        self.inv = inv_frequencies(head_dim, theta, scaling, rotary_dim, ctx)
-        # longrope's attention factor on the rotated channels; the passed-through ones stay as they are
-        rd = rotary_dim or head_dim
-        half = torch.cat([torch.full((rd // 2,), attention_factor(scaling), dtype=torch.float64),
-                          torch.ones((head_dim - rd) // 2, dtype=torch.float64)])
-        self.gain = torch.cat([half, half])                   # (D,)
-        self._build(max_pos)
+    def __init__(self, inv: torch.Tensor, gain: torch.Tensor, n: int):
+        self.inv, self.gain = inv, gain                       # (D/2,), (D,)
+        self._build(n)
 
     def _build(self, n: int):
         t = torch.arange(n, dtype=torch.float64)
@@ -93,12 +88,47 @@ class Rope:
         emb = torch.cat([freqs, freqs], dim=-1)               # (n, D)
         self.cos, self.sin = (emb.cos() * self.gain).float(), (emb.sin() * self.gain).float()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin: (T, D) for integer positions (T,)."""
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self.cos.shape[0]:
             self._build(max(need, 2 * self.cos.shape[0]))
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return self.cos[positions], self.sin[positions]
+
+
+class Rope:
+    """cos/sin tables for positions [0, max_pos), grown on demand; for longrope one set per
+    factor set, each row's picked by the size of the cache it is for (`long_factors`).
+    rotary_dim: as inv_frequencies."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
+                 rotary_dim: int = 0):
+        self.args = (head_dim, theta, scaling, rotary_dim)
+        self.scaling, self.max_pos = scaling, max_pos
+        # longrope's attention factor on the rotated channels; the passed-through ones stay as they are
+        rd = rotary_dim or head_dim
+        half = torch.cat([torch.full((rd // 2,), attention_factor(scaling), dtype=torch.float64),
+                          torch.ones((head_dim - rd) // 2, dtype=torch.float64)])
+        self.gain = torch.cat([half, half])                   # (D,)
+        self._sets: dict[bool, _Tables] = {}
+        self._set(False)
+
+    def _set(self, long: bool) -> _Tables:
+        if long not in self._sets:
+            ctx = int(self.scaling["original_max_position_embeddings"]) + 1 if long else 0
+            self._sets[long] = _Tables(inv_frequencies(*self.args, ctx=ctx), self.gain, self.max_pos)
+        return self._sets[long]
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, ctx: "int | list[int]" = 0):
+        """cos, sin: (T, D) for integer positions (T,) in a cache of `ctx` tokens, or a list
+        of T cache sizes (row t in a cache of ctx[t]: a batch's rows, each its own cache)."""
+        sizes = ctx if isinstance(ctx, (list, tuple)) else [ctx]
+        long = [long_factors(self.scaling, c) for c in sizes]
+        if len(set(long)) == 1:
+            cos, sin = self._set(long[0]).rows(positions)
+        else:
+            rows = [self._set(x).rows(positions[t:t + 1]) for t, x in enumerate(long)]
+            cos, sin = torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -311,10 +311,10 @@ def test_refused_variants_say_why(tmp_path):
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_longrope_short_and_long_factors_equal_transformers(tmp_path, backend, monkeypatch):
-    """Phi-3 (full rotary, head dim 96) with longrope, original context 32: a cache of -c 32
-    runs the short factors, as transformers does for a sequence within 32 tokens; a cache
-    of -c 256 the long ones, as transformers does for a sequence past 32 (attention factor
-    sqrt(1 + ln 32 / ln 32) = sqrt 2 in both)."""
+    """Phi-3 (full rotary, head dim 96) with longrope, original context 32: a cache of 32
+    tokens runs the short factors, as transformers does for a sequence within 32 tokens; a
+    cache of 256 the long ones, as transformers does for a sequence past 32 (attention
+    factor sqrt(1 + ln 32 / ln 32) = sqrt 2 in both); greedy tokens past 32 too."""
     src, hf = _checkpoint(tmp_path, "phi3", rope_scaling=longrope(48), max_position_embeddings=1024,
                           original_max_position_embeddings=32)
     cfg = convert_hf(src, tmp_path / "fp32", dtype="fp32")
@@ -332,8 +332,25 @@ def test_longrope_short_and_long_factors_equal_transformers(tmp_path, backend, m
         out = [m.transformer(ids[:, :16], cache)[0]]
         out += [m.transformer(ids[:, t:t + 1], cache)[0] for t in range(16, T)]
         torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"-c {ctx}: {s}")
-    short = kvrun.load(tmp_path / "fp32", dtype="fp32", kv="fp32", ctx=32, cache_ram_mb=0)
-    assert not torch.equal(short.transformer.rope.inv, m.transformer.rope.inv)     # two factor sets
+    pos = torch.arange(8)
+    assert not torch.equal(m.transformer.rope.tables(pos, torch.float32, 32)[0],
+                           m.transformer.rope.tables(pos, torch.float32, 33)[0])   # two factor sets
+    # a batch's rows, each in its own cache: each row on its cache's set
+    cos, sin = m.transformer.rope.tables(pos[:2], torch.float32, [32, CTX])
+    assert torch.equal(cos[0], m.transformer.rope.tables(pos[:1], torch.float32, 32)[0][0])
+    assert torch.equal(sin[1], m.transformer.rope.tables(pos[1:2], torch.float32, CTX)[1][0])
+    mine, want = greedy_pair(m, hf, ids[0, :PROMPT].tolist(), 24)   # a prompt past 32: HF's long set
+    assert mine == want
+    # a saved cache goes back only into a cache on the same factor set (sessions, prefix cache)
+    from kvrun.kv.snapshot import OtherSize
+    held = build_cache(m.cfg, CTX, "fp32")
+    m.transformer(ids[:, :16], held)
+    snap = held.snapshot()
+    with pytest.raises(OtherSize, match="another RoPE frequency set"):
+        build_cache(m.cfg, 32, "fp32").restore(snap)
+    again = build_cache(m.cfg, 128, "fp32")
+    again.restore(snap)
+    assert again.seq_len == 16
 
 
 def test_context_shift_leaves_the_channels_rope_passes_through():

@@ -280,7 +280,6 @@ def load(path: str | Path | None = None, dtype: str = "auto", ctx: int = DEFAULT
         raise KvrunError(f"cache_ram_mb must be a finite number >= 0 (got {cache_ram_mb!r})")
     path = check_model_dir(resolve_model(path, progress=progress))
     cfg = load_config(path)
-    cfg.rope_context = ctx          # the RoPE tables serve this cache (longrope: its factor set)
     if threads is not None:
         configure_threads(threads)
     compute, gemv = parse_dtype(dtype)

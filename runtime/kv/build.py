@@ -63,7 +63,7 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
     with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
     kv = check_kv(cfg, kv_config)
     windows = layer_windows(cfg)
-    inv = inv_frequencies(**cfg.rope_args())       # the model's: a shift re-rotates by them
+    inv = inv_frequencies(**cfg.rope_args(), ctx=ctx)     # the model's tables for this cache's size
     full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
                    n_heads=cfg.num_heads)
     if not any(windows):

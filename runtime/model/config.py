@@ -23,9 +23,7 @@ Family quirks are fields, each HF's own setting (convert/hf.py reads them):
   (i, i + D/2), i < rotary_dim/2, and the rest of the channels see frequency 0
   (kernels/rope.py). 0 → head_dim.
 `q_scale` is what q is multiplied by so that the caches' D**-0.5 scaling gives the
-family's score scale. `rope_context` is no file's: the context (-c) the model's RoPE
-tables serve, set by the engine's `load` (longrope takes its long factors above the
-original context, kernels/rope.py `long_factors`).
+family's score scale.
 """
 from __future__ import annotations
 
@@ -62,7 +60,6 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None        # {"type": "linear"|"llama3"|"longrope", ...}
     rotary_dim: int = 0                     # channels of a head RoPE rotates (0 → head_dim)
-    rope_context: int = 0                   # -c the RoPE tables serve (engine load; not stored)
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # Qwen2: q/k/v projections carry a bias
     layer_types: list[str] = field(default_factory=list)   # per layer; [] → all full_attention
@@ -152,7 +149,7 @@ class ModelConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise KvrunError(f"config: {name} must be an integer >= 1 (got {x!r})")
-        for name in ("head_dim", "sliding_window", "weight_group", "rotary_dim", "rope_context"):
+        for name in ("head_dim", "sliding_window", "weight_group", "rotary_dim"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 0:
                 raise KvrunError(f"config: {name} must be an integer >= 0 (got {x!r})")
@@ -179,7 +176,7 @@ class ModelConfig:
         """The full-attention layers' RoPE as kernels/rope.py's `inv_frequencies` and `Rope`
         take it: the model's tables and a cache's context shift are made from the same."""
         return dict(head_dim=self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling,
-                    rotary_dim=self.rotary_dim, ctx=self.rope_context)
+                    rotary_dim=self.rotary_dim)
 
     @property
     def layer_windows(self) -> list[int]:
@@ -222,5 +219,4 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         if "sliding_attention" not in self.layer_types:
             del d["layer_types"]     # all full: derived again from num_layers, as before
-        del d["rope_context"]        # the run's, not the model's
         return {"format": "kvrun", "format_version": 1, **d}

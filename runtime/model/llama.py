@@ -130,7 +130,7 @@ class Transformer(nn.Module):
         if step is not None:                        # decode on the native layer kernels
             return step(ids, cache) if T == 1 else step.chunk(ids, cache, last_only)
         positions = cache.positions(T)                                  # (T,)
-        cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
+        cos, sin = self.rope.tables(positions, self.dtype, cache.max_ctx)   # (T, D)
         local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
         h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
         if self.embed_scale is not None:

@@ -33,7 +33,6 @@ although GGUF lists dims innermost first. The tokenizer comes from gguf_tokenize
 """
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Callable
@@ -44,7 +43,7 @@ import torch
 from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.files import file_sha256
-from kvrun.kernels.rope import inv_frequencies
+from kvrun.kernels.rope import inv_frequencies, longrope_attention
 
 from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_families import permute_rotary, split_fused
@@ -172,8 +171,7 @@ def _longrope(meta: dict, arch: str, tensors: dict) -> dict:
         raise KvrunError(f"GGUF longrope without {arch}.rope.scaling.original_context_length")
     att = meta.get(f"{arch}.rope.scaling.attn_factor")
     if att is None:
-        s = int(meta.get(f"{arch}.context_length", orig)) / int(orig)
-        att = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(int(orig)))
+        att = longrope_attention(int(meta.get(f"{arch}.context_length", orig)) / int(orig), int(orig))
     short, long = (_dequantize(tensors[n]).reshape(-1).astype(np.float64).tolist() for n in ROPE_FACTORS)
     return {"type": "longrope", "short_factor": short, "long_factor": long,
             "original_max_position_embeddings": int(orig), "attention_factor": float(att)}

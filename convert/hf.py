@@ -12,12 +12,12 @@ Phi-3's fused projections) is in hf_families.py; this module is what they share.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kvrun.kernels.rope import longrope_attention
 from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.files import file_sha256
@@ -90,8 +90,7 @@ def _longrope(hf: dict, scaling: dict) -> dict:
     factor = scaling.get("factor")
     factor = float(factor) if factor is not None else int(hf.get("max_position_embeddings", orig)) / orig
     att = scaling.get("attention_factor")
-    att = float(att) if att is not None else (
-        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig)))
+    att = float(att) if att is not None else longrope_attention(factor, orig)
     return {"type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
             "long_factor": [float(x) for x in scaling["long_factor"]],
             "original_max_position_embeddings": orig, "attention_factor": att}

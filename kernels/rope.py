@@ -46,6 +46,12 @@ def long_factors(scaling: dict | None, ctx: int) -> bool:
     return rope_kind(scaling) == "longrope" and ctx > int(scaling["original_max_position_embeddings"])
 
 
+def longrope_attention(scale: float, original: int) -> float:
+    """longrope's default attention factor for a context `scale` times the original one
+    (LongRoPE; transformers' `_compute_longrope_parameters`, llama.cpp's converter)."""
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
 def attention_factor(scaling: dict | None) -> float:
     """What longrope multiplies cos and sin by (1 for the other kinds)."""
     return float(scaling["attention_factor"]) if rope_kind(scaling) == "longrope" else 1.0

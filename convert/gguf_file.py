@@ -19,7 +19,11 @@ differ from an HF checkpoint and are undone here:
    metadata; `residual_scale` is folded into o_proj and down_proj as convert/hf_families.py
    does. SmolLM3: NoPE on every 4th layer, as llama.cpp assumes. Phi-3: its fused
    attn_qkv / ffn_up (gate | up) are split into Llama's projections (after quantizing, row
-   by row: hf_families.split_fused); longrope files (rope_factors_* tensors) are refused.
+   by row: hf_families.split_fused); RoPE on `rope.dimension_count` channels of a head
+   (Phi-4-mini) permutes attn_q / attn_k's rows as the HF converter does
+   (hf_families.permute_rotary: llama.cpp runs phi3 NEOX-style on HF's row order);
+   longrope comes as the rope_factors_short / _long tensors with
+   `rope.scaling.original_context_length` and `rope.scaling.attn_factor`.
 5. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
    weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows are
    not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half).
@@ -39,10 +43,10 @@ import torch
 from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.files import file_sha256
-from kvrun.kernels.rope import inv_frequencies
+from kvrun.kernels.rope import inv_frequencies, longrope_attention
 
 from .gguf_tokenizer import tokenizer_from_gguf
-from .hf_families import per_expert, split_fused
+from .hf_families import per_expert, permute_rotary, split_fused
 from .quantize import (check_weight_format, describe, is_quantized, quantize, repack_gguf_q4,
                        target_format)
 from .templates import chat_stop_tokens, detect_chat_template
@@ -170,6 +174,26 @@ def _rope_scaling(meta: dict, arch: str, head_dim: int, theta: float,
     raise KvrunError(f"unsupported rope scaling {kind!r} in GGUF (supported: linear, llama3)")
 
 
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _longrope(meta: dict, arch: str, tensors: dict) -> dict:
+    """longrope from llama.cpp's Phi-3 files: the factor tensors (one per rotated pair),
+    the original context and the attention factor (when absent, derived from the context
+    length as transformers and llama.cpp's converter derive it)."""
+    if "rope_factors_short.weight" not in tensors:
+        raise KvrunError("GGUF has rope_factors_long but no rope_factors_short")
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if not orig:
+        raise KvrunError(f"GGUF longrope without {arch}.rope.scaling.original_context_length")
+    att = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if att is None:
+        att = longrope_attention(int(meta.get(f"{arch}.context_length", orig)) / int(orig), int(orig))
+    short, long = (_dequantize(tensors[n]).reshape(-1).astype(np.float64).tolist() for n in ROPE_FACTORS)
+    return {"type": "longrope", "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": int(orig), "attention_factor": float(att)}
+
+
 def _llama3_from_freqs(meta, arch, head_dim, theta, rope_freqs) -> dict | None:
     """Llama 3.1-style files store llama3 scaling as per-frequency divisors (rope_freqs).
 
@@ -225,20 +249,21 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
 
     hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length")
-                   or meta.get(f"{arch}.rope.dimension_count") or hidden // n_heads)
     rot = meta.get(f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
+    # a phi3 file's rope dimension is the rotated part of a head (Phi-4-mini: 3/4 of it)
+    head_dim = int(meta.get(f"{arch}.attention.key_length")
+                   or (rot if arch != "phi3" else None) or hidden // n_heads)
+    if rot is not None and int(rot) != head_dim and arch != "phi3":
         raise KvrunError(f"partial rotary embedding (rope over {rot} of {head_dim} dims) "
-                         "is not supported")
+                         f"is not supported in {arch} files")
     theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
     if "token_embd.weight" not in tensors:
         raise KvrunError("GGUF file has no token_embd.weight tensor")
     vocab = int(tensors["token_embd.weight"].shape[-1])      # GGUF dims are (cols, rows)
     rope_freqs = tensors.get("rope_freqs.weight")
-    if "rope_factors_long.weight" in tensors:
-        raise KvrunError(f"{arch} with longrope scaling (rope_factors_long: the 128k-context "
-                         "variants) is not supported")
+    scaling = (_longrope(meta, arch, tensors) if "rope_factors_long.weight" in tensors else
+               _rope_scaling(meta, arch, head_dim, theta,
+                             None if rope_freqs is None else _dequantize(rope_freqs)))
     template, default_system = detect_chat_template(meta.get("tokenizer.chat_template"))
     extra = {}
     if arch == "gemma3":
@@ -261,9 +286,7 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim,
         max_position=int(meta.get(f"{arch}.context_length", 4096)),
         rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(meta, arch, head_dim, theta,
-                                   None if rope_freqs is None else _dequantize(rope_freqs)),
+        rope_theta=theta, rope_scaling=scaling, rotary_dim=int(rot or head_dim),
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=bos, eos_token_ids=eos, add_bos=add_bos,
         chat_template=template, default_system=default_system, torch_dtype=dtype)
@@ -368,7 +391,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
         raise KvrunError(f"GGUF tokenizer has {tokenizer.get_vocab_size()} tokens but the "
                          f"embedding only {cfg.vocab_size} rows")
 
-    todo = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    todo = [t for t in reader.tensors if t.name not in ("rope_freqs.weight", *ROPE_FACTORS)]
     arch = meta["general.architecture"]            # the GGUF's (phi3 runs as kvrun's llama)
     for t in todo:
         if hf_name(t.name, arch) is None:
@@ -411,6 +434,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
             progress(i + 1, len(todo), name)
 
     unfused(tensors)
+    if arch == "phi3":
+        permute_rotary(tensors, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim)
     cfg.source = {"format": "gguf", "path": str(path), "sha256": file_sha256(path),
                   "file_type": meta.get("general.file_type")}
     write_model_dir(out_dir, cfg, tensors, tokenizer.to_str(), overwrite=overwrite)

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from kvrun.kernels.rope import longrope_attention
 from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError
 from kvrun.files import file_sha256
@@ -72,7 +73,27 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
                        "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
                        "original_max_position_embeddings":
                            int(scaling.get("original_max_position_embeddings", 8192))}
-    raise KvrunError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    if kind in ("longrope", "su"):                      # su: longrope's earlier name (Phi-3)
+        return theta, _longrope(hf, scaling)
+    raise KvrunError(f"unsupported rope scaling {kind!r} (supported: linear, llama3, longrope)")
+
+
+def _longrope(hf: dict, scaling: dict) -> dict:
+    """kvrun's longrope settings, as transformers' `_compute_longrope_parameters` derives
+    them: the original context from the scaling or the config, the attention factor given
+    or sqrt(1 + ln(s) / ln(original)) for s = `factor`, else max_position_embeddings /
+    original (1 when s <= 1)."""
+    orig = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not orig:
+        raise KvrunError("longrope scaling without original_max_position_embeddings")
+    orig = int(orig)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else int(hf.get("max_position_embeddings", orig)) / orig
+    att = scaling.get("attention_factor")
+    att = float(att) if att is not None else longrope_attention(factor, orig)
+    return {"type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
+            "long_factor": [float(x) for x in scaling["long_factor"]],
+            "original_max_position_embeddings": orig, "attention_factor": att}
 
 
 def _token_id(tok, token: str | dict | None) -> int | None:

@@ -21,7 +21,9 @@ Each `Family` is read off the family's transformers modeling file (`models/<fami
   transformers writes); a folder with the fused 3-D `experts.gate_up_proj` /
   `experts.down_proj` (transformers 5's in-memory layout) is split into that.
 - Phi-3: fused qkv_proj and gate_up_proj split into Llama's projections; then a Llama.
-  Long-context scaling (longrope / su) and partial rotary are refused.
+  Longrope / su scaling is read as every family's (hf.py `_rope`); Phi-4-mini's
+  partial_rotary_factor becomes `rotary_dim`, with q and k's rows permuted per head
+  (`permute_rotary`) so that kvrun's full-D RoPE rotates exactly HF's pairs.
 
 Sliding-window settings of the Llama-layer families (Mistral v0.1, Qwen2/3's
 `use_sliding_window`, Phi-3's `sliding_window`) are ignored: kvrun attends over the whole
@@ -109,17 +111,46 @@ def _smollm3_fields(hf: dict) -> dict:
 
 def _phi3_fields(hf: dict) -> dict:
     _no_bias("Phi-3")(hf)
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind != "default":
-        raise KvrunError(f"Phi-3 with {kind!r} rope scaling (the long-context variants) is not "
-                         "supported; the 4k-context checkpoints are")
-    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise KvrunError(f"Phi-3 with partial_rotary_factor {partial:g} (RoPE on part of each "
-                         "head, as Phi-4-mini) is not supported")
-    return {}
+    D = head_dim(hf)
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                     hf.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise KvrunError(f"Phi-3 partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+    rd = int(D * factor)                        # HF's rotary dim: int(head_dim · factor)
+    if rd % 2 or (D - rd) % 2:
+        raise KvrunError(f"Phi-3 partial_rotary_factor {factor:g} rotates {rd} of {D} channels: "
+                         "kvrun needs an even count of rotated and of passed-through channels")
+    return {"rotary_dim": rd}
+
+
+def head_dim(hf: dict) -> int:
+    return int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+
+
+def rotary_order(D: int, rotary_dim: int) -> torch.Tensor:
+    """(D,) the HF channel each kvrun channel of a head holds: HF rotates channel i with
+    i + rotary_dim/2 for i < rotary_dim/2 and passes the rest through; kvrun pairs i with
+    i + D/2, so the first half takes HF's first rotated half then the first half of the
+    passed-through channels, the second half their partners."""
+    r, p = rotary_dim // 2, (D - rotary_dim) // 2
+    a = torch.arange(D)
+    return torch.cat([a[:r], a[2 * r:2 * r + p], a[r:2 * r], a[2 * r + p:]])
+
+
+def permute_rotary(raw: dict[str, torch.Tensor], H: int, Hkv: int, D: int, rotary_dim: int) -> None:
+    """q_proj / k_proj rows put in `rotary_order` per head, in place: the same permutation
+    on q and k leaves every q·k as it was. Every stored part is permuted along its rows (a
+    float `weight`, or a quantized one's `qweight` / `scales` / `mins`)."""
+    if rotary_dim == D:
+        return
+    order = rotary_order(D, rotary_dim)
+    proj = re.compile(r".*\.self_attn\.([qk])_proj\.\w+$")
+    for k in [k for k in raw if proj.match(k)]:
+        n = H if proj.match(k).group(1) == "q" else Hkv
+        w = raw[k]
+        if w.shape[0] != n * D:
+            raise KvrunError(f"tensor {k} has {w.shape[0]} rows, the config implies {n * D}")
+        raw[k] = w.reshape(n, D, *w.shape[1:])[:, order].reshape(w.shape).contiguous()
 
 
 def split_fused(raw: dict[str, torch.Tensor], H: int, Hkv: int, D: int) -> None:
@@ -142,8 +173,10 @@ def split_fused(raw: dict[str, torch.Tensor], H: int, Hkv: int, D: int) -> None:
 
 
 def _phi3_tensors(hf: dict, raw: dict[str, torch.Tensor]) -> None:
-    H, C = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-    split_fused(raw, H, int(hf.get("num_key_value_heads") or H), int(hf.get("head_dim") or C // H))
+    H = int(hf["num_attention_heads"])
+    Hkv, D = int(hf.get("num_key_value_heads") or H), head_dim(hf)
+    split_fused(raw, H, Hkv, D)
+    permute_rotary(raw, H, Hkv, D, _phi3_fields(hf)["rotary_dim"])
 
 
 def _qwen3moe_fields(hf: dict) -> dict:

@@ -44,7 +44,8 @@ def test_kv_help_names_auto_and_profiles():
     # click may wrap inside a hyphenated word ("per-" / "layer"): join those back
     text = " ".join(run(["generate", "--help"]).stdout.split()).replace("- ", "-")
     kv = text[text.index("--kv TEXT"):]
-    assert "auto (the per-layer profile shipped for the model in use)" in kv
+    assert ("auto (the per-layer profile shipped for the model in use; a model without one gets "
+            "the generic default, rotated kivi-4, labelled 'auto (generic ...)'") in kv
     assert ("profile:NAME (a shipped profile: gemma-3-270m-0.20, gemma-3-270m-0.25, gemma-3-270m-0.30, "
             "smollm2-135m-0.20, smollm2-135m-0.25-all, smollm2-135m-0.25, smollm2-135m-0.30)") in kv
 

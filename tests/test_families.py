@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 
 # the Triton backend runs in its CPU interpreter here; set before kvrun.kernels.triton loads
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +51,13 @@ PROMPT, STEPS = 40, 24                  # 64 tokens: one prefill chunk, then dec
 CTX = 256                               # cache size (Triton's window writes need >= 160)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 VOCAB = 320                             # > the byte-level tokenizer's 259 ids
+
+def longrope(n: int) -> dict:
+    """HF longrope scaling with n distinct short and long factors (one per rotated pair)."""
+    g = torch.Generator().manual_seed(n)
+    return {"rope_type": "longrope", "short_factor": (1 + 3 * torch.rand(n, generator=g)).tolist(),
+            "long_factor": (1 + 20 * torch.rand(n, generator=g)).tolist()}
+
 
 # family → (transformers config class, its kwargs); every model: 2 layers, GQA where the
 # family has it, intermediate sizes a multiple of 32 (the native GEMV's blocks)
@@ -84,6 +93,13 @@ FAMILIES = {
                                       sliding_window=None)),
     "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
                                 intermediate_size=128, tie_word_embeddings=False)),
+    # Phi-4-mini's shape: RoPE on 3/4 of each head, longrope (the short factors: the cache's
+    # CTX is within the original context; its attention factor sqrt(1 + ln 4 / ln 256))
+    "phi4mini": ("Phi3Config", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=128, tie_word_embeddings=True,
+                                    partial_rotary_factor=0.75, max_position_embeddings=1024,
+                                    original_max_position_embeddings=CTX,
+                                    rope_scaling=longrope(24))),
 }
 KV = ("fp32", "fp16", "kivi-4")
 
@@ -95,9 +111,9 @@ def _checkpoint(root, family: str, **over):
     cls, kw = FAMILIES[family]
     kw = {"num_hidden_layers": 2, **kw, **over}
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls)(vocab_size=VOCAB, max_position_embeddings=256,
-                                     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15,
-                                     **kw)
+    cfg = getattr(transformers, cls)(**{"max_position_embeddings": 256, **kw}, vocab_size=VOCAB,
+                                     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                     initializer_range=0.15)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():      # norms are constant at init: make them count (Gemma's w is 0)
         for name, p in model.named_parameters():
@@ -174,9 +190,19 @@ def _write_gguf(path, arch: str, hf) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(D)
-    w.add_value_length(D)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters
+    if arch == "phi3":          # llama.cpp's Phi3MiniModel: no key length, the rotated dims
+        w.add_rope_dimension_count(int(D * rope["partial_rotary_factor"]))
+    else:
+        w.add_key_length(D)
+        w.add_value_length(D)
+    if rope["rope_type"] == "longrope":     # its attention factor from the context ratio, factor tensors
+        orig = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors((1 + math.log(c.max_position_embeddings / orig) / math.log(orig)) ** 0.5)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(0)
     if arch == "qwen3moe":
@@ -229,7 +255,8 @@ def _stacked_experts(state: dict) -> dict:
 
 
 GGUF_OVER_KEYS = ("nope_layers", "mlp_only_layers")     # what GGUF_OVER changes
-GGUF_FAMILIES = ("qwen3", "qwen3moe", "olmo2", "granite", "smollm3", "phi3")
+GGUF_FAMILIES = {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "olmo2": "olmo2", "granite": "granite",
+                 "smollm3": "smollm3", "phi3": "phi3", "phi4mini": "phi3"}   # family → llama.cpp architecture
 # checkpoints as llama.cpp writes the family: SmolLM3 NoPE on every 4th of 4 layers, HF's
 # default; Qwen3-MoE experts in every layer (llama.cpp's qwen3moe has no dense layers)
 GGUF_OVER = {"smollm3": dict(num_hidden_layers=4, no_rope_layers=None), "qwen3moe": dict(mlp_only_layers=[])}
@@ -243,7 +270,7 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
         _, hf = _checkpoint(tmp_path, name, **GGUF_OVER[name])
         with torch.no_grad():
             ref = hf(ids).logits[0].float()
-    _write_gguf(tmp_path / "m.gguf", name, hf)
+    _write_gguf(tmp_path / "m.gguf", GGUF_FAMILIES[name], hf)
     for weights in ("float", "int8"):
         cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / weights, dtype="fp32", weights=weights)
         assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
@@ -290,17 +317,18 @@ def test_refused_variants_say_why(tmp_path):
     """A family variant kvrun cannot run is one line naming the quirk, not a wrong model."""
     src, _ = _checkpoint(tmp_path, "phi3")
     hf = json.loads((src / "config.json").read_text())
-    cases = {"longrope": {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 48,
-                                           "long_factor": [1.0] * 48,
-                                           "original_max_position_embeddings": 128}},
-             "partial_rotary_factor": {"partial_rotary_factor": 0.75,
-                                       "rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
-                                                           "partial_rotary_factor": 0.75}},
+    cases = {"longrope short_factor must be a list of 48": {"rope_parameters": {
+                 **longrope(47), "rope_theta": 1e4, "original_max_position_embeddings": 128}},
+             "longrope scaling without original_max": {"rope_parameters": {**longrope(48), "rope_theta": 1e4},
+                                                       "original_max_position_embeddings": None},
+             "rotates 49 of 96 channels": {"partial_rotary_factor": 0.511,
+                                           "rope_parameters": {"rope_theta": 1e4, "rope_type": "default",
+                                                               "partial_rotary_factor": 0.511}},
              "biases": {"attention_bias": True}}
     for why, patch in cases.items():
         (src / "config.json").write_text(json.dumps({**hf, **patch}))
-        with pytest.raises(KvrunError, match=why.split("_")[0]) as e:
-            convert_hf(src, tmp_path / why, dtype="fp32")
+        with pytest.raises(KvrunError, match=why) as e:
+            convert_hf(src, tmp_path / why.split()[0], dtype="fp32")
         assert "\n" not in str(e.value)
     (src / "config.json").write_text(json.dumps({**hf, "architectures": ["Gemma2ForCausalLM"]}))
     with pytest.raises(KvrunError, match="unsupported architecture 'Gemma2ForCausalLM'") as e:
@@ -308,6 +336,81 @@ def test_refused_variants_say_why(tmp_path):
     for arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                  "SmolLM3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
         assert arch in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_longrope_short_and_long_factors_equal_transformers(tmp_path, backend, monkeypatch):
+    """Phi-3 (full rotary, head dim 96) with longrope, original context 32: a cache of 32
+    tokens runs the short factors, as transformers does for a sequence within 32 tokens; a
+    cache of 256 the long ones, as transformers does for a sequence past 32 (attention
+    factor sqrt(1 + ln 32 / ln 32) = sqrt 2 in both); greedy tokens past 32 too."""
+    src, hf = _checkpoint(tmp_path, "phi3", rope_scaling=longrope(48), max_position_embeddings=1024,
+                          original_max_position_embeddings=32)
+    cfg = convert_hf(src, tmp_path / "fp32", dtype="fp32")
+    assert cfg.rope_scaling["attention_factor"] == pytest.approx(2 ** 0.5)
+    from kvrun.model.info import model_info
+    assert "'long_factor': '[48 factors]'" in model_info(tmp_path / "fp32")["rope"]
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    ids = torch.randint(3, 259, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+    for ctx, T in ((32, 32), (CTX, PROMPT + STEPS)):
+        with torch.no_grad():
+            ref = hf(ids[:, :T]).logits[0].float()
+        m = kvrun.load(tmp_path / "fp32", dtype="fp32", kv="fp32", ctx=ctx, cache_ram_mb=0)
+        cache = build_cache(m.cfg, ctx, "fp32")
+        out = [m.transformer(ids[:, :16], cache)[0]]
+        out += [m.transformer(ids[:, t:t + 1], cache)[0] for t in range(16, T)]
+        torch.testing.assert_close(torch.cat(out), ref, atol=1e-4, rtol=1e-4, msg=lambda s: f"-c {ctx}: {s}")
+    pos = torch.arange(8)
+    assert not torch.equal(m.transformer.rope.tables(pos, torch.float32, 32)[0],
+                           m.transformer.rope.tables(pos, torch.float32, 33)[0])   # two factor sets
+    # a batch's rows, each in its own cache: each row on its cache's set
+    cos, sin = m.transformer.rope.tables(pos[:2], torch.float32, [32, CTX])
+    assert torch.equal(cos[0], m.transformer.rope.tables(pos[:1], torch.float32, 32)[0][0])
+    assert torch.equal(sin[1], m.transformer.rope.tables(pos[1:2], torch.float32, CTX)[1][0])
+    mine, want = greedy_pair(m, hf, ids[0, :PROMPT].tolist(), 24)   # a prompt past 32: HF's long set
+    assert mine == want
+    # a saved cache goes back only into a cache on the same factor set (sessions, prefix cache)
+    from kvrun.kv.snapshot import OtherSize
+    held = build_cache(m.cfg, CTX, "fp32")
+    m.transformer(ids[:, :16], held)
+    snap = held.snapshot()
+    with pytest.raises(OtherSize, match="another RoPE frequency set"):
+        build_cache(m.cfg, 32, "fp32").restore(snap)
+    again = build_cache(m.cfg, 128, "fp32")
+    again.restore(snap)
+    assert again.seq_len == 16
+
+
+def test_context_shift_leaves_the_channels_rope_passes_through():
+    """Partial rotary (48 of 64 channels, kvrun's pairing (i, i + 32) after convert's row
+    permutation): a shift re-rotates the 24 rotated pairs by -nd at longrope's short
+    frequencies and leaves the 16 passed-through channels bit for bit."""
+    from kvrun.kv.config import KVConfig
+    from tiny import tiny_config
+    scaling = {"type": "longrope", **{k: v for k, v in longrope(24).items() if k != "rope_type"},
+               "original_max_position_embeddings": 1024, "attention_factor": 1.2}
+    cfg = tiny_config(hidden_size=256, num_heads=4, head_dim=64, rotary_dim=48, rope_scaling=scaling)
+    cache = build_cache(cfg, 128, KVConfig.from_settings(k_method="fp32", v_method="fp32",
+                                                         ctx_policy="shift", n_keep=4))
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 128, 64, generator=g) for _ in range(2))
+    cache.ingest(k, v)
+    a, nd = cache.shift_plan()
+    assert cache.shift() == nd
+    got = cache.all_rows()[0]                                            # (L, Hkv, n, D)
+    kept = torch.cat([k[:, :, :a], k[:, :, a + nd:]], 2)
+    passed = torch.cat([torch.arange(24, 32), torch.arange(56, 64)])
+    assert torch.equal(got[..., passed], kept[..., passed])
+    # HF's frequencies of the rotated pairs: 1 / (short_factor · theta^(2i / 48))
+    inv = 1 / (torch.tensor(scaling["short_factor"], dtype=torch.float64)
+               * cfg.rope_theta ** (torch.arange(0, 48, 2, dtype=torch.float64) / 48))
+    c, s_ = torch.cos(-nd * inv), torch.sin(-nd * inv)
+    x1, x2 = kept[:, :, a:, :24].double(), kept[:, :, a:, 32:56].double()
+    want = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1).float()
+    torch.testing.assert_close(torch.cat([got[:, :, a:, :24], got[:, :, a:, 32:56]], -1), want,
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[:, :, :a], k[:, :, :a])                      # the kept prefix as it was
 
 
 def test_context_shift_is_refused_with_nope_layers():
@@ -334,7 +437,12 @@ QUIRKS = {   # family → what its converted config.json must say
     "olmo2": dict(architecture="olmo2", qk_norm="proj"),
     "smollm3": dict(architecture="smollm3", nope_layers=[1], tie_word_embeddings=True),
     "mistral": dict(architecture="llama", head_dim=32, num_kv_heads=1),
-    "phi3": dict(architecture="llama", head_dim=96),
+    "phi3": dict(architecture="llama", head_dim=96, rotary_dim=96, rope_scaling=None),
+    "phi4mini": dict(architecture="llama", head_dim=64, rotary_dim=48, num_kv_heads=2,
+                     rope_scaling={"type": "longrope", **{k: pytest.approx(v) for k, v in longrope(24).items()
+                                                          if k != "rope_type"},
+                                   "original_max_position_embeddings": CTX,
+                                   "attention_factor": pytest.approx(1.25 ** 0.5)}),
 }
 
 

@@ -123,11 +123,36 @@ def test_mismatched_profile_refused(tiny_model, tmp_path):
         kvrun.load(tiny_model.path, ctx=64, kv=parse_kv(f"profile:{p}"))
 
 
-def test_kv_auto_refuses_other_models(tiny_model):
-    kv = parse_kv("auto")                    # the shipped SmolLM2 profile
-    assert kv.layers and len(kv.layers) == 30
-    with pytest.raises(KvrunError, match="--kv auto has no profile shipped for this model"):
-        kvrun.load(tiny_model.path, ctx=64, kv=kv)
+@pytest.mark.parametrize("head_dim,label", [(96, "auto (generic kivi-4+rot)"),
+                                            (80, "auto (generic kivi-4@32/16+rot)")])
+def test_kv_auto_without_a_shipped_profile_is_the_generic_default(tmp_path, head_dim, label):
+    """`--kv auto` on a model no profile was searched on is rotated kivi-4 (V groups of 16
+    where 32 does not divide the head dim), labelled as the generic default: the same cache,
+    bytes and greedy tokens as giving that config by hand."""
+    d = make_tiny_model_dir(tmp_path / "m", head_dim=head_dim)
+    assert parse_kv("auto").layers and len(parse_kv("auto").layers) == 30   # SmolLM2's, until a model
+    m = kvrun.load(d, ctx=256, kv="auto", dtype="fp32")
+    kv = m.engine.cache.kv
+    assert kv.label() == label and kv.layers is None
+    assert (kv.k_method, kv.v_method, kv.group, kv.v_group, kv.rotation.which) == \
+        ("kivi-4", "kivi-4", 32, 32 if head_dim % 32 == 0 else 16, "kv")
+    hand = kvrun.load(d, ctx=256, kv=parse_kv("kivi-4+rot", v_group=kv.v_group), dtype="fp32")
+    total = sum(m.engine.cache.nbytes().values())
+    assert total == sum(hand.engine.cache.nbytes().values()) == sum(kv_bytes_at(m.cfg, "auto", 256).values())
+    at_32k = sum(kv_bytes_at(m.cfg, "auto", 32768).values())       # 0.357x (D 96), 0.422x (80)
+    assert at_32k < 0.43 * sum(kv_bytes_at(m.cfg, "fp16", 32768).values())
+    prompt = "The quick brown fox jumps over the lazy dog. " * 5      # past R + G: a tail flushes
+    out = m.generate(prompt, max_tokens=24, temp=0)
+    assert out == hand.generate(prompt, max_tokens=24, temp=0) and len(out) > 0
+    assert min(m.engine.cache.n_tail) > 0
+    from click.testing import CliRunner
+    from kvrun.cli.main import main
+    r = CliRunner().invoke(main, ["generate", "-m", str(d), "-p", "Hi", "-n", "4", "-c", "256",
+                                  "--kv", "auto", "--temp", "0"])
+    assert r.exit_code == 0, r.stderr
+    assert f"KV {label} " in r.stderr                            # the stats line says which auto
+    # settings given with auto apply over the generic default; a profile is still refused twice
+    assert parse_kv("auto", residual=64).for_model(m.cfg).residual == 64
     with pytest.raises(KvrunError, match="both name a profile"):
         parse_kv("auto", profile="x.json")
 

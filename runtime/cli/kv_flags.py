@@ -72,7 +72,9 @@ def kv_help() -> str:
     return ("KV cache method for K and V: fp16, bf16, fp32, int8, kivi-2, kivi-4, tada-2/4/8, "
            "gear-l, gear, cb-2/3/4; or K/V like kivi-4/kivi-2 (kivi-3: keys only, e.g. kivi-3/cb-3); suffixes @N (groups of N), +rot "
            "(Hadamard rotation) and +ring4/8/16 (sliding-window ring width); auto (the "
-           "per-layer profile shipped for the model in use); "
+           "per-layer profile shipped for the model in use; a model without one gets the "
+           "generic default, rotated kivi-4, labelled 'auto (generic ...)': `kvrun search` "
+           "tunes a profile for it); "
             f"profile:NAME (a shipped profile: {shipped_profile_names()}) or profile:FILE.")
 
 KV_FLAGS = (

@@ -67,7 +67,7 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu", backend: Backend 
     kv = check_kv(cfg, kv_config)
     backend = backend or choose(device)
     windows = layer_windows(cfg)
-    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    inv = inv_frequencies(**cfg.rope_args(), ctx=ctx)     # the model's tables for this cache's size
     full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
                    n_heads=cfg.num_heads, backend=backend)
     if not any(windows):

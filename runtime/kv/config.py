@@ -9,7 +9,8 @@ keywords, the CLI's KV flags, a profile's "kv" object — and KVConfig.from_sett
     parse_kv("tada-4", profile="p.json")     per-layer methods from a profile
     parse_kv("profile:p.json")               the same as a spec (for method lists: kvrun ppl)
     parse_kv("profile:smollm2-135m-0.25")    a shipped profile by name (runtime/kv/profiles/)
-    parse_kv("auto")                         the profile shipped for the embedded model
+    parse_kv("auto")                         the profile shipped for the model in use, else
+                                             the generic default (rotated kivi-4)
     parse_kv("kivi-4+ring8")                 sliding-window rings at 8 bits (ring=8)
 
 Defaults follow the papers: residual window R = 128 and group G = 32 (KIVI, TaDA's
@@ -27,7 +28,7 @@ from pathlib import Path
 from kvrun.kernels.codecs import KEY_ONLY, make_codec, method_family
 from ..errors import KvrunError
 from .evict import ANCHORS, POLICIES
-from .profile import NOT_KV_SETTINGS, check_method, read_profile, shipped_for
+from .profile import NOT_KV_SETTINGS, check_method, generic_settings, read_profile, shipped_for
 
 CTX_POLICIES = ("error", "shift")
 DENSE = {"fp16", "bf16", "fp32"}          # uncompressed methods
@@ -188,7 +189,8 @@ class KVConfig:
     context: ContextPolicy = field(default_factory=ContextPolicy)
     rotation: Rotation = field(default_factory=Rotation)
     eviction: Eviction = field(default_factory=Eviction)
-    # where `layers` came from: {"path", "model", "auto"} (model identity checks, messages)
+    # where `layers` came from: {"path", "model", "auto"} (model identity checks, messages);
+    # {"auto", "generic"}: --kv auto on a model without a shipped profile (for_model)
     profile_info: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -264,12 +266,19 @@ class KVConfig:
     def for_model(self, cfg) -> "KVConfig":
         """`--kv auto` names the profile shipped for the model it runs on: the embedded
         model's unless another shipped profile was searched on this model (same name,
-        hash and geometry); any other config is returned as is."""
+        hash and geometry); on a model no profile was shipped for, the generic default
+        (profile.generic_settings; the settings given with auto win). Any other config is
+        returned as is."""
         info = self.profile_info or {}
-        if not info.get("auto"):
+        if not info.get("auto") or info.get("generic"):
             return self
         path = shipped_for(cfg)
-        if path is None or str(path) == str(info.get("path")):
+        if path is None:
+            fields = info.get("fields", {})
+            return KVConfig.from_settings(**{**generic_settings(cfg.head_dim), **fields,
+                                             "profile_info": {"auto": True, "generic": True,
+                                                              "fields": dict(fields)}})
+        if str(path) == str(info.get("path")):
             return self
         out = parse_kv(f"profile:{path}", **info.get("fields", {}))
         out.profile_info["auto"] = True
@@ -319,12 +328,18 @@ class KVConfig:
         return self.methods() <= DENSE
 
     def label(self) -> str:
+        info = self.profile_info or {}
+        if info.get("generic"):                   # --kv auto without a shipped profile
+            return f"auto (generic {self._method_label()})"
         if self.layers is not None:               # named as given: auto, profile:NAME
-            info = self.profile_info or {}
             base = ("auto" if info.get("auto") else
                     f"profile:{Path(info['path']).stem}" if info.get("path") else "profile")
             given = info.get("fields", {})          # a rotation or ring width set over the profile's
             return base + _suffixes(given.get("rotate", "none"), given.get("ring")) + self._evict_label()
+        return self._method_label()
+
+    def _method_label(self) -> str:
+        """The label of uniform methods, as a --kv spec writes them (kivi-4@64+rot)."""
         base = self.k_method if self.k_method == self.v_method else f"{self.k_method}/{self.v_method}"
         if (self.group, self.v_group) != (32, 32):
             base += f"@{self.group}" if self.group == self.v_group else f"@{self.group}/{self.v_group}"
@@ -368,7 +383,8 @@ def parse_kv(spec: str | None = "fp16", k: str | None = None, v: str | None = No
     tokens, V scales per 64 channels), so methods with different groups can be compared
     side by side in one `kvrun ppl` / `kvrun bench` run.
 
-    The specs "auto" (the shipped profile for the embedded model) and "profile:NAME" (a
+    The specs "auto" (the shipped profile for the embedded model until `for_model` sees the
+    model: its own shipped profile, or the generic default) and "profile:NAME" (a
     shipped profile's name or a file path) name a profile; its "kv" settings (window,
     groups …) apply unless given in `fields`."""
     spec = (spec or "fp16").strip()

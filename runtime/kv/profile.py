@@ -17,12 +17,15 @@ absent or null in older profiles, which leaves it to ring.ring_bits); loading a 
 applies them unless the caller sets them explicitly. A layer entry may carry "rotate" (that
 layer's rotation) and "k_map" (a key transform, key_map.py, applied where K is rotated). "model" is checked against the model the cache is built for: the
 geometry always, the source hash for `--kv auto` (a shipped profile describes one model's
-sensitivities; any other model must run `kvrun search`).
+sensitivities). `--kv auto` on a model no profile was shipped for is the generic default
+(`generic_settings`): uniform rotated kivi-4, which every backend and head dim serves;
+`kvrun search` tunes a profile for it.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,9 @@ from .key_map import check_key_map
 FORMAT = "kvrun-kv-profile"
 VERSION = 1
 SHIPPED_DEFAULT = "smollm2-135m-0.30.json"      # `--kv auto` for the embedded model
+# `--kv auto` where no profile was searched on the model: uniform kivi-4, K and V
+# Hadamard-rotated (rotation halves kivi-4's KLD on SmolLM2, docs/measurements.md)
+GENERIC_METHOD = "kivi-4"
 # KVConfig fields that describe a cache, not a run: these travel with a profile
 NOT_KV_SETTINGS = ("k_method", "v_method", "layers", "layer_rotate", "layer_key_map", "ctx_policy",
                    "n_keep", "block", "profile_info")
@@ -189,24 +195,18 @@ def save_profile(path, layers, model: dict | str | None = None, kv: dict | None 
 
 def check_profile_model(profile: dict, cfg, auto: bool = False, where: str = "KV profile") -> None:
     """Refuse a profile searched for another model. `profile` is Profile.model.
-    Geometry must match; with auto=True (a shipped profile) the source hash must too."""
+    Geometry must match; with auto=True (is a shipped profile this model's?) the source
+    hash must too."""
     rec = model_record(cfg)
     name = profile.get("name") or "another model"
     for key, what in (("num_layers", "layers"), ("num_kv_heads", "KV heads"), ("head_dim", "head dim")):
         if key in profile and profile[key] != rec[key]:
-            have = _model_has(cfg, rec, key, what)
-            if auto:
-                raise KvrunError(f"--kv auto has no profile shipped for this model: the default "
-                                 f"profile is for {name} ({profile[key]} {what}), this model has "
-                                 f"{have}; run `kvrun search` for it and pass --kv-profile")
             raise KvrunError(f"{where} was searched for {name} ({profile[key]} {what}); "
-                             f"this model has {have}")
+                             f"this model has {_model_has(cfg, rec, key, what)}")
     if auto and profile.get("sha256") and profile["sha256"] != rec["sha256"]:
-        raise KvrunError(f"--kv auto has no profile shipped for this model: the default profile "
-                         f"is for {name} (sha256 {profile['sha256'][:12]}…), not for this model "
-                         f"({rec['name'] or 'unnamed'}, "
-                         f"sha256 {rec['sha256'][:12] or 'unknown'}…); run `kvrun search` for it "
-                         f"and pass --kv-profile")
+        raise KvrunError(f"{where} was searched for {name} (sha256 {profile['sha256'][:12]}…), "
+                         f"not for this model ({rec['name'] or 'unnamed'}, "
+                         f"sha256 {rec['sha256'][:12] or 'unknown'}…)")
 
 
 def _model_has(cfg, rec: dict, key: str, what: str) -> str:
@@ -254,6 +254,15 @@ def shipped_for(cfg) -> Path | None:
             return p
         fits.append((budget, p))
     return max(fits)[1] if fits else None
+
+
+def generic_settings(head_dim: int) -> dict:
+    """The KV settings of `--kv auto` on a model without a shipped profile: GENERIC_METHOD
+    for K and V, rotated where the head dim has a Hadamard rotation (even), V's channel
+    groups of 32, or of the largest power of two dividing the head dim below that (80: 16),
+    so KIVI's groups tile every head: 64, 96, 128, 256 and the odd sizes in between."""
+    return {"k_method": GENERIC_METHOD, "v_method": GENERIC_METHOD, "group": 32,
+            "v_group": math.gcd(32, head_dim), "rotate": "kv" if head_dim % 2 == 0 else "none"}
 
 
 def shipped_default() -> Path:

@@ -17,6 +17,7 @@ positions) is not part of this format; `snapshot` refuses it with a KvrunError.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,7 @@ def arena_snapshot(a) -> Snapshot:
         raise KvrunError("a cache with token eviction (--evict) cannot be saved: its policy "
                          "state is not part of a session")
     meta = {"kind": "arena", "seq_len": a.seq_len, "n_tail": list(a.n_tail),
-            "n_win": list(a.n_win), "n_shifts": a.n_shifts}
+            "n_win": list(a.n_win), "n_shifts": a.n_shifts, "rope": _rope_id(a)}
     out = {}
     for l in range(a.L):
         nt, w = a.n_tail[l], a.n_win[l]
@@ -96,6 +97,10 @@ def arena_restore(a, snap: Snapshot) -> None:
     if type(seq) is not int or type(shifts) is not int or not 0 <= seq <= a.max_ctx:
         raise KvrunError(f"the saved cache holds {seq!r} tokens; this context holds {a.max_ctx} "
                          f"(raise -c/--ctx-size)")
+    if m.get("rope", _rope_id(a)) != _rope_id(a):   # files before it was recorded: as they were
+        raise OtherSize(f"the saved cache's keys were rotated with another RoPE frequency set "
+                        f"(longrope: a cache larger than the model's original context takes its "
+                        f"long factors, one within it the short ones; this one holds {a.max_ctx})")
     for l in range(a.L):
         if (n_tail[l] % a.G or n_tail[l] > a.S_l[l] or n_win[l] > a.win_k.shape[2]
                 or n_tail[l] + n_win[l] != seq):
@@ -114,6 +119,12 @@ def arena_restore(a, snap: Snapshot) -> None:
     for dst, src in plan:
         dst.copy_(src)
     a.n_tail, a.n_win, a.seq_len, a.n_shifts = list(n_tail), list(n_win), seq, shifts
+
+
+def _rope_id(a) -> str:
+    """The RoPE frequencies the arena's keys were rotated with, as a short digest: longrope
+    models rotate with one of two sets, by the cache's size (kernels/rope.py long_factors)."""
+    return hashlib.sha256(a.inv_freq.double().cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 # -- Gemma's rings beside an arena ----------------------------------------------------------

@@ -23,6 +23,10 @@ Family quirks are fields, each HF's own setting (convert/hf.py reads them):
   `mlp_only_layers` routes each token to its top `num_experts_per_tok` of `num_experts`
   SwiGLU experts of `moe_intermediate_size`; the listed layers keep the dense MLP of
   `intermediate_size`. HF's `decoder_sparse_step` is folded into the list at conversion.
+- `rotary_dim`: RoPE on that many channels of each head (Phi-4-mini's
+  partial_rotary_factor · D); convert/ permutes q and k's rows so the rotated pairs are
+  (i, i + D/2), i < rotary_dim/2, and the rest of the channels see frequency 0
+  (kernels/rope.py). 0 → head_dim.
 `q_scale` is what q is multiplied by so that the caches' D**-0.5 scaling gives the
 family's score scale.
 """
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KvrunError
-from kvrun.kernels.rope import ROPE_TYPES
+from kvrun.kernels.rope import ROPE_TYPES, rope_kind
 
 # granite and smollm3 run the Llama layer with their config quirks; olmo2 its own (olmo2.py)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "granite", "olmo2", "smollm3")
@@ -59,7 +63,8 @@ class ModelConfig:
     max_position: int = 4096                # trained context length
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None        # {"type": "linear"|"llama3", "factor": ..., ...}
+    rope_scaling: dict | None = None        # {"type": "linear"|"llama3"|"longrope", ...}
+    rotary_dim: int = 0                     # channels of a head RoPE rotates (0 → head_dim)
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # Qwen2: q/k/v projections carry a bias
     layer_types: list[str] = field(default_factory=list)   # per layer; [] → all full_attention
@@ -94,12 +99,18 @@ class ModelConfig:
                              f"(supported: {', '.join(ARCHITECTURES)})")
         if self.chat_template not in CHAT_TEMPLATES:
             raise KvrunError(f"unknown chat template {self.chat_template!r}")
-        if self.rope_scaling:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ROPE_TYPES:
-                raise KvrunError(f"unsupported rope scaling type {kind!r} ({', '.join(ROPE_TYPES)})")
+        if self.rope_scaling and rope_kind(self.rope_scaling) not in ROPE_TYPES:
+            raise KvrunError(f"unsupported rope scaling type {rope_kind(self.rope_scaling)!r} "
+                             f"({', '.join(ROPE_TYPES)})")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
+        if self.rotary_dim == 0:
+            self.rotary_dim = self.head_dim
+        if self.rotary_dim > self.head_dim or self.rotary_dim % 2 or (self.head_dim - self.rotary_dim) % 2:
+            raise KvrunError(f"config: rotary_dim {self.rotary_dim} must be even, at most the head "
+                             f"dim {self.head_dim} and leave an even number of channels")
+        if rope_kind(self.rope_scaling) == "longrope":
+            self._check_longrope()
         if self.num_heads % self.num_kv_heads:
             raise KvrunError(f"num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
@@ -169,7 +180,7 @@ class ModelConfig:
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise KvrunError(f"config: {name} must be an integer >= 1 (got {x!r})")
         for name in ("head_dim", "sliding_window", "weight_group", "num_experts",
-                     "num_experts_per_tok", "moe_intermediate_size"):
+                     "num_experts_per_tok", "moe_intermediate_size", "rotary_dim"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, int) or x < 0:
                 raise KvrunError(f"config: {name} must be an integer >= 0 (got {x!r})")
@@ -178,6 +189,25 @@ class ModelConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise KvrunError(f"config: {name} must be a finite number >= 0 (got {x!r})")
+
+    def _check_longrope(self) -> None:
+        r, n = self.rope_scaling, self.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            f = r.get(key)
+            if not isinstance(f, list) or len(f) != n or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f):
+                raise KvrunError(f"config: longrope {key} must be a list of {n} positive numbers "
+                                 f"(one per rotated frequency)")
+        for key, kind in (("original_max_position_embeddings", int), ("attention_factor", (int, float))):
+            x = r.get(key)
+            if isinstance(x, bool) or not isinstance(x, kind) or x <= 0:
+                raise KvrunError(f"config: longrope {key} must be a number > 0 (got {x!r})")
+
+    def rope_args(self) -> dict:
+        """The full-attention layers' RoPE as kernels/rope.py's `inv_frequencies` and `Rope`
+        take it: the model's tables and a cache's context shift are made from the same."""
+        return dict(head_dim=self.head_dim, theta=self.rope_theta, scaling=self.rope_scaling,
+                    rotary_dim=self.rotary_dim)
 
     @property
     def layer_windows(self) -> list[int]:

@@ -57,7 +57,15 @@ def _quirks(cfg: ModelConfig) -> dict:
         out["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
     if cfg.final_logit_softcapping is not None:
         out["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if cfg.rotary_dim != cfg.head_dim:
+        out["rotary_dim"] = cfg.rotary_dim
     return out
+
+
+def _scaling(scaling: dict) -> str:
+    """Rope scaling for the human table: longrope's per-frequency factor lists counted,
+    not printed (48 numbers each on Phi-3)."""
+    return str({k: f"[{len(v)} factors]" if isinstance(v, list) else v for k, v in scaling.items()})
 
 
 def model_facts(path) -> dict:
@@ -122,7 +130,7 @@ def model_info(path) -> dict:
         "hidden / ffn": f"{d['hidden_size']} / {d['intermediate_size']}",
         "heads (q / kv)": f"{d['heads']} / {d['kv_heads']}, head dim {d['head_dim']}",
         "context": d["context"],
-        "rope": f"theta {d['rope_theta']:g}" + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""),
+        "rope": f"theta {d['rope_theta']:g}" + (f", scaling {_scaling(cfg.rope_scaling)}" if cfg.rope_scaling else ""),
         **({"quirks": ", ".join(f"{k} {v}" for k, v in d["quirks"].items())} if d["quirks"] else {}),
         "vocab": d["vocab"],
         "tied embeddings": d["tied_embeddings"],

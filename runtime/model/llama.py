@@ -92,7 +92,7 @@ class Transformer(nn.Module):
                         else Int8Linear(cfg.hidden_size, cfg.vocab_size))
         self.tie_weights()
         with torch.device("cpu"):       # tables stay real even when built on the meta device
-            self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+            self.rope = Rope(**cfg.rope_args(), max_pos=cfg.max_position)
             # the second table set, for the layers whose `local_rope` is set: Gemma 3's sliding
             # layers (their own base, no scaling; HF: rope_local_base_freq), or the identity
             # for SmolLM3's NoPE layers (the config has not both)
@@ -179,7 +179,7 @@ class Transformer(nn.Module):
         torch backend's step and the oracle of every other (forward's arguments)."""
         B, T = ids.shape
         positions = cache.positions(T)                                  # (T,)
-        cos, sin = self.rope.tables(positions, self.dtype)              # (T, D)
+        cos, sin = self.rope.tables(positions, self.dtype, cache.max_ctx)   # (T, D)
         local = (cos, sin) if self.rope_local is None else self.rope_local.tables(positions, self.dtype)
         h = self.model.embed_tokens(ids).to(self.dtype)                 # (B, T, hidden)
         if self.embed_scale is not None:

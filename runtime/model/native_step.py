@@ -225,7 +225,7 @@ class NativeDecodeStep:
         s = self.scratch
         H, Hkv, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         q_end, k_end = self.split
-        x, tables = self._inputs(ids.view(T, 1), cache.positions(T))    # (T, hidden), rows' RoPE
+        x, tables = self._inputs(ids.view(T, 1), cache.positions(T), cache.max_ctx)  # (T, hidden), rows' RoPE
         blocks = [(b0, min(T, b0 + MAX_ROWS)) for b0 in range(0, T, MAX_ROWS)]
         qkv, out = torch.empty(T, s.qkv.shape[1]), torch.empty(T, H * D)
         q = qkv[:, :q_end].view(T, H, D).transpose(0, 1)[None]          # (1, H, T, D)
@@ -254,13 +254,13 @@ class NativeDecodeStep:
             logits.append(self.plans[-1].logits(b1 - b0, self.norm, self.head, nth).clone())
         return self._capped(torch.cat(logits)[None])
 
-    def _inputs(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Rows for ids (B, 1) at `positions` (B,): their embeddings (B, hidden) float32 and
-        [(scratch table, the rows' table)] RoPE pairs; both also written to the scratch
-        rows when B <= MAX_ROWS."""
+    def _inputs(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, list]:
+        """Rows for ids (B, 1) at `positions` (B,) in caches of `ctx` tokens (one size, or B:
+        Rope.tables): their embeddings (B, hidden) float32 and [(scratch table, the rows'
+        table)] RoPE pairs; both also written to the scratch rows when B <= MAX_ROWS."""
         B = ids.shape[0]
         s = self.scratch
-        cos, sin = self.model.rope.tables(positions, torch.float32)     # (B, D)
+        cos, sin = self.model.rope.tables(positions, torch.float32, ctx)    # (B, D)
         tables = [(s.cos, cos), (s.sin, sin)]
         if self.model.rope_local is not None:             # sliding layers' base, or NoPE's identity
             cl, sl = self.model.rope_local.tables(positions, torch.float32)
@@ -283,7 +283,7 @@ class NativeDecodeStep:
         logits (B, 1, V)."""
         B = ids.shape[0]
         nth = torch.get_num_threads()
-        self._inputs(ids, positions)
+        self._inputs(ids, positions, [c.max_ctx for c in caches])
         rows = [native_rows.row(c, self.cfg.num_heads) for c in caches] if self.one_call else [None]
         if all(r is not None for r in rows):
             logits = self.one_call(rows, nth).clone()[:, None]

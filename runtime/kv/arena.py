@@ -48,7 +48,7 @@ import torch
 
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
-from kvrun.kernels.backend import Backend, choose, named
+from kvrun.kernels.backend import Backend, choose
 from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step,  # per backend
                                  pack, rope_compress_k, vproj_compress)
 from kvrun.kernels.fused_compress import flush_count
@@ -57,7 +57,7 @@ from kvrun.kernels.hadamard import (Hadamard, KeyMap, rotate, rotate_k, rotate_s
 from ..errors import KvrunError
 from .arena_evict import ArenaEviction, lossless_codec, tail_sizes
 from .arena_shift import shift_layer
-from .cache import KV_DTYPES, NewKV
+from .cache import KV_DTYPES, NewKV, OnBackend
 from .config import KVConfig
 from .contract import KVCache
 from .key_map import key_map_tensors
@@ -92,7 +92,7 @@ def codec_factory(kv: KVConfig):
     return get
 
 
-class KVArena(KVCache):
+class KVArena(OnBackend, KVCache):
     """Preallocated window + compressed tail for `max_ctx` tokens, all layers."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
@@ -152,15 +152,6 @@ class KVArena(KVCache):
         self.routes = [backend.layer_route(kc, vc, self.D, self.G, rk is not None or rv is not None,
                                            self.ev is not None)
                        for kc, vc, rk, rv in zip(self.k_codecs, self.v_codecs, self.rot_k, self.rot_v)]
-
-    @property
-    def backend(self) -> str:
-        """The backend's name (native | triton | torch)."""
-        return self.kernels.name
-
-    @backend.setter
-    def backend(self, name: str) -> None:
-        self.bind(named(name))
 
     @property
     def attn(self) -> str:

@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from kvrun.kernels.backend import Backend, named
+
 
 KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -38,3 +40,22 @@ class NewKV:
         from kvrun.kernels.rope import apply_rope
         assert self.v is not None, "V given as operands needs `rotated`"
         return apply_rope(self.k, self.cos, self.sin), self.v
+
+
+class OnBackend:
+    """A cache (or a cache's part) bound to a kernels backend (kernels/backend.py): `bind`
+    holds it in `kernels` and resolves the routes the part runs; `backend` is its name,
+    which tests and tools comparing backends may set (the routes are resolved again)."""
+    kernels: Backend
+
+    def bind(self, backend: Backend) -> None:
+        raise NotImplementedError
+
+    @property
+    def backend(self) -> str:
+        """The backend's name (native | triton | torch)."""
+        return self.kernels.name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self.bind(named(name))

@@ -63,11 +63,12 @@ import torch
 
 from kvrun.kernels import dense_attention
 from kvrun.kernels.codecs import method_family
-from kvrun.kernels.backend import Backend, choose, named
+from kvrun.kernels.backend import Backend, choose
 from kvrun.kernels.dispatch import ring_step
 from kvrun.kernels.hadamard import Hadamard, rotate, rotate_step, unrotate
 from kvrun.kernels.quant import asym_params, quantize_asym
 from ..errors import KvrunError
+from .cache import OnBackend
 from .contract import KVCache
 from .snapshot import Snapshot, nest, part, ring_restore, ring_snapshot
 
@@ -146,7 +147,7 @@ class _RingStore:
         return x.reshape(Hkv, n, D).to(self.dtype)
 
 
-class SlidingWindowKV:
+class SlidingWindowKV(OnBackend):
     """Ring K/V of the sliding-window layers (module docstring)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
@@ -174,14 +175,6 @@ class SlidingWindowKV:
         kernels/backend.RingRoute) is resolved here."""
         self.kernels = backend
         self.ring_route = backend.ring_route(self.bits)
-
-    @property
-    def backend(self) -> str:
-        return self.kernels.name
-
-    @backend.setter
-    def backend(self, name: str) -> None:
-        self.bind(named(name))
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows (Hkv, n, D) of the model's space into `slots` of `layer`

@@ -73,7 +73,7 @@ def gemv_path() -> str:
     former int8 codes by up to ~0.2-0.5), so everything upstream of a GEMV must be the same
     bits whatever the thread count (the
     attention kernels split a cache by its length, not by the threads:
-    tests/test_thread_invariance.py). fp32 is the reference the model tests compare with
+    tests/model/test_thread_invariance.py). fp32 is the reference the model tests compare with
     the eager forward."""
     want = knobs.gemv() or "int"
     if want not in GEMV_PATHS:

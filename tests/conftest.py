@@ -14,6 +14,12 @@ import sys
 # (its hub kernels); the tests import kvrun as installed, never from the root by path
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+# tests/ mirrors the package (tests/kv/ for runtime/kv/, tests/kernels/ for kernels/, ...);
+# the shared helpers (tiny.py, ref_cache.py, ...) stay here, importable from every folder, and
+# so do the test modules others borrow from (test_convert's tiny checkpoints, ...)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(os.path.join(_TESTS, d) for d in os.listdir(_TESTS)
+                                 if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith((".", "_")))
 
 # Tests are not benchmarks: OpenMP threads that sleep while they wait (instead of spinning)
 # keep the suite's pace on a machine where other processes hold cores. Set before torch

@@ -1,4 +1,4 @@
-"""Shared by the tests of bad files (tests/test_files.py, tests/test_session.py): the
+"""Shared by the tests of bad files (tests/test_files.py, tests/engine/test_session.py): the
 one-line errors a reader gives for paths that must be refused at once, never read until
 they block (a FIFO nobody writes) or exhaust memory (/dev/zero)."""
 from __future__ import annotations

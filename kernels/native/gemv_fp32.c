@@ -184,7 +184,7 @@ DEFINE_I8_ROWS(2) DEFINE_I8_ROWS(3) DEFINE_I8_ROWS(4)
 
 #if KV_AVX512
 /* B >= 2 rows in blocks of 4 that share one decode of the codes (a last lone row: q4_dot /
- * i8_dot; tests/test_batch.py checks the blocks equal them bit for bit). Out of line, so
+ * i8_dot; tests/engine/test_batch.py checks the blocks equal them bit for bit). Out of line, so
  * that row_dot, inlined into every GEMV loop, costs a lone row (one sequence) nothing. */
 __attribute__((noinline)) static void row_blocks(const Weight *w, int n, int B, const float *x,
                                                  int ldx, const float *xs, int ldxs, float *out)

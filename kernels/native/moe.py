@@ -5,7 +5,7 @@
 `MoeScratch` (the gathered rows, their SwiGLU and down outputs, each row's weighted sum,
 the router's probabilities) is shared by every MoE layer of a model; each `MoePlan` keeps
 its own `chosen` / `weight` outputs, so after a step each layer tells which experts each
-row took (tests/test_moe.py reads them).
+row took (tests/model/test_moe.py reads them).
 """
 from __future__ import annotations
 

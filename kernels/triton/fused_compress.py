@@ -8,7 +8,7 @@ calls them through kernels/dispatch.py (runtime/kv/arena.py `attend_new`) with
 flush=False: its contract attends before it flushes, so there the launch only writes the
 new rows and the flush follows the attention as a `pack` (`kivi_pack` for KIVI). The
 in-launch flush serves appends with no attention in between, and its bytes are pinned bit
-for bit against the oracle (tests/test_triton_compress.py).
+for bit against the oracle (tests/kernels/test_triton_compress.py).
 
 Codecs: KIVI (2/4/8-bit; K per channel over G-token groups in chanpack.py's byte planes,
 V per token over g-channel groups in nibble.py's channel-major layout), TaDA (2/4/8-bit

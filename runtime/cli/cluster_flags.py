@@ -49,7 +49,7 @@ RAY_LOOPBACK = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 def local_ray_on_loopback() -> None:
     """Before Ray is imported: a Ray this process starts (no --address) stays on 127.0.0.1.
-    The local cluster of tests/test_cluster.py and tools/cluster_bench.py does the same."""
+    The local cluster of tests/cluster/test_cluster.py and tools/cluster_bench.py does the same."""
     os.environ.setdefault(*RAY_LOOPBACK)
 
 

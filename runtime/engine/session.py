@@ -27,7 +27,7 @@ KvrunError line, the cache left as it was. The checksum catches a truncated or d
 file, not a forged one: a file altered with its sha256 recomputed loads what it holds
 (tensors of the right shapes and dtypes), so a session file is trusted input, like the
 weights. Output after a restore equals the
-uninterrupted generation's (tests/test_session.py): the bytes are the cache's own, and the
+uninterrupted generation's (tests/engine/test_session.py): the bytes are the cache's own, and the
 engine's prefix-reuse state (`cached`, `canon`) comes back with them.
 """
 from __future__ import annotations

@@ -20,8 +20,8 @@ its own attention. The model's step enters through `attend_new` (K before RoPE),
 the fused window write where the layer's route has one (torch and Triton: `writes_fused`),
 else `attend`; which kernels serve each layer was resolved when the cache was built
 (`bind`: kernels/backend.py, from kernels/table.py). Both give the same cache bytes and, on
-one backend, the same output bit for bit (tests/test_write_attend.py;
-tests/test_decode_contract.py across backends).
+one backend, the same output bit for bit (tests/kv/test_write_attend.py;
+tests/kv/test_decode_contract.py across backends).
 
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
 the first n_keep tokens (rounded up to a whole tail block, untouched), drop half of the

@@ -12,7 +12,7 @@ token and flush after it (native_rows.py `stepped`). Otherwise (eviction, a laye
 kernels decline) the per-layer route: `LayerPlan.pre`, the cache's `attend` per row (the
 arena's native attend_append, or a ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
 order with the same arguments, so their logits and cache bytes are bit-identical
-(tests/test_decode_step.py); which one runs is decided once per step, never per layer.
+(tests/model/test_decode_step.py); which one runs is decided once per step, never per layer.
 
 Prefill chunks of 2 to CHUNK_MAX_ROWS tokens of one sequence (`chunk`) take the per-layer
 route with the chunk's positions as its rows, MAX_ROWS a pass over the weights, and one
@@ -27,7 +27,7 @@ copies, norms, RoPE, SwiGLU, residual adds) whose dispatch cost more than the we
 read; the per-layer route still crossed into C 2 + B times a layer. Here the activations
 stay fp32 in preallocated buffers and the weights are read in their stored bytes
 (kernels/native/decode_layer.c). The eager forward stays the oracle
-(tests/test_decode_layer.py) and serves everything this step does not cover.
+(tests/model/test_decode_layer.py) and serves everything this step does not cover.
 
 Covered: the Llama/Qwen2/Qwen3/Qwen3-MoE/Granite/SmolLM3 and Gemma 3 `Transformer` (Qwen3-MoE's
 sparse MLP is the C layer's `moe`: the router, top-k and softmax in C, then only the

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from kvrun.cli.main import main  # noqa: E402
 from kvrun.errors import KvrunError  # noqa: E402
 from kvrun.eval.needle import (Needle, NeedleRecord, build_prompt, format_table,  # noqa: E402

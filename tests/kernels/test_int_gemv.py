@@ -133,7 +133,7 @@ def test_every_build_gives_the_same_bits(lib, shape):
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] >= 576], ids=lambda s: "-".join(map(str, s)))
 def test_integer_gemv_is_near_the_fp32_gemv(shape):
-    """Against the fp32 path (the dequantized GEMV, tests/test_decode_layer.py): off only by
+    """Against the fp32 path (the dequantized GEMV, tests/model/test_decode_layer.py): off only by
     the int16 rounding of the input, |x - x_q| <= d/2 = max|x| / 65534 per element of a
     block of 32: ~2e-5 of the output's norm for Gaussian rows (int8 codes per 4 columns gave
     ~3e-3). Guards the reference and the kernel against one shared misreading of the weight

@@ -347,7 +347,7 @@ def test_endless_chat_line_is_refused(tiny_dir, monkeypatch):
 
 def test_the_console_script_starts_under_the_interrupt_handler():
     import tomllib
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["kvrun"].split("#")[0].strip() == "kvrun.cli.entry:main"
 

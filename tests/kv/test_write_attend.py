@@ -215,7 +215,7 @@ def test_model_decode_step_calls_only_the_fused_ops(tmp_path, monkeypatch, backe
 # -- end to end: the real SmolLM2 --------------------------------------------------------------
 
 # SmolLM2 decode steps per backend (see the test's docstring); the full 32-token
-# check, ~9 min: KVRUN_E2E_STEPS=32 python -m pytest tests/test_write_attend.py -k smollm2
+# check, ~9 min: KVRUN_E2E_STEPS=32 python -m pytest tests/kv/test_write_attend.py -k smollm2
 STEPS = min(32, max(2, int(os.environ.get("KVRUN_E2E_STEPS", "2"))))
 
 

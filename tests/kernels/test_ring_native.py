@@ -110,7 +110,7 @@ def test_fp16_ring_the_models_dtype(build, counted, monkeypatch, bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_degenerate_and_tied_values_quantize_alike(build, monkeypatch, bits):
-    """Unrotated rows (a ring with its rotation removed, as tests/test_ring.py does) that hit
+    """Unrotated rows (a ring with its rotation removed, as tests/kv/test_ring.py does) that hit
     the corners of the quantizer (ring_cases.corner_rows). Storage equal to the torch
     step's after every step."""
     q, k, v = corner_rows(bits)

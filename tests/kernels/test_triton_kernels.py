@@ -368,7 +368,7 @@ def test_kernels_compile_for_h100_without_register_spills():
     import triton
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         pytest.skip("triton's CUDA toolchain (ptxas, cuobjdump) is not bundled here")
-    tool = Path(__file__).resolve().parents[1] / "tools" / "sm90_check.py"
+    tool = Path(__file__).resolve().parents[2] / "tools" / "sm90_check.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(tool), "--kv", "gear", "tada-8/kivi-2", "int8",
                         "--t", "2"], env=env, capture_output=True, text=True, timeout=600)

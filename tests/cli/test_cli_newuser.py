@@ -111,7 +111,7 @@ def test_bench_depth_is_d_and_ctx_is_its_hidden_old_name(tiny_dir):
 
 def test_the_readme_says_where_to_run_pip_and_what_the_pulls_cost():
     from pathlib import Path
-    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    text = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     setup = text[text.index("## Set up"):text.index("pip install . &&")]
     assert "Clone this repository and `cd` into its root" in setup
     assert "1.3 GB of wheels" not in text

@@ -122,7 +122,7 @@ def _check_native(km, vm, geom, dtype=torch.float32):
     Hkv, Gq, D, n_tail, W, T = geom
     q, kt, vt, kw, vw, kn, vn = attention_case(km, vm, Hkv, Gq, D, n_tail, W, T, dtype=dtype)
     # the fp32 path: KIVI keys beside a cb V have an integer path whose queries are
-    # quantized (tests/test_int_attention.py checks it against its own twin)
+    # quantized (tests/kernels/test_int_attention.py checks it against its own twin)
     out = nda.decode_attention(q, kt, vt, n_tail, kw, vw, kn, vn, attn="fp32")
     assert out is not None and out.shape == q.shape and out.dtype == q.dtype
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 from torch.testing import assert_close
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import kvrun  # noqa: E402
 from kvrun.cli.main import main  # noqa: E402
 from kvrun.errors import KvrunError  # noqa: E402

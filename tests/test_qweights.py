@@ -321,6 +321,26 @@ def test_tiny_gguf_q4_1_to_int4_is_exact(tiny_hf, smollm2_reader, tmp_path):
     assert rel_error(a.logits(ids), b.logits(ids)) < 0.02      # only the int8 embedding differs
 
 
+def test_weights_kld_tool(tiny_hf, tmp_path, monkeypatch, capsys):
+    """tools/weights_kld.py: a conversion against itself is KL 0 and top-1 100 %; int4 of the
+    same checkpoint moves the distribution (KL > 0) and scores the same tokens."""
+    import json
+    import sys
+    from tool_module import load_tool
+    convert_hf(tiny_hf, tmp_path / "ref", dtype="fp32")
+    convert_hf(tiny_hf, tmp_path / "q4", dtype="fp32", weights="int4")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, " * 8)
+    monkeypatch.setattr(sys, "argv", ["weights_kld", str(text), str(tmp_path / "ref"),
+                                      str(tmp_path / "ref"), str(tmp_path / "q4"),
+                                      "-c", "64", "--windows", "2", "--json"])
+    load_tool("weights_kld").main()
+    same, q4 = json.loads(capsys.readouterr().out)
+    assert (same["kl"], same["top1"], same["tokens"]) == (0.0, 1.0, 64)
+    assert same["ppl"] == same["ppl_ref"] == q4["ppl_ref"]
+    assert 0 < q4["kl"] < 1 and 0 < q4["top1"] <= 1 and q4["tokens"] == 64
+
+
 def test_bad_weight_options(tiny_hf, tmp_path):
     with pytest.raises(KvrunError, match="unknown weight format"):
         convert_hf(tiny_hf, tmp_path / "x", weights="int3")

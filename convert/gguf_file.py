@@ -358,7 +358,9 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str | None = "bf1
     reader = open_gguf(path)
     meta = read_metadata(reader)
     types = linear_types(reader)
-    weights = weights or default_weights(types)
+    if weights is None:
+        weights = default_weights(types)
+        check_weight_format(weights, group)
     dtype = dtype or float_dtype(weights)
     target = torch_dtype(dtype)
     cfg = config_from_gguf(meta, reader, dtype)

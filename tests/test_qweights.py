@@ -219,6 +219,9 @@ def test_tiny_q4_k_gguf_converts_to_int4_and_the_native_step_matches(smollm2_rea
     lines = []
     cfg = convert_gguf(path, tmp_path / "q", dtype="fp32", log=lines.append)
     assert (cfg.weights, cfg.weight_group) == ("int4", 32)
+    with pytest.raises(KvrunError, match="int4 group must be one of"):     # checked once chosen
+        convert_gguf(path, tmp_path / "bad", group=48)
+    assert not (tmp_path / "bad").exists()
     assert sum("<- Q4_K repacked" in ln for ln in lines) == 2
     assert sum("<- Q4_0 repacked" in ln for ln in lines) == 12
     f32, q = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("f32", "q"))

@@ -298,9 +298,9 @@ def _quantized_parts(t, name: str, weights: str, group: int, log,
     qtype = gguf.GGMLQuantizationType(t.tensor_type).name
     shape = _torch_shape(t)
     fmt = target_format(name, weights)
-    if fmt == "int4" and qtype in INT4_REPACKED and int4_group(shape[1], group) == 32 and scale == 1.0:
+    if fmt == "int4" and qtype in INT4_REPACKED and int4_group(shape[1], group) == 32:
         base = name[:-len(".weight")]
-        parts = {f"{base}.{k}": v for k, v in repack_gguf_q4(t.data, qtype, shape).items()}
+        parts = {f"{base}.{k}": v for k, v in repack_gguf_q4(t.data, qtype, shape, scale).items()}
         how = f"int4 g32 <- {qtype} repacked"
     else:
         w = torch.from_numpy(_dequantize(t))

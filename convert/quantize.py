@@ -107,15 +107,19 @@ _Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 _Q4_K_BLOCK_BYTES = 144                 # d, dmin fp16, 12 bytes of 6-bit scales/mins, 128 of codes
 
 
-def repack_gguf_q4(data: np.ndarray, qtype_name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """GGUF Q4_0 / Q4_1 / Q4_K blocks (rows, bytes per row) uint8 → int4 G=32 parts.
+def repack_gguf_q4(data: np.ndarray, qtype_name: str, shape: tuple[int, int],
+                   scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """GGUF Q4_0 / Q4_1 / Q4_K blocks (rows, bytes per row) uint8 → int4 G=32 parts of the
+    weights times `scale`.
 
     Q4_1 block (20 bytes): d fp16, m fp16, 16 bytes of codes (byte j: code j low nibble,
     code j+16 high), w = d·q + m. Q4_0 block (18 bytes): d fp16, codes, w = d·(q − 8).
-    Both are copied bit for bit. Q4_K: `repack_gguf_q4_k`.
+    Both are copied bit for bit; with a `scale` (Granite's residual_scale) the codes are, and
+    scale and min are multiplied in fp32 and rounded once to fp16 (Q4_K's bound below).
+    Q4_K: `repack_gguf_q4_k`.
     """
     if qtype_name == "Q4_K":
-        return repack_gguf_q4_k(data, shape)
+        return repack_gguf_q4_k(data, shape, scale)
     N, K = shape
     size = _Q4_BLOCK_BYTES[qtype_name]
     blocks = np.ascontiguousarray(data).reshape(N, K // 32, size)                # (N, K/32, B)
@@ -124,12 +128,16 @@ def repack_gguf_q4(data: np.ndarray, qtype_name: str, shape: tuple[int, int]) ->
         m, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
     else:
         m, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]   # exact
+    if scale != 1.0:
+        d, m = ((x.astype(np.float32) * np.float32(scale)).astype(np.float16) for x in (d, m))
     return {"qweight": torch.from_numpy(qs.reshape(N, K // 2).copy()),
             "scales": torch.from_numpy(d.copy()), "mins": torch.from_numpy(m.copy())}
 
 
-def repack_gguf_q4_k(data: np.ndarray, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """GGUF Q4_K super-blocks (rows, bytes per row) uint8 → int4 G=32 parts.
+def repack_gguf_q4_k(data: np.ndarray, shape: tuple[int, int],
+                     scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """GGUF Q4_K super-blocks (rows, bytes per row) uint8 → int4 G=32 parts (of the weights
+    times `scale`, multiplied into scale and min in fp32 before their one rounding).
 
     A super-block of 256 columns is 8 sub-blocks of 32, sub-block j being exactly
     w = q·(d·sc_j) − dmin·m_j with q in 0..15 (sc_j, m_j 6-bit, d, dmin fp16): one int4 group
@@ -144,8 +152,9 @@ def repack_gguf_q4_k(data: np.ndarray, shape: tuple[int, int]) -> dict[str, torc
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)               # (nb, 1)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])                    # (nb, 8) each
-    scales = (d * sc.astype(np.float32)).astype(np.float16)
-    mins = (-dmin * mn.astype(np.float32)).astype(np.float16)
+    f = np.float32(scale)
+    scales = (d * sc.astype(np.float32) * f).astype(np.float16)
+    mins = (-dmin * mn.astype(np.float32) * f).astype(np.float16)
     if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
         raise KvrunError("Q4_K scales exceed the fp16 range of int4 scales; use --weights int8")
     # 4 runs of 32 bytes: low nibbles are sub-block 2i's 32 codes, high nibbles 2i+1's

@@ -184,6 +184,27 @@ def test_gguf_q4_k_repack_keeps_codes_and_rounds_scales_once(exact):
     assert (got != want).float().mean() > 0.5           # the rounding is real: the bound is tested
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_q4_repack_folds_a_scale_into_scale_and_min(qtype):
+    """Granite's residual_scale: a power of two scales the repack exactly (the unscaled
+    parts' values times it, bit for bit; for Q4_0/Q4_1 those are gguf's); 0.22 rounds scale
+    and min once, within the Q4_K bound of gguf's values times 0.22."""
+    import gguf
+    from kquants import q4_k_blocks
+    N, K = 16, 256
+    w = _weights(N, K, seed=2).numpy()
+    T = gguf.GGMLQuantizationType[qtype]
+    data = q4_k_blocks(w) if qtype == "Q4_K" else gguf.quants.quantize(w, T)
+    ref = torch.from_numpy(np.array(gguf.quants.dequantize(data, T)))
+    exact = dequantize_int4(**repack_gguf_q4(data, qtype, (N, K), scale=0.25))
+    torch.testing.assert_close(exact, dequantize_int4(**repack_gguf_q4(data, qtype, (N, K))) * 0.25,
+                               rtol=0, atol=0)
+    parts = repack_gguf_q4(data, qtype, (N, K), scale=0.22)
+    s, m = (parts[k].float().repeat_interleave(32, 1) for k in ("scales", "mins"))
+    bound = 2.0 ** -11 * (15 * s.abs() + m.abs()) * 1.001 + 1e-9
+    assert ((dequantize_int4(**parts) - ref * 0.22).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("types,want", [
     ({"Q4_1": 100}, "int4"),
     ({"Q4_K": 60, "Q6_K": 40}, "int4"),                     # a Q4_K_M: Q6_K for some ffn_down

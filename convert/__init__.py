@@ -2,7 +2,8 @@
 
 `convert_hf` reads an HF checkpoint folder (config.json + *.safetensors + tokenizer.json);
 `convert_gguf` reads a llama.cpp GGUF file, keeping its weights' bits where kvrun's formats
-allow (quantize.py) and rebuilding its tokenizer. Both validate every tensor against the config and write atomically.
+allow (quantize.py) and rebuilding its tokenizer. Both validate every tensor against the
+config and write atomically.
 """
 from .gguf_file import convert_gguf
 from .hf import convert_hf

@@ -18,9 +18,8 @@ From a GGUF, blocks are repacked without re-quantizing wherever the format allow
   dequantizes (in fp32) to exactly `gguf.quants.dequantize`'s values.
 - Q4_K: each sub-block of 32 is an int4 group; its codes are copied, its scale d·sc and min
   −dmin·m (exact in fp32) rounded once to fp16: every weight within 2⁻¹¹·(15·|scale| +
-  |min|) of gguf's value. Measured on Gemma 3 270M's 27 Q4_K tensors: relative RMS error
-  6.8e-4, max |Δw| 1.1 % of the group's step (dequantizing and rounding to 4 bits again:
-  4.5e-2; per-channel int8: 9.9e-3).
+  |min|) of gguf's value, about 1 % of the group's step at most (docs/measurements.md, "A
+  GGUF at its own bits", against rounding to 4 bits again).
 Precision at run time: prefill dequantizes those values; the fused decode op reads scale
 and zero = min + 8·scale rounded to bf16 (8-bit mantissa), a relative error ≤ 2⁻⁹ of each,
 measured ~0.2 % of the weights' RMS on SmolLM2 (`op_dequantize`); the native step's GEMVs

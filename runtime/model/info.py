@@ -110,7 +110,9 @@ def _describe(path) -> tuple[ModelConfig, dict]:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_ids": list(cfg.eos_token_ids),
         "source": {"format": src.get("format"), "path": src.get("path"),
-                   "sha256": src.get("sha256")},
+                   "sha256": src.get("sha256"),
+                   # a GGUF's linear weights by tensor type (what the default format follows)
+                   "linear_types": src.get("linear_types")},
     }
 
 
@@ -138,4 +140,11 @@ def model_info(path) -> dict:
         "bos / eos": f"{d['bos_token_id']} / {cfg.eos_token_ids}",
         "source": f"{src['format'] or '?'}: {src['path'] or '?'}",
         "source sha256": src["sha256"] or "?",
+        **({"source linears": _shares(src["linear_types"])} if src["linear_types"] else {}),
     }
+
+
+def _shares(types: dict[str, int]) -> str:
+    """{'Q5_0': 634, 'Q4_K': 236} → 'Q5_0 73%, Q4_K 27%' (largest first)."""
+    total = sum(types.values()) or 1
+    return ", ".join(f"{t} {100 * n / total:.0f}%" for t, n in sorted(types.items(), key=lambda kv: -kv[1]))

@@ -26,6 +26,7 @@ from kvrun.files import file_sha256
 from kvrun.convert.templates import detect_chat_template
 from kvrun.model.config import ModelConfig
 from kvrun.errors import KvrunError
+from kquants import q4_k_blocks
 
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -234,8 +235,8 @@ def _write_gguf(path: Path, arch: str, state: dict, reader, tied: bool, qtypes: 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(2)
     w.add_context_length(256)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(96)
+    w.add_embedding_length(state["model.embed_tokens.weight"].shape[1])
+    w.add_feed_forward_length(state["model.layers.0.mlp.up_proj.weight"].shape[0])
     w.add_head_count(4)
     w.add_head_count_kv(2)
     w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
@@ -270,7 +271,8 @@ def _write_gguf(path: Path, arch: str, state: dict, reader, tied: bool, qtypes: 
         if qtype == T.F32:
             w.add_tensor(name, data)
         else:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            blocks = q4_k_blocks(data) if qtype == T.Q4_K else gguf.quants.quantize(data, qtype)
+            w.add_tensor(name, blocks, raw_dtype=qtype)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     w.write_header_to_file()

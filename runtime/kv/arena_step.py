@@ -42,7 +42,8 @@ def native_row(arena, H: int):
 def _build(arena, H: int):
     if arena.ev is not None:
         return None
-    return step_row(H, arena.G, layer_inputs(arena), backend=arena.backend, attn=arena.attn)
+    return step_row(H, arena.G, layer_inputs(arena), backend=arena.backend, attn=arena.attn,
+                    softcap=arena.softcap)
 
 
 def layer_inputs(arena) -> list:

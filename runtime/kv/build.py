@@ -60,17 +60,19 @@ def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
 
 def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu"):
     """The KV cache for a model config: the KVArena of its full-attention layers; a model
-    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache)."""
+    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache). Both
+    soft-cap the attention logits where the model does (attn_logit_softcapping, Gemma 2)."""
     kv = check_kv(cfg, kv_config)
     windows = layer_windows(cfg)
     inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cap = cfg.attn_logit_softcapping or 0.0
     full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
-                   n_heads=cfg.num_heads)
+                   n_heads=cfg.num_heads, softcap=cap)
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
                            max(windows), ctx, window_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           "v" in kv.rotation.which)
+                           "v" in kv.rotation.which, softcap=cap)
     return LayeredKVCache(windows, full, ring)
 
 

@@ -39,8 +39,9 @@ def _build(cache, H: int):
     for i, x in zip(cache.full, arena_step.layer_inputs(arena)):
         layers[i] = x
     spec = (ring.k.parts, ring.v.parts, ring.head_dim, ring.bits, ring.k.group, ring.dtype,
-            ring.rot_k, ring.rot_v)
-    return step_row(H, arena.G, layers, backend=arena.backend, ring=spec, attn=arena.attn)
+            ring.rot_k, ring.rot_v, ring.softcap)
+    return step_row(H, arena.G, layers, backend=arena.backend, ring=spec, attn=arena.attn,
+                    softcap=arena.softcap)
 
 
 def stepped(cache) -> None:

@@ -57,6 +57,8 @@ def _quirks(cfg: ModelConfig) -> dict:
         out["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
     if cfg.final_logit_softcapping is not None:
         out["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if cfg.attn_logit_softcapping is not None:
+        out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
     return out
 
 

@@ -29,7 +29,7 @@ stay fp32 in preallocated buffers and the weights are read in their stored bytes
 (kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/test_decode_layer.py) and serves everything this step does not cover.
 
-Covered: the Llama/Qwen2/Qwen3/Granite/SmolLM3 and Gemma 3 `Transformer` (Gemma's extra
+Covered: the Llama/Qwen2/Qwen3/Granite/SmolLM3 and Gemma 2/3 `Transformer` (Gemma's extra
 norms, QK-norm (Qwen3's too), GeGLU, local RoPE tables (SmolLM3's NoPE identity tables in
 the same slot), embedding scale and query scale (Granite's attention_multiplier) are the C
 layer's optional fields; OLMo 2's missing pre-norms and q/k norms over the whole
@@ -63,7 +63,7 @@ from .qlinear import Int4Linear, Int8Linear
 # docs/measurements.md, tools/chunk_speed.py). 64 keeps a margin for CPUs whose GEMM is
 # relatively faster.
 CHUNK_MAX_ROWS = 2 * MAX_ROWS
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "olmo2", "smollm3")
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite", "olmo2", "smollm3")
 
 
 def _stored(lin) -> dict:
@@ -121,7 +121,7 @@ class NativeDecodeStep:
         self.scratch = Scratch(cfg.hidden_size, H, Hkv, D, cfg.intermediate_size, cfg.vocab_size)
         dims = dict(hidden=cfg.hidden_size, H=H, Hkv=Hkv, D=D, inter=cfg.intermediate_size)
         self.plans = []
-        gemma = cfg.architecture == "gemma3"
+        gemma = cfg.architecture in ("gemma2", "gemma3")
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj),

@@ -27,9 +27,10 @@ differ from an HF checkpoint and are undone here:
    (hf_families.permute_rotary: llama.cpp runs phi3 NEOX-style on HF's row order);
    longrope comes as the rope_factors_short / _long tensors with
    `rope.scaling.original_context_length` and `rope.scaling.attn_factor`.
-5. Gemma 3: llama.cpp stores its RMSNorm weights as 1 + w (its norm multiplies by the
-   weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows are
-   not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half).
+5. Gemma 2 and 3: llama.cpp stores their RMSNorm weights as 1 + w (its norm multiplies by
+   the weight); kvrun keeps HF's w and computes (1 + w), so 1 is subtracted. Gemma's Q/K rows
+   are not permuted (llama.cpp runs it with NEOX-style RoPE, HF's rotate-half). Gemma 2's
+   soft-caps are `gemma2.attn_logit_softcapping` / `gemma2.final_logit_softcapping`.
 
 The GGUF's reader already gives 2-D tensors as (rows, cols) = (out, in), the torch order,
 although GGUF lists dims innermost first. The tokenizer comes from gguf_tokenizer.py.
@@ -58,7 +59,7 @@ from .writer import (Progress, check_destination, expected_tensors, torch_dtype,
 
 # GGUF → kvrun architecture
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
-          "gemma3": "gemma3", "olmo2": "olmo2",
+          "gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2",
           "granite": "granite", "smollm3": "smollm3", "phi3": "llama"}
 # llama.cpp's converter permutes attn_q / attn_k of the architectures it writes through its
 # LlamaModel class (GraniteModel and SmolLM3Model subclass it)
@@ -80,6 +81,8 @@ _NAMES_GEMMA3 = {**_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm",
                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 2: Gemma 3's four norms per block, no QK-norm
+_NAMES_GEMMA2 = {k: v for k, v in _NAMES_GEMMA3.items() if k not in ("attn_q_norm", "attn_k_norm")}
 # Qwen3: QK-norm per head beside Llama's norms; OLMo 2: its two post-norms and QK-norm over
 # the projection, no pre-norms (`ffn_norm` absent)
 _NAMES_QWEN3 = {**_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -92,7 +95,7 @@ _NAMES_PHI3 = {**_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_u
 _EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
             "ffn_down_exps": "mlp.experts.down_proj"}
 _NAMES_QWEN3MOE = {**_NAMES_QWEN3, "ffn_gate_inp": "mlp.gate", **_EXPERTS}
-_NAMES_BY_ARCH = {"gemma3": _NAMES_GEMMA3, "qwen3": _NAMES_QWEN3, "olmo2": _NAMES_OLMO2,
+_NAMES_BY_ARCH = {"gemma2": _NAMES_GEMMA2, "gemma3": _NAMES_GEMMA3, "qwen3": _NAMES_QWEN3, "olmo2": _NAMES_OLMO2,
                   "phi3": _NAMES_PHI3, "qwen3moe": _NAMES_QWEN3MOE}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -269,10 +272,11 @@ def config_from_gguf(meta: dict, reader, dtype: str) -> ModelConfig:
                              None if rope_freqs is None else _dequantize(rope_freqs)))
     template, default_system = detect_chat_template(meta.get("tokenizer.chat_template"))
     extra = {}
-    if arch == "gemma3":
-        # Some GGUF converters drop the chat template; every Gemma 3 uses the same one.
+    if arch in ("gemma2", "gemma3"):
+        # Some GGUF converters drop the chat template; every Gemma 2 and 3 uses the same one.
         template = "gemma" if template == "none" else template
-        extra = _gemma3_fields(meta, head_dim)
+        extra = (_gemma3_fields(meta, head_dim) if arch == "gemma3" else
+                 _gemma2_fields(meta, head_dim, hidden, n_heads))
     elif arch == "granite":
         extra = dict(embedding_multiplier=_f32(meta.get("granite.embedding_scale", 1.0)),
                      attention_multiplier=_f32(meta.get("granite.attention.scale", 0.0)),
@@ -326,6 +330,22 @@ def _qwen3moe_fields(meta: dict, tensors: dict, n_layers: int) -> dict:
                 moe_intermediate_size=int(meta["qwen3moe.expert_feed_forward_length"]),
                 norm_topk_prob=True,
                 mlp_only_layers=[i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
+
+
+def _gemma2_fields(meta: dict, head_dim: int, hidden: int, n_heads: int) -> dict:
+    """Gemma 2 settings as llama.cpp (llama-model.cpp, GEMMA2) reads them: every 2nd layer
+    global (the even ones slide over `attention.sliding_window` tokens), one RoPE base for
+    all; queries scaled by head_dim**-0.5, but 27B's (46 layers) by (hidden/heads)**-0.5 (HF's
+    query_pre_attn_scalar 144 = 4608/32); the attention and final logits soft-capped by the
+    file's `attn_logit_softcapping` / `final_logit_softcapping` (convert_hf_to_gguf.py writes
+    both for every Gemma 2)."""
+    window = meta.get("gemma2.attention.sliding_window")
+    if window is None:
+        raise KvrunError("GGUF metadata lacks gemma2.attention.sliding_window")
+    scalar = hidden / n_heads if int(meta.get("gemma2.block_count", 0)) == 46 else head_dim
+    caps = {k: meta.get(f"gemma2.{k}") for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(sliding_window=int(window), query_pre_attn_scalar=float(scalar),
+                **{k: _f32(v) if v else None for k, v in caps.items()})
 
 
 def _f32(v) -> float:
@@ -461,7 +481,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str | None = "bf1
             w = torch.from_numpy(_dequantize(t))
             if scale != 1.0:                # Granite's residual_scale (the module docstring)
                 w = w * scale
-            if arch == "gemma3" and name.endswith("norm.weight"):
+            if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                 w = w - 1       # llama.cpp stores Gemma's (1 + w); kvrun keeps HF's w
             tensors[name] = (unpermute(w, n_perm) if n_perm else w).to(target)
         if progress:

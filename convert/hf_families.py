@@ -9,6 +9,11 @@ Each `Family` is read off the family's transformers modeling file (`models/<fami
 - Qwen3: q/k RMSNorm per head before RoPE, head_dim from the config.
 - Gemma 3 (text): (1 + w) norms stored as w (as kvrun's Gemma layer takes them), sliding
   and full layers from `layer_types`, local / global RoPE bases, query_pre_attn_scalar.
+- Gemma 2: as Gemma 3 without q/k norms or a local RoPE base; sliding layers alternate
+  (even layers slide when `layer_types` is absent, as Gemma2Config fills it); attention and
+  final logits soft-capped (`attn_logit_softcapping`, `final_logit_softcapping`). Gemma 3's
+  config has an attn_logit_softcapping too, which transformers' Gemma 3 never applies (and
+  llama.cpp's converter asserts unset): not read, so its logits stay transformers'.
 - Granite: embedding, attention and logits multipliers as config fields; its
   residual_multiplier scales the attention and MLP outputs before each residual add, so it
   is folded into o_proj and down_proj here (the native step then needs nothing for it).
@@ -51,32 +56,50 @@ def _no_bias(name: str) -> Callable[[dict], dict]:
     return fields
 
 
-def _gemma3_fields(hf: dict) -> dict:
-    _no_bias("Gemma 3")(hf)
-    if hf.get("attn_logit_softcapping") is not None:
-        raise KvrunError("Gemma checkpoints with attention logit soft-capping are not supported")
+def _cap(hf: dict, key: str) -> float | None:
+    """A soft-cap setting: None (or 0) is off."""
+    x = hf.get(key)
+    return float(x) if x else None
+
+
+def _gemma_fields(hf: dict, name: str, every: int) -> dict:
+    """What Gemma 2 and Gemma 3 share: the checks, the layer kinds (one global layer in
+    `every` when the config lists none), the window, the query scalar and the final
+    logits' soft-cap."""
+    _no_bias(name)(hf)
     if hf.get("use_bidirectional_attention"):
-        raise KvrunError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+        raise KvrunError(f"{name} with bidirectional attention (an embedding model) is not supported")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
-        raise KvrunError(f"Gemma 3 with hidden_activation {act!r} is not supported "
+        raise KvrunError(f"{name} with hidden_activation {act!r} is not supported "
                          "(kvrun runs gelu_pytorch_tanh)")
     n = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
-    if types is None:           # transformers' default: every `sliding_window_pattern`-th global
-        every = int(hf.get("sliding_window_pattern") or 6)
+    if types is None:           # transformers' default
         types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    return dict(layer_types=list(types), sliding_window=int(hf.get("sliding_window") or 4096),
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+                final_logit_softcapping=_cap(hf, "final_logit_softcapping"),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
+
+
+def _gemma2_fields(hf: dict) -> dict:
+    """Gemma2Config: every 2nd layer global; one RoPE base for all (hf.py reads it); the
+    attention logits soft-capped (modeling_gemma2 passes softcap to its attention)."""
+    return dict(_gemma_fields(hf, "Gemma 2", 2), attn_logit_softcapping=_cap(hf, "attn_logit_softcapping"))
+
+
+def _gemma3_fields(hf: dict) -> dict:
+    # every `sliding_window_pattern`-th layer global; the sliding layers' own RoPE base; no
+    # attention soft-cap (the module docstring)
+    fields = _gemma_fields(hf, "Gemma 3", int(hf.get("sliding_window_pattern") or 6))
     params = hf.get("rope_parameters") or {}
     local = params.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise KvrunError(f"Gemma 3's sliding layers with rope scaling {local['rope_type']!r} "
                          "are not supported")
-    return dict(layer_types=list(types), sliding_window=int(hf.get("sliding_window") or 4096),
-                rope_local_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq")
-                                       or 10000.0),
-                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
-                final_logit_softcapping=hf.get("final_logit_softcapping"),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    return dict(fields, rope_local_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq")
+                                               or 10000.0))
 
 
 def _granite_fields(hf: dict) -> dict:
@@ -237,6 +260,7 @@ FAMILIES = {   # HF architecture name → Family
     "Qwen2ForCausalLM": Family("qwen2", _qwen2_fields),
     "Qwen3ForCausalLM": Family("qwen3", _no_bias("Qwen3")),
     "Qwen3MoeForCausalLM": Family("qwen3moe", _qwen3moe_fields, _qwen3moe_tensors),
+    "Gemma2ForCausalLM": Family("gemma2", _gemma2_fields),
     "Gemma3ForCausalLM": Family("gemma3", _gemma3_fields),
     "GraniteForCausalLM": Family("granite", _granite_fields, _granite_tensors),
     "Olmo2ForCausalLM": Family("olmo2", _no_bias("OLMo 2")),
@@ -245,7 +269,8 @@ FAMILIES = {   # HF architecture name → Family
 }
 MODEL_TYPES = {   # config.json's model_type, for a config without `architectures`
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
 }

@@ -18,6 +18,10 @@ Large T (a prefill chunk) is processed in query chunks (at most `q_chunk` querie
 most SCORE_LIMIT logits at a time) so the score matrix stays small; every query still
 sees the whole tail.
 
+Optional soft-capping (`softcap` > 0, Gemma 2's attn_logit_softcapping): every logit s,
+once scaled, becomes cap·tanh(s / cap) before the mask and the softmax (HF's order); the
+tail's, the window's and the new tokens' logits meet in one buffer, so it is one line.
+
 Optional `mass` output (token eviction, runtime/kv/evict.py): the exact softmax
 probabilities, summed over the queries t >= mass_from, added into mass (H, n_tail + W + T)
 — p / den of the single softmax, no second pass over the cache.
@@ -35,7 +39,8 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
                      k_win: torch.Tensor, v_win: torch.Tensor,
                      k_new: torch.Tensor, v_new: torch.Tensor,
                      block: int = DEFAULT_BLOCK, q_chunk: int = DEFAULT_Q_CHUNK,
-                     mass: torch.Tensor | None = None, mass_from: int = 0) -> torch.Tensor:
+                     mass: torch.Tensor | None = None, mass_from: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new queries over [tail, window, new tokens].
 
     q: (1, H, T, D); k_tail / v_tail: (codec, storage dict) for the K and V tails, holding
@@ -45,6 +50,7 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
     Returns (1, H, T, D) in q's dtype; softmax scale 1/sqrt(D); fp32 accumulation.
     mass: optional float32 (H, n_tail + W + T), += attention probabilities of queries
     t >= mass_from, summed over those queries (per query head).
+    softcap: > 0, logits soft-capped to softcap·tanh(s / softcap) (the module docstring).
     """
     B, H, T, D = q.shape
     Hkv = k_new.shape[1]
@@ -60,16 +66,17 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
         mass = (mass, mass_from)
     q_chunk = max(1, min(q_chunk, SCORE_LIMIT // (H * N)))             # H·Tc·N logits per chunk
     if T <= q_chunk:
-        return _attend(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, 0, block, mass)
+        return _attend(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, 0, block, mass, softcap)
     out = torch.empty_like(q)
     for t0 in range(0, T, q_chunk):
         t1 = min(T, t0 + q_chunk)
         out[:, :, t0:t1] = _attend(q[:, :, t0:t1], k_tail, v_tail, n_tail, k_win, v_win,
-                                   k_new[:, :, :t1], v_new[:, :, :t1], t0, block, mass)
+                                   k_new[:, :, :t1], v_new[:, :, :t1], t0, block, mass, softcap)
     return out
 
 
-def _attend(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, t0, block, mass=None):
+def _attend(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, t0, block, mass=None,
+            softcap=0.0):
     """Queries are new tokens t0 .. t0+Tq-1; k_new holds new tokens 0 .. t0+Tq-1."""
     _, H, Tq, D = q.shape
     Hkv, W, Tn = k_new.shape[1], k_win.shape[2], k_new.shape[2]
@@ -87,6 +94,8 @@ def _attend(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, t0, block, ma
     k = torch.cat([k_win[0], k_new[0]], 1).float()                       # (Hkv, W+Tn, D)
     v = torch.cat([v_win[0], v_new[0]], 1).float()
     sc[:, :, n_tail:] = torch.bmm(qg, k.transpose(1, 2))                 # (Hkv, R, W+Tn)
+    if softcap:                                     # every row's logits, before the mask
+        sc.div_(softcap).tanh_().mul_(softcap)
     if Tn > 1:
         qpos = torch.arange(t0, t0 + Tq, device=q.device)[:, None]       # (Tq, 1)
         hidden = torch.arange(Tn, device=q.device)[None, :] > qpos       # (Tq, Tn)

@@ -127,27 +127,30 @@ def _triton(required: bool = True):
 
 
 def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, backend=None,
-                     attn=None, **kw):
+                     attn=None, softcap: float = 0.0, **kw):
     """kernels.decode_attention on `backend` (None: backend_for(q)); same arguments and
-    result. attn: the native kernel's product path (None: attn_path())."""
+    result. attn: the native kernel's product path (None: attn_path()); softcap: the
+    logits' soft-cap cap·tanh(s / cap) before the softmax (0: off), on every backend."""
     extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk", "mass", "mass_from")}
     be = backend or backend_for(q)
     if be == "native":
         from .native.decode_attention import decode_attention as decode_attention_native
         out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
-                                      attn=attn or attn_path(), **kw)
+                                      attn=attn or attn_path(), softcap=softcap, **kw)
         if out is not None:                 # None: a request the C kernel does not cover
             return out
     if be == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
         tri = _triton()
         if n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
             return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
-                                        mass=kw.get("mass"), mass_from=kw.get("mass_from", 0))
-    return decode_attention_torch(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, **kw)
+                                        mass=kw.get("mass"), mass_from=kw.get("mass_from", 0),
+                                        softcap=softcap)
+    return decode_attention_torch(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
+                                  softcap=softcap, **kw)
 
 
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                  rot_k=None, rot_v=None, backend=None, attn=None, **kw):
+                  rot_k=None, rot_v=None, backend=None, attn=None, softcap: float = 0.0, **kw):
     """The arena's decode step as one op where the backend has it fused (native CPU:
     rotate + round + window append + attention, kernels/native/decode_attention.py
     `attend_append`); None elsewhere, and the caller runs the steps one by one."""
@@ -155,53 +158,58 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
         return None
     from .native.decode_attention import attend_append as fused
     return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                 rot_k, rot_v, attn=attn or attn_path(), **kw)
+                 rot_k, rot_v, attn=attn or attn_path(), softcap=softcap, **kw)
 
 
-def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None, attn=None):
+def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None, attn=None,
+               softcap: float = 0.0):
     """`attend_append` for one token of one arena layer with its arguments built once, a
     callable (q, k_tail, v_tail, n_tail, w, k, v) -> o or None (native CPU:
     kernels/native/decode_attention.py `FusedStep`); None on the other backends."""
     if (backend or backend_for(win_k)) != "native" or native.load() is None:
         return None
     from .native.decode_attention import fused_step as native_fused_step
-    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn or attn_path())
+    return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn or attn_path(), softcap)
 
 
 def step_row(H: int, group: int, layers: list, backend=None, ring: tuple | None = None,
-             attn=None):
+             attn=None, softcap: float = 0.0):
     """A cache's layers as one row of the one-call decode step (native CPU:
     kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
     step of a layer would not be a native kernel call. group: the tail grows by multiples
     of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
     (Hkv, cap, D), as `fused_step` takes them — or None for a sliding ring layer, the j-th
     None being ring layer j of `ring` = (k_parts, v_parts, D, bits, group, dtype, rot_k,
-    rot_v), as `ring_step` takes them. attn: the kernel's product path (None: attn_path());
-    the caller rebuilds the row when its own changes."""
+    rot_v, softcap), as `ring_step` takes them. attn: the kernel's product path (None:
+    attn_path()); the caller rebuilds the row when its own changes. softcap: the arena
+    layers' logit soft-cap (0: off)."""
     if backend is None:
         backend = backend_for(next(x[2] for x in layers if x is not None))
     if backend != "native" or native.load() is None:
         return None
     from .native.decode_step import row_plan
-    return row_plan(H, group, layers, attn or attn_path(), ring)
+    return row_plan(H, group, layers, attn or attn_path(), ring, softcap)
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k=None,
-              rot_v=None, backend=None):
+              rot_v=None, backend=None, softcap: float = 0.0):
     """A sliding ring's one-token step as one op where the backend has it: q, k, v (the
     model's space) rotated by rot_k / rot_v, attention over the rows or codes in place + the
     new rows rounded (quantized) into their slot, the output un-rotated (native CPU, every
     ring width: kernels/native/ring_attention.py `ring_step`, the rotations inside its call;
-    Triton, 4/8-bit rings: kernels/triton/ring_attention.py `ring_step` after `rotate_step`).
+    Triton, 4/8-bit rings: kernels/triton/ring_attention.py `ring_step` after `rotate_step`);
+    softcap > 0 soft-caps the logits to cap·tanh(s / cap) before the softmax.
     None on torch and where the kernel declines the shape, and the caller runs the torch
     step (runtime/kv/ring.py)."""
     be = backend or backend_for(q)
     if be == "native":
         from .native.ring_attention import ring_step as fused
-        return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k, rot_v)
+        return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k, rot_v,
+                     softcap)
     if be == "triton" and bits != 16:
         q, k, v = rotate_step(q, k, v, rot_k, rot_v)
-        return _triton().ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v)
+        return _triton().ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v,
+                                   softcap=softcap)
     return None
 
 

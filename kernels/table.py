@@ -45,6 +45,9 @@ The codebook codecs (cb) have no Triton kernel: on CUDA their layers run `decode
 on torch. Their roles are always rotated (the codec's `needs_rotation`), so they never take
 the fused write.
 
+Every `decode_attention`, `attend_append`, `fused_step`, `step_row` and `ring_step` kernel
+takes the cache's attention logit soft-cap (Gemma 2; 0 off): no route is declined for it.
+
 `ring_step` is not codec-shaped — a ring stores 4- or 8-bit per-token codes or rows of the
 window dtype — so its kernels check the ring's bits themselves instead of `COVERAGE`.
 """

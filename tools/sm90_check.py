@@ -1,7 +1,7 @@
 """Compile the Triton decode_attention kernels for an H100 (sm_90) on a machine without a
 GPU, and report registers and spills per launch configuration.
 
-    python tools/sm90_check.py [--head-dim 128] [--gq 8] [--t 1] [--kv fp16 kivi-4/kivi-2 ...]
+    python tools/sm90_check.py [--head-dim 128] [--gq 8] [--t 1] [--kv fp16 kivi-4/kivi-2 ...] [--softcap]
 
 Triton's interpreter (the CPU tests) accepts programs that do not compile for a GPU and
 says nothing about register pressure; this runs the real compiler pipeline (TTIR → TTGIR →
@@ -37,9 +37,11 @@ def signature(fn, args, cx):
     return sig
 
 
-def check(method: str, H: int, Hkv: int, D: int, T: int, dtype=torch.float16) -> list[dict]:
+def check(method: str, H: int, Hkv: int, D: int, T: int, dtype=torch.float16,
+          softcap: float = 0.0) -> list[dict]:
     """Compile every launch of one decode_attention call (stage 1 per part, stage 2) for
-    sm_90; one dict per launch (registers, spilled stack bytes)."""
+    sm_90; one dict per launch (registers, spilled stack bytes). softcap > 0: stage 1 with
+    its logits soft-capped (Gemma 2)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,8 +54,8 @@ def check(method: str, H: int, Hkv: int, D: int, T: int, dtype=torch.float16) ->
     q = torch.zeros(1, H, T, D, dtype=dtype)
     win = torch.zeros(1, Hkv, 40, D, dtype=torch.float16)
     new = torch.zeros(1, Hkv, T, D, dtype=dtype)
-    grid, args, cx, n_parts = da._plan(q, (kc, ks), (vc, vs), S, win, win, new, new, None)
-    launches = [(grid, args, cx)]
+    grid, args, cx, n_parts = da._plan(q, (kc, ks), (vc, vs), S, win, win, new, new, None, softcap)
+    launches = [(grid, args, dict(cx, SOFTCAP=True) if softcap else cx)]
     mid = torch.zeros(1, dtype=torch.float32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     R = (H // Hkv) * T
@@ -123,10 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gq", type=int, default=8, help="query heads per KV head")
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--t", type=int, default=1, help="new tokens (queries per head)")
+    ap.add_argument("--softcap", action="store_true",
+                    help="stage 1 with soft-capped logits (Gemma 2's attn_logit_softcapping)")
     a = ap.parse_args(argv)
     bad = 0
     for m in a.kv:
-        for r in check(m, a.gq * a.hkv, a.hkv, a.head_dim, a.t):
+        for r in check(m, a.gq * a.hkv, a.hkv, a.head_dim, a.t, softcap=50.0 if a.softcap else 0.0):
             flag = "" if r["spill_bytes"] == 0 else "  SPILLS"
             bad += bool(flag)
             print(f"{r['method']:<16} {r['kernel']:<15} kinds {r['kinds']} grid {r['grid']} block {r['block']} "

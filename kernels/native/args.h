@@ -35,6 +35,7 @@ typedef struct {
     void *kdst, *vdst;
     int64_t kds[2], vds[2];
     int32_t qint;              /* 1: KIVI q.K in int32 (kivi_tiles_int), 0: in fp32 (KVRUN_ATTN) */
+    float softcap;             /* > 0: logits soft-capped to cap tanh(s / cap) (Gemma 2); 0: off */
 } Args;
 
 /* -- ring_attention.c: one decode token of a sliding-window ring ------------------------- */
@@ -61,6 +62,7 @@ typedef struct {
     float *kx, *vx;                    /* scratch (Hkv, D): the new rows, working order      */
     float *sc;                         /* scratch (H, n): logits, then probabilities         */
     float *part;                       /* scratch (RING_SPLITS, H, D): partial outputs       */
+    float softcap;                     /* > 0: logits soft-capped to cap tanh(s / cap); 0: off */
 } RingArgs;
 
 /* -- decode_layer.c: Qwen3-MoE's sparse MLP of one layer (Layer.moe; moe_mlp) ---------- */

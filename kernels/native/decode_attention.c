@@ -19,7 +19,9 @@
  *            (kivi_tiles_int, kdot_int.c), exact integers on every ISA.
  *            fp tails, the window and the new tokens are dotted token by token; a
  *            codebook (cb) K tile is read by codebook_attention.c's cb_k_tile.
- *   phase 2  causal mask over the new tokens, one exact softmax per row (two-pass
+ *   phase 2  causal mask over the new tokens, the logits' soft-cap where set (Gemma 2:
+ *            cap tanh(s / cap), after every phase-1 read, integer or fp32, has written
+ *            them), one exact softmax per row (two-pass
  *            flash-decoding: a row's logits are few, R*N floats), optional attention mass.
  *   phase 3  p.V in the same chunk order: every V row is decoded and dequantized in
  *            registers (c s + z; TaDA mu - (c s + z); GEAR adds (p A) B^T per block; AVX2:
@@ -261,13 +263,15 @@ static void split_logits(const Args *a, const NewRows *nr, int sp, int nsplit, i
     PHASE(PH_WINDOW_QK);
 }
 
-/* phase 2 for row hr of (Hkv, R): causal mask over the new tokens, one exact softmax */
+/* phase 2 for row hr of (Hkv, R): causal mask over the new tokens, the soft-cap (Args.softcap),
+ * one exact softmax */
 static void row_softmax(const Args *a, int hr) {
     const int64_t N = (int64_t)a->n_tail + a->W + a->Tn;
     float *s = a->sc + (int64_t)hr * N;
     int r = hr % a->R, t = r % a->Tq;                    /* rows ordered (g, t) */
     int64_t vis = (int64_t)a->n_tail + a->W + a->t0 + t + 1;      /* keys this query sees */
     if (vis > N) vis = N;
+    softcap_row(s, vis, a->softcap);     /* every tail read's logits meet here, int and fp32 */
     softmax_visible(s, vis, N);
 }
 

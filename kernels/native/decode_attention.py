@@ -138,13 +138,15 @@ def _descriptors(q, k_tail, v_tail, n_tail: int):
 
 def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
                      block: int = DEFAULT_BLOCK, q_chunk: int = DEFAULT_Q_CHUNK,
-                     mass: torch.Tensor | None = None, mass_from: int = 0, attn: str = "int"):
+                     mass: torch.Tensor | None = None, mass_from: int = 0, attn: str = "int",
+                     softcap: float = 0.0):
     """kernels.decode_attention (see there) on the native kernel; None when it does not
     cover the request (the caller then runs the torch implementation). attn: "int", KIVI
     keys' q.K in int32 over int16-quantized folded queries (decode_attention.c
     kivi_tiles_int) and KIVI V's p.V with its scales folded into the weights (vmix_kivi),
     or "fp32", the reference; the other codecs run the same on both. kernels/dispatch.py
-    `attn_path` reads it from KVRUN_ATTN."""
+    `attn_path` reads it from KVRUN_ATTN. softcap: the logits' soft-cap (0: off), applied
+    by the kernel's softmax phase to the fp32 logits of either path."""
     _, H, T, D = q.shape
     desc = _descriptors(q, k_tail, v_tail, n_tail)
     if desc is None:
@@ -159,7 +161,7 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
     for t0 in range(0, T, q_chunk):
         t1 = min(T, t0 + q_chunk)
         o = _attend(q[:, :, t0:t1], kd, vd, n_tail, k_win, v_win, k_new[:, :, :t1],
-                    v_new[:, :, :t1], t0, mass, mass_from, attn=attn)
+                    v_new[:, :, :t1], t0, mass, mass_from, attn=attn, softcap=softcap)
         if T <= q_chunk:
             return o
         out[:, :, t0:t1] = o
@@ -193,14 +195,15 @@ def _splits_max(lib) -> int:
 
 
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                  rot_k=None, rot_v=None, mass=None, mass_from=0, attn: str = "int"):
+                  rot_k=None, rot_v=None, mass=None, mass_from=0, attn: str = "int",
+                  softcap: float = 0.0):
     """decode_attention with the arena's window append fused in (one C call per layer):
     the new tokens k_new, v_new (1, Hkv, T, D), any float dtype, are rotated by rot_k /
     rot_v ((D, D) float32, x @ R; q is rotated by rot_k too), rounded to the window dtype
     and written to k_dst / v_dst (Hkv, T, D) window slots, then attended from there; the
     output is un-rotated by rot_v. Same result as rotating, rounding and appending first
     and calling decode_attention on the rotated q. None when not covered (the caller then
-    runs those steps itself). attn: as decode_attention's."""
+    runs those steps itself). attn, softcap: as decode_attention's."""
     _, H, T, D = q.shape
     N = n_tail + k_win.shape[2] + T
     desc = _descriptors(q, k_tail, v_tail, n_tail)
@@ -210,7 +213,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     kd, vd = desc
     _check_rotations(rot_k, rot_v)
     return _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, 0, mass, mass_from,
-                   fuse=(k_dst, v_dst, rot_k, rot_v), attn=attn)
+                   fuse=(k_dst, v_dst, rot_k, rot_v), attn=attn, softcap=softcap)
 
 
 class FusedStep:
@@ -220,13 +223,14 @@ class FusedStep:
     fields through ~40 torch calls per layer and step, ~60 µs on a 2-core VM: at depth 0
     more than the attention itself. It holds pointers only (no tensor: a view would keep
     its arena's windows alive); `fused_step` keeps one per live window tensor and layer.
-    attn: as decode_attention's, fixed when the step is built."""
+    attn, softcap: as decode_attention's, fixed when the step is built."""
 
     def __init__(self, H: int, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
-                 attn: str = "int"):
+                 attn: str = "int", softcap: float = 0.0):
         Hkv, cap, D = k_win.shape
         self.lib, self.H, self.cap, self.D, self.attn = load(), H, cap, D, attn
-        a = self.a = step_args(H, k_win, v_win, rot_k, rot_v, attn)
+        self.softcap = softcap
+        a = self.a = step_args(H, k_win, v_win, rot_k, rot_v, attn, softcap)
         self.row = k_win.element_size() * a.kws[1]            # bytes from one slot to the next
         self.vrow = v_win.element_size() * a.vws[1]
         self.splits = _splits_max(self.lib)
@@ -275,16 +279,16 @@ def _set_rotations(a: Args, rot_k, rot_v) -> None:
 
 
 def step_args(H: int, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
-              attn: str = "int") -> Args:
+              attn: str = "int", softcap: float = 0.0) -> Args:
     """The fields of a one-token arena step that stay from step to step: k_win, v_win (Hkv,
     cap, D) one layer's window, H query heads, rot_k / rot_v (D, D) float32 or None, attn
-    as decode_attention's. The one argument builder: FusedStep, the one-call decode step
-    (decode_step.py) and every general call (`_attend`) start from it; a step sets the
-    lengths, q, the new rows and the window slot they go to, the scratch and the tail
-    descriptors."""
+    and softcap as decode_attention's. The one argument builder: FusedStep, the one-call
+    decode step (decode_step.py) and every general call (`_attend`) start from it; a step
+    sets the lengths, q, the new rows and the window slot they go to, the scratch and the
+    tail descriptors."""
     Hkv, _, D = k_win.shape
     a = Args()
-    a.qint = _qint(attn)
+    a.qint, a.softcap = _qint(attn), softcap
     a.Hkv, a.D, a.Gq, a.R, a.Tq, a.t0, a.Tn = Hkv, D, H // Hkv, H // Hkv, 1, 0, 1
     a.wdtype = _FP[k_win.dtype]
     a.kw, a.vw = k_win.data_ptr(), v_win.data_ptr()
@@ -298,23 +302,24 @@ _STEPS: dict = {}         # (id(window K tensor), layer) -> (weakref to it, Fuse
 
 
 def fused_step(win_k: torch.Tensor, win_v: torch.Tensor, layer: int, H: int, rot_k=None,
-               rot_v=None, attn: str = "int") -> FusedStep:
+               rot_v=None, attn: str = "int", softcap: float = 0.0) -> FusedStep:
     """The FusedStep of window layer `layer` of win_k / win_v (L, Hkv, cap, D), built once
     and kept while win_k lives (a weak reference, as `_cached`); rot_k / rot_v: the
-    layer's (D, D) float32 rotations, which live as long as the windows; attn: as
-    decode_attention's (asked for the other path, the step is rebuilt)."""
+    layer's (D, D) float32 rotations, which live as long as the windows; attn, softcap: as
+    decode_attention's (asked for another, the step is rebuilt)."""
     key = (id(win_k), layer)
     hit = _STEPS.get(key)
-    if hit is not None and hit[0]() is win_k and hit[1].H == H and hit[1].attn == attn:
+    if (hit is not None and hit[0]() is win_k and hit[1].H == H and hit[1].attn == attn
+            and hit[1].softcap == softcap):
         return hit[1]
     _check_rotations(rot_k, rot_v)
-    st = FusedStep(H, win_k[layer], win_v[layer], rot_k, rot_v, attn)
+    st = FusedStep(H, win_k[layer], win_v[layer], rot_k, rot_v, attn, softcap)
     _STEPS[key] = (weakref.ref(win_k, lambda _, k=key: _STEPS.pop(k, None)), st)
     return st
 
 
 def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, fuse=None,
-            attn: str = "int"):
+            attn: str = "int", softcap: float = 0.0):
     """One kvrun_decode_attention call for queries q (1, H, Tq, D) at chunk offset t0 over
     [tail (descriptors kd, vd), window k_win / v_win (1, Hkv, W, D), new rows (1, Hkv, Tn,
     D)]; fuse = (k_dst, v_dst, rot_k, rot_v): the window append (attend_append). The
@@ -329,7 +334,7 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
     assert kw.dtype == vw.dtype and kn.dtype == vn.dtype, (kw.dtype, kn.dtype)
     out = torch.empty(1, H, Tq, D)
     k_dst, v_dst, rot_k, rot_v = fuse if fuse is not None else (None, None, None, None)
-    a = step_args(H, kw[0], vw[0], rot_k, rot_v, attn)
+    a = step_args(H, kw[0], vw[0], rot_k, rot_v, attn, softcap)
     a.R, a.Tq, a.t0, a.Tn, a.n_tail, a.W, a.mass_lo = R, Tq, t0, Tn, n_tail, W, mass_from
     a.ndtype, a.qdtype, a.nthreads = _FP[kn.dtype], _FP[q.dtype], torch.get_num_threads()
     a.qin, a.qs[0], a.qs[1] = q.data_ptr(), q.stride(1), q.stride(2)

@@ -39,11 +39,12 @@ _i32 = ctypes.c_int32
 
 
 def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor, rot_k, rot_v,
-               attn: str = "int"):
+               attn: str = "int", softcap: float = 0.0):
     """(prebuilt arguments, tail descriptors) of one arena layer's one-token step, or None
     when decode_attention.c does not cover it: k_tail / v_tail (codec, storage), k_win /
     v_win (Hkv, cap, D) the layer's window, rot_k / rot_v (D, D) float32 or None, attn the
-    kernel's q.K path ("int" or "fp32", decode_attention.py's). The
+    kernel's q.K path ("int" or "fp32", decode_attention.py's), softcap its logits' soft-cap
+    (0: off). The
     descriptors stay valid while the storage lives; at n_tail == 0 the kernel does not
     read them."""
     D = k_win.shape[2]
@@ -52,7 +53,7 @@ def layer_args(H: int, k_tail, v_tail, k_win: torch.Tensor, v_win: torch.Tensor,
     desc = _descriptors(torch.empty(1, H, 1, D), k_tail, v_tail, TILE)   # a step's q shape
     if desc is None:
         return None
-    a = step_args(H, k_win, v_win, rot_k, rot_v, attn)
+    a = step_args(H, k_win, v_win, rot_k, rot_v, attn, softcap)
     a.qdtype = a.ndtype = _FP[torch.float32]            # q and the new rows: the layer scratch
     a.qs[0], a.kns[0], a.vns[0] = D, D, D               # (H, D) / (Hkv, D) rows; Tq = Tn = 1
     a.kc, a.vc = ctypes.pointer(desc[0]), ctypes.pointer(desc[1])
@@ -93,12 +94,12 @@ def splits_max() -> int:
 
 
 def row_plan(H: int, group: int, layers: list, attn: str = "int",
-             ring: tuple | None = None) -> RowPlan | None:
+             ring: tuple | None = None, softcap: float = 0.0) -> RowPlan | None:
     """dispatch.step_row on the native kernels: a RowPlan of `layers` (per layer the
     arguments of `layer_args`, or None for a sliding ring layer: the j-th None is ring layer
     j of `ring`, the arguments of ring_attention.py `step_args` after H), or None when a
     tail of `group`-token blocks may not be whole kernel tiles or some layer is not
-    covered; attn as `layer_args`'."""
+    covered; attn and the arena layers' softcap as `layer_args`' (the ring's is in `ring`)."""
     arena = [x for x in layers if x is not None]
     if arena and group % TILE:
         return None
@@ -108,7 +109,8 @@ def row_plan(H: int, group: int, layers: list, attn: str = "int",
         if built is None:
             return None
         rings = iter([(a, built[1]) for a in built[0]])
-    args = [layer_args(H, *x, attn=attn) if x is not None else next(rings) for x in layers]
+    args = [layer_args(H, *x, attn=attn, softcap=softcap) if x is not None else next(rings)
+            for x in layers]
     if any(a is None for a in args):
         return None
     return RowPlan(args, [x is None for x in layers])

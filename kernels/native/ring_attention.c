@@ -21,7 +21,8 @@
  *            dequantized from its codes (or converted from its row) in registers (c s + m),
  *            except slot `slot`, which uses the new row (SlidingWindowKV._attend's T == 1
  *            step).
- *   phase 2  one exact softmax per row (fp32, exp with |rel err| < 2e-7).
+ *   phase 2  the logits' soft-cap where set (cap tanh(s / cap)), one exact softmax per
+ *            row (fp32, exp with |rel err| < 2e-7).
  *   phase 3  p.V in fp32 over per-split partial outputs, summed; then un-rotated by R_v
  *            (rows_inline.h hadamard_unrotate, `fwht_t`) so the caller gets
  *            the model-space output.
@@ -449,10 +450,11 @@ static void head_logits(const RingArgs *a, const Mode *m, int h, int sp) {
         for (int r = 0; r < Gq; r++) sc[r * n + slot] = dot(q + r * D, a->kx + (int64_t)h * D, D);
 }
 
-/* phase 2 for row hr of (H,): one exact softmax */
+/* phase 2 for row hr of (H,): the soft-cap (RingArgs.softcap), one exact softmax */
 static void row_softmax(const RingArgs *a, int hr) {
     const int64_t n = a->n;
     float *s = a->sc + (int64_t)hr * n;
+    softcap_row(s, n, a->softcap);
     float mx = -INFINITY;
     for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
     float den = 0.f;

@@ -117,15 +117,16 @@ def supports(q, k, v, bits: int, group: int, dtype) -> bool:
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: int, slot: int,
-              n: int, rot_k=None, rot_v=None):
+              n: int, rot_k=None, rot_v=None, softcap: float = 0.0):
     """One decode token of a ring layer. q (1, H, 1, D), k and v (1, Hkv, 1, D) in the
     model's space (K after RoPE); rot_k / rot_v the ring's rotations of K (q and k) and V,
     or None; k_parts / v_parts the storage tensors of every sliding layer (ring.py
     `ring_layout`: (codes, scale, min), or a 16-bit ring's rows), (L, Hkv, W, ·); dtype the
     ring's row dtype (the new rows are rounded to it). Writes the new rows into `slot` of
     `layer`, attends over slots 0 .. n-1 (slot `slot` the new rows in full precision) and
-    returns (1, H, 1, D) in q's dtype, in the model's space. None when not covered (the
-    caller then runs the torch step)."""
+    returns (1, H, 1, D) in q's dtype, in the model's space; softcap > 0 soft-caps the
+    logits to cap tanh(s / cap) before the softmax. None when not covered (the caller then
+    runs the torch step)."""
     if not supports(q, k, v, bits, group, dtype):
         return None
     _, H, _, D = q.shape
@@ -135,6 +136,7 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
     a = p.a
     out = torch.empty(1, H, 1, D)
     a.Gq, a.n, a.slot, a.layer, a.nthreads = H // Hkv, n, slot, layer, torch.get_num_threads()
+    a.softcap = softcap
     a.qdtype, a.kdtype, a.vdtype = _FP[q.dtype], _FP[k.dtype], _FP[v.dtype]
     a.q, a.qs = q.data_ptr(), q.stride(1)
     a.kn, a.kns, a.vn, a.vns = k.data_ptr(), k.stride(1), v.data_ptr(), v.stride(1)
@@ -145,20 +147,20 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
 
 
 def step_args(H: int, k_parts, v_parts, D: int, bits: int, group: int, dtype, rot_k=None,
-              rot_v=None):
+              rot_v=None, softcap: float = 0.0):
     """The arguments of every ring layer's one-token step inside the one-call decode step
     (native/decode_step.py RowPlan; C kvrun_ring_attention_rows binds q / k / v / out, the
     scratch, slot and n per step): one RingArgs per sliding layer, in order, fp32 q and new
     rows of head stride D, as the per-layer route's `ring_step` gets them from the layer
-    scratch; they share the rotations and the kx / vx scratch (a row's layers run one after
-    another). Returns (list of RingArgs, what they point into), or None when `covers`
+    scratch, and its softcap; they share the rotations and the kx / vx scratch (a row's
+    layers run one after another). Returns (list of RingArgs, what they point into), or None when `covers`
     declines."""
     L, Hkv = k_parts[0].shape[:2]
     if not covers(H, Hkv, D, bits, group, dtype):
         return None
     p = _Plan(k_parts, v_parts, D, bits, group, dtype, rot_k, rot_v)
     base = p.a
-    base.Gq = H // Hkv
+    base.Gq, base.softcap = H // Hkv, softcap
     base.qdtype = base.kdtype = base.vdtype = _FP[torch.float32]
     base.qs = base.kns = base.vns = D
     args = []

@@ -30,7 +30,8 @@ class CodecDesc(ctypes.Structure):
 
 
 class Args(ctypes.Structure):
-    """decode_attention.c's `Args`; qint: KIVI q.K in int32 (decode_attention.c), 0 or 1."""
+    """decode_attention.c's `Args`; qint: KIVI q.K in int32 (decode_attention.c), 0 or 1;
+    softcap: the attention logits' soft-cap (0: off)."""
     _fields_ = [(n, ctypes.c_int32) for n in ("Hkv", "R", "D", "Tq", "t0", "n_tail", "W", "Tn", "wdtype",
                                                "ndtype", "qdtype", "mass_lo", "Gq", "nthreads")] + [
         ("qin", _p), ("qs", _i64 * 2), ("q", _p), ("kw", _p), ("vw", _p), ("kws", _i64 * 2), ("vws", _i64 * 2),
@@ -38,7 +39,7 @@ class Args(ctypes.Structure):
         ("out", _p), ("sc", _p), ("part", _p), ("mass", _p), ("mass_stride", _i64),
         ("kc", ctypes.POINTER(CodecDesc)), ("vc", ctypes.POINTER(CodecDesc)),
         ("rk", _p), ("rv", _p), ("rq", _p), ("kb", _p), ("kdst", _p), ("vdst", _p), ("kds", _i64 * 2), ("vds", _i64 * 2),
-        ("qint", ctypes.c_int32)]
+        ("qint", ctypes.c_int32), ("softcap", ctypes.c_float)]
 
 
 class RingStoreDesc(ctypes.Structure):
@@ -54,7 +55,7 @@ class RingArgs(ctypes.Structure):
                                               "nthreads")] + [
         ("q", _p), ("qs", _i64), ("kn", _p), ("vn", _p), ("kns", _i64), ("vns", _i64),
         ("k", RingStoreDesc), ("v", RingStoreDesc), ("rk", _p), ("rv", _p), ("out", _p),
-        ("qp", _p), ("kx", _p), ("vx", _p), ("sc", _p), ("part", _p)]
+        ("qp", _p), ("kx", _p), ("vx", _p), ("sc", _p), ("part", _p), ("softcap", ctypes.c_float)]
 
 
 class WeightDesc(ctypes.Structure):

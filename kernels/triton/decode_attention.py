@@ -48,6 +48,11 @@ Precision: dequantization and accumulation in fp32; on GPU tl.dot takes fp32 ope
 tf32 (10-bit mantissa — finer than the bf16 rounding of the torch path's packed products);
 the interpreter computes exact fp32.
 
+Soft-capped logits (`softcap` > 0, Gemma 2): each tile's scores s (base 2) become
+cap2·tanh(s / cap2), cap2 = softcap·log2 e — the natural-log logits' cap·tanh(x / cap) in
+base 2 — right after q·k̂ᵀ (`softcap_logits`, also the ring kernel's), before the mask; a
+constexpr, so softcap 0 compiles the kernel as before.
+
 Codecs: fp16, bf16 (any FpCodec dtype), int8, kivi-{2,4,8}, tada-{2,4,8} (fp16 or int8 μ), gear-l / gear
 (KIVI backbone + rank-r term + sparse outliers, dequantized tile-wise in registers). Any
 other codec kind (kernels/table.py) makes `supports` false and kernels/dispatch.py runs the torch path.
@@ -71,6 +76,14 @@ MASS_BLOCK_N = 128              # tokens per attention-mass program
 
 
 @triton.jit
+def softcap_logits(s, cap2, inv2):
+    """cap2·tanh(s / cap2) of base-2 logits s (cap2 = cap·log2 e, inv2 = 2 / cap): the
+    natural logits x = s / log2 e capped to cap·tanh(x / cap), in base 2. tanh(y) =
+    1 − 2 / (e^{2y} + 1), e^{2y} = 2^{s·inv2} (saturating to ±cap2; Triton has no tanh)."""
+    return cap2 - 2.0 * cap2 / (tl.exp2(s * inv2) + 1.0)
+
+
+@triton.jit
 def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
                   KX, KSC, KZP, KMU, KMUS, KLA, KLB, KOI, KOV,
                   k_sh, k_sp, k_sb, k_sch, k_G, k_VG, k_lah, k_lbh, k_oh,
@@ -81,10 +94,12 @@ def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
                   K_RANK: tl.constexpr, K_K2: tl.constexpr,
                   V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
                   V_RANK: tl.constexpr, V_K2: tl.constexpr, BLOCK_N: tl.constexpr,
-                  S_OUT=None, s_row=None, row_ok=None, s_off=0, STORE_S: tl.constexpr = False):
+                  S_OUT=None, s_row=None, row_ok=None, s_off=0, STORE_S: tl.constexpr = False,
+                  cap2=0.0, inv2=0.0, SOFTCAP: tl.constexpr = False):
     """Online softmax of the rows q (BR, BD) over tokens [lo, hi) of one K/V source,
     continuing (m_i, l_i, acc). STORE_S: also write the masked base-2 logits of token t to
-    S_OUT + s_row + s_off + t (s_row (BR,): each row's offset; the attention-mass pass)."""
+    S_OUT + s_row + s_off + t (s_row (BR,): each row's offset; the attention-mass pass).
+    SOFTCAP: the logits soft-capped first (softcap_logits)."""
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)                                  # (BN,) token index
         t_ok = t < hi
@@ -96,6 +111,8 @@ def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
                          h, t[:, None], d[None, :], tm, msk, D,
                          K_KIND, K_BITS, False, K_MU8, K_RANK, K_K2)    # (BN, BD)
         s = tl.dot(q, tl.trans(k))                                      # (BR, BN)
+        if SOFTCAP:
+            s = softcap_logits(s, cap2, inv2)
         ok = t_ok[None, :]
         if CAUSAL:
             ok = ok & (t[None, :] <= tq[:, None])
@@ -121,13 +138,14 @@ def _attend_range(q, m_i, l_i, acc, h, lo, hi, tq, d, d_ok, D,
 @triton.jit
 def _attend_fp(q, m_i, l_i, acc, h, n, tq, d, d_ok, D, K, V, s_h, s_t,
                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               S_OUT, s_row, row_ok, s_off, STORE_S: tl.constexpr):
+               S_OUT, s_row, row_ok, s_off, STORE_S: tl.constexpr, cap2, inv2,
+               SOFTCAP: tl.constexpr):
     """_attend_range over a full-precision (Hkv, n, D) K/V pair (window or new tokens)."""
     return _attend_range(q, m_i, l_i, acc, h, 0, n, tq, d, d_ok, D,
                          K, K, K, K, K, K, K, K, K, s_h, 0, s_t, 0, 1, 1, 0, 0, 0,
                          V, V, V, V, V, V, V, V, V, s_h, 0, s_t, 0, 1, 1, 0, 0, 0,
                          CAUSAL, 0, 16, False, 0, 0, 0, 16, False, 0, 0, BLOCK_N,
-                         S_OUT, s_row, row_ok, s_off, STORE_S)
+                         S_OUT, s_row, row_ok, s_off, STORE_S, cap2, inv2, SOFTCAP)
 
 
 @triton.jit
@@ -141,13 +159,13 @@ def _stage1_kernel(
         KN, VN, sn_h, sn_t,                                             # (Hkv, T, D) new tokens
         MID_O, MID_L,                                                   # (P, Hkv, R, D), (P, Hkv, R)
         S_OUT,                                                          # (Hkv, R, N) fp32 or dummy
-        n_tail, n_split, split, W, T, Gq, R, D, qk_scale,
+        n_tail, n_split, split, W, T, Gq, R, D, qk_scale, cap2, inv2,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_MU8: tl.constexpr,
         K_RANK: tl.constexpr, K_K2: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_MU8: tl.constexpr,
         V_RANK: tl.constexpr, V_K2: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        STORE_S: tl.constexpr = False):
+        STORE_S: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Grid (Hkv, n_split + 1, cdiv(R, BLOCK_R)); tiles (BLOCK_R rows, BLOCK_N tokens,
     BLOCK_D). Programs sp < n_split read tail tokens [sp·split, (sp+1)·split) — their packed
     K/V bytes once (Llama-3.1-70B, 32k, kivi-4: ≈ 155 KiB in each of 8 x 33 programs); the
@@ -180,13 +198,15 @@ def _stage1_kernel(
             VX, VSC, VZP, VMU, VMUS, VLA, VLB, VOI, VOV,
             v_sh, v_sp, v_sb, v_sch, v_G, v_VG, v_lah, v_lbh, v_oh,
             False, K_KIND, K_BITS, K_MU8, K_RANK, K_K2, V_KIND, V_BITS, V_MU8, V_RANK, V_K2,
-            BLOCK_N, S_OUT, s_row, row_ok, 0, STORE_S)
+            BLOCK_N, S_OUT, s_row, row_ok, 0, STORE_S, cap2, inv2, SOFTCAP)
     else:
         # -- the full-precision window, then the new tokens (query t sees new 0..t) -----------
         m_i, l_i, acc = _attend_fp(q, m_i, l_i, acc, h, W, tq, d, d_ok, D, KW, VW, sw_h, sw_t,
-                                   False, BLOCK_N, S_OUT, s_row, row_ok, n_tail, STORE_S)
+                                   False, BLOCK_N, S_OUT, s_row, row_ok, n_tail, STORE_S,
+                                   cap2, inv2, SOFTCAP)
         m_i, l_i, acc = _attend_fp(q, m_i, l_i, acc, h, T, tq, d, d_ok, D, KN, VN, sn_h, sn_t,
-                                   True, BLOCK_N, S_OUT, s_row, row_ok, n_tail + W, STORE_S)
+                                   True, BLOCK_N, S_OUT, s_row, row_ok, n_tail + W, STORE_S,
+                                   cap2, inv2, SOFTCAP)
     # -- this part's normalized output and log-sum-exp (rows that saw no token: lse -inf) ----
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -335,7 +355,7 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
                      k_new: torch.Tensor, v_new: torch.Tensor,
                      block: int | None = None, q_chunk: int | None = None,
                      split: int | None = None, mass: torch.Tensor | None = None,
-                     mass_from: int = 0) -> torch.Tensor:
+                     mass_from: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new queries over [tail, window, new tokens] (Triton).
 
     Shapes and semantics as kernels.decode_attention.decode_attention: q (1, H, T, D);
@@ -346,7 +366,8 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
     mass: optional float32 (H, n_tail + W + T), += the attention probabilities of queries
     t >= mass_from summed over those queries, per query head (as the torch path): stage 1
     then also writes its logits (Hkv, R, N) fp32, stage 2 the rows' log-sum-exp, and a third
-    launch (`_mass_kernel`) turns them into probabilities."""
+    launch (`_mass_kernel`) turns them into probabilities. softcap > 0: the logits
+    soft-capped to softcap·tanh(s / softcap) (the module docstring)."""
     B, H, T, D = q.shape
     Hkv = k_new.shape[1]
     if B != 1:
@@ -367,14 +388,15 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
                              or mass.stride(1) != 1):
         raise ValueError(f"mass {tuple(mass.shape)} {mass.dtype} must be ({H}, {N}) float32 "
                          "with unit token stride")
-    grid, args, cx, n_parts = _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split)
+    grid, args, cx, n_parts = _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split,
+                                    softcap)
     R = (H // Hkv) * T
     want_mass = mass is not None and mass_from < T
     mid_o = torch.empty(n_parts, Hkv, R, D, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(n_parts + want_mass, Hkv, R, dtype=torch.float32, device=q.device)
     s_out = torch.empty(Hkv, R, N, dtype=torch.float32, device=q.device) if want_mass else None
     out = torch.empty(1, H, T, D, dtype=q.dtype, device=q.device)
-    _stage1_kernel[grid](*args(mid_o, mid_l, s_out), **cx, STORE_S=want_mass)
+    _stage1_kernel[grid](*args(mid_o, mid_l, s_out), **cx, STORE_S=want_mass, SOFTCAP=softcap > 0)
     cx2 = _stage2_config(R, D)
     _stage2_kernel[(Hkv, triton.cdiv(R, cx2["BLOCK_R"]))](
         mid_o, mid_l, out, out.stride(1), out.stride(2), out.stride(3), n_parts, T, H // Hkv, R, D,
@@ -386,12 +408,17 @@ def decode_attention(q: torch.Tensor, k_tail, v_tail, n_tail: int,
     return out
 
 
+def softcap_args(softcap: float) -> tuple[float, float]:
+    """(cap2, inv2) of `softcap_logits` for a soft-cap (unused values when it is 0)."""
+    return (softcap * LOG2E, 2.0 / softcap) if softcap > 0 else (1.0, 1.0)
+
+
 def _stage2_config(R: int, D: int) -> dict:
     return dict(BLOCK_R=min(32, max(16, triton.next_power_of_2(R))),
                 BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
 
 
-def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split):
+def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split, softcap=0.0):
     """The stage-1 launch: (grid, args(mid_o, mid_l) -> argument list, constexprs, n_parts).
     Parts: n_split tail splits, then one window + new tokens part."""
     _, H, T, D = q.shape
@@ -421,5 +448,6 @@ def _plan(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, split):
     def args(mid_o, mid_l, s_out=None):
         return [q, q.stride(1), q.stride(2), q.stride(3), *kt, *ki, *vt, *vi,
                 kw, vw, kw.stride(0), kw.stride(1), kn, vn, kn.stride(0), kn.stride(1),
-                mid_o, mid_l, mid_o if s_out is None else s_out, n_tail, n_split, sz, W, T, Gq, R, D, D ** -0.5 * LOG2E]
+                mid_o, mid_l, mid_o if s_out is None else s_out, n_tail, n_split, sz, W, T, Gq, R, D,
+                D ** -0.5 * LOG2E, *softcap_args(softcap)]
     return (Hkv, n_split + 1, triton.cdiv(R, block_r)), args, cx, n_split + 1

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from .compress_units import _rhe, _rnd
-from .decode_attention import merge_part
+from .decode_attention import merge_part, softcap_args, softcap_logits
 from .kivi_pack import _asym_params
 
 _XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # compress_units._rnd's codes
@@ -147,9 +147,10 @@ def _stage1_kernel(Q, sq_h,                                  # (H, D) rotated qu
                    KC, KS, KM, VC, VS, VM,                   # ring storage (L, Hkv, W, ·)
                    c_l, c_h, c_t, s_l, s_h, s_t,             # its strides (K's = V's)
                    MID_O, MID_L,                             # (P, Hkv, Gq, D), (P, Hkv, Gq)
-                   layer, slot, n, split, Gq, D, NG, qk_scale,
+                   layer, slot, n, split, Gq, D, NG, qk_scale, cap2, inv2,
                    BITS: tl.constexpr, GROUP: tl.constexpr, RDT: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                   SOFTCAP: tl.constexpr = False):
     """Grid (Hkv, n_split); tiles (BLOCK_R query heads, BLOCK_N slots, BLOCK_C byte
     columns). Reads split·2·(D·bits/8 + 4·D/group) ring bytes, writes Gq·(D + 1)·4."""
     h = tl.program_id(0)
@@ -197,6 +198,8 @@ def _stage1_kernel(Q, sq_h,                                  # (H, D) rotated qu
         if BITS == 4:
             kb = tl.where(new, kxb[None, :], kb)
             s += tl.dot(qb, tl.trans(kb))
+        if SOFTCAP:                                          # Gemma 2: cap2·tanh(s / cap2)
+            s = softcap_logits(s, cap2, inv2)
         s = tl.where(t_ok[None, :], s, float("-inf"))
         # -- online softmax (fp32, base 2) -------------------------------------------------
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -306,7 +309,7 @@ def bytes_per_step(H: int, Hkv: int, D: int, n: int, bits: int, group: int,
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: int, slot: int,
-              n: int, rot_v=None, split: int | None = None):
+              n: int, rot_v=None, split: int | None = None, softcap: float = 0.0):
     """One decode token of a quantized ring layer, as kernels/native/ring_attention.py
     `ring_step`: q (1, H, 1, D) and k (1, Hkv, 1, D) rotated by the ring's K rotation, v
     (1, Hkv, 1, D) rotated by rot_v (the ring's hadamard.Hadamard) when given; k_parts /
@@ -314,7 +317,8 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
     the ring's row dtype (the new rows are rounded to it). Writes the new rows into `slot` of `layer`, attends over slots
     0 .. n-1 (slot `slot` the new rows in full precision) and returns (1, H, 1, D) in q's
     dtype, un-rotated by rot_v. None when not covered (the caller runs the torch step).
-    `split`: slots per stage-1 part (default `n_splits`)."""
+    `split`: slots per stage-1 part (default `n_splits`). softcap > 0: the logits
+    soft-capped to softcap·tanh(s / softcap) before the softmax."""
     if not supports(q, k, v, k_parts, v_parts, bits, group, dtype) or not 0 <= slot < n:
         return None
     _, H, _, D = q.shape
@@ -332,8 +336,9 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
     _stage1_kernel[(Hkv, P)](
         q, q.stride(1), k, v, k.stride(1), v.stride(1), kc, ks, km, vc, vs, vm,
         *kc.stride()[:3], *ks.stride()[:3], mid_o, mid_l, layer, slot, n, sz, Gq, D,
-        D // group, LOG2E / math.sqrt(D),
+        D // group, LOG2E / math.sqrt(D), *softcap_args(softcap),
         BITS=bits, GROUP=group, RDT=_XDT[dtype], BLOCK_R=block_r, BLOCK_N=BLOCK_N,
+        SOFTCAP=softcap > 0,
         BLOCK_C=max(16, triton.next_power_of_2(D * bits // 8)), num_warps=4 if D <= 64 else 8)
     rv = None if rot_v is None else rot_v.matrix     # (D, D) fp32 form: one dot per output
     _stage2_kernel[(Hkv,)](

@@ -39,6 +39,10 @@ absolute (`seq_len`), so n_tail + n_win + evicted == seq_len. While a prompt is 
 observation-window policy may hold the tail's rows as they were packed; a prompt's chunk then
 reads the tail through them (`attend_exact`, the same contract over a lossless tail).
 
+Attention logit soft-capping (Gemma 2's attn_logit_softcapping) is the model's, passed in
+as `softcap` (build.py, from the model config) and handed to every attention op below
+(0: off): each backend's kernel caps the logits where it forms them.
+
 Interrupted forwards (Ctrl-C between layers) leave layers at different lengths;
 `truncate(seq_len)` makes them consistent again (keeping fewer tokens if a layer flushed).
 """
@@ -97,13 +101,14 @@ class KVArena(OnBackend, KVCache):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_ctx: int,
                  kv: KVConfig, inv_freq: torch.Tensor, device="cpu", n_heads: int | None = None,
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, softcap: float = 0.0):
         kv.check_model(head_dim, n_layers)
         if kv.context.on_full == "shift" and kv.context.n_keep >= max_ctx:
             raise KvrunError(f"--keep {kv.context.n_keep} leaves nothing to shift in a context of "
                              f"{max_ctx} tokens: it must be smaller than -c/--ctx-size")
         self.L = self.n_layers = n_layers
         self.Hkv, self.D, self.max_ctx, self.kv = n_kv_heads, head_dim, max_ctx, kv
+        self.softcap = float(softcap or 0.0)      # the logits' soft-cap (module docstring)
         self.R, self.G = kv.residual, kv.group
         self.S_l = tail_sizes(kv, n_layers, max_ctx)      # per-layer tail (eviction: budget)
         self.S = max(self.S_l, default=0)               # (no full-attention layer: 0)
@@ -203,7 +208,7 @@ class KVArena(OnBackend, KVCache):
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
         o = decode_attention(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, block=self.kv.block, mass=mass, mass_from=mass_from,
-                             backend=route.attention, attn=self.attn)
+                             backend=route.attention, attn=self.attn, softcap=self.softcap)
         if self.ev:
             self.ev.observe(layer, mass, T)
         self.append(layer, k[0], v[0])
@@ -220,13 +225,14 @@ class KVArena(OnBackend, KVCache):
             return None
         if T == 1 and self.ev is None:      # a decode step: the layer's prebuilt arguments
             step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend="native",
-                              attn=self.attn)
+                              attn=self.attn, softcap=self.softcap)
             o = step(q, kt, vt, nt, w, k, v) if step is not None else None
             if o is not None:               # (None: q / k / v strides it does not take)
                 return o
         return attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
-                             rk, rv, backend="native", attn=self.attn, mass=mass, mass_from=mass_from)
+                             rk, rv, backend="native", attn=self.attn, mass=mass, mass_from=mass_from,
+                             softcap=self.softcap)
 
     def attend_new(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """`attend` from the step's K before RoPE and V's operands (contract.py): the fused
@@ -264,7 +270,7 @@ class KVArena(OnBackend, KVCache):
         # the new tokens are the window's last T, apart for the causal mask between them
         o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
                              wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block,
-                             backend=self.routes[layer].attention, attn=self.attn)
+                             backend=self.routes[layer].attention, attn=self.attn, softcap=self.softcap)
         self.flush(layer)
         return o
 

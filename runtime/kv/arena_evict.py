@@ -361,11 +361,13 @@ class ArenaEviction:
                 for held, x in zip((self.keys[l], self.values[l]), stored)]
         keys, values = (torch.cat([t.float(), win[l][:, :w].float(), new[0].float()], 1)[None]
                         for t, win, new in zip(rows, (a.win_k, a.win_v), (k, v)))
-        o = dense_attention(q.float(), keys, values, nt + w)
+        o = dense_attention(q.float(), keys, values, nt + w, softcap=a.softcap)
         m0 = max(0, T - self.kv.eviction.snap_window)
         g, Tw = H // a.Hkv, T - m0
         qg = q[0, :, m0:].float().reshape(a.Hkv, g * Tw, D) * D ** -0.5   # rows (g, t)
         sc = torch.bmm(qg, keys[0].transpose(1, 2))                       # (Hkv, g Tw, N)
+        if a.softcap:                                   # the probabilities the attention used
+            sc = sc.div_(a.softcap).tanh_().mul_(a.softcap)
         seen = causal_mask(Tw, nt + w + T, nt + w + m0, q.device)          # (Tw, N)
         sc.masked_fill_(~seen.repeat(g, 1)[None], float("-inf"))
         self.observe(l, sc.softmax(-1).view(a.Hkv, g, Tw, -1).sum(2).reshape(H, -1), T)

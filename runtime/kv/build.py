@@ -61,20 +61,22 @@ def ring_bytes(cfg, kv: KVConfig, n_tokens: int) -> int:
 
 def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu", backend: Backend | None = None):
     """The KV cache for a model config: the KVArena of its full-attention layers; a model
-    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache). backend:
-    the kernels' backend (kernels/backend.py; the model's, from kvrun.load), None: chosen
-    here for `device`."""
+    with sliding-window layers gets them in a ring beside it (ring.LayeredKVCache). Both
+    soft-cap the attention logits where the model does (attn_logit_softcapping, Gemma 2).
+    backend: the kernels' backend (kernels/backend.py; the model's, from kvrun.load), None:
+    chosen here for `device`."""
     kv = check_kv(cfg, kv_config)
     backend = backend or choose(device)
     windows = layer_windows(cfg)
     inv = inv_frequencies(**cfg.rope_args(), ctx=ctx)     # the model's tables for this cache's size
+    cap = cfg.attn_logit_softcapping or 0.0
     full = KVArena(windows.count(0), cfg.num_kv_heads, cfg.head_dim, ctx, kv, inv, device,
-                   n_heads=cfg.num_heads, backend=backend)
+                   n_heads=cfg.num_heads, backend=backend, softcap=cap)
     if not any(windows):
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
                            max(windows), ctx, window_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           "v" in kv.rotation.which, backend=backend)
+                           "v" in kv.rotation.which, backend=backend, softcap=cap)
     return LayeredKVCache(windows, full, ring)
 
 

@@ -32,6 +32,9 @@ a `LayeredKVCache`'s rings are also a row of the model's one-call decode step
 (runtime/model/native_rows.py): the same kernel code per ring layer, inside one C call per
 step. Which kernel a ring's one-token step runs is resolved when it is built (`bind`,
 kernels/backend.py `RingRoute`).
+A ring's attention soft-caps its logits where the model does (`softcap`, Gemma 2: build.py
+passes the model's attn_logit_softcapping; 0: off), on every route: the kernels' and the
+torch step's dense_attention.
 A quantized ring stores K Hadamard-rotated (kernels/hadamard.py, fixed ±1 signs), and V
 too with `rotate_v` (build_cache sets it for a V rotation in the config, "+rot" or "+rot-v":
 the switch the arena uses for the global layers): rows are kept as x @ R (a
@@ -152,7 +155,8 @@ class SlidingWindowKV(OnBackend):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
                  max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu", bits: int = 16,
-                 group: int = QGROUP, rotate_v: bool = False, backend: Backend | None = None):
+                 group: int = QGROUP, rotate_v: bool = False, backend: Backend | None = None,
+                 softcap: float = 0.0):
         if window < 1:
             raise KvrunError(f"sliding window must be >= 1 token (got {window})")
         if bits not in (16, 8, 4):
@@ -161,6 +165,7 @@ class SlidingWindowKV(OnBackend):
         self.k = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device, group)
         self.v = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device, group)
         self.n_layers, self.dtype, self.head_dim = n_layers, dtype, head_dim
+        self.softcap = float(softcap or 0.0)
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
         self.bind(backend or choose(device))
@@ -191,7 +196,7 @@ class SlidingWindowKV(OnBackend):
             s, W = self.seq_len, self.W
             o = ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
                           self.dtype, layer, s % W, min(s + 1, W), self.rot_k, rv,
-                          backend=self.ring_route.step)
+                          backend=self.ring_route.step, softcap=self.softcap)
             if o is not None:
                 return o
         q, k, v = rotate_step(q, k, v, self.rot_k, rv)
@@ -216,12 +221,13 @@ class SlidingWindowKV(OnBackend):
             # in q's dtype (fp32 for the models kvrun runs): fp16 SDPA's internal rounding
             # is the CPU library's (MKL / oneDNN paths differ between CPU kinds), and a
             # ring of <= W rows is cheap to convert
-            return dense_attention(q, K[None].to(q.dtype), V[None].to(q.dtype), n - 1)
+            return dense_attention(q, K[None].to(q.dtype), V[None].to(q.dtype), n - 1,
+                                   softcap=self.softcap)
         lo = max(0, s - self.window + 1)                 # the oldest key the chunk can see
         idx = torch.arange(lo, s, device=q.device) % W
         K = torch.cat([self.k.read(layer, idx), kn], 1)[None]             # (1, Hkv, s-lo+T, D)
         V = torch.cat([self.v.read(layer, idx), vn], 1)[None]
-        o = dense_attention(q, K, V, s - lo, window=self.window)
+        o = dense_attention(q, K, V, s - lo, window=self.window, softcap=self.softcap)
         m = min(T, W)
         slots = torch.arange(s + T - m, s + T, device=q.device) % W
         self.k.write(layer, slots, kn[:, T - m:])

@@ -4,10 +4,11 @@
 fields are computed in `__post_init__`; `from_dict` keeps known keys only, so a config
 written by a newer kvrun still loads.
 
-Layer kinds (Gemma 3): `layer_types[i]` is "full_attention" or "sliding_attention" (HF's
-names). A sliding layer attends to its last `sliding_window` tokens (the current one
-included) with RoPE base `rope_local_theta` and no rope scaling; a full layer to every
-cached token with `rope_theta` / `rope_scaling`. Llama-family configs have only full layers.
+Layer kinds (Gemma 2 and 3): `layer_types[i]` is "full_attention" or "sliding_attention"
+(HF's names). A sliding layer attends to its last `sliding_window` tokens (the current one
+included); Gemma 3's with RoPE base `rope_local_theta` and no rope scaling, Gemma 2's with
+the global tables (gemma2.py); a full layer to every cached token with `rope_theta` /
+`rope_scaling`. Llama-family configs have only full layers.
 `layer_windows` gives what a KV cache needs: per layer the window, 0 for full attention.
 
 Family quirks are fields, each HF's own setting (convert/hf.py reads them):
@@ -27,6 +28,9 @@ Family quirks are fields, each HF's own setting (convert/hf.py reads them):
   partial_rotary_factor · D); convert/ permutes q and k's rows so the rotated pairs are
   (i, i + D/2), i < rotary_dim/2, and the rest of the channels see frequency 0
   (kernels/rope.py). 0 → head_dim.
+- `attn_logit_softcapping` (Gemma 2; None: off): attention scores, once scaled, become
+  cap·tanh(s / cap) before the mask and softmax. The scores exist only inside the caches'
+  attention kernels, so the cache carries it (runtime/kv/build.py), not the model.
 `q_scale` is what q is multiplied by so that the caches' D**-0.5 scaling gives the
 family's score scale.
 """
@@ -41,13 +45,15 @@ from ..errors import KvrunError
 from kvrun.kernels.rope import ROPE_TYPES, rope_kind
 
 # granite and smollm3 run the Llama layer with their config quirks; olmo2 its own (olmo2.py)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "granite", "olmo2", "smollm3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite", "olmo2", "smollm3")
 QK_NORMS = {"qwen3": "head", "qwen3moe": "head", "gemma3": "head", "olmo2": "proj"}
 CHAT_TEMPLATES = ("chatml", "llama3", "mistral", "gemma", "none")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Gemma 3: every 6th layer is global (HF Gemma3TextConfig.sliding_window_pattern, llama.cpp
-# set_swa_pattern(6)); the GGUF does not store the pattern.
+# set_swa_pattern(6)); Gemma 2: every 2nd (the even layers slide: HF Gemma2Config's
+# layer_types, llama.cpp set_swa_pattern(2)); the GGUF does not store the pattern.
 GEMMA3_GLOBAL_EVERY = 6
+GLOBAL_EVERY = {"gemma2": 2, "gemma3": GEMMA3_GLOBAL_EVERY}
 
 
 @dataclass
@@ -72,6 +78,7 @@ class ModelConfig:
     rope_local_theta: float = 0.0           # RoPE base of sliding layers (0 → rope_theta)
     query_pre_attn_scalar: float = 0.0      # scores scaled by this**-0.5 (0 → head_dim)
     final_logit_softcapping: float | None = None   # logits = cap·tanh(logits / cap)
+    attn_logit_softcapping: float | None = None    # attention scores = cap·tanh(s / cap) (Gemma 2)
     qk_norm: str = ""                       # "head" | "proj" | "" (derived: QK_NORMS)
     nope_layers: list[int] = field(default_factory=list)   # layers without RoPE (SmolLM3)
     embedding_multiplier: float = 1.0       # Granite: embeddings times this
@@ -117,9 +124,10 @@ class ModelConfig:
         if self.architecture == "qwen2":
             self.attention_bias = True
         if not self.layer_types:
+            every = GLOBAL_EVERY.get(self.architecture)
             self.layer_types = (
-                ["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                 for i in range(self.num_layers)] if self.architecture == "gemma3"
+                ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(self.num_layers)] if every
                 else ["full_attention"] * self.num_layers)
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
@@ -189,6 +197,11 @@ class ModelConfig:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise KvrunError(f"config: {name} must be a finite number >= 0 (got {x!r})")
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):     # None: off
+            x = getattr(self, name)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))
+                                  or not math.isfinite(x) or x <= 0):
+                raise KvrunError(f"config: {name} must be null or a finite number > 0 (got {x!r})")
 
     def _check_longrope(self) -> None:
         r, n = self.rope_scaling, self.rotary_dim // 2

@@ -59,6 +59,8 @@ def _quirks(cfg: ModelConfig) -> dict:
         out["final_logit_softcapping"] = cfg.final_logit_softcapping
     if cfg.rotary_dim != cfg.head_dim:
         out["rotary_dim"] = cfg.rotary_dim
+    if cfg.attn_logit_softcapping is not None:
+        out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
     return out
 
 

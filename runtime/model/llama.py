@@ -1,7 +1,7 @@
 """kvrun's transformer for the Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Phi-3
 with its fused projections split at conversion), Qwen2/Qwen3 (Qwen3-MoE: its sparse MLP
-from moe.py), Granite and SmolLM3; Gemma 3
-and OLMo 2 bring their own decoder layer (gemma3.py, olmo2.py) to the same `Transformer`.
+from moe.py), Granite and SmolLM3; Gemma 2, Gemma 3 and OLMo 2 bring their own decoder layer
+(gemma2.py, gemma3.py, olmo2.py) to the same `Transformer`.
 
 Family quirks are config fields (config.py): q/k norms and the query scale live in
 attention.py; SmolLM3's NoPE layers take the second RoPE table set (`rope_local`, here the
@@ -66,6 +66,10 @@ def _blocks(cfg: ModelConfig):
     if cfg.architecture == "gemma3":
         from .gemma3 import Gemma3DecoderLayer, OffsetRMSNorm
         return Gemma3DecoderLayer, OffsetRMSNorm
+    if cfg.architecture == "gemma2":
+        from .gemma2 import Gemma2DecoderLayer
+        from .gemma3 import OffsetRMSNorm
+        return Gemma2DecoderLayer, OffsetRMSNorm
     if cfg.architecture == "olmo2":
         from .olmo2 import Olmo2DecoderLayer
         return Olmo2DecoderLayer, RMSNorm
@@ -95,13 +99,15 @@ class Transformer(nn.Module):
             self.rope = Rope(**cfg.rope_args(), max_pos=cfg.max_position)
             # the second table set, for the layers whose `local_rope` is set: Gemma 3's sliding
             # layers (their own base, no scaling; HF: rope_local_base_freq), or the identity
-            # for SmolLM3's NoPE layers (the config has not both)
-            self.rope_local = (Rope(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position)
-                               if "sliding_attention" in cfg.layer_types else
-                               NoRope(cfg.head_dim) if cfg.nope_layers else None)
+            # for SmolLM3's NoPE layers (the config has not both); none when no layer takes
+            # it (Gemma 2's sliding layers take the global tables)
+            local = any(layer.local_rope for layer in self.model.layers)
+            self.rope_local = (None if not local else
+                               Rope(cfg.head_dim, cfg.rope_local_theta, None, cfg.max_position)
+                               if "sliding_attention" in cfg.layer_types else NoRope(cfg.head_dim))
         # Gemma scales embeddings by sqrt(hidden), Granite by its embedding_multiplier; rounded
         # to the compute dtype as HF's Gemma does (the same value in fp32)
-        self.embed_scale = (cfg.hidden_size ** 0.5 if cfg.architecture == "gemma3" else
+        self.embed_scale = (cfg.hidden_size ** 0.5 if cfg.architecture in ("gemma2", "gemma3") else
                             cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else None)
 
     def tie_weights(self) -> None:

@@ -68,7 +68,8 @@ def _plan(cache, H: int, build, backend):
 def _arena_plan(arena, H: int):
     if arena.ev is not None or not all(r.fused for r in arena.routes):
         return None
-    return step_row(H, arena.G, layer_inputs(arena), backend="native", attn=arena.attn)
+    return step_row(H, arena.G, layer_inputs(arena), backend="native", attn=arena.attn,
+                    softcap=arena.softcap)
 
 
 def layer_inputs(arena) -> list:
@@ -103,5 +104,6 @@ def _layered_plan(cache, H: int):
     for i, x in zip(cache.full, layer_inputs(arena)):
         layers[i] = x
     spec = (ring.k.parts, ring.v.parts, ring.head_dim, ring.bits, ring.k.group, ring.dtype,
-            ring.rot_k, ring.rot_v)
-    return step_row(H, arena.G, layers, backend="native", ring=spec, attn=arena.attn)
+            ring.rot_k, ring.rot_v, ring.softcap)
+    return step_row(H, arena.G, layers, backend="native", ring=spec, attn=arena.attn,
+                    softcap=arena.softcap)

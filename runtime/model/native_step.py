@@ -29,7 +29,7 @@ stay fp32 in preallocated buffers and the weights are read in their stored bytes
 (kernels/native/decode_layer.c). The eager forward stays the oracle
 (tests/model/test_decode_layer.py) and serves everything this step does not cover.
 
-Covered: the Llama/Qwen2/Qwen3/Qwen3-MoE/Granite/SmolLM3 and Gemma 3 `Transformer` (Qwen3-MoE's
+Covered: the Llama/Qwen2/Qwen3/Qwen3-MoE/Granite/SmolLM3 and Gemma 2/3 `Transformer` (Qwen3-MoE's
 sparse MLP is the C layer's `moe`: the router, top-k and softmax in C, then only the
 experts each row chose, kernels/native/moe.py; Gemma's extra
 norms, QK-norm (Qwen3's too), GeGLU, local RoPE tables (SmolLM3's NoPE identity tables in
@@ -68,7 +68,8 @@ from .qlinear import Int4Linear, Int8Linear
 # docs/measurements.md, tools/chunk_speed.py). 64 keeps a margin for CPUs whose GEMM is
 # relatively faster.
 CHUNK_MAX_ROWS = 2 * MAX_ROWS
-NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "granite", "olmo2", "smollm3")
+NATIVE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "granite", "olmo2",
+                        "smollm3")
 
 
 def _stored(lin) -> dict:
@@ -144,7 +145,7 @@ class NativeDecodeStep:
         dims = dict(hidden=cfg.hidden_size, H=H, Hkv=Hkv, D=D, inter=cfg.intermediate_size)
         moe = MoeScratch(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts) if cfg.num_experts else None
         self.plans = []
-        gemma = cfg.architecture == "gemma3"
+        gemma = cfg.architecture in ("gemma2", "gemma3")
         for i, layer in enumerate(model.model.layers):
             a, mlp = layer.self_attn, layer.mlp
             w = {"qkv": _stacked([a.q_proj, a.k_proj, a.v_proj]), "o": _stored(a.o_proj)}

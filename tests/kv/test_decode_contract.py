@@ -160,6 +160,11 @@ def test_the_backend_resolves_the_fused_write_route_only_off_native(monkeypatch)
 
 GEMMA = tiny_config("gemma3", num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=128,
                     max_position=1024)       # six layers: five sliding (window 16), one global
+# Gemma 2: sliding and global layers alternate; attention logits soft-capped (at 3: the
+# random scores here reach it)
+GEMMA2 = tiny_config("gemma2", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                     hidden_size=128, sliding_window=16, attn_logit_softcapping=3.0,
+                     max_position=1024)
 
 
 def _state(c):
@@ -206,14 +211,15 @@ def _same(a, b):
 
 @pytest.mark.parametrize("arch,method", [("llama", "fp16"), ("llama", "fp32"),
                                          ("gemma3", "fp16"), ("gemma3", "kivi-4"),
-                                         ("gemma3", "int8")])
+                                         ("gemma3", "int8"), ("gemma2", "int8")])
 def test_every_cache_kind_takes_the_same_steps_on_every_backend(monkeypatch, arch, method):
-    """fp16 and fp32 arenas, and Gemma's 16-bit or quantized rings beside an arena:
+    """fp16 and fp32 arenas, and Gemma's 16-bit or quantized rings beside an arena (Gemma 2's
+    with its soft-capped logits, natively; tests/kernels/test_softcap.py has them on Triton too):
     the same bytes after every step on every backend (the rings' one-token steps run the
     native ring kernel on the native backend, every width), outputs within the backend's
     tolerance of torch's (fp32 accumulation everywhere but torch's fp16 ring SDPA; torch
     multiplies packed tail codes in bf16)."""
-    cfg = GEMMA if arch == "gemma3" else CFG
+    cfg = {"gemma3": GEMMA, "gemma2": GEMMA2}.get(arch, CFG)
     kv = parse_kv(method, residual=R, group=G)
     backends = ["torch"] + (["native"] if HAS_NATIVE else []) + \
                (["triton"] if HAS_TRITON and method == "kivi-4" else [])

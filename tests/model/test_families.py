@@ -2,22 +2,26 @@
 
 Per family a tiny random-weight checkpoint is built with transformers from the family's
 config with its quirks (2 layers, GQA, head dims 64/96/128, tied and untied embeddings,
-Granite's multipliers, Gemma's sliding + global layers and query scalar, SmolLM3's NoPE
+Granite's multipliers, Gemma's sliding + global layers and query scalar, Gemma 2's
+attention logit soft-cap (5: small enough that the random scores exceed it, so the cap moves
+the logits by O(1), which test_attention_softcap_is_what_moves_them checks), SmolLM3's NoPE
 layer, Phi-3's fused projections, Qwen3-MoE's experts with a dense layer between sparse
 ones; Mistral as a Llama), saved with `save_pretrained`, and converted with
 `convert_hf` to fp32 weights. The oracle is that transformers model's own forward.
+The sliding windows (16 tokens) wrap within the 64 tokens, so the rings overwrite slots.
 
 - logits: a prefill chunk then single-token decode steps through kvrun's KV cache (fp32 and
   fp16 rows, and a compressed --kv), on the torch and the native backend (and Triton's
   interpreter, fp32 rows), against the oracle's full forward over the same 64 tokens;
 - greedy tokens through `Model.stream`, identical to `generate`;
 - GGUF (Qwen3, Qwen3-MoE with experts stacked as ffn_*_exps, OLMo 2, Granite, SmolLM3,
-  Phi-3): the same checkpoint written as llama.cpp's
+  Phi-3, Gemma 2): the same checkpoint written as llama.cpp's
   convert_hf_to_gguf.py names and lays out those architectures (gguf's own tensor-name
   table; Q/K permuted for Granite and SmolLM3, its LlamaModel subclasses; Granite's
   multipliers as *_scale metadata; SmolLM3 with llama.cpp's NoPE every 4th layer; Phi-3's
-  projections fused as attn_qkv / ffn_up), f32
-  tensors, converted with `convert_gguf`, gives the same logits;
+  projections fused as attn_qkv / ffn_up; Gemma 2's norms stored as 1 + w, its soft-caps and
+  window as gemma2.* metadata), f32 tensors, converted with `convert_gguf`, gives the same
+  logits;
 - the native one-call decode step (int8 weights, fp32 GEMVs) against the eager forward of
   the same int8 model, for every family (OLMo 2's missing pre-norms and projection-wide q/k
   norms included).
@@ -71,6 +75,10 @@ FAMILIES = {
                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                                         num_hidden_layers=3, mlp_only_layers=[1],
                                         tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=64, intermediate_size=128, sliding_window=16,
+                                    query_pre_attn_scalar=48, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=30.0)),
     "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                         head_dim=64, intermediate_size=128, sliding_window=16,
                                         layer_types=["sliding_attention", "full_attention"],
@@ -118,7 +126,7 @@ def _checkpoint(root, family: str, **over):
     with torch.no_grad():      # norms are constant at init: make them count (Gemma's w is 0)
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.normal_(mean=0.0 if family == "gemma3" else 1.0, std=0.3)
+                p.normal_(mean=0.0 if family.startswith("gemma") else 1.0, std=0.3)
     model.float().eval()
     d = root / family
     model.save_pretrained(d)
@@ -168,6 +176,69 @@ def test_logits_equal_transformers(family, backend, monkeypatch):
                                        msg=lambda s: f"{name} fp16 cache: {s}")
 
 
+def _without_softcap(hf):
+    """A copy of a transformers model whose attention logits are not soft-capped."""
+    import copy
+    off = copy.deepcopy(hf)
+    off.config.attn_logit_softcapping = None
+    for layer in off.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    return off
+
+
+@pytest.mark.parametrize("family", ["gemma2"], indirect=True)       # the soft-capping family
+@pytest.mark.parametrize("backend", ["torch", "native", "triton"])
+def test_attention_softcap_is_what_moves_the_logits(family, backend, monkeypatch):
+    """Gemma 2's attention soft-cap moves the oracle's logits by O(1) here (the checkpoint's
+    scores exceed the cap of 5), and kvrun's cache built without it (the same model,
+    attn_logit_softcapping None: softcap 0 in every kernel) lands on the uncapped oracle to
+    fp32 rounding, as its capped cache lands on the capped one (test_logits_equal_transformers):
+    the agreement there is the kernels' cap, not a cap that changes nothing."""
+    import dataclasses
+    name, hf, d32, _, ref, ids = family
+    assert hf.config.attn_logit_softcapping
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    with torch.no_grad():
+        ref_off = _without_softcap(hf)(ids).logits[0].float()
+    assert (ref_off - ref).abs().max() > 0.5, "the cap does not move this checkpoint's logits"
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    m = kvrun.load(d32, dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
+    off = dataclasses.replace(m.cfg, attn_logit_softcapping=None)
+    got = _stepped(m.transformer, build_cache(off, CTX, "fp32"), ids)
+    torch.testing.assert_close(got, ref_off, atol=1e-4, rtol=1e-4, msg=lambda s: f"{name}: {s}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "triton"])
+def test_gemma2_head_dim_256(tmp_path, backend, monkeypatch):
+    """Gemma 2's released head dim (256, the kernels' largest) on a 3-layer checkpoint (sliding,
+    global, sliding): logits through an fp32 cache, soft-capped, against transformers to fp32
+    rounding; through a kivi-4 cache (its rings 4-bit) against the same on torch."""
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    src, hf = _checkpoint(tmp_path, "gemma2", head_dim=256, num_hidden_layers=3)
+    convert_hf(src, tmp_path / "fp32", dtype="fp32")
+    ids = torch.randint(3, 259, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()
+        assert (_without_softcap(hf)(ids).logits[0].float() - ref).abs().max() > 0.5
+    monkeypatch.setenv("KVRUN_BACKEND", backend)
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    m = kvrun.load(tmp_path / "fp32", dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
+    assert m.cfg.head_dim == 256 and m.cfg.layer_windows == [16, 0, 16]
+    got = _stepped(m.transformer, build_cache(m.cfg, CTX, "fp32"), ids)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    if backend == "torch":
+        return
+    # kivi-4 (4-bit rings): the kernels' compressed routes, capped, against torch's; 0.03
+    # apart (torch's KIVI products round to bf16), where a route without the cap is O(1) off
+    got = _stepped(m.transformer, build_cache(m.cfg, CTX, "kivi-4"), ids)
+    monkeypatch.setenv("KVRUN_BACKEND", "torch")
+    want = _stepped(m.transformer, build_cache(m.cfg, CTX, "kivi-4"), ids)
+    assert (got - want).abs().max() < 0.1
+
+
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_greedy_tokens_equal_transformers(family, backend, monkeypatch):
     name, hf, d32, _, _, ids = family
@@ -196,13 +267,14 @@ def _write_gguf(path, arch: str, hf) -> None:
     else:
         w.add_key_length(D)
         w.add_value_length(D)
-    if rope["rope_type"] == "longrope":     # its attention factor from the context ratio, factor tensors
+    if rope.get("rope_type") == "longrope":     # its attention factor from the context ratio, factor tensors
         orig = rope["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_rope_scaling_attn_factors((1 + math.log(c.max_position_embeddings / orig) / math.log(orig)) ** 0.5)
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    w.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma2":                        # llama.cpp writes none for Gemma 2 (10000)
+        w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(0)
     if arch == "qwen3moe":
@@ -214,6 +286,10 @@ def _write_gguf(path, arch: str, hf) -> None:
         w.add_attention_scale(c.attention_multiplier)
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
+    if arch == "gemma2":                        # llama.cpp's Gemma2Model
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
     tok = byte_level_tokenizer()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
@@ -232,6 +308,8 @@ def _write_gguf(path, arch: str, hf) -> None:
         t = t.detach().float()
         if arch in ("granite", "smollm3") and k.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, c.num_attention_heads if "q_proj" in k else c.num_key_value_heads)
+        if arch == "gemma2" and k.endswith("norm.weight"):
+            t = t + 1                           # llama.cpp stores Gemma's (1 + w)
         if not (c.tie_word_embeddings and k == "lm_head.weight"):
             w.add_tensor(inverse[k], t.numpy())
     w.write_header_to_file()
@@ -256,16 +334,18 @@ def _stacked_experts(state: dict) -> dict:
 
 GGUF_OVER_KEYS = ("nope_layers", "mlp_only_layers")     # what GGUF_OVER changes
 GGUF_FAMILIES = {"qwen3": "qwen3", "qwen3moe": "qwen3moe", "olmo2": "olmo2", "granite": "granite",
-                 "smollm3": "smollm3", "phi3": "phi3", "phi4mini": "phi3"}   # family → llama.cpp architecture
+                 "smollm3": "smollm3", "phi3": "phi3", "phi4mini": "phi3",
+                 "gemma2": "gemma2"}   # family → llama.cpp architecture
 # checkpoints as llama.cpp writes the family: SmolLM3 NoPE on every 4th of 4 layers, HF's
-# default; Qwen3-MoE experts in every layer (llama.cpp's qwen3moe has no dense layers)
-GGUF_OVER = {"smollm3": dict(num_hidden_layers=4, no_rope_layers=None), "qwen3moe": dict(mlp_only_layers=[])}
+# default; Qwen3-MoE experts in every layer (llama.cpp's qwen3moe has no dense layers); Gemma 2
+# queries scaled by head_dim**-0.5 (query_pre_attn_scalar = head_dim, as every size but 27B)
+GGUF_OVER = {"smollm3": dict(num_hidden_layers=4, no_rope_layers=None), "qwen3moe": dict(mlp_only_layers=[]),
+             "gemma2": dict(query_pre_attn_scalar=64)}
 
 
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES), indirect=True)   # gemma3: test_gemma3.py
 def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatch):
     name, hf, _, _, ref, ids = family
-    if name not in GGUF_FAMILIES:
-        pytest.skip(f"kvrun converts no {name} GGUF")
     if name in GGUF_OVER:
         _, hf = _checkpoint(tmp_path, name, **GGUF_OVER[name])
         with torch.no_grad():
@@ -274,8 +354,9 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
     for weights in ("float", "int8"):
         cfg = convert_gguf(tmp_path / "m.gguf", tmp_path / weights, dtype="fp32", weights=weights)
         assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert {k: getattr(cfg, k) for k in QUIRKS[name] if k not in GGUF_OVER_KEYS} == \
-        {k: v for k, v in QUIRKS[name].items() if k not in GGUF_OVER_KEYS}
+    want = {**QUIRKS[name], **({"query_pre_attn_scalar": 64.0} if name == "gemma2" else {})}
+    assert {k: getattr(cfg, k) for k in want if k not in GGUF_OVER_KEYS} == \
+        {k: v for k, v in want.items() if k not in GGUF_OVER_KEYS}
     assert cfg.nope_layers == ([3] if name == "smollm3" else [])
     monkeypatch.setenv("KVRUN_ATTN", "fp32")
     m = kvrun.load(tmp_path / "float", dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
@@ -290,6 +371,37 @@ def test_gguf_of_the_checkpoint_equals_transformers(family, tmp_path, monkeypatc
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6 if a[k].is_floating_point() else 1, rtol=1e-5, msg=k)
+
+
+def test_gemma2_gguf_settings_are_llama_cpps():
+    """What a Gemma 2 GGUF leaves implicit, as llama.cpp fills it in: queries scaled by
+    head_dim**-0.5, but 27B's (46 layers) by (hidden/heads)**-0.5 (HF's 144); the soft-caps
+    and the window from the metadata, a file without the window refused in one line."""
+    from kvrun.convert.gguf_file import _gemma2_fields
+    meta = {"gemma2.attention.sliding_window": 4096, "gemma2.attn_logit_softcapping": 50.0,
+            "gemma2.final_logit_softcapping": 30.0, "gemma2.block_count": 46}
+    assert _gemma2_fields(meta, 128, 4608, 32) == dict(
+        sliding_window=4096, query_pre_attn_scalar=144.0, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0)
+    assert _gemma2_fields({**meta, "gemma2.block_count": 26}, 256, 2304, 8)["query_pre_attn_scalar"] == 256.0
+    with pytest.raises(KvrunError, match="sliding_window"):
+        _gemma2_fields({"gemma2.block_count": 26}, 256, 2304, 8)
+
+
+def test_gemma3_ignores_an_attention_softcap_as_transformers_does(tmp_path, monkeypatch):
+    """Gemma3TextConfig has an attn_logit_softcapping, which transformers' Gemma 3 attention
+    never applies (llama.cpp's converter asserts it unset): a Gemma 3 checkpoint that sets it
+    converts without it and gives transformers' logits."""
+    src, hf = _checkpoint(tmp_path, "gemma3", attn_logit_softcapping=3.0)
+    cfg = convert_hf(src, tmp_path / "fp32", dtype="fp32")
+    assert cfg.attn_logit_softcapping is None
+    ids = torch.randint(3, 259, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()
+    monkeypatch.setenv("KVRUN_ATTN", "fp32")
+    m = kvrun.load(tmp_path / "fp32", dtype="fp32", kv="fp32", ctx=CTX, cache_ram_mb=0)
+    got = _stepped(m.transformer, build_cache(m.cfg, CTX, "fp32"), ids)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_native_step_equals_the_eager_forward(family, monkeypatch):
@@ -330,11 +442,11 @@ def test_refused_variants_say_why(tmp_path):
         with pytest.raises(KvrunError, match=why) as e:
             convert_hf(src, tmp_path / why.split()[0], dtype="fp32")
         assert "\n" not in str(e.value)
-    (src / "config.json").write_text(json.dumps({**hf, "architectures": ["Gemma2ForCausalLM"]}))
-    with pytest.raises(KvrunError, match="unsupported architecture 'Gemma2ForCausalLM'") as e:
-        convert_hf(src, tmp_path / "g2", dtype="fp32")
-    for arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                 "SmolLM3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
+    (src / "config.json").write_text(json.dumps({**hf, "architectures": ["MixtralForCausalLM"]}))
+    with pytest.raises(KvrunError, match="unsupported architecture 'MixtralForCausalLM'") as e:
+        convert_hf(src, tmp_path / "moe", dtype="fp32")
+    for arch in ("Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
+                 "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"):
         assert arch in str(e.value)
 
 
@@ -429,6 +541,9 @@ QUIRKS = {   # family → what its converted config.json must say
     "qwen3moe": dict(architecture="qwen3moe", qk_norm="head", head_dim=32, num_experts=8,
                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                      mlp_only_layers=[1]),
+    "gemma2": dict(architecture="gemma2", qk_norm="", layer_types=["sliding_attention", "full_attention"],
+                   sliding_window=16, query_pre_attn_scalar=48.0, rope_theta=1e4, rope_scaling=None,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=True),
     "gemma3": dict(architecture="gemma3", qk_norm="head", layer_types=FAMILIES["gemma3"][1]["layer_types"],
                    sliding_window=16, query_pre_attn_scalar=48.0, rope_theta=1e6, rope_local_theta=1e4,
                    rope_scaling={"type": "linear", "factor": 2.0}, final_logit_softcapping=30.0),
@@ -451,3 +566,7 @@ def test_config_carries_the_quirks(family):
     name, _, d32, _, _, _ = family
     cfg = ModelConfig.from_file(d32 / "config.json")
     assert {k: getattr(cfg, k) for k in QUIRKS[name]} == QUIRKS[name]
+    if cfg.attn_logit_softcapping:              # `kvrun info` names it among the quirks
+        from kvrun.model.info import model_facts, model_info
+        assert model_facts(d32)["quirks"]["attn_logit_softcapping"] == cfg.attn_logit_softcapping
+        assert f"attn_logit_softcapping {cfg.attn_logit_softcapping}" in model_info(d32)["quirks"]

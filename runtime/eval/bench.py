@@ -107,7 +107,9 @@ def cpu_name() -> str:
 def run_info(model: str) -> dict:
     """The BenchRecord fields that say where a run happened."""
     from kvrun.kernels.dispatch import select
-    return dict(model=model, threads=torch.get_num_threads(), backend=select(), cpu=cpu_name())
+    from kvrun.threads import governor
+    # the cap (-t): the count in use at this instant is the governor's, lower on a busy machine
+    return dict(model=model, threads=governor.cap, backend=select(), cpu=cpu_name())
 
 
 def _stats(times: list[float], n: int) -> tuple[float, float, float, float]:

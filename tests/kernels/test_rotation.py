@@ -28,9 +28,9 @@ def test_non_power_of_two_is_block_diagonal_and_odd_is_refused():
     assert torch.count_nonzero(r[:16, 16:]) == 0                 # blocks do not mix
     with pytest.raises(ValueError):
         block_size(63)
-    cfg = tiny_config(num_heads=2, num_kv_heads=1, hidden_size=126)   # D = 63
-    with pytest.raises(KvrunError, match="even head dim"):
-        build_cache(cfg, 64, parse_kv("int8+rot", residual=0, group=32))
+    # an odd head dim cannot be rotated by RoPE either: the config refuses it before any cache
+    with pytest.raises(KvrunError, match="must be even"):
+        tiny_config(num_heads=2, num_kv_heads=1, hidden_size=126)       # D = 63
 
 
 def _cfg(H, Hkv, D=64):

@@ -11,8 +11,8 @@ every 4th of 4 layers, Qwen3-MoE with experts in every layer, Gemma 3's 5-of-6 s
 layers with queries scaled by head_dim**-0.5 (test_families.GGUF_OVER). Its tokenizer is a
 byte-level BPE trained to the checkpoint's vocabulary (llama.cpp's converter writes no merges
 for a tokenizer without any, and trims Gemma's embedding to the tokenizer's size), plus a
-SentencePiece model for Phi-3, whose converter reads one; their pre-tokenizer's hash is in no
-list of llama.cpp's, so the converter is told it is GPT-2's.
+SentencePiece model for Phi-3 and Gemma 2, whose converters read one; their pre-tokenizer's
+hash is in no list of llama.cpp's, so the converter is told it is GPT-2's.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def converter() -> Path:
 
 def _tokenizers(d: Path, spm: bool) -> None:
     """A byte-level BPE of exactly the checkpoint's vocabulary (the module docstring), and for
-    Phi-3 a SentencePiece BPE model with byte fallback."""
+    Phi-3 and Gemma 2 a SentencePiece BPE model with byte fallback."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -96,16 +96,17 @@ def _tokenizers(d: Path, spm: bool) -> None:
             unk_id=0, pad_id=-1, minloglevel=2)
 
 
+SPM = ("phi3", "phi4mini", "gemma2")         # families whose converter reads tokenizer.model
 LLAMA_CPP = {"gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=64)}
 
 
 @pytest.mark.parametrize("name", [n for n in F.FAMILIES if n in F.GGUF_FAMILIES or n in LLAMA_CPP
                                   or n == "mistral"])
 def test_llama_cpp_converter_gguf_equals_transformers(converter, name, tmp_path, monkeypatch):
-    if name.startswith("phi"):
+    if name in SPM:
         pytest.importorskip("sentencepiece")
     src, hf = F._checkpoint(tmp_path, name, **F.GGUF_OVER.get(name, {}), **LLAMA_CPP.get(name, {}))
-    _tokenizers(src, spm=name.startswith("phi"))
+    _tokenizers(src, spm=name in SPM)
     ids = torch.randint(3, F.VOCAB, (1, F.PROMPT + F.STEPS), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits[0].float()

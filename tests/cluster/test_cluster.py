@@ -47,9 +47,25 @@ SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short s
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel picked (bind to 0)
+    is free now, but the processes Ray starts before its proxy binds it take their own
+    ports from that same range, and one took it ("Failed to bind to address")."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="module")

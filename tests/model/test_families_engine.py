@@ -25,7 +25,8 @@ from kvrun.model import qlinear
 from kvrun.errors import KvrunError
 import test_families as F
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
+pytestmark = [pytest.mark.skipif(native.load() is None, reason="the native kernels did not build"),
+              pytest.mark.usefixtures("one_thread_cap")]      # greedy runs compared: conftest.py
 
 CTX = 192
 CODECS = ("int8+rot", "kivi-4", "kivi-4+rot", "tada-4", "cb-4")

@@ -24,7 +24,8 @@ the same three ways (`gemma-3-270m-q8`, the default, `-q4`, `-f32`). Its linear 
 63 % Q5_0, 23 % Q4_K, 12 % Q6_K and 1 % Q8_0: only the Q4_K ones map onto kvrun's int4
 (repacked, scales rounded to fp16), the rest are dequantized with gguf and quantized again
 (convert/quantize.py; the cost is in docs/measurements.md). Each entry's default is what
-`kvrun convert` picks for its file (convert/quantize.py `default_weights`; tests/test_pull.py).
+`kvrun convert` picks for its file (convert/quantize.py `default_weights`;
+tests/engine/test_pull.py).
 
 Each is converted on first request only (`kvrun pull NAME --weights int8|fp32` makes one
 ahead and prints its directory for `-m`). A lock file serialises concurrent first runs

@@ -14,8 +14,9 @@ the inverted call.
 
 A cache is storage and bookkeeping: which kernel serves a layer was resolved when it was
 built, from the backend it was given (kernels/backend.py); nothing here says how a step is
-computed. The model's decode step (model/step.py) drives the caches it knows kernels for
-(the native one-call step's rows) by their storage, and every other cache by this contract.
+computed. The model's one-call native step drives the caches it knows kernels for by their
+storage (model/native_rows.py: a cache as a row of that step), and every other cache by
+this contract.
 """
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ class SlidingWindowKV(OnBackend):
         self.rot_v = self.rot_k if rotate_v else None
 
     def bind(self, backend: Backend) -> None:
-        """Run on `backend` from now on: the one-token step's kernel (`route`,
+        """Run on `backend` from now on: the one-token step's kernel (`ring_route`,
         kernels/backend.RingRoute) is resolved here."""
         self.kernels = backend
         self.ring_route = backend.ring_route(self.bits)

@@ -65,8 +65,13 @@ def _plan(cache, H: int, build, backend):
     return hit[1]
 
 
+def _all_fused(arena) -> bool:
+    """Whether every layer of the arena runs the fused native route, without eviction."""
+    return arena.ev is None and all(r.fused for r in arena.routes)
+
+
 def _arena_plan(arena, H: int):
-    if arena.ev is not None or not all(r.fused for r in arena.routes):
+    if not _all_fused(arena):
         return None
     return step_row(H, arena.G, layer_inputs(arena), backend="native", attn=arena.attn,
                     softcap=arena.softcap)
@@ -98,7 +103,7 @@ def _layered_row(cache, H: int):
 
 def _layered_plan(cache, H: int):
     arena, ring = cache.inner, cache.ring
-    if arena.ev is not None or ring.ring_route.step != "native" or not all(r.fused for r in arena.routes):
+    if not _all_fused(arena) or ring.ring_route.step != "native":
         return None
     layers: list = [None] * cache.n_layers                  # None: a ring layer, in order
     for i, x in zip(cache.full, layer_inputs(arena)):

@@ -7,6 +7,29 @@ import time
 from contextlib import contextmanager
 
 
+def free_port() -> int:
+    """A free loopback port for a server another process binds later, below the kernel's
+    ephemeral range: a port the kernel picked (bind to 0) is free now, but the processes
+    started before the server binds it take their own ports from that same range, and one
+    took it (Ray's, before its proxy bound it: "Failed to bind to address")."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def run_in_thread(srv) -> tuple[int, threading.Thread]:
     """Start `srv` (a uvicorn.Server) on a free 127.0.0.1 port in a daemon thread; returns
     (port, thread) once it accepts connections."""
@@ -79,9 +102,7 @@ def kvrun_serve(*args: str, timeout: float = 120):
     import sys
 
     from hostile_serving import call
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "kvrun.cli.main", "serve", "-t", "1",
                           "--port", str(port), *args], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout

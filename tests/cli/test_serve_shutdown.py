@@ -126,6 +126,18 @@ def _slow_body(port):
         yield c
 
 
+def _read_to_close(c) -> str:
+    """Everything the server sends until it closes the connection (headers and body can come
+    in separate segments)."""
+    got = b""
+    try:
+        while chunk := c.recv(65536):
+            got += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return got.decode()
+
+
 def test_a_slow_body_does_not_hold_the_exit(tiny_m):
     """A client sending its body slowly kept a server with a 3 s timeout up for 14 s, then
     a CancelledError traceback; its request could never have run: a 503 at once."""
@@ -135,7 +147,7 @@ def test_a_slow_body_does_not_hold_the_exit(tiny_m):
         stop()
         assert time.monotonic() - t0 < 1.0 + 1.5
         c.settimeout(5)
-        reply = c.recv(65536).decode()
+        reply = _read_to_close(c)
     assert reply.startswith("HTTP/1.1 503") and "the server is shutting down" in reply, reply
 
 
@@ -194,18 +206,6 @@ def test_a_second_ctrl_c_answers_in_json(tiny_m, monkeypatch):
     assert time.monotonic() - t0 < 3
     openai_error(got["r"][0], got["r"][2], 503)
     stop()
-
-
-def _read_to_close(c) -> str:
-    """Everything the server sends until it closes the connection (headers and body can come
-    in separate segments)."""
-    got = b""
-    try:
-        while chunk := c.recv(65536):
-            got += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    return got.decode()
 
 
 def test_a_slow_body_client_does_not_hold_a_real_server(tiny_dir):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -35,7 +34,7 @@ from kvrun.engine.prefix_cache import kv_key  # noqa: E402
 from kvrun.engine.prefix_disk import DiskTier  # noqa: E402
 from kvrun.engine.session import model_record  # noqa: E402
 from kvrun.kv.config import parse_kv  # noqa: E402
-from serving import openai_client, served  # noqa: E402
+from serving import free_port, openai_client, served  # noqa: E402
 
 # one process runs them all under -n N (pyproject's --dist loadgroup): one cluster, in order
 pytestmark = pytest.mark.xdist_group("ray-cluster")
@@ -44,28 +43,6 @@ NAME, CTX, CHUNK, NS = "smol", 384, 32, "kvrun-test"
 TIMEOUT = 120
 SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short sentence, "
           "name the bread when you can, and never invent prices or opening hours. ") * 3
-
-
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port the kernel picked (bind to 0)
-    is free now, but the processes Ray starts before its proxy binds it take their own
-    ports from that same range, and one took it ("Failed to bind to address")."""
-    import random
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +56,7 @@ def cluster():
     worker = c.add_node(num_cpus=1)
     ray.init(address=c.address, namespace=NS, log_to_driver=False)
     try:
-        url = deploy(ClusterSpec(address=c.address, replicas=2, port=_free_port(),
+        url = deploy(ClusterSpec(address=c.address, replicas=2, port=free_port(),
                                  routing="round-robin"),
                      ReplicaSpec(model=path, ctx=CTX, parallel=2, chunk=CHUNK, threads=1,
                                  cache_ram=8, shared_mb=64, alias=NAME, namespace=NS))

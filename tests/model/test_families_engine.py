@@ -52,6 +52,11 @@ def _tokens(m, prompt, n=20) -> list[int]:
             if ev.token_id is not None]
 
 
+def _cache(m, kv: str):
+    """A cache of CTX tokens with `kv` for model m, on the model's backend."""
+    return make_cache(m.cfg, CTX, parse_kv(kv, **KW), backend=m.transformer.kernels)
+
+
 def _load(d, kv, backend, monkeypatch, **kw):
     """The model on `backend` with `kv`; no end-of-sequence id (a random model's greedy
     tokens may hit it), so every generation runs its full length."""
@@ -74,23 +79,25 @@ def test_every_codec_decodes_on_the_one_call_step(fam, kv, monkeypatch):
     m = _load(d, "fp32", "native", monkeypatch)
     if kv.startswith("tada") and m.cfg.num_kv_heads == 1:
         with pytest.raises(KvrunError, match="more than one KV head"):
-            make_cache(m.cfg, CTX, parse_kv(kv, **KW), backend=m.transformer.kernels)
+            _cache(m, kv)
         return
     assert m.transformer.step_route() == "native decode step (one C call a token)", name
     ids = torch.tensor([_prompt(F.PROMPT + F.STEPS, 1)])
     ran = []
     call = DecodeStep.__call__
     monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a: (ran.append(1), call(self, *a))[1])
-    got = F._stepped(m.transformer, make_cache(m.cfg, CTX, parse_kv(kv, **KW), backend=m.transformer.kernels), ids)
+    got = F._stepped(m.transformer, _cache(m, kv), ids)
     assert len(ran) == F.STEPS, f"{name}: {len(ran)} one-call steps for {F.STEPS} tokens"
-    # the oracle: torch's fp32 matmul over the dequantized int8 weights (no native int GEMV)
+    # the oracle: torch's fp32 matmul over the dequantized int8 weights (not the bf16
+    # int8 op the torch backend takes for few rows: qlinear.uses_fused_op)
     monkeypatch.setattr(qlinear.Int8Linear, "uses_fused_op", lambda self, rows: False)
     o = _load(d, "fp32", "torch", monkeypatch)
-    want = F._stepped(o.transformer, make_cache(o.cfg, CTX, parse_kv(kv, **KW), backend=o.transformer.kernels), ids)
+    want = F._stepped(o.transformer, _cache(o, kv), ids)
     spread = (want.amax(-1) - want.amin(-1)).min()
     err = (got - want).abs().amax()
     # measured ≤ 5e-4 of the spread (the two backends' fp32 sums in different orders, over
-    # int8 weights); a quirk or codec the step gets wrong moves logits by a tenth of it or more
+    # int8 weights); a quirk left out moves them by far more (Gemma 2's soft-cap: O(1),
+    # test_families.py test_attention_softcap_is_what_moves_the_logits)
     assert err <= 3e-3 * spread, f"{name} {kv}: max |Δlogit| {err:.2e}, spread {spread:.2f}"
 
 

@@ -45,9 +45,9 @@ class Backend:
             attention = "triton" if all(_triton_reads(c) for c in both) else "torch"
         else:
             attention = "torch"
-        from .fused_compress import supports as fused_supports
-        fused_write = (self.name != "native" and not rotated and not evicting
-                       and all(fused_supports(c) for c in both))
+        # the fused window write (K's RoPE / V's projection in the write): Triton's; torch
+        # is the oracle and takes the plain rows (its write is the Triton kernels' test twin)
+        fused_write = self.name == "triton" and not rotated and not evicting
         return LayerRoute(attention=attention, fused=attention == "native",
                           fused_write=fused_write,
                           pack=tuple(self.packer(c) for c in both))
@@ -81,8 +81,8 @@ class LayerRoute:
     for a codec it has none for); fused: the native one-call route (rotate + round + window
     write + attention in one kernel call: `FusedStep` for one token, `attend_append` for a
     chunk, a row of the one-call decode step); fused_write: the fused window write of
-    K's RoPE and V's projection (torch / Triton, `KVArena.attend_new`); pack: the backends
-    whose kernels flush K and V."""
+    K's RoPE and V's projection (Triton, `KVArena.attend_new`; any codec: a write never
+    packs); pack: the backends whose kernels flush K and V."""
     attention: str
     fused: bool
     fused_write: bool

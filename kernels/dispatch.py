@@ -235,23 +235,22 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> No
     codec.store(st, x, s0)
 
 
-def rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush=True, backend=None) -> int:
-    """kernels.fused_compress.rope_compress_k on the chosen backend (the Triton kernel for
-    KIVI / TaDA / int8 codecs, bit-identical storage; torch otherwise and on CPU)."""
+def write_k(x, cos, sin, win, w, backend=None) -> None:
+    """kernels.window_write.write_k on the chosen backend: new K rows x (Hkv, T, D) with
+    RoPE into window slots [w, w + T) (the Triton kernel, bit-identical rows; torch
+    otherwise and on CPU)."""
     if (backend or backend_for(x)) == "triton":
-        from .triton import fused_compress as tfc
-        if tfc.supports(codec):
-            return tfc.rope_compress_k(x, cos, sin, win, w, codec, st, n_tail, R, flush)
-    from .fused_compress import rope_compress_k as rope_compress_k_torch
-    return rope_compress_k_torch(x, cos, sin, win, w, codec, st, n_tail, R, flush)
+        from .triton import window_write as tww
+        return tww.write_k(x, cos, sin, win, w)
+    from .window_write import write_k as write_k_torch
+    return write_k_torch(x, cos, sin, win, w)
 
 
-def vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush=True, backend=None) -> int:
-    """kernels.fused_compress.vproj_compress on the chosen backend (as rope_compress_k);
-    weight None: x is the V rows (Hkv, T, D), appended as given."""
+def write_v(x, weight, bias, win, w, backend=None) -> None:
+    """kernels.window_write.write_v on the chosen backend (as write_k); weight None: x is
+    the V rows (Hkv, T, D), written as given."""
     if (backend or backend_for(x)) == "triton":
-        from .triton import fused_compress as tfc
-        if tfc.supports(codec):
-            return tfc.vproj_compress(x, weight, bias, win, w, codec, st, n_tail, R, flush)
-    from .fused_compress import vproj_compress as vproj_compress_torch
-    return vproj_compress_torch(x, weight, bias, win, w, codec, st, n_tail, R, flush)
+        from .triton import window_write as tww
+        return tww.write_v(x, weight, bias, win, w)
+    from .window_write import write_v as write_v_torch
+    return write_v_torch(x, weight, bias, win, w)

@@ -16,20 +16,21 @@ codec (it is the oracle). The backend itself is chosen once per cache (dispatch.
 | `step_row` (every layer's one-token step of one cache, inside the one-call decode step) | what `decode_attention` covers; sliding rings of every width (native/ring_attention.c) | — | — |
 | `pack` (a flush: window → tail; token eviction's re-packs) | int8, KIVI, TaDA (native/pack.c), cb (native/codebook_pack.c) | KIVI 2/4-bit (triton/kivi_pack.py) | `codec.store` |
 | `pack_means` (`pack` with given per-token means: eviction's shared-slot TaDA re-pack) | — | — | `codec.pack(mu=)` |
-| `fused_write` (K's RoPE / V's projection fused into the window write) | — | int8, KIVI, TaDA (triton/fused_compress.py) | the same set (kernels/fused_compress.py, the oracle) |
+| `fused_write` (K's RoPE / V's projection fused into the window write; never a pack) | — | every codec (triton/window_write.py) | the oracle only (kernels/window_write.py), not a route |
 | `ring_step` (a sliding ring's one-token rotate + attend + slot write) | 4/8/16-bit rings (native/ring_attention.c) | 4/8-bit rings (triton/ring_attention.py) | kv/ring.py |
 
 Routes, by cache (kv/), resolved per layer when the cache is built (kernels/backend.py
 `Backend.layer_route` / `ring_route`, from this table and the layer's shape):
-- arena (arena.py): torch and Triton take the fused write (`attend_new`) — `fused_write`
-  into the window's free slots, `decode_attention`, then `pack` — when both codecs are in
-  `fused_write`'s set with a power-of-two G, not rotated, not evicting (route.fused_write),
-  for steps of T <= min(R, 64) tokens that fit the window (`writes_fused`). On native, a
-  layer whose codecs `decode_attention` covers with D <= 256 and G a multiple of 32 is
-  `fused`: one token without eviction `fused_step` (inside the model's one-call native
-  step, `step_row`, when every layer is), else `attend_append`. Everything else takes
+- arena (arena.py): Triton takes the fused write (`attend_new`) — `fused_write` into the
+  window's free slots, `decode_attention`, then the arena's flush — for layers neither
+  rotated nor evicting (route.fused_write), for steps of T <= min(R, 64) tokens that fit
+  the window (`writes_fused`). On native, a layer whose codecs `decode_attention` covers
+  with D <= 256 and G a multiple of 32 is `fused`: one token without eviction
+  `fused_step` (inside the model's one-call native step, `step_row`, when every layer
+  is), else `attend_append`. Everything else (torch, the oracle, always) takes
   `decode_attention` over separate rows (on the route's backend: its kernel, or torch for
-  a codec it has none for) and a window write; then `pack` on the route's packer.
+  a codec it has none for) and the arena's `append`. Every route ends in the one flush,
+  `KVArena.flush` → `pack` on the route's packer.
 - evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
   layers without `attend_append`), with the attention-mass output; flushes and the
   compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's
@@ -65,10 +66,6 @@ COVERAGE: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {
     "pack": {
         "native": {"int8": ANY, "kivi": KQ, "tada": Q, "cb": (2, 3, 4)},
         "triton": {"kivi": (2, 4)},
-    },
-    "fused_write": {        # the torch implementation is the Triton kernels' oracle: same set
-        "triton": {"int8": ANY, "kivi": Q, "tada": Q},
-        "torch": {"int8": ANY, "kivi": Q, "tada": Q},
     },
 }
 

@@ -12,11 +12,11 @@ the split-K partials are added as the kernel moves them (kernels/triton/decode_a
 bytes_per_step). Decode at batch 1 is memory-bound, so time ≈ bytes / bandwidth; the real
 kernel can only be slower (launch latency ~ a few µs per launch, 4 launches per layer).
 
-The last column is the cache-write side of the step (kernels/triton/fused_compress.py:
-rope_compress_k + vproj_compress), averaged over G steps (one of which flushes a block:
-window read and compacted, G tokens packed): window and tail bytes only — the new rows'
-sources (K rows, cos/sin, and for V the hidden state and the Wv weight, 16 MiB at 70B)
-belong to the projections and are not counted. It is not part of the total.
+The last column is the cache-write side of the step, averaged over G steps: the window
+write (kernels/triton/window_write.py: write_k + write_v) every step, and the arena's flush
+every G steps (window read and compacted, G tokens packed by `pack`): window and tail bytes
+only — the new rows' sources (K rows, cos/sin, and for V the hidden state and the Wv weight,
+16 MiB at 70B) belong to the projections and are not counted. It is not part of the total.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import argparse
 
 from kvrun.kernels import METHODS, make_codec
 from kvrun.kernels.triton.decode_attention import bytes_per_step
-from kvrun.kernels.triton.fused_compress import bytes_per_step as write_bytes_per_step
+from kvrun.kernels.triton.window_write import bytes_per_step as write_bytes_per_step
 from kvrun.eval.bench import parse_count, parse_geometry
 from kvrun.kv.config import KVConfig
 
@@ -48,10 +48,8 @@ def roofline(geometry: str, ctx: int, methods, bw_tbs: float = H100_TBS, kv: KVC
         total = sum(items.values())
         write = 0.0
         for c in (kc, vc):
-            plain = write_bytes_per_step(c, Hkv, D, R)
-            flush = write_bytes_per_step(c, Hkv, D, R, flush=True)
-            write += ((G - 1) * (plain["window"] + plain["tail"])
-                      + flush["window"] + flush["tail"]) / G * layers
+            flush = 2 * Hkv * D * ((R + G - 1) + R) + G * sum(c.bytes_per_token(Hkv, D).values())
+            write += (write_bytes_per_step(Hkv, D)["window"] + flush / G) * layers
         rows.append(dict(method=m, **items, total=total, us=total / (bw_tbs * 1e12) * 1e6,
                          write=write))
     return rows

@@ -44,7 +44,7 @@ Written — the new slot, 2·Hkv·(D·bits/8 + 4·D/group), and the output H·D.
 
 Bit-identical storage on GPU: IEEE division (div_rn), fp16 conversions round to nearest
 even, codes round half to even by the 1.5·2^23 trick (exact for |v| < 2^22; larger |v|
-clamp to 0 or top either way), bf16 ring rows rounded on the bits (compress_units._rnd).
+clamp to 0 or top either way), bf16 ring rows rounded on the bits (rounding._rnd).
 The quantizer has no multiply, so FMA contraction (left on for the attention math) cannot
 change a stored bit. Caveat shared with the C kernel: a group whose minimum is a zero of
 both signs may store either sign of min (torch's amin picks by its reduction order).
@@ -63,11 +63,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .compress_units import _rhe, _rnd
+from .rounding import _rhe, _rnd
 from .decode_attention import merge_part, softcap_args, softcap_logits
 from .kivi_pack import _asym_params
 
-_XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # compress_units._rnd's codes
+_XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # rounding._rnd's codes
 MAX_D, MAX_GQ = 256, 16         # Gq 32 at D 256 would spill registers on sm_90
 BLOCK_N = 32                    # slots per tile, split granularity
 SPLIT_MIN = 128                 # slots per part at least: parts cost ~20% of the ring's bytes

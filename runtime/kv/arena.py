@@ -17,11 +17,18 @@ window holds R .. R+G-1 tokens (all of them while fewer than R + G). A flushed t
 therefore attended in full precision at the step that flushes it, and compressed from the
 next step on; a prefill chunk longer than the window goes straight into the tail after
 its own attention. The model's step enters through `attend_new` (K before RoPE), which takes
-the fused window write where the layer's route has one (torch and Triton: `writes_fused`),
-else `attend`; which kernels serve each layer was resolved when the cache was built
+the fused window write where the layer's route has one (Triton: `writes_fused`), else
+`attend`; which kernels serve each layer was resolved when the cache was built
 (`bind`: kernels/backend.py, from kernels/table.py). Both give the same cache bytes and, on
 one backend, the same output bit for bit (tests/kv/test_write_attend.py;
 tests/kv/test_decode_contract.py across backends).
+
+Append and flush are written once, here. New rows reach the window either through `append`
+(rows in hand: written into the free slots, or, for a chunk longer than the free slots,
+packed together with the window's oldest blocks) or written into slots [n_win, n_win + T)
+by a kernel — the native step's phase 0, the one-call step, the fused window write — which
+then calls `wrote(l, T)`. Every path ends in `flush`, the one place whole blocks of G leave
+the window (`_pack` → `dispatch.pack` on the layer's packer, or the eviction policy first).
 
 Context full: policy "error" raises KvrunError; "shift" is llama.cpp's context shift: keep
 the first n_keep tokens (rounded up to a whole tail block, untouched), drop half of the
@@ -54,8 +61,7 @@ from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
 from kvrun.kernels.backend import Backend, choose
 from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step,  # per backend
-                                 pack, rope_compress_k, vproj_compress)
-from kvrun.kernels.fused_compress import flush_count
+                                 pack, write_k, write_v)
 from kvrun.kernels.hadamard import (Hadamard, KeyMap, rotate, rotate_k, rotate_step, unrotate,
                                     unrotate_k)
 from ..errors import KvrunError
@@ -70,6 +76,12 @@ from .snapshot import Snapshot, arena_restore, arena_snapshot
 # the fused write's largest step: decode steps and short chunks of up to 64 new tokens;
 # longer prefill chunks keep attend
 WRITE_ATTEND_MAX_T = 64
+
+
+def flush_count(w: int, T: int, R: int, G: int) -> int:
+    """Tokens that leave a window of w tokens when T are appended (a multiple of G)."""
+    total = w + T
+    return 0 if total < R + G else (total - R) // G * G
 
 
 def window_slots(kv: KVConfig, max_ctx: int) -> int:
@@ -201,8 +213,7 @@ class KVArena(OnBackend, KVCache):
             if o is not None:
                 if self.ev:
                     self.ev.observe(layer, mass, T)
-                self.n_win[layer] = w + T
-                self.flush(layer)
+                self.wrote(layer, T)
                 return o
         q, k, v = rotate_step(q, k, v, rk, rv)    # q·k = (qR)·(kR), P·V = (P·(VR))·Rᵀ
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
@@ -236,10 +247,9 @@ class KVArena(OnBackend, KVCache):
 
     def attend_new(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """`attend` from the step's K before RoPE and V's operands (contract.py): the fused
-        window write where the layer's route has it (route.fused_write, torch and Triton) and
-        the step fits it — 1 <= T <= min(R, 64) new tokens in the window's free slots, and on
-        Triton a whole R + G window (its launcher's shape; a context shorter than that keeps
-        attend) — else `attend` over the rows. Both follow the one step contract, so this
+        window write where the layer's route has it (route.fused_write: Triton) and the step
+        fits it — 1 <= T <= min(R, 64) new tokens in the window's free slots — else `attend`
+        over the rows. Both follow the one step contract, so this
         only picks the faster route."""
         if not self.writes_fused(layer, q.shape[2]):
             return self.attend(layer, q, *new.rows())
@@ -248,30 +258,28 @@ class KVArena(OnBackend, KVCache):
     def writes_fused(self, layer: int, T: int) -> bool:
         """Whether `attend_new` takes the fused window write for a step of T tokens now."""
         return (self.routes[layer].fused_write and 0 < T <= min(self.R, WRITE_ATTEND_MAX_T)
-                and self.n_win[layer] + T <= self.win_k.shape[2]
-                and (self.backend != "triton" or self.win_k.shape[2] == self.R + self.G))
+                and self.n_win[layer] + T <= self.win_k.shape[2])
 
     def _write_attend(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:
         """The fused-write step: q (1, H, T, D) after RoPE; new K before RoPE and V as
         projection operands or rows. Writes the new tokens into the window's free slots (K's
         RoPE and the V projection fused into the write), attends over tail + window, then
-        flushes. Returns (1, H, T, D)."""
+        counts them (`wrote`, which flushes). Returns (1, H, T, D)."""
         assert q.shape[0] == 1, "the KV arena holds one sequence (batch 1)"
         nt, w, T = self.n_tail[layer], self.n_win[layer], q.shape[2]
         assert nt + w + T <= self.max_ctx, "positions() must run before attend_new()"
         kt = (self.k_codecs[layer], self.k_store[layer])
         vt = (self.v_codecs[layer], self.v_store[layer])
         wk, wv = self.win_k[layer], self.win_v[layer]                    # (Hkv, R+G, D)
-        rope_compress_k(new.k[0], new.cos, new.sin, wk, w, *kt, nt, self.R, flush=False,
-                        backend=self.backend)
+        write_k(new.k[0], new.cos, new.sin, wk, w, backend=self.backend)
         v_src = (new.v[0], None, None) if new.v is not None else (new.v_x, new.v_weight, new.v_bias)
-        vproj_compress(*v_src, wv, w, *vt, nt, self.R, flush=False, backend=self.backend)
-        n = self.n_win[layer] = w + T
+        write_v(*v_src, wv, w, backend=self.backend)
+        n = w + T
         # the new tokens are the window's last T, apart for the causal mask between them
         o = decode_attention(q, kt, vt, nt, wk[None, :, :w], wv[None, :, :w],
                              wk[None, :, w:n], wv[None, :, w:n], block=self.kv.block,
                              backend=self.routes[layer].attention, attn=self.attn, softcap=self.softcap)
-        self.flush(layer)
+        self.wrote(layer, T)
         return o
 
     def ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -426,11 +434,16 @@ class KVArena(OnBackend, KVCache):
         if w + T <= self.win_k.shape[2]:
             self.win_k[l, :, w:w + T] = k
             self.win_v[l, :, w:w + T] = v
-            self.n_win[l] = w + T
-            return self.flush(l)
+            return self.wrote(l, T)
         seq_k = torch.cat([self.win_k[l, :, :w], k], 1)                 # (Hkv, w+T, D), transient
         seq_v = torch.cat([self.win_v[l, :, :w], v], 1)
         self._pack(l, seq_k, seq_v, flush_count(w, T, self.R, self.G))
+
+    def wrote(self, l: int, T: int) -> None:
+        """T new rows were written into layer l's window slots [n_win, n_win + T) (by
+        `append` or a kernel): count them and flush."""
+        self.n_win[l] += T
+        self.flush(l)
 
     def flush(self, l: int) -> None:
         """Pack the oldest whole G-blocks of layer l's window until it holds R .. R+G-1."""

@@ -16,7 +16,7 @@ KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float3
 @dataclass
 class NewKV:
     """One step's K/V as the model's attention hands it to the cache: in the form the fused
-    write ops take (kernels/fused_compress.py) — K before RoPE with the cos/sin of its
+    write ops take (kernels/window_write.py) — K before RoPE with the cos/sin of its
     positions, and V either as the projection's operands (v_x, v_weight, v_bias: the op runs
     the GEMM in its epilogue) or as rows `v` (a weight-quantized v_proj ran its own op) —
     and `rows()`, the same step as K after RoPE and V rows, for every other route."""

@@ -72,7 +72,7 @@ class Linear(nn.Module):
 
     def weight_for(self, rows: int) -> torch.Tensor:
         """The weight `rows` input rows are multiplied by: the GEMV copy for few rows (a
-        fused op that runs this projection itself, e.g. the cache's vproj_compress, reads
+        fused op that runs this projection itself, e.g. the cache's write_v, reads
         the same bytes)."""
         w = self.gemv_weight
         return w if w is not None and rows <= GEMV_MAX_ROWS else self.weight

@@ -22,7 +22,6 @@ from __future__ import annotations
 import weakref
 
 from kvrun.kernels.dispatch import step_row
-from kvrun.kernels.fused_compress import flush_count
 from ..kv.arena import KVArena
 from ..kv.ring import LayeredKVCache
 
@@ -46,13 +45,11 @@ def row(cache, H: int):
 
 def stepped(cache) -> None:
     """After a one-call step through `row`: the new token is in every layer's window (or
-    ring slot); count it and flush, as `attend` does after its kernel call."""
+    ring slot); the arena counts it and flushes (`KVArena.wrote`), as after `attend`'s
+    kernel call."""
     arena = cache.inner if isinstance(cache, LayeredKVCache) else cache
-    nw, R, G = arena.n_win, arena.R, arena.G
     for l in range(arena.L):
-        nw[l] += 1
-        if flush_count(nw[l], 0, R, G):
-            arena.flush(l)
+        arena.wrote(l, 1)
 
 
 def _plan(cache, H: int, build, backend):

@@ -9,7 +9,6 @@ from kvrun.kv.ring import LayeredKVCache
 from tiny import tiny_config
 
 SPECS = ["fp16", "fp32", "kivi-4", "int8", "kivi-4/kivi-2+rot"]
-FUSED = ("kivi-4", "int8", "tada-4")  # the specs kernels/fused_compress.py writes in one op
 CASES = ([(a, s) for a in ("llama", "gemma3") for s in SPECS]
          + [("llama", "tada-4")])             # TaDA needs > 1 KV head: not the tiny Gemma
 
@@ -26,16 +25,16 @@ def test_every_cache_is_a_kvcache(arch, spec):
     assert c.n_layers == cfg.num_layers
     assert inner.lossless == (spec in ("fp16", "fp32")) and c.n_compressed() == 0
     assert max(c.n_tail) == 0 and c.seq_len == 0 and c.max_ctx == 128 and c.can_shift is False
-    # the fused-write route: never on native; on torch for the codecs the fused write ops
-    # cover (unrotated kivi, int8, tada: FUSED), for as many tokens as the window has free
+    # the fused-write route: Triton's only (torch is the oracle, native fuses the whole
+    # step), for any codec of an unrotated layer, for as many tokens as the window has free
     # slots; a sliding (ring) layer never takes it
-    fused = spec in FUSED
-    for backend in ("native", "torch"):
+    fused = "+rot" not in spec
+    for backend in ("native", "torch", "triton"):
         inner.backend = backend
         j = c.route[cfg.num_layers - 1][1] if arch == "gemma3" else 0       # a full layer
         full = cfg.num_layers - 1 if arch == "gemma3" else 0
         assert c.route[full] == (False, j) if arch == "gemma3" else full == j == 0
-        assert inner.writes_fused(j, 1) == (backend == "torch" and fused), backend
+        assert inner.writes_fused(j, 1) == (backend == "triton" and fused), backend
         assert inner.routes[j].fused == (backend == "native")
         assert inner.writes_fused(j, inner.win_k.shape[2] + 1) is False     # over the free slots
         if arch == "gemma3":
@@ -101,18 +100,18 @@ def test_context_shift_is_part_of_the_contract(policy):
     assert c.shift() == nd and c.seq_len == 100 - nd
 
 
-def test_a_context_shorter_than_the_window_keeps_the_attend_route_on_triton():
-    """Triton's fused write ops take a whole R + G window: on that backend a cache whose
-    context is shorter (its window is max_ctx slots) never routes a step to the fused write,
-    where the launcher refused the window's shape; torch's fused ops take any window."""
+def test_a_context_shorter_than_the_window_takes_the_fused_write_on_triton_too():
+    """The window write ops write rows into free slots and never pack, so they take any
+    window: a cache whose context is shorter than R + G (its window is max_ctx slots) takes
+    the fused write on Triton like a full one; torch (the oracle) never takes it."""
     cfg = tiny_config()
     short = make_cache(cfg, 40, parse_kv("kivi-4", residual=32, group=32, v_group=16))
     full = make_cache(cfg, 128, parse_kv("kivi-4", residual=32, group=32, v_group=16))
     assert short.win_k.shape[2] == 40 and full.win_k.shape[2] == 64
-    for backend, want_short in (("triton", False), ("torch", True)):
+    for backend, want in (("triton", True), ("torch", False)):
         for c in (short, full):
             c.backend = backend
-        assert short.writes_fused(0, 1) is want_short and full.writes_fused(0, 1), backend
+        assert short.writes_fused(0, 1) is want and full.writes_fused(0, 1) is want, backend
 
 
 def test_a_layer_without_a_kernel_is_known_when_the_cache_is_built():

@@ -143,14 +143,18 @@ def test_flush_step_output_is_not_the_packed_blocks(monkeypatch):
     assert (o.float() - packed).abs().max() > 0.1
 
 
-def test_the_backend_resolves_the_fused_write_route_only_off_native(monkeypatch):
+def test_the_backend_resolves_the_fused_write_route_only_on_triton(monkeypatch):
     kv = parse_kv("kivi-4", residual=R, group=G)
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
     c = build_cache(CFG, 256, kv)
-    assert c.writes_fused(0, 1) and c.routes[0].attention == "torch" and not c.routes[0].fused
+    assert not c.writes_fused(0, 1) and c.routes[0].attention == "torch" and not c.routes[0].fused
+    if HAS_TRITON:
+        monkeypatch.setenv("KVRUN_BACKEND", "triton")
+        t = build_cache(CFG, 256, kv)
+        assert t.writes_fused(0, 1) and t.routes[0].pack == ("triton", "triton")
+        assert c.backend == "torch" and not c.writes_fused(0, 1)  # chosen once, at construction
     if HAS_NATIVE:
         monkeypatch.setenv("KVRUN_BACKEND", "native")
-        assert c.backend == "torch" and c.writes_fused(0, 1)      # chosen once, at construction
         n = build_cache(CFG, 256, kv)
         assert n.backend == "native" and not n.writes_fused(0, 1)
         assert n.routes[0].fused and n.routes[0].pack == ("native", "native")

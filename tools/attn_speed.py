@@ -31,10 +31,9 @@ import time
 
 import torch
 
+from kvrun.kernels.dispatch import attend_append
 from kvrun.model.config import ModelConfig
-from kvrun.kv import arena as arena_mod, build_cache, kv_ratio_at, parse_kv
-
-FUSED = arena_mod.fused_step
+from kvrun.kv import build_cache, kv_ratio_at, parse_kv
 
 
 def fill(cache, cfg, depth, chunk=1024):
@@ -45,17 +44,29 @@ def fill(cache, cfg, depth, chunk=1024):
         cache.ingest(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
 
 
+def attend_general(cache, l, q, k, v):
+    """Layer l's step on the arena's general native route: `attend_append`, its C arguments
+    rebuilt per call (what KVArena.attend runs where its one-token route does not apply),
+    then the arena's own bookkeeping (`wrote`: count the row, flush)."""
+    nt, w, T = cache.n_tail[l], cache.n_win[l], k.shape[2]
+    kt, vt = (cache.k_codecs[l], cache.k_store[l]), (cache.v_codecs[l], cache.v_store[l])
+    o = attend_append(q, kt, vt, nt, cache.win_k[l][None, :, :w], cache.win_v[l][None, :, :w],
+                      k, v, cache.win_k[l][:, w:w + T], cache.win_v[l][:, w:w + T],
+                      cache.rot_k[l], cache.rot_v[l], backend="native", attn=cache.attn,
+                      softcap=cache.softcap)
+    cache.wrote(l, T)
+    return o
+
+
 def step(cache, cfg, q, k, general=False, attn=None, clock=time.perf_counter):
     cache.positions(1)
-    if general:                             # the arena's one-token route off: attend_append
-        arena_mod.fused_step = lambda *a, **kw: None
     if attn:
         cache.attn = attn                   # the arena's product path (read from KVRUN_ATTN when built)
+    run = (lambda l: attend_general(cache, l, q, k, k)) if general else (lambda l: cache.attend(l, q, k, k))
     t0 = clock()
     for l in range(cfg.num_layers):
-        cache.attend(l, q, k, k)
+        run(l)
     dt = clock() - t0
-    arena_mod.fused_step = FUSED
     cache.commit(1)
     return dt * 1e3
 

@@ -111,12 +111,13 @@ def test_bench_bad_arguments(tiny_dir, args, fragment):
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in r.stderr
 
 
-def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
-    """On the torch backend the arena offers write-then-attend; the layer bench measures
-    that step (what the model runs), not attend."""
+def test_layer_mode_takes_the_models_step(monkeypatch):
+    """The layer bench measures the step the model runs, `attend_new` (the fused window write
+    where the layer's route has one: Triton), not `attend` called directly; on the torch
+    backend, the oracle, that step is `attend` over the rows."""
     from kvrun.kv.arena import KVArena
     monkeypatch.setenv("KVRUN_BACKEND", "torch")
-    calls = {"_write_attend": 0, "attend": 0}
+    calls = {"attend_new": 0, "_write_attend": 0, "attend": 0}
     for name in calls:
         real = getattr(KVArena, name)
 
@@ -125,7 +126,7 @@ def test_layer_mode_takes_the_models_write_attend_step(monkeypatch):
             return _real(self, *a, **k)
         monkeypatch.setattr(KVArena, name, counted)
     B.bench_layer("4,2,32", ["kivi-2"], 80, checkpoints=(64,))
-    assert calls == {"_write_attend": 80, "attend": 0}
+    assert calls == {"attend_new": 80, "_write_attend": 0, "attend": 80}
 
 
 def test_cpu_name_reads_proc_cpuinfo_model_name(monkeypatch, tmp_path):

@@ -25,14 +25,15 @@ Routes, by cache (kv/), resolved per layer when the cache is built (kernels/back
   window's free slots, `decode_attention`, then the arena's flush — for layers neither
   rotated nor evicting (route.fused_write), for steps of T <= min(R, 64) tokens that fit
   the window (`writes_fused`). On native, a layer whose codecs `decode_attention` covers
-  with D <= 256 and G a multiple of 32 is `fused`: one token without eviction
-  `fused_step` (inside the model's one-call native step, `step_row`, when every layer
-  is), else `attend_append`. Everything else (torch, the oracle, always) takes
+  with D <= 256 and G a multiple of 32 is `fused`: one token `fused_step` (inside the
+  model's one-call native step, `step_row`, when every layer is, evicting ones too), else
+  `attend_append`. Everything else (torch, the oracle, always) takes
   `decode_attention` over separate rows (on the route's backend: its kernel, or torch for
   a codec it has none for) and the arena's `append`. Every route ends in the one flush,
   `KVArena.flush` → `pack` on the route's packer.
 - evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
-  layers without `attend_append`), with the attention-mass output; flushes and the
+  layers without `attend_append`), or a row of the one-call step when no layer is rotated,
+  with the attention-mass output; flushes and the
   compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's
   backend (`pack_means` for TaDA slots re-packed with their stored means).
 - ring (ring.py, Gemma's sliding layers): one-token steps take `ring_step` (on Triton

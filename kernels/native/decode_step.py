@@ -87,6 +87,18 @@ class RowPlan:
         return self
 
 
+    def mass(self, l: int, mass, lo: int = 0) -> None:
+        """Layer l's attention mass for this step: the kernel adds the query heads'
+        probabilities of every key from `lo` on into mass (H, keys) float32, as
+        decode_attention's `mass` (an evicting arena's scores); None: none."""
+        a = self.keep[l][0]
+        if mass is None:
+            a.mass, a.mass_stride, a.mass_lo = None, 0, 0
+            return
+        assert mass.dtype == torch.float32 and mass.is_contiguous(), "mass: contiguous float32"
+        a.mass, a.mass_stride, a.mass_lo = mass.data_ptr(), mass.stride(0), lo
+
+
 def splits_max() -> int:
     """The most token splits the arena kernels cut a tail into, or the ring kernel a ring
     (the partial outputs' scratch)."""

@@ -9,13 +9,17 @@ sliding ring layer's ring kernel call (kernels/native/ring_attention.c, the one
 seq_len mod W, attention over the min(seq_len + 1, W) filled slots, the output un-rotated) —
 and leaves the rest of `attend` to `stepped`: the windows count the token and flush (the
 rings have nothing to do before `commit`). Moving a layer's flush after the other layers'
-steps changes nothing, since it touches that layer only.
+steps changes nothing, since it touches that layer only. An evicting arena's layers also
+write their attention mass, as `attend` has them do: `row` hands each layer the buffer the
+eviction policy gives for the step (`mass_buffer`), `stepped` gives it back (`observe`)
+before the flush, which may then compact the tail.
 
 Which caches are rows is decided by their kind and their resolved routes (kernels/backend.py):
 an arena (KVArena) whose every layer is `fused`, or a LayeredKVCache of such an arena beside a
-ring whose step is native, without eviction. Decided once per cache and built once (the plan
-is kept per cache); per step only a full window (a restored one) keeps the per-layer route.
-Any other cache (the tests' oracle, an evicting arena) is never a row.
+ring whose step is native; with eviction, when no layer is rotated (an evicting rotated
+layer keeps torch's rotation, `KVArena.attend`). Decided once per cache and built once (the
+plan is kept per cache); per step only a full window (a restored one) keeps the per-layer
+route. Any other cache (the tests' oracle) is never a row.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from ..kv.ring import LayeredKVCache
 # cache -> ((H, backend), RowPlan or None); outside the cache so a copy (deepcopy,
 # snapshot) never carries pointers into another cache's tensors
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# an evicting arena -> its layers' mass buffers of the step under way (row → stepped)
+_MASS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def row(cache, H: int):
@@ -39,8 +45,20 @@ def row(cache, H: int):
         plan = _plan(cache, H, _arena_plan, cache.kernels)
         if plan is None or window_full(cache):
             return None
+        _masses(cache, plan, range(cache.L))
         return plan.lengths(cache.n_tail, cache.n_win)
     return None
+
+
+def _masses(arena, plan, layers) -> None:
+    """An evicting arena's step: each of its layers (the plan's layers `layers`, in order)
+    adds its attention mass into the buffer the policy gives (None: a policy without
+    scores), as `KVArena.attend` passes it to its kernel."""
+    if arena.ev is None:
+        return
+    masses = _MASS[arena] = [arena.ev.mass_buffer(l, 1) for l in range(arena.L)]
+    for i, (mass, lo) in zip(layers, masses):
+        plan.mass(i, mass, lo)
 
 
 def stepped(cache) -> None:
@@ -48,7 +66,10 @@ def stepped(cache) -> None:
     ring slot); the arena counts it and flushes (`KVArena.wrote`), as after `attend`'s
     kernel call."""
     arena = cache.inner if isinstance(cache, LayeredKVCache) else cache
+    masses = _MASS.pop(arena, None)
     for l in range(arena.L):
+        if masses is not None:
+            arena.ev.observe(l, masses[l][0], 1)
         arena.wrote(l, 1)
 
 
@@ -63,8 +84,10 @@ def _plan(cache, H: int, build, backend):
 
 
 def _all_fused(arena) -> bool:
-    """Whether every layer of the arena runs the fused native route, without eviction."""
-    return arena.ev is None and all(r.fused for r in arena.routes)
+    """Whether every layer of the arena runs the fused native route; with eviction, none
+    rotated (KVArena.attend keeps torch's rotation for those)."""
+    return all(r.fused for r in arena.routes) and (arena.ev is None or all(
+        rk is None and rv is None for rk, rv in zip(arena.rot_k, arena.rot_v)))
 
 
 def _arena_plan(arena, H: int):
@@ -94,6 +117,7 @@ def _layered_row(cache, H: int):
     n_tail, n_win = [0] * cache.n_layers, [0] * cache.n_layers
     for j, i in enumerate(cache.full):
         n_tail[i], n_win[i] = arena.n_tail[j], arena.n_win[j]
+    _masses(arena, plan, cache.full)
     s = ring.seq_len
     return plan.lengths(n_tail, n_win, s % ring.W, min(s + 1, ring.W))
 

@@ -5,8 +5,9 @@ flushes, for one row and for three rows of different depths, on every arena kern
 int8, KIVI, TaDA and a mixed per-layer profile on decode_attention.c, cb on
 codebook_attention.c), rotated and not; on Gemma 3's layered cache (sliding rings of 16,
 8 and 4 bits on ring_attention.c beside the global layers' arena, V rotated and not, rings
-filling and wrapping); and the caches it does not take (eviction) keep the per-layer
-route."""
+filling and wrapping); on evicting arenas (the attention mass each layer adds for the
+policy, compactions of a full tail); and the caches it does not take (an evicting rotated
+layer, a full window) keep the per-layer route."""
 import copy
 import json
 
@@ -49,8 +50,12 @@ def _state(c):
         counts, tensors = _state(c.inner)
         r = c.ring
         return counts + [r.seq_len, r.torn], tensors + r.k.parts + r.v.parts
-    return ([c.seq_len, list(c.n_tail), list(c.n_win)], [c.win_k, c.win_v]
-            + [t for st in c.k_store + c.v_store for _, t in sorted(st.items())])
+    counts = [c.seq_len, list(c.n_tail), list(c.n_win)]
+    tensors = [c.win_k, c.win_v] + [t for st in c.k_store + c.v_store for _, t in sorted(st.items())]
+    if c.ev is not None:                # the policy's scores, positions and drops
+        counts += [list(c.ev.n_drop), c.ev.n_compactions]
+        tensors += c.ev.acc + c.ev.pos_tail
+    return counts, tensors
 
 
 def _decode(m, caches, tokens, monkeypatch, one_call):
@@ -79,6 +84,17 @@ def test_one_call_equals_the_per_layer_route(model, tmp_path, monkeypatch, kv, d
     assert min(c.n_tail[0] for c in caches) >= 64                       # flushed on the way
 
 
+@pytest.mark.parametrize("kv,policy", [("kivi-4", "h2o"), ("fp16", "snapkv"), ("int8", "streaming"),
+                                       ("tada-4", "kvcrush")])
+@pytest.mark.parametrize("depths", [[45], [21, 77]])
+def test_evicting_one_call_equals_the_per_layer_route(model, monkeypatch, kv, policy, depths):
+    """An evicting arena on the one-call step: the same logits, cache bytes, scores,
+    positions and evictions as the per-layer route, through compactions of a full tail."""
+    spec = parse_kv(kv, residual=32, group=32, evict=policy, budget=96)
+    caches = _both_routes(model, spec, depths, len(depths), monkeypatch)
+    assert all(c.ev.n_drop[0] > 0 for c in caches)                      # it evicted on the way
+
+
 def _both_routes(m, kv, depths, seed, monkeypatch, steps=80):
     """Rows prefilled to `depths`, then `steps` decode steps on the one-call route and on
     twins of the caches on the per-layer route: each route ran every step, and the logits
@@ -102,13 +118,17 @@ def _both_routes(m, kv, depths, seed, monkeypatch, steps=80):
 
 
 def test_caches_the_one_call_does_not_take(tmp_path):
-    """Eviction and Gemma's sliding rings keep the per-layer route; a full window too."""
+    """An evicting rotated layer and a full window keep the per-layer route; an evicting
+    arena without rotation and Gemma's rings are rows."""
     cfg = kvrun.load(make_tiny_model_dir(tmp_path / "m", hidden_size=128), ctx=CTX).cfg
     plain = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32))
     assert row(plain, cfg.num_heads) is not None
     evicting = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32,
                                                       evict="h2o", budget=128))
-    assert row(evicting, cfg.num_heads) is None
+    assert row(evicting, cfg.num_heads) is not None
+    rotated = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4+rot", residual=32, group=32,
+                                                     evict="h2o", budget=128))
+    assert row(rotated, cfg.num_heads) is None
     odd_group = kvrun.kv.make_cache(cfg, CTX, parse_kv("fp16", residual=32, group=16))
     assert row(odd_group, cfg.num_heads) is None
     assert not odd_group.routes[0].fused                  # resolved at build: tiles of 32
@@ -122,7 +142,7 @@ def test_caches_the_one_call_does_not_take(tmp_path):
     assert row(layered, gcfg.num_heads) is None
     evicting = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32,
                                                        evict="h2o", budget=128))
-    assert row(evicting, gcfg.num_heads) is None
+    assert row(evicting, gcfg.num_heads) is not None
 
 
 @pytest.fixture(scope="module")

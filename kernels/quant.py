@@ -8,9 +8,10 @@ is G/P*D elements: a broadcast AND with the P plane masks, writing the P token p
 token order, and an in-place int32 → float32 conversion. Each token's row comes from one
 plane, so the plane's power-of-two weight 2^(b*i) (and the top plane's sign offset) are a
 per-token scale α_t and offset β_t that the codecs fold into their scales and zeros for
-free — exact, no cancellation. Measured on this CPU: torch's uint8 → float conversion and
-its integer shifts are not vectorized (~10x slower than fp16 → fp32); mask + int32 → float
-run at memory speed (~0.18 ms for 4096 tokens x 3 heads x 64 channels).
+free — exact, no cancellation. (The layout was chosen when torch's uint8 → float
+conversion was not vectorized on CPU; on torch 2.13 it is, and the int32 mask + convert is
+the slower of the two: docs/measurements.md, "Figures behind the code". The codecs' codes now
+use byte layouts, chanpack.py and nibble.py; these words remain for TaDA's int8 means.)
 
 Scales and zero points are stored in fp16 (KIVI, GEAR); codes are computed against the
 *rounded* fp16 parameters so the stored triple reconstructs within the RTN bound.

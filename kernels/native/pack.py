@@ -2,8 +2,8 @@
 `kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`; codebook_pack.c,
 `kvrun_cb_pack`): the same storage as the codecs' torch pack, bit
 for bit (tests/kernels/test_native_kernels.py), in one C call per K or V instead of ~25 eager torch
-ops (a 32-token KIVI-4 flush of SmolLM2 K: ~1 ms → ~0.08 ms; every layer flushes once per
-G decode steps)."""
+ops (every layer flushes once per G decode steps; a flush's time on each:
+docs/measurements.md, "Figures behind the code")."""
 from __future__ import annotations
 
 import ctypes

@@ -11,9 +11,8 @@ name the same way (`resolve_model`).
 
 - `smollm2-135m-instruct-q4` (`int4`, the default for chat/generate): the GGUF's Q4_1
   blocks repacked byte for byte into kvrun's int4 (group 32), embedding int8 rows. The
-  fastest format that passes the quality check: wikitext-2 ppl (-c 2048, 4 windows)
-  20.914 vs 20.867 for fp32 (+0.22 %; int8: 20.970, +0.49 %), decode ~2× faster than
-  `--dtype auto` on the reference CPU; decode runs through torch's fused int4 op.
+  fastest format that passes the quality check (wikitext-2 perplexity against fp32 and
+  int8, and decode speed: docs/measurements.md, "Weight formats").
 - `smollm2-135m-instruct-q8` (`int8`): per-channel int8 re-quantized from the Q4_1 values.
 - `smollm2-135m-instruct-f32` (`fp32`): every tensor dequantized exactly to fp32; the test
   fixture that must equal transformers' own GGUF loader.

@@ -65,10 +65,10 @@ Design — per-KV-head token sets, compaction of dirty blocks in place:
   restart after every compaction, so the window is the queries since the last one.
 - The prompt over exact rows. A prompt longer than a chunk is compressed as it arrives, so
   each later chunk, the question's included, read the tail through the codec twice over:
-  its scores (4-bit keys alone moved SnapKV's choice off fp16's: kivi-4 kept 0.964 of fp16 +
-  snapkv's slots on a needle prompt, tada-4 0.936) and its attention, whose error changed
-  the hidden states and so the queries that choose in every layer above (with the scores
-  exact, the choice still moved by 1.2 % of the slots, and that decided a needle). So while
+  its scores (4-bit keys alone moved SnapKV's choice off fp16's) and its attention, whose
+  error changed the hidden states and so the queries that choose in every layer above
+  (with the scores exact, the choice still moved, and that decided a needle; the slot
+  overlaps: docs/eviction.md). So while
   a prompt is prefilled, an observation-window policy over a tail that is not lossless
   keeps the tail's rows as they were packed, in the window dtype (`keys` / `values`, (Hkv,
   S_l, D) per layer, each where its codec is lossy: the budget's tokens, SmolLM2 at a

@@ -164,7 +164,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
 def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None, attn=None,
                softcap: float = 0.0):
     """`attend_append` for one token of one arena layer with its arguments built once, a
-    callable (q, k_tail, v_tail, n_tail, w, k, v) -> o or None (native CPU:
+    callable (q, k_tail, v_tail, n_tail, w, k, v, mass=, mass_from=) -> o or None (native CPU:
     kernels/native/decode_attention.py `FusedStep`); None on the other backends."""
     if (backend or backend_for(win_k)) != "native" or native.load() is None:
         return None

@@ -237,10 +237,12 @@ class FusedStep:
         self.desc = (None, None)
 
     def __call__(self, q: torch.Tensor, k_tail, v_tail, n_tail: int, w: int, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor | None:
+                 v: torch.Tensor, mass: torch.Tensor | None = None,
+                 mass_from: int = 0) -> torch.Tensor | None:
         """q (1, H, 1, D), k, v (1, Hkv, 1, D) with unit channel stride; w tokens in the
         window. Writes the new rows into window slot w and returns (1, H, 1, D) float32, or
-        None when the kernel does not cover the step (the caller takes the general path)."""
+        None when the kernel does not cover the step (the caller takes the general path).
+        mass, mass_from: as decode_attention's (`bind_mass`)."""
         if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or w >= self.cap:
             return None
         desc = _descriptors(q, k_tail, v_tail, n_tail)
@@ -260,9 +262,21 @@ class FusedStep:
         a.kdst, a.vdst = a.kw + w * self.row, a.vw + w * self.vrow
         a.q, a.out = _scratch("q", H * D), out.data_ptr()
         a.sc, a.part = _scratch("sc", H * N), _scratch("part", H * self.splits * D)
+        bind_mass(a, mass, mass_from)
         rc = self.lib.kvrun_decode_attention(ctypes.byref(a))
         assert rc == 0, f"native decode_attention refused its arguments ({rc})"
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def bind_mass(a: Args, mass: torch.Tensor | None, lo: int = 0) -> None:
+    """The attention-mass output of prebuilt or fresh arguments `a`: the kernel adds the query
+    heads' probabilities of every key from `lo` on into mass (H, N) float32 (an evicting
+    arena's scores); None: no mass."""
+    if mass is None:
+        a.mass, a.mass_stride, a.mass_lo = None, 0, 0
+        return
+    assert mass.dtype == torch.float32 and mass.is_contiguous(), "mass: contiguous float32"
+    a.mass, a.mass_stride, a.mass_lo = mass.data_ptr(), mass.stride(0), lo
 
 
 def _check_rotations(rot_k, rot_v) -> None:
@@ -335,15 +349,14 @@ def _attend(q, kd, vd, n_tail, k_win, v_win, k_new, v_new, t0, mass, mass_from, 
     out = torch.empty(1, H, Tq, D)
     k_dst, v_dst, rot_k, rot_v = fuse if fuse is not None else (None, None, None, None)
     a = step_args(H, kw[0], vw[0], rot_k, rot_v, attn, softcap)
-    a.R, a.Tq, a.t0, a.Tn, a.n_tail, a.W, a.mass_lo = R, Tq, t0, Tn, n_tail, W, mass_from
+    a.R, a.Tq, a.t0, a.Tn, a.n_tail, a.W = R, Tq, t0, Tn, n_tail, W
     a.ndtype, a.qdtype, a.nthreads = _FP[kn.dtype], _FP[q.dtype], torch.get_num_threads()
     a.qin, a.qs[0], a.qs[1] = q.data_ptr(), q.stride(1), q.stride(2)
     a.kn, a.vn = kn.data_ptr(), vn.data_ptr()
     a.kns[0], a.kns[1], a.vns[0], a.vns[1] = kn.stride(1), kn.stride(2), vn.stride(1), vn.stride(2)
     a.q, a.out = _scratch("q", H * Tq * D), out.data_ptr()
     a.sc, a.part = _scratch("sc", Hkv * R * N), _scratch("part", Hkv * _splits_max(lib) * R * D)
-    if mass is not None:
-        a.mass, a.mass_stride = mass.data_ptr(), mass.stride(0)
+    bind_mass(a, mass, mass_from)
     a.kc, a.vc = ctypes.pointer(kd), ctypes.pointer(vd)
     if fuse is not None:
         a.kdst, a.vdst = k_dst.data_ptr(), v_dst.data_ptr()

@@ -27,7 +27,7 @@ import operator
 import torch
 
 from . import load
-from .decode_attention import MAX_D, TILE, _FP, _descriptors, _splits_max, step_args
+from .decode_attention import MAX_D, TILE, _FP, _descriptors, _splits_max, bind_mass, step_args
 from .decode_layer import MAX_ROWS, LayerDesc, WeightDesc
 from .ring_attention import step_args as ring_step_args
 from .structs import RowCache, StepDesc  # noqa: F401  (the C structs, mirrored in one place)
@@ -91,12 +91,7 @@ class RowPlan:
         """Layer l's attention mass for this step: the kernel adds the query heads'
         probabilities of every key from `lo` on into mass (H, keys) float32, as
         decode_attention's `mass` (an evicting arena's scores); None: none."""
-        a = self.keep[l][0]
-        if mass is None:
-            a.mass, a.mass_stride, a.mass_lo = None, 0, 0
-            return
-        assert mass.dtype == torch.float32 and mass.is_contiguous(), "mass: contiguous float32"
-        a.mass, a.mass_stride, a.mass_lo = mass.data_ptr(), mass.stride(0), lo
+        bind_mass(self.keep[l][0], mass, lo)
 
 
 def splits_max() -> int:

@@ -234,10 +234,10 @@ class KVArena(OnBackend, KVCache):
         cap = self.win_k.shape[2]
         if w + T > cap or self.ev is not None and (rk is not None or rv is not None):
             return None
-        if T == 1 and self.ev is None:      # a decode step: the layer's prebuilt arguments
+        if T == 1:                          # a decode step: the layer's prebuilt arguments
             step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend="native",
                               attn=self.attn, softcap=self.softcap)
-            o = step(q, kt, vt, nt, w, k, v) if step is not None else None
+            o = step(q, kt, vt, nt, w, k, v, mass, mass_from) if step is not None else None
             if o is not None:               # (None: q / k / v strides it does not take)
                 return o
         return attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],

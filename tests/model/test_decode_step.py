@@ -44,8 +44,9 @@ def _kv(spec, tmp_path):
 
 
 def _state(c):
-    """Everything an arena holds: counts, windows and every storage tensor; a layered
-    cache's arena, then its rings' position, torn flag and storage."""
+    """Everything an arena holds: counts, windows and every storage tensor, an eviction
+    policy's scores, positions and drops; a layered cache's arena, then its rings'
+    position, torn flag and storage."""
     if isinstance(c, LayeredKVCache):
         counts, tensors = _state(c.inner)
         r = c.ring
@@ -167,3 +168,12 @@ def test_gemma_rings_one_call_equals_the_per_layer_route(gemma, tmp_path, monkey
     assert min(c.inner.n_tail[0] for c in caches) >= 32                 # the arena flushed
     for c in caches:
         assert c.ring.seq_len > c.ring.W                                  # every ring wrapped
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_gemma_evicting_one_call_equals_the_per_layer_route(gemma, monkeypatch, policy):
+    """Gemma's rings beside an evicting arena: the global layers add their attention mass
+    and compact on the one-call step as on the per-layer route, bit for bit."""
+    spec = parse_kv("kivi-4", residual=32, group=32, evict=policy, budget=96)
+    caches = _both_routes(gemma, spec, [21, 77], 3, monkeypatch)
+    assert all(isinstance(c, LayeredKVCache) and c.inner.ev.n_drop[0] > 0 for c in caches)

@@ -249,8 +249,8 @@ class KVArena(OnBackend, KVCache):
         """`attend` from the step's K before RoPE and V's operands (contract.py): the fused
         window write where the layer's route has it (route.fused_write: Triton) and the step
         fits it — 1 <= T <= min(R, 64) new tokens in the window's free slots — else `attend`
-        over the rows. Both follow the one step contract, so this
-        only picks the faster route."""
+        over the rows. Both follow the one step contract, so this only picks the faster
+        route."""
         if not self.writes_fused(layer, q.shape[2]):
             return self.attend(layer, q, *new.rows())
         return self._write_attend(layer, q, new)

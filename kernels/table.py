@@ -31,9 +31,8 @@ Routes, by cache (kv/), resolved per layer when the cache is built (kernels/back
   `decode_attention` over separate rows (on the route's backend: its kernel, or torch for
   a codec it has none for) and the arena's `append`. Every route ends in the one flush,
   `KVArena.flush` → `pack` on the route's packer.
-- evicting arena (arena_evict.py, a policy the arena calls): `attend` as above (rotated
-  layers without `attend_append`), or a row of the one-call step when no layer is rotated,
-  with the attention-mass output; flushes and the
+- evicting arena (arena_evict.py, a policy the arena calls): `attend` as above, or a row
+  of the one-call step, with the attention-mass output; flushes and the
   compactions' re-packs go through the arena's `pack_tail`, i.e. `pack` on the cache's
   backend (`pack_means` for TaDA slots re-packed with their stored means).
 - ring (ring.py, Gemma's sliding layers): one-token steps take `ring_step` (on Triton

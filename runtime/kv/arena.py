@@ -228,11 +228,11 @@ class KVArena(OnBackend, KVCache):
     def _attend_fused(self, layer, q, k, v, kt, vt, mass, mass_from):
         """`attend` as one native kernel call (route.fused), or None when this step does not
         fit it (the window has no room for the new rows, a chunk longer than the kernel's
-        query block, an evicting layer whose rows are rotated: they stay torch's rotation)."""
+        query block)."""
         nt, w, T = self.n_tail[layer], self.n_win[layer], k.shape[2]
         rk, rv = self.rot_k[layer], self.rot_v[layer]
         cap = self.win_k.shape[2]
-        if w + T > cap or self.ev is not None and (rk is not None or rv is not None):
+        if w + T > cap:
             return None
         if T == 1:                          # a decode step: the layer's prebuilt arguments
             step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend="native",

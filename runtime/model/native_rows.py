@@ -16,8 +16,7 @@ before the flush, which may then compact the tail.
 
 Which caches are rows is decided by their kind and their resolved routes (kernels/backend.py):
 an arena (KVArena) whose every layer is `fused`, or a LayeredKVCache of such an arena beside a
-ring whose step is native; with eviction, when no layer is rotated (an evicting rotated
-layer keeps torch's rotation, `KVArena.attend`). Decided once per cache and built once (the
+ring whose step is native, evicting or not. Decided once per cache and built once (the
 plan is kept per cache); per step only a full window (a restored one) keeps the per-layer
 route. Any other cache (the tests' oracle) is never a row.
 """
@@ -84,10 +83,8 @@ def _plan(cache, H: int, build, backend):
 
 
 def _all_fused(arena) -> bool:
-    """Whether every layer of the arena runs the fused native route; with eviction, none
-    rotated (KVArena.attend keeps torch's rotation for those)."""
-    return all(r.fused for r in arena.routes) and (arena.ev is None or all(
-        rk is None and rv is None for rk, rv in zip(arena.rot_k, arena.rot_v)))
+    """Whether every layer of the arena runs the fused native route."""
+    return all(r.fused for r in arena.routes)
 
 
 def _arena_plan(arena, H: int):

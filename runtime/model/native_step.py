@@ -5,12 +5,11 @@ final norm and lm_head.
 
 Two routes, one result. When every cache is a row of the one-call step
 (native_rows.py `row`: a native-backend cache whose every layer's route is the fused native
-kernel, an evicting one without rotated layers; Gemma's sliding layers a ring_attention.c
-call), the
+kernel, evicting ones included; Gemma's sliding layers a ring_attention.c call), the
 whole step over all layers and rows is ONE C call (kernels/native/decode_step.py,
 decode_layer.c `kvrun_decode_step`): no Python between layers, and the caches count the
-token and flush after it (native_rows.py `stepped`). Otherwise (a rotated evicting layer,
-a layer the kernels decline, a full restored window) the per-layer route: `LayerPlan.pre`, the cache's `attend` per row (the
+token and flush after it (native_rows.py `stepped`). Otherwise (a layer the kernels
+decline, a full restored window) the per-layer route: `LayerPlan.pre`, the cache's `attend` per row (the
 arena's native attend_append, or a ring's native step), `LayerPlan.post`. The two make the same kernel calls in the same
 order with the same arguments, so their logits and cache bytes are bit-identical
 (tests/model/test_decode_step.py); which one runs is decided once per step, never per layer.

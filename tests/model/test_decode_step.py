@@ -6,8 +6,8 @@ int8, KIVI, TaDA and a mixed per-layer profile on decode_attention.c, cb on
 codebook_attention.c), rotated and not; on Gemma 3's layered cache (sliding rings of 16,
 8 and 4 bits on ring_attention.c beside the global layers' arena, V rotated and not, rings
 filling and wrapping); on evicting arenas (the attention mass each layer adds for the
-policy, compactions of a full tail); and the caches it does not take (an evicting rotated
-layer, a full window) keep the per-layer route."""
+policy, compactions of a full tail, rotated or not); and the caches it does not take (a
+layer the kernels decline, a full window) keep the per-layer route."""
 import copy
 import json
 
@@ -86,7 +86,8 @@ def test_one_call_equals_the_per_layer_route(model, tmp_path, monkeypatch, kv, d
 
 
 @pytest.mark.parametrize("kv,policy", [("kivi-4", "h2o"), ("fp16", "snapkv"), ("int8", "streaming"),
-                                       ("tada-4", "kvcrush")])
+                                       ("tada-4", "kvcrush"), ("kivi-4+rot", "h2o"),
+                                       ("int8+rot", "snapkv")])
 @pytest.mark.parametrize("depths", [[45], [21, 77]])
 def test_evicting_one_call_equals_the_per_layer_route(model, monkeypatch, kv, policy, depths):
     """An evicting arena on the one-call step: the same logits, cache bytes, scores,
@@ -119,8 +120,8 @@ def _both_routes(m, kv, depths, seed, monkeypatch, steps=80):
 
 
 def test_caches_the_one_call_does_not_take(tmp_path):
-    """An evicting rotated layer and a full window keep the per-layer route; an evicting
-    arena without rotation and Gemma's rings are rows."""
+    """A layer the kernels decline and a full window keep the per-layer route; an evicting
+    arena, rotated or not, and Gemma's rings are rows."""
     cfg = kvrun.load(make_tiny_model_dir(tmp_path / "m", hidden_size=128), ctx=CTX).cfg
     plain = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32))
     assert row(plain, cfg.num_heads) is not None
@@ -129,7 +130,7 @@ def test_caches_the_one_call_does_not_take(tmp_path):
     assert row(evicting, cfg.num_heads) is not None
     rotated = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4+rot", residual=32, group=32,
                                                      evict="h2o", budget=128))
-    assert row(rotated, cfg.num_heads) is None
+    assert row(rotated, cfg.num_heads) is not None
     odd_group = kvrun.kv.make_cache(cfg, CTX, parse_kv("fp16", residual=32, group=16))
     assert row(odd_group, cfg.num_heads) is None
     assert not odd_group.routes[0].fused                  # resolved at build: tiles of 32

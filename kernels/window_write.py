@@ -36,7 +36,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def write_k(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: torch.Tensor, w: int) -> None:
     """RoPE on new K rows x (Hkv, T, D) (before RoPE; any strides) with cos/sin (T, D) of
     their positions, written into the window at [w, w + T)."""
-    write_rows(rope(x, cos, sin).to(win.dtype), win, w)
+    write_rows(rope(x, cos, sin), win, w)
 
 
 def vproj(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, Hkv: int) -> torch.Tensor:
@@ -51,4 +51,4 @@ def write_v(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | N
     weight None: x already holds the V rows (Hkv, T, D) (a weight-quantized v_proj computed
     them) and they are written as given."""
     rows = x if weight is None else vproj(x, weight, bias, win.shape[0])
-    write_rows(rows.to(win.dtype), win, w)
+    write_rows(rows, win, w)

@@ -107,7 +107,7 @@ def scale_error() -> list[tuple[str, float]]:
         exact = dequantize_int4(q, s.half(), m.half())
         sb = s.bfloat16().float()
         zb = (m + 8 * s).bfloat16().float()
-        bf = dequantize_int4(q, sb.half(), (zb - 8 * sb).half())    # what the op's values give
+        bf = dequantize_int4(q, sb, zb - 8 * sb)         # what the op's values give, in fp32
         err += float(((bf - exact) ** 2).sum())
         ref += float((exact ** 2).sum())
     return [("bf16 scale/zero, relative RMS error of the int4 weights (%)", 100 * (err / ref) ** 0.5)]

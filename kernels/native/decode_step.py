@@ -86,7 +86,6 @@ class RowPlan:
         self.keys = max(max(map(operator.add, n_tail, n_win)) + 1, n)   # the most a layer attends
         return self
 
-
     def mass(self, l: int, mass, lo: int = 0) -> None:
         """Layer l's attention mass for this step: the kernel adds the query heads'
         probabilities of every key from `lo` on into mass (H, keys) float32, as

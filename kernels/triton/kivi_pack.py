@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..table import covers
+from .rounding import _rhe
 
 K_WARPS, V_WARPS = 4, 8                 # no register spills on sm_90 at D = 128 (sm90_check)
 
@@ -57,8 +58,7 @@ def _asym_params(lo, hi, QMAX: tl.constexpr):
 
 @triton.jit
 def _quantize(x, scale, zero, QMAX: tl.constexpr):
-    v = tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32))
-    r = (v + 12582912.0) - 12582912.0
+    r = _rhe(tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32)))
     return tl.minimum(tl.maximum(r, 0.0), QMAX * 1.0).to(tl.int32)
 
 

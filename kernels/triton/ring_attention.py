@@ -63,11 +63,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import _rhe, _rnd
+from .rounding import XDT_CODES, _rhe, _rnd
 from .decode_attention import merge_part, softcap_args, softcap_logits
 from .kivi_pack import _asym_params
 
-_XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # rounding._rnd's codes
 MAX_D, MAX_GQ = 256, 16         # Gq 32 at D 256 would spill registers on sm_90
 BLOCK_N = 32                    # slots per tile, split granularity
 SPLIT_MIN = 128                 # slots per part at least: parts cost ~20% of the ring's bytes
@@ -277,9 +276,9 @@ def supports(q, k, v, k_parts, v_parts, bits: int, group: int, dtype) -> bool:
     Hkv = k.shape[1]
     if not (T == 1 and q.shape[0] == 1 and bits in (4, 8) and 0 < D <= MAX_D and group >= 1
             and D % group == 0 and (bits == 8 or D % 2 == 0) and H % Hkv == 0
-            and H // Hkv <= MAX_GQ and dtype in _XDT and _on_device(q)):
+            and H // Hkv <= MAX_GQ and dtype in XDT_CODES and _on_device(q)):
         return False
-    if not all(x.dtype in _XDT and x.stride(3) == 1 and x.device == q.device for x in (q, k, v)):
+    if not all(x.dtype in XDT_CODES and x.stride(3) == 1 and x.device == q.device for x in (q, k, v)):
         return False
     codes, sc, mn = k_parts
     return (len(v_parts) == 3 and all(a.stride() == b.stride() and a.device == q.device
@@ -337,7 +336,7 @@ def ring_step(q, k, v, k_parts, v_parts, bits: int, group: int, dtype, layer: in
         q, q.stride(1), k, v, k.stride(1), v.stride(1), kc, ks, km, vc, vs, vm,
         *kc.stride()[:3], *ks.stride()[:3], mid_o, mid_l, layer, slot, n, sz, Gq, D,
         D // group, LOG2E / math.sqrt(D), *softcap_args(softcap),
-        BITS=bits, GROUP=group, RDT=_XDT[dtype], BLOCK_R=block_r, BLOCK_N=BLOCK_N,
+        BITS=bits, GROUP=group, RDT=XDT_CODES[dtype], BLOCK_R=block_r, BLOCK_N=BLOCK_N,
         SOFTCAP=softcap > 0,
         BLOCK_C=max(16, triton.next_power_of_2(D * bits // 8)), num_warps=4 if D <= 64 else 8)
     rv = None if rot_v is None else rot_v.matrix     # (D, D) fp32 form: one dot per output

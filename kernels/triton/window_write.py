@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import _rnd
+from .rounding import XDT_CODES, _rnd
 
 NUM_WARPS = 4
 BLOCK_T = 32
@@ -95,9 +95,6 @@ def _write_kernel(WIN, sw_h, sw_t, X, sx_h, sx_t, A, B, s_a, KH, w, T, D,
              mask=j_ok[:, None] & (d < D)[None, :])
 
 
-_XDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}     # rounding._rnd's codes
-
-
 def _launch(SRC, rows_dtype, T, x, sx_h, sx_t, a, b, s_a, KH, has_bias, win, w) -> None:
     Hkv, slots, D = win.shape
     if win.stride(-1) != 1:
@@ -107,7 +104,7 @@ def _launch(SRC, rows_dtype, T, x, sx_h, sx_t, a, b, s_a, KH, has_bias, win, w) 
     opts = dict(enable_fp_fusion=False) if win.is_cuda else {}
     grid = (Hkv, triton.cdiv(T, BLOCK_T))
     _write_kernel[grid](win, win.stride(0), win.stride(1), x, sx_h, sx_t, a, b, s_a, KH, w, T, D,
-                        SRC=SRC, XDT=_XDT[rows_dtype], HAS_BIAS=has_bias,
+                        SRC=SRC, XDT=XDT_CODES[rows_dtype], HAS_BIAS=has_bias,
                         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_T=BLOCK_T,
                         BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, **opts)
 

@@ -4,6 +4,7 @@ prompt tok/s, one table with both (llama-bench's tests: pp N, tg N @ depth D).
     python tools/peer_bench.py --kv fp16,int8,kivi-4,auto --peer-kv f16,q8_0,q4_0 \
         -p 512 -n 32 -d 0,512,4096 -r 3 -t 2
     python tools/peer_bench.py --batch 1,8 --kv fp16,auto --peer-kv f16 -n 16 -d 2048 -r 3 -t 2
+    python tools/peer_bench.py --kv kivi-4,kivi-4+rot --evict h2o --kv-budget 1024 --peer-kv f16 -p 0 -n 32 -d 0,4096 -r 3 -t 2
 
 `--batch` measures batched decoding instead: B sequences, each holding `depth` tokens,
 decoding one token each per step, aggregate tok/s. kvrun: `kvrun bench --batch` (each
@@ -240,6 +241,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="GGUF file (default: kvrun's default model's)")
     ap.add_argument("-m", "--model", default=None, help="kvrun model dir converted from --gguf")
     ap.add_argument("--kv", default="fp16,kivi-4,auto", help="kvrun KV methods (comma list)")
+    ap.add_argument("--evict", default=None,
+                    help="kvrun's token-eviction policy for every --kv method (needs --kv-budget)")
+    ap.add_argument("--kv-budget", type=int, default=None,
+                    help="tokens kept per layer with --evict, window included")
     ap.add_argument("--peer-kv", default="f16,q8_0,q4_0",
                     help=f"llama.cpp KV types (comma list of {', '.join(PEER_TYPES)})")
     ap.add_argument("-p", type=int, default=512, help="prompt tokens for the pp test (0: none)")
@@ -278,6 +283,14 @@ def main(argv=None) -> int:
     from kvrun.engine.pull import default_gguf_path, ensure_default_model
     from kvrun.threads import configure as configure_threads
     configure_threads(a.threads)   # the cap kvrun's forwards keep (runtime/threads.py)
+    from kvrun.errors import KvrunError
+    if a.kv_budget is not None and a.evict is None:
+        ap.error("--kv-budget needs --evict")
+    evict = dict(evict=a.evict, budget=a.kv_budget) if a.evict else {}
+    try:
+        specs = [parse_kv(x, **evict) for x in a.kv.split(",") if x]
+    except KvrunError as e:
+        ap.error(str(e))
     path = a.model
     if a.gguf is None:
         path = path or ensure_default_model(progress=lambda s: print(s, file=sys.stderr))
@@ -285,7 +298,6 @@ def main(argv=None) -> int:
     elif path is None:
         ap.error("--gguf needs -m: the kvrun model directory converted from it (kvrun convert)")
     m = kvrun.load(path, ctx=8)
-    specs = [parse_kv(x) for x in a.kv.split(",") if x]
     from kvrun.eval.bench import _label
     a.kv_labels = [_label(s) for s in specs]
     cfg = m.cfg

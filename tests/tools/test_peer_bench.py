@@ -75,7 +75,11 @@ def test_kvrun_batch_records_come_from_bench_batch(tiny_dir):
 @pytest.mark.parametrize("argv,msg", [(["-d", "x"], "-d: expected a comma list of depths"),
                                       (["-r", "0"], "-r and -t >= 1"),
                                       (["--batch", "1,x"], "--batch: expected a comma list"),
-                                      (["--batch", "0"], "--batch: batch sizes and -n must be >= 1")])
+                                      (["--batch", "0"], "--batch: batch sizes and -n must be >= 1"),
+                                      (["--kv-budget", "1024"], "--kv-budget needs --evict"),
+                                      (["--evict", "bogus", "--kv-budget", "1024"],
+                                       "unknown eviction policy 'bogus'"),
+                                      (["--evict", "h2o"], "--evict h2o needs --kv-budget")])
 def test_bad_flags_are_one_usage_line(capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
         peer_bench.main(argv)

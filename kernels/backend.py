@@ -19,10 +19,6 @@ from dataclasses import dataclass
 from . import dispatch
 from .table import covers
 
-# The native attention kernel's limits on a layer (native/decode_attention.py): head dim and
-# whole 32-token tiles of tail, which a tail growing by blocks of G keeps when G is a multiple
-NATIVE_MAX_D, NATIVE_TILE = 256, 32
-
 
 @dataclass(frozen=True)
 class Backend:
@@ -38,9 +34,8 @@ class Backend:
         """How an arena layer with these codecs runs on this backend (LayerRoute)."""
         both = (k_codec, v_codec)
         if self.name == "native":
-            kernel = D <= NATIVE_MAX_D and G % NATIVE_TILE == 0 and all(
-                covers("decode_attention", "native", c) for c in both)
-            attention = "native" if kernel else "torch"
+            from .native.decode_attention import covers_layer
+            attention = "native" if covers_layer(k_codec, v_codec, D, G) else "torch"
         elif self.name == "triton":
             attention = "triton" if all(_triton_reads(c) for c in both) else "torch"
         else:
@@ -50,22 +45,31 @@ class Backend:
         fused_write = self.name == "triton" and not rotated and not evicting
         return LayerRoute(attention=attention, fused=attention == "native",
                           fused_write=fused_write,
-                          pack=tuple(self.packer(c) for c in both))
+                          pack=tuple(self.packer(c, D, G) for c in both))
 
-    def packer(self, codec) -> str:
-        """The backend whose kernel flushes `codec` (dispatch.pack's `backend`): this one
-        where the table's `pack` row covers it, else torch (the codec's own store)."""
+    def packer(self, codec, D: int, G: int) -> str:
+        """The backend whose kernel flushes `codec` at head dim D in blocks of G tokens
+        (dispatch.pack's `backend`): this one where the table's `pack` row covers it and
+        its kernel takes the shape, else torch (the codec's own store)."""
         if self.name == "native":
             from .native import pack as native_pack
-            return "native" if native_pack.supports(codec) else "torch"
-        if self.name == "triton" and covers("pack", "triton", codec):
-            return "triton"
+            return "native" if native_pack.covers_layer(codec, D, G) else "torch"
+        if self.name == "triton":
+            from .triton import kivi_pack_supports      # imported only on the Triton backend
+            return "triton" if kivi_pack_supports(codec) else "torch"
         return "torch"
 
-    def ring_route(self, bits: int) -> "RingRoute":
-        """How a sliding ring of `bits`-bit slots runs its one-token steps on this backend."""
-        kernel = (self.name == "native" or (self.name == "triton" and bits != 16))
-        return RingRoute(step=self.name if kernel else "torch")
+    def ring_route(self, bits: int, H: int, Hkv: int, D: int, group: int, dtype) -> "RingRoute":
+        """How a sliding ring of `bits`-bit slots (channel groups of `group`, rows of `dtype`)
+        runs its one-token steps on this backend for H query heads over Hkv KV heads of
+        head dim D: the backend's kernel where it takes the shape, else the torch step."""
+        if self.name == "native":
+            from .native.ring_attention import covers as kernel_covers
+        elif self.name == "triton":
+            from .triton import ring_covers as kernel_covers    # imported only on Triton
+        else:
+            return RingRoute(step="torch")
+        return RingRoute(step=self.name if kernel_covers(H, Hkv, D, bits, group, dtype) else "torch")
 
 
 def _triton_reads(codec) -> bool:

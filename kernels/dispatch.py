@@ -16,8 +16,12 @@ int16-quantized queries, a KIVI V's p.V with its scales folded into the weights 
 default), or both in fp32 as the codes dequantize (the reference).
 
 Which backend has a kernel for which codec, per op, and which route a cache's step takes:
-kernels/table.py, the one place that says so. A request a kernel declines for a reason of
-shape falls back to torch per call; `pack` storage is bit-identical on every backend.
+kernels/table.py, the one place that says so; kernels/backend.py resolves each cache layer's
+route from it, and from the layer's shape, when the cache is built. An op given a `backend=`
+(a route's) runs on it: a kernel that declines such a call raises `KernelRouteError` (the
+route promised what it cannot do: a bug, never a silent detour). Only an op called without
+one (tools, tests) picks per call, falling back to torch where a kernel declines the shape.
+`pack` storage is bit-identical on every backend.
 """
 from __future__ import annotations
 
@@ -37,6 +41,12 @@ GEMV_PATHS = ("fp32", "int")                # kernels/native/decode_layer.py
 
 class BackendError(RuntimeError):
     """The requested backend cannot run here (one-line message for the user)."""
+
+
+class KernelRouteError(AssertionError):
+    """A kernel declined a call its resolved route gave it (module docstring): the route and
+    the kernel's coverage disagree."""
+
 
 
 def select(device="cpu") -> str:
@@ -131,17 +141,17 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, back
     """kernels.decode_attention on `backend` (None: backend_for(q)); same arguments and
     result. attn: the native kernel's product path (None: attn_path()); softcap: the
     logits' soft-cap cap·tanh(s / cap) before the softmax (0: off), on every backend."""
-    extra = {k: v for k, v in kw.items() if k not in ("block", "q_chunk", "mass", "mass_from")}
     be = backend or backend_for(q)
     if be == "native":
         from .native.decode_attention import decode_attention as decode_attention_native
         out = decode_attention_native(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
                                       attn=attn or attn_path(), softcap=softcap, **kw)
-        if out is not None:                 # None: a request the C kernel does not cover
+        if out is not None:
             return out
-    if be == "triton" and not any(isinstance(v, torch.Tensor) for v in extra.values()):
+        _declined(backend, "decode_attention", k_tail, v_tail, n_tail, q)
+    if be == "triton":
         tri = _triton()
-        if n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
+        if backend is not None or n_tail == 0 or (tri.supports(k_tail[0]) and tri.supports(v_tail[0])):
             return tri.decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new,
                                         mass=kw.get("mass"), mass_from=kw.get("mass_from", 0),
                                         softcap=softcap)
@@ -149,46 +159,65 @@ def decode_attention(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, back
                                   softcap=softcap, **kw)
 
 
+def _declined(backend, op: str, k_tail, v_tail, n_tail: int, q) -> None:
+    """A kernel returned None: an error for a routed call (`backend` given), else the caller
+    goes on to torch."""
+    if backend is not None:
+        raise KernelRouteError(f"the {backend} {op} kernel declined a call its route gave it: "
+                               f"K {k_tail[0].method}, V {v_tail[0].method}, {n_tail} tail tokens, "
+                               f"q {tuple(q.shape)}")
+
+
 def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                  rot_k=None, rot_v=None, backend=None, attn=None, softcap: float = 0.0, **kw):
-    """The arena's decode step as one op where the backend has it fused (native CPU:
-    rotate + round + window append + attention, kernels/native/decode_attention.py
-    `attend_append`); None elsewhere, and the caller runs the steps one by one."""
-    if (backend or backend_for(q)) != "native":
-        return None
+                  rot_k=None, rot_v=None, attn=None, softcap: float = 0.0, **kw):
+    """The arena's decode step as one native kernel call (rotate + round + window append +
+    attention, kernels/native/decode_attention.py `attend_append`): a `fused` route's op
+    (kernels/backend.py), for T new tokens that `fused_fits`. A call the kernel declines
+    raises `KernelRouteError`."""
     from .native.decode_attention import attend_append as fused
-    return fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
-                 rot_k, rot_v, attn=attn or attn_path(), softcap=softcap, **kw)
+    o = fused(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, v_dst,
+              rot_k, rot_v, attn=attn or attn_path(), softcap=softcap, **kw)
+    if o is None:
+        _declined("native", "attend_append", k_tail, v_tail, n_tail, q)
+    return o
 
 
-def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, backend=None, attn=None,
+def fused_fits(H: int, N: int, T: int) -> bool:
+    """Whether `attend_append` takes T new tokens of H query heads over N keys in one call
+    (its query block; the window's room is the caller's to check)."""
+    from .native.decode_attention import fused_rows
+    return T <= fused_rows(H, N)
+
+
+def fused_step(win_k, win_v, layer: int, H: int, rot_k=None, rot_v=None, attn=None,
                softcap: float = 0.0):
     """`attend_append` for one token of one arena layer with its arguments built once, a
-    callable (q, k_tail, v_tail, n_tail, w, k, v, mass=, mass_from=) -> o or None (native CPU:
-    kernels/native/decode_attention.py `FusedStep`); None on the other backends."""
-    if (backend or backend_for(win_k)) != "native" or native.load() is None:
-        return None
+    callable (q, k_tail, v_tail, n_tail, w, k, v, mass=, mass_from=) -> o, or None for q /
+    k / v whose channels are not contiguous (the caller then takes `attend_append`, the same
+    kernel with its arguments built per call): kernels/native/decode_attention.py
+    `FusedStep`, a `fused` route's op."""
     from .native.decode_attention import fused_step as native_fused_step
     return native_fused_step(win_k, win_v, layer, H, rot_k, rot_v, attn or attn_path(), softcap)
 
 
-def step_row(H: int, group: int, layers: list, backend=None, ring: tuple | None = None,
+def step_row(H: int, group: int, layers: list, ring: tuple | None = None,
              attn=None, softcap: float = 0.0):
     """A cache's layers as one row of the one-call decode step (native CPU:
-    kernels/native/decode_step.py `RowPlan`), or None on the other backends and when some
-    step of a layer would not be a native kernel call. group: the tail grows by multiples
+    kernels/native/decode_step.py `RowPlan`), for a cache whose arena layers are all
+    `fused` (kernels/backend.py) beside rings whose route is native; a layer the kernels
+    decline raises `KernelRouteError`. group: the tail grows by multiples
     of it; layers: per layer (k_tail, v_tail, k_win, v_win, rot_k, rot_v), the windows
     (Hkv, cap, D), as `fused_step` takes them — or None for a sliding ring layer, the j-th
     None being ring layer j of `ring` = (k_parts, v_parts, D, bits, group, dtype, rot_k,
     rot_v, softcap), as `ring_step` takes them. attn: the kernel's product path (None:
     attn_path()); the caller rebuilds the row when its own changes. softcap: the arena
     layers' logit soft-cap (0: off)."""
-    if backend is None:
-        backend = backend_for(next(x[2] for x in layers if x is not None))
-    if backend != "native" or native.load() is None:
-        return None
     from .native.decode_step import row_plan
-    return row_plan(H, group, layers, attn or attn_path(), ring, softcap)
+    plan = row_plan(H, group, layers, attn or attn_path(), ring, softcap)
+    if plan is None:
+        raise KernelRouteError(f"the native decode step declined a row its routes gave it "
+                               f"({len(layers)} layers, group {group}, {H} query heads)")
+    return plan
 
 
 def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k=None,
@@ -199,18 +228,26 @@ def ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot
     ring width: kernels/native/ring_attention.py `ring_step`, the rotations inside its call;
     Triton, 4/8-bit rings: kernels/triton/ring_attention.py `ring_step` after `rotate_step`);
     softcap > 0 soft-caps the logits to cap·tanh(s / cap) before the softmax.
-    None on torch and where the kernel declines the shape, and the caller runs the torch
-    step (runtime/kv/ring.py)."""
+    None on torch and for 16-bit rings on Triton (no kernel: the caller runs the torch step,
+    runtime/kv/ring.py). Called with the ring's route (`backend=`, kernels/backend.py
+    `ring_route`), a call its kernel declines raises `KernelRouteError`; without one, such a
+    call returns None too."""
     be = backend or backend_for(q)
+    o = None
     if be == "native":
         from .native.ring_attention import ring_step as fused
-        return fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k, rot_v,
-                     softcap)
-    if be == "triton" and bits != 16:
+        o = fused(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_k, rot_v,
+                  softcap)
+    elif be == "triton" and bits != 16:
         q, k, v = rotate_step(q, k, v, rot_k, rot_v)
-        return _triton().ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v,
-                                   softcap=softcap)
-    return None
+        o = _triton().ring_step(q, k, v, k_parts, v_parts, bits, group, dtype, layer, slot, n, rot_v,
+                                softcap=softcap)
+    else:
+        return None                     # no kernel here (torch): the caller's torch step
+    if o is None and backend is not None:
+        raise KernelRouteError(f"the {backend} ring_step kernel declined a call its route gave it: "
+                               f"{bits}-bit ring, q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return o
 
 
 def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> None:
@@ -227,9 +264,12 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> No
         from .native import pack as native_pack
         if native_pack.supports(codec) and native_pack.store(codec, st, x, s0):
             return
+        if backend is not None:
+            raise KernelRouteError(f"the native pack declined a flush its route gave it: "
+                                   f"{codec.method}, {x.shape[1]} tokens at {s0}")
     if be == "triton":
         tri = _triton()
-        if tri.kivi_pack_supports(codec):
+        if backend is not None or tri.kivi_pack_supports(codec):
             tri.kivi_pack(codec, st, x, s0)
             return
     codec.store(st, x, s0)

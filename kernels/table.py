@@ -3,10 +3,13 @@ decode step takes through them — the one place this is written down.
 
 A codec declares what it is — `kind` ("fp", "int8", "kivi", "tada", "gear", "cb") and `bits`
 (kernels/codecs/) — and `COVERAGE` says, from those two facts, which backend has a kernel
-for it. kernels/dispatch.py asks `covers(op, backend, codec)` before calling a kernel; a
-kernel may still decline a request for a reason of shape (batch, head dim, tile alignment,
-storage strides) by returning None, and the op then runs on torch, which covers every
-codec (it is the oracle). The backend itself is chosen once per cache (dispatch.select).
+for it. kernels/backend.py resolves each cache layer's route when the cache is built, from
+this table and the shape limits the kernels declare beside it (`covers_layer` in
+native/decode_attention.py and native/pack.py, `covers` in the ring kernels: head dim, tile
+alignment, GEAR rank, heads per KV head); what neither covers runs on torch, which covers
+every codec (it is the oracle). A routed call a kernel declines is then a bug, raised by
+kernels/dispatch.py (`KernelRouteError`), not a fallback. The backend itself is chosen once
+per model or cache (kernels/backend.py `choose`).
 
 | op | native (CPU) | triton (CUDA) | torch |
 |---|---|---|---|

@@ -52,7 +52,7 @@ def attend_general(cache, l, q, k, v):
     kt, vt = (cache.k_codecs[l], cache.k_store[l]), (cache.v_codecs[l], cache.v_store[l])
     o = attend_append(q, kt, vt, nt, cache.win_k[l][None, :, :w], cache.win_v[l][None, :, :w],
                       k, v, cache.win_k[l][:, w:w + T], cache.win_v[l][:, w:w + T],
-                      cache.rot_k[l], cache.rot_v[l], backend="native", attn=cache.attn,
+                      cache.rot_k[l], cache.rot_v[l], attn=cache.attn,
                       softcap=cache.softcap)
     cache.wrote(l, T)
     return o

@@ -44,7 +44,7 @@ def main() -> None:
     def cache(kv: str, torch_ring: bool):
         c = kvrun.kv.make_cache(cfg, a.n + 16, parse_kv(kv))
         if torch_ring:
-            c.ring.backend = "torch"            # dispatch.ring_step declines: the torch step
+            c.ring.backend = "torch"            # its route: the ring's torch step
         return c
 
     runs = {("fp32", "torch"): cache("fp32", True)}

@@ -1,9 +1,12 @@
 """decode_attention on the native CPU kernel (decode_attention.c): same arguments and
 result as kernels.decode_attention (the torch implementation), one C call per query chunk.
 
+`covers_layer` says from a layer's codecs and shape alone whether the kernel reads it (head
+dim <= 256, tails of whole 32-token tiles, GEAR rank <= 8, a codebook role's head dim a
+multiple of 32): kernels/backend.py resolves a layer's route from it when the cache is built.
 `describe` maps a codec and its storage to the C descriptor (pointers + element strides);
-it returns None for a request the kernel does not cover (a tail that is not a whole number
-of 32-token tiles, head dim > 256, GEAR rank > 8), and the caller uses the torch path.
+the call wrappers return None for a request outside that coverage, which a routed call
+never makes (kernels/dispatch.py raises `KernelRouteError` if one does).
 """
 from __future__ import annotations
 
@@ -39,6 +42,31 @@ def _qint(attn: str) -> int:
 def _strides(dst, t: torch.Tensor, n: int):
     for i in range(n):
         dst[i] = t.stride(i)
+
+
+def covers_layer(k_codec, v_codec, D: int, G: int) -> bool:
+    """Whether the kernel reads an arena layer of these K / V codecs, head dim D and tail
+    blocks of G tokens (a tail growing by whole blocks stays whole 32-token tiles when G is a
+    multiple of 32), once the library built: what `describe` accepts of every storage such
+    a layer allocates."""
+    return (load() is not None and D <= MAX_D and G % TILE == 0
+            and all(_covers_codec(c, D) for c in (k_codec, v_codec)))
+
+
+def _covers_codec(codec, D: int) -> bool:
+    if not covers("decode_attention", "native", codec):
+        return False
+    if codec.kind == "cb":
+        return D % 32 == 0
+    if codec.kind == "gear":
+        return codec.rank <= MAX_RANK and codec.G <= 256
+    return True
+
+
+def fused_rows(H: int, N: int) -> int:
+    """The most new tokens `attend_append` takes in one call over N keys (its query block:
+    the scores of every query row fit the kernel's buffer)."""
+    return min(DEFAULT_Q_CHUNK, SCORE_LIMIT // (H * N))
 
 
 def describe(codec, st: dict) -> CodecDesc | None:
@@ -207,8 +235,7 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
     _, H, T, D = q.shape
     N = n_tail + k_win.shape[2] + T
     desc = _descriptors(q, k_tail, v_tail, n_tail)
-    if (desc is None or T > min(DEFAULT_Q_CHUNK, SCORE_LIMIT // (H * N))
-            or k_dst.stride(2) != 1 or v_dst.stride(2) != 1):
+    if desc is None or T > fused_rows(H, N) or k_dst.stride(2) != 1 or v_dst.stride(2) != 1:
         return None
     kd, vd = desc
     _check_rotations(rot_k, rot_v)

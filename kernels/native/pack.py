@@ -23,6 +23,12 @@ def supports(codec) -> bool:
     return covers("pack", "native", codec) and load() is not None
 
 
+def covers_layer(codec, D: int, G: int) -> bool:
+    """Whether `store` takes every flush of a layer of this codec, head dim D and blocks of G
+    tokens (whole blocks at multiples of G; a codebook role packs whole 32-token groups)."""
+    return supports(codec) and D <= MAX_D and (codec.kind != "cb" or (D % 32 == 0 and G % 32 == 0))
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else None)
 

@@ -268,15 +268,22 @@ def _on_device(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def covers(H: int, Hkv: int, D: int, bits: int, group: int, dtype) -> bool:
+    """Whether the kernel takes a ring of these shapes: 4- or 8-bit codes in channel groups
+    dividing D, head dim <= 256 (even at 4 bits), at most 16 query heads per KV head, an
+    fp16/bf16/fp32 ring dtype (kernels/backend.py resolves a ring's route from it)."""
+    return (bits in (4, 8) and 0 < D <= MAX_D and group >= 1 and D % group == 0
+            and (bits == 8 or D % 2 == 0) and H % Hkv == 0 and H // Hkv <= MAX_GQ
+            and dtype in XDT_CODES)
+
+
 def supports(q, k, v, k_parts, v_parts, bits: int, group: int, dtype) -> bool:
-    """Whether the kernel covers this step: one token of batch 1, 4- or 8-bit codes, head
-    dim <= 256 (even at 4 bits), at most 16 query heads per KV head, fp16/bf16/fp32 rows
-    and ring dtype, channel-contiguous q/k/v, K and V storage of one layout."""
+    """Whether the kernel covers this step: one token of batch 1 on the kernel's device, a
+    ring `covers` takes, fp16/bf16/fp32 channel-contiguous q/k/v, K and V storage of one
+    layout."""
     _, H, T, D = q.shape
-    Hkv = k.shape[1]
-    if not (T == 1 and q.shape[0] == 1 and bits in (4, 8) and 0 < D <= MAX_D and group >= 1
-            and D % group == 0 and (bits == 8 or D % 2 == 0) and H % Hkv == 0
-            and H // Hkv <= MAX_GQ and dtype in XDT_CODES and _on_device(q)):
+    if not (T == 1 and q.shape[0] == 1 and _on_device(q)
+            and covers(H, k.shape[1], D, bits, group, dtype)):
         return False
     if not all(x.dtype in XDT_CODES and x.stride(3) == 1 and x.device == q.device for x in (q, k, v)):
         return False

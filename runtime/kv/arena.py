@@ -60,7 +60,7 @@ import torch
 from kvrun.kernels.codecs.base import COMPONENTS
 from kvrun.kernels.codecs import make_codec
 from kvrun.kernels.backend import Backend, choose
-from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_step,  # per backend
+from kvrun.kernels.dispatch import (attend_append, decode_attention, fused_fits, fused_step,
                                  pack, write_k, write_v)
 from kvrun.kernels.hadamard import (Hadamard, KeyMap, rotate, rotate_k, rotate_step, unrotate,
                                     unrotate_k)
@@ -208,13 +208,13 @@ class KVArena(OnBackend, KVCache):
         mass, mass_from = self.ev.mass_buffer(layer, T) if self.ev else (None, 0)
         kt, vt = (self.k_codecs[layer], self.k_store[layer]), (self.v_codecs[layer], self.v_store[layer])
         route = self.routes[layer]
-        if route.fused:             # the native kernel rotates, rounds, writes and attends
+        if route.fused and self._fused_fits(layer, q.shape[1], T):
+            # the native kernel rotates, rounds, writes and attends
             o = self._attend_fused(layer, q, k, v, kt, vt, mass, mass_from)
-            if o is not None:
-                if self.ev:
-                    self.ev.observe(layer, mass, T)
-                self.wrote(layer, T)
-                return o
+            if self.ev:
+                self.ev.observe(layer, mass, T)
+            self.wrote(layer, T)
+            return o
         q, k, v = rotate_step(q, k, v, rk, rv)    # q·k = (qR)·(kR), P·V = (P·(VR))·Rᵀ
         k, v = k.to(self.wdtype), v.to(self.wdtype)                     # (1, Hkv, T, D)
         o = decode_attention(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
@@ -225,24 +225,25 @@ class KVArena(OnBackend, KVCache):
         self.append(layer, k[0], v[0])
         return o if rv is None else unrotate(o, rv)
 
+    def _fused_fits(self, layer: int, H: int, T: int) -> bool:
+        """Whether T new tokens fit the fused kernel call now: the window's free slots, and
+        the kernel's query block over the keys they attend."""
+        nt, w = self.n_tail[layer], self.n_win[layer]
+        return w + T <= self.win_k.shape[2] and fused_fits(H, nt + w + T, T)
+
     def _attend_fused(self, layer, q, k, v, kt, vt, mass, mass_from):
-        """`attend` as one native kernel call (route.fused), or None when this step does not
-        fit it (the window has no room for the new rows, a chunk longer than the kernel's
-        query block)."""
+        """`attend` as one native kernel call (route.fused), for a step that `_fused_fits`."""
         nt, w, T = self.n_tail[layer], self.n_win[layer], k.shape[2]
         rk, rv = self.rot_k[layer], self.rot_v[layer]
-        cap = self.win_k.shape[2]
-        if w + T > cap:
-            return None
         if T == 1:                          # a decode step: the layer's prebuilt arguments
-            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv, backend="native",
+            step = fused_step(self.win_k, self.win_v, layer, q.shape[1], rk, rv,
                               attn=self.attn, softcap=self.softcap)
-            o = step(q, kt, vt, nt, w, k, v, mass, mass_from) if step is not None else None
+            o = step(q, kt, vt, nt, w, k, v, mass, mass_from)
             if o is not None:               # (None: q / k / v strides it does not take)
                 return o
         return attend_append(q, kt, vt, nt, self.win_k[layer][None, :, :w], self.win_v[layer][None, :, :w],
                              k, v, self.win_k[layer][:, w:w + T], self.win_v[layer][:, w:w + T],
-                             rk, rv, backend="native", attn=self.attn, mass=mass, mass_from=mass_from,
+                             rk, rv, attn=self.attn, mass=mass, mass_from=mass_from,
                              softcap=self.softcap)
 
     def attend_new(self, layer: int, q: torch.Tensor, new: NewKV) -> torch.Tensor:

@@ -76,7 +76,8 @@ def build_cache(cfg, ctx: int, kv_config="fp16", device="cpu", backend: Backend 
         return full
     ring = SlidingWindowKV(len(windows) - windows.count(0), cfg.num_kv_heads, cfg.head_dim,
                            max(windows), ctx, window_dtype(kv), device, ring_bits(kv), kv.v_group,
-                           "v" in kv.rotation.which, backend=backend, softcap=cap)
+                           "v" in kv.rotation.which, backend=backend, softcap=cap,
+                           n_heads=cfg.num_heads)
     return LayeredKVCache(windows, full, ring)
 
 

@@ -156,7 +156,7 @@ class SlidingWindowKV(OnBackend):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
                  max_ctx: int, dtype: torch.dtype = torch.float16, device="cpu", bits: int = 16,
                  group: int = QGROUP, rotate_v: bool = False, backend: Backend | None = None,
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, n_heads: int | None = None):
         if window < 1:
             raise KvrunError(f"sliding window must be >= 1 token (got {window})")
         if bits not in (16, 8, 4):
@@ -165,6 +165,7 @@ class SlidingWindowKV(OnBackend):
         self.k = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device, group)
         self.v = _RingStore(n_layers, n_kv_heads, self.W, head_dim, bits, dtype, device, group)
         self.n_layers, self.dtype, self.head_dim = n_layers, dtype, head_dim
+        self.n_heads = n_heads or n_kv_heads     # the model's query heads (the kernels' limit)
         self.softcap = float(softcap or 0.0)
         self.seq_len = 0
         self.torn = False           # a chunk overwrote ring slots before its commit
@@ -179,7 +180,8 @@ class SlidingWindowKV(OnBackend):
         """Run on `backend` from now on: the one-token step's kernel (`ring_route`,
         kernels/backend.RingRoute) is resolved here."""
         self.kernels = backend
-        self.ring_route = backend.ring_route(self.bits)
+        self.ring_route = backend.ring_route(self.bits, self.n_heads, self.k.parts[0].shape[1],
+                                             self.head_dim, self.k.group, self.dtype)
 
     def store(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V rows (Hkv, n, D) of the model's space into `slots` of `layer`
@@ -192,13 +194,11 @@ class SlidingWindowKV(OnBackend):
         rv = self.rot_v                         # rot_k or None; rot_k is None for an fp16 ring
         if k.shape[2] == 1 and self.ring_route.step != "torch":
             # one token: the backend's fused step (rotations + attend + slot write), same
-            # storage as _attend's (None: a shape its kernel declines)
+            # storage as _attend's
             s, W = self.seq_len, self.W
-            o = ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
-                          self.dtype, layer, s % W, min(s + 1, W), self.rot_k, rv,
-                          backend=self.ring_route.step, softcap=self.softcap)
-            if o is not None:
-                return o
+            return ring_step(q, k, v, self.k.parts, self.v.parts, self.bits, self.k.group,
+                             self.dtype, layer, s % W, min(s + 1, W), self.rot_k, rv,
+                             backend=self.ring_route.step, softcap=self.softcap)
         q, k, v = rotate_step(q, k, v, self.rot_k, rv)
         o = self._attend(layer, q, k, v)
         return o if rv is None else unrotate(o, rv)

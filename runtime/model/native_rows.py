@@ -90,7 +90,7 @@ def _all_fused(arena) -> bool:
 def _arena_plan(arena, H: int):
     if not _all_fused(arena):
         return None
-    return step_row(H, arena.G, layer_inputs(arena), backend="native", attn=arena.attn,
+    return step_row(H, arena.G, layer_inputs(arena), attn=arena.attn,
                     softcap=arena.softcap)
 
 
@@ -128,5 +128,5 @@ def _layered_plan(cache, H: int):
         layers[i] = x
     spec = (ring.k.parts, ring.v.parts, ring.head_dim, ring.bits, ring.k.group, ring.dtype,
             ring.rot_k, ring.rot_v, ring.softcap)
-    return step_row(H, arena.G, layers, backend="native", ring=spec, attn=arena.attn,
+    return step_row(H, arena.G, layers, ring=spec, attn=arena.attn,
                     softcap=arena.softcap)

@@ -363,7 +363,7 @@ def test_fused_step_and_dispatch_follow_the_switch(monkeypatch):
     for a in ("int", "fp32"):
         monkeypatch.setenv("KVRUN_ATTN", a)
         assert torch.equal(dispatch.decode_attention(*args, backend="native"), want[a])
-        step = dispatch.fused_step(win_k, win_v, 0, 9, backend="native")
+        step = dispatch.fused_step(win_k, win_v, 0, 9)
         assert step.attn == a
         assert torch.equal(step(q, kt, vt, 128, 6, kn, vn), want[a])
     monkeypatch.delenv("KVRUN_ATTN")                     # unset: int where the build has VNNI or AVX2

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvrun.kernels import dispatch  # noqa: E402
+from kvrun.kernels import backend, dispatch  # noqa: E402
 from kvrun.kernels.triton import ring_attention as tra  # noqa: E402
 from kvrun.kv.ring import SlidingWindowKV  # noqa: E402
 from ring_cases import corner_rows, count_ring_steps, ring_data, steps_agree  # noqa: E402
@@ -123,7 +123,9 @@ def _quiet():
 
 def test_dispatch_routes_and_declines():
     """dispatch.ring_step: the Triton kernel on backend "triton" (None on torch); the kernel
-    declines what it does not cover (a chunk, D > 256, Gq > 16, 2-bit codes) with None."""
+    declines what it does not cover (a chunk, D > 256, Gq > 16, 2-bit codes) with None, which
+    the op called with a route's backend raises; the routes the ring resolves say which
+    shapes the kernel takes."""
     r = SlidingWindowKV(1, 1, 64, 16, max_ctx=64, dtype=F32, bits=4)
     q, k, v = ring_data(2, 4, 1, 64, seed=0)
     args = (r.k.parts, r.v.parts, 4, 32, F32, 0, 0, 1)
@@ -131,13 +133,19 @@ def test_dispatch_routes_and_declines():
     assert dispatch.ring_step(*one, *args, backend="torch") is None
     out = dispatch.ring_step(*one, *args, backend="triton")
     assert out is not None and out.shape == (1, 4, 1, 64) and r.k.codes[0, 0, 0].any()
-    assert dispatch.ring_step(q, k, v, *args, backend="triton") is None              # T = 2
+    assert dispatch.ring_step(q, k, v, *args) is None                                # T = 2
+    with pytest.raises(dispatch.KernelRouteError, match="declined"):
+        dispatch.ring_step(q, k, v, *args, backend="triton")
     assert tra.ring_step(*one, r.k.parts, r.v.parts, 2, 32, F32, 0, 0, 1) is None     # 2 bits
     q17 = torch.zeros(1, 17, 1, 64)
     assert tra.ring_step(q17, *one[1:], *args) is None                                 # Gq 17
     big = SlidingWindowKV(1, 1, 512, 16, max_ctx=64, dtype=F32, bits=4)
     z = torch.zeros(1, 1, 1, 512)
     assert tra.ring_step(z, z, z, big.k.parts, big.v.parts, 4, 32, F32, 0, 0, 1) is None
+    tri = backend.named("triton")
+    assert [tri.ring_route(b, H, 1, D, 32, F32).step for b, H, D in
+            ((4, 4, 64), (8, 16, 64), (16, 4, 64), (4, 17, 64), (4, 4, 512))] == \
+        ["triton", "triton", "torch", "torch", "torch"]
 
 
 def test_bytes_per_step_gemma3_270m():

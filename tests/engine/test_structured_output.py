@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")
 
-import kvrun  # noqa: E402
+from kvrun.engine import grammar as grammar_mod  # noqa: E402
 from kvrun.engine.sampling import SamplingParams  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
 from hostile_serving import call, openai_error  # noqa: E402

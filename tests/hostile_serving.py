@@ -1,5 +1,5 @@
 """Shared by the `kvrun serve` tests against a hostile client (test_serve_hostile.py,
-test_serve_limits.py, test_serve_shutdown.py): a server on the tiny model with a 1 s header
+test_server_http.py, test_serve_shutdown.py): a server on the tiny model with a 1 s header
 deadline, one HTTP request, a chat body, and the check of OpenAI's error shape."""
 from __future__ import annotations
 

@@ -16,11 +16,3 @@ def test_a_cgroup_limit_lowers_the_memory(monkeypatch, tmp_path):
     assert machine.memory_bytes() == min(ram, 1 << 32)
     f.write_text(f"{ram * 2}\n")
     assert machine.memory_bytes() == ram                       # a limit above the RAM
-
-
-def test_the_serve_default_follows_it(monkeypatch, tmp_path):
-    from kvrun.engine import prefix_budget
-    f = tmp_path / "memory.max"
-    f.write_text(f"{4 << 30}\n")                              # a 4 GiB container
-    monkeypatch.setattr(machine, "CGROUP_MEMORY_MAX", str(f))
-    assert prefix_budget.serve_default_mb() == 512.0          # an eighth

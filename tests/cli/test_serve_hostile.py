@@ -1,7 +1,7 @@
 """`kvrun serve` against a hostile client's requests, on the tiny model: every bad
 request is one 4xx in OpenAI's error shape, never a 500 and never a file read or a stall, and
 a bad request never touches a running one. The HTTP limits (API key, content type, CORS,
-body size, header deadline) are in test_serve_limits.py, the exit on SIGINT / SIGTERM in
+body size, header deadline) are in test_server_http.py, the exit on SIGINT / SIGTERM in
 test_serve_shutdown.py."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ removed (the service answers on the rest).
 
 One cluster for the module, round-robin routing (so "the other replica" is the next request)
 until one test redeploys it with prefix routing and checks affinity and the load bound
-(the policy's cases are tests/cluster/test_cluster_unit.py's); few and short requests."""
+(the policy's cases are tests/cluster/test_affinity.py's); few and short requests."""
 from __future__ import annotations
 
 import json

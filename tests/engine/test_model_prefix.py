@@ -7,6 +7,7 @@ import torch
 
 import kvrun
 from kvrun.engine.generate import Timings
+from kvrun.engine.model_prefix import ModelPrefix
 from kvrun.engine.prefix_budget import MODEL_CAP_MB, model_default_mb
 from kvrun.engine.sampling import SamplingParams
 from kvrun.errors import KvrunError
@@ -71,3 +72,20 @@ def test_the_bound_and_off(tiny32):
     for bad in (-1, float("nan"), "big", True):
         with pytest.raises(KvrunError, match="cache_ram_mb"):
             kvrun.load(tiny32, ctx=16, cache_ram_mb=bad)
+
+
+def test_the_hooks_keep_a_boundary_and_resume_from_it(tiny32):
+    """ModelPrefix on its own: a state kept at a chunk boundary is what a cold engine resumes
+    from; an engine whose own reuse kept as much is left as it is."""
+    kv = parse_kv("kivi-4", residual=32, group=32)
+    m = kvrun.load(tiny32, dtype="fp32", ctx=256, kv=kv, prefill_chunk=CHUNK, cache_ram_mb=0)
+    hooks, prompt = ModelPrefix(kv, budget_mb=64), _ids(120, 5)
+    assert hooks.cache.budget == 64 << 20
+    m.engine.prefill(prompt[:CHUNK])
+    hooks.checkpoint(m.engine)
+    assert hooks.cache.stats()["entries"] == 1
+    assert hooks.resume(m.engine, prompt, have=CHUNK) == CHUNK
+    m.engine.reset()
+    assert hooks.resume(m.engine, prompt, have=0) == CHUNK
+    assert list(m.engine.cached) == prompt[:CHUNK]
+    assert hooks.resume(m.engine, _ids(120, 6), have=0) == 0         # another prompt: cold

@@ -1,7 +1,7 @@
 """Structured output: `response_format` json_object / json_schema in `kvrun serve` and
-`json_schema=` in the library. The token mask before sampling (runtime/engine/sampling.py), one
-grammar state per sequence however the batch mixes them (runtime/engine/grammar.py, batch.py),
-greedy replies that parse and validate on the default model, through the official `openai`
+`json_schema=` in the library. One grammar state per sequence however the batch mixes them
+(runtime/engine/grammar.py, batch.py; the grammar alone: test_grammar.py, the mask in
+sampling: test_sampling.py), greedy replies that parse and validate on the default model, through the official `openai`
 client, and a 400 naming `response_format` for anything that cannot be served."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -17,19 +16,17 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")
 
-import kvrun  # noqa: E402
 from kvrun.engine import grammar as grammar_mod  # noqa: E402
-from kvrun.engine.sampling import SamplingParams, sample  # noqa: E402
+from kvrun.engine.sampling import SamplingParams  # noqa: E402
 from kvrun.engine.scheduler import Scheduler  # noqa: E402
 from hostile_serving import call, openai_error  # noqa: E402
 from serving import default_model_server  # noqa: E402
+from test_grammar import PERSON  # noqa: E402
 
 NAME = "smol"
 CTX = 256
 TIMEOUT = 180
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
 COLORS = {"type": "object", "properties": {"colors": {
     "type": "array", "items": {"enum": ["red", "green", "blue", "yellow", "black", "white"]},
     "minItems": 1, "maxItems": 3}}, "required": ["colors"], "additionalProperties": False}
@@ -41,41 +38,7 @@ def rf(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
 
 
-# -- the mask and the states (the tiny model: a byte-level vocabulary of 259) ----------------
-@pytest.mark.parametrize("temp,top_k,penalty", [(0.0, 0, 1.0), (1.5, 0, 1.0), (0.7, 5, 1.0),
-                                                (1.0, 0, 1e-30), (1.0, 40, 1e30)])
-def test_sample_draws_only_allowed_tokens(temp, top_k, penalty):
-    V = 301
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(V, generator=g) * 4
-    allowed = torch.rand(V, generator=g) < 0.1
-    allowed[int(torch.argmax(logits))] = False             # the best token is forbidden
-    history = torch.nonzero(~allowed)[:64, 0].tolist()      # a penalty on forbidden ones
-    p = SamplingParams(temp=temp, top_k=top_k, top_p=0.95, min_p=0.0, repeat_penalty=penalty,
-                       seed=1)
-    gen = torch.Generator().manual_seed(1)
-    got = {sample(logits, p, history, gen, allowed) for _ in range(300)}
-    assert got and all(allowed[t] for t in got)
-    if temp == 0:
-        assert got == {int(torch.argmax(logits.masked_fill(~allowed, float("-inf"))))}
-    else:
-        assert len(got) > 1
-
-
-def test_states_of_one_grammar_are_independent(tiny):
-    g = tiny.grammars.json_schema(PERSON)
-    a, b = g.start(), g.start()
-    fresh = a.allowed()
-    assert fresh.shape == (tiny.cfg.vocab_size,) and fresh[tiny.tokenizer.encode("{")[0]]
-    for t in tiny.tokenizer.encode('{"name": "Al'):
-        assert a.allowed()[t]
-        a.accept(t)
-    assert not torch.equal(a.allowed(), fresh)
-    assert torch.equal(b.allowed(), fresh) and torch.equal(g.start().allowed(), fresh)
-    with pytest.raises(kvrun.KvrunError, match="rejected"):
-        b.accept(tiny.tokenizer.encode("x")[0])            # not how a JSON object starts
-
-
+# -- the states in a batch (the tiny model: a byte-level vocabulary of 259) ------------------
 def test_each_batch_row_keeps_its_own_constraint(tiny):
     """Rows with different schemas, none, and two sharing one compiled schema (as `n` > 1
     and generate_batch share it), decoded in one batch: each row's tokens equal its run
@@ -105,28 +68,6 @@ def test_each_batch_row_keeps_its_own_constraint(tiny):
             for t in ids(r):
                 assert state.allowed()[t], (i, t)
                 state.accept(t)
-
-
-@pytest.mark.parametrize("schema,why", [
-    ({"type": "foo"}, "Invalid type"), ({"not": {"type": "string"}}, "not"),
-    ({"type": "string", "pattern": "(("}, "regex"),
-    ({"type": "integer", "minimum": 5, "maximum": 1}, "Unsatisfiable"),
-    ({"$ref": "#/$defs/missing"}, "missing"), ({"type": "string", "format": "weird"}, "format"),
-    ({"properties": []}, "properties"), ([1], "object"), ("{not json", "not valid JSON"),
-    # $ref cycles compiled, then failed at the first token (a 500 dumping the parser state)
-    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-     "cycle"), ({"$ref": "#"}, "cycle")])
-def test_bad_schema_is_one_line_error(tiny, schema, why):
-    with pytest.raises(kvrun.KvrunError, match="schema") as e:
-        tiny.generate("a", 4, json_schema=schema)
-    assert why in str(e.value) and "\n" not in str(e.value) and "<state>" not in str(e.value)
-
-
-def test_without_the_library_is_one_line_error(tiny, monkeypatch):
-    monkeypatch.setattr(grammar_mod, "llguidance", None)
-    with pytest.raises(kvrun.KvrunError, match=r"llguidance.*kvrun\[server\]"):
-        tiny.generate("a", 4, json_schema={"type": "object"})
-    assert tiny.generate("a", 4) is not None            # unconstrained generation still runs
 
 
 # -- the default model ---------------------------------------------------------------------------

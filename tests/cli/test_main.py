@@ -1,4 +1,5 @@
-"""CLI behaviour: output streams, and every user error is one `error:` line + non-zero exit."""
+"""kvrun.cli.main: the commands' output streams, and every user error is one `error:` line + non-zero
+exit."""
 import json
 import subprocess
 import sys
@@ -199,29 +200,6 @@ def test_generate_stats_line_names_kv_bytes_ratio(tiny_dir, kv):
     assert (1.0 <= ratio <= 1.0 + 32 / 512) == (kv == "fp16")
 
 
-def test_chat_history_file(monkeypatch, tmp_path):
-    """The history a terminal session leaves is read back by the next one."""
-    readline = pytest.importorskip("readline")
-    from kvrun.cli.chat import LineReader, history_path
-    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
-    monkeypatch.delenv("KVRUN_CHAT_HISTORY", raising=False)
-    assert history_path() == tmp_path / "chat_history"
-    monkeypatch.setenv("KVRUN_CHAT_HISTORY", "")
-    assert history_path() is None                       # in memory only
-    monkeypatch.setenv("KVRUN_CHAT_HISTORY", str(tmp_path / "sub" / "h"))
-    try:
-        readline.clear_history()
-        r = LineReader(interactive=True)
-        readline.add_history("what is a KV cache?")
-        r.close()
-        readline.clear_history()
-        LineReader(interactive=True)
-        assert readline.get_history_item(readline.get_current_history_length()) == \
-            "what is a KV cache?"
-    finally:
-        readline.clear_history()
-
-
 def test_chat_message_longer_than_context_is_one_error_line(tiny_dir):
     r = run(["chat", "-m", str(tiny_dir), "-n", "4", "--temp", "0", "-c", "64"],
             input="x" * 200 + "\n/kv\n")
@@ -230,26 +208,3 @@ def test_chat_message_longer_than_context_is_one_error_line(tiny_dir):
     i = next(i for i, line in enumerate(err) if line.startswith("error: "))
     assert "prompt too long" in err[i] and err[i - 1].strip()   # no blank line before it
     assert any(line.startswith("KV cache: fp16, 0 / 64") for line in err[i:])   # chat goes on
-
-
-def test_kv_flags_table_drives_the_options_and_parse_kv():
-    """Each KV_FLAGS row is one click option on the commands that take the KV flags, under the
-    keyword its row maps, and lands on a KVConfig field or a parse_kv argument."""
-    import inspect
-
-    from kvrun.cli.kv_flags import EVICT_FLAGS, KV_FLAGS, PARSE_ARGS, kv_config
-    from kvrun.kv.config import SETTINGS, parse_kv
-    fields = set(SETTINGS)
-    assert set(PARSE_ARGS) <= set(inspect.signature(parse_kv).parameters)
-    for r in KV_FLAGS:
-        assert r.dest is None or r.dest in fields | set(PARSE_ARGS), r
-    for name, rows in (("generate", KV_FLAGS), ("chat", KV_FLAGS), ("ppl", EVICT_FLAGS),
-                       ("needle", EVICT_FLAGS), ("bench", EVICT_FLAGS)):
-        params = {p.opts[0]: p.name for p in main.commands[name].params}
-        for r in rows:
-            assert params[r.flag] == r.param, (name, r.flag)
-    kw = {r.param: None for r in KV_FLAGS} | {"kv": "kivi-4", "kv_rotate": "k", "evict": "h2o",
-                                              "kv_budget": 512, "keep": 2, "other": 1}
-    cfg = kv_config(kw)
-    assert kw == {"other": 1}                   # the KV flags consumed, nothing else
-    assert (cfg.k_method, cfg.rotation.which, cfg.eviction.policy, cfg.eviction.budget, cfg.context.n_keep) == ("kivi-4", "k", "h2o", 512, 2)

@@ -1,10 +1,10 @@
-"""Generation engine, sampling, chat-cache reuse and streaming detokenization (tiny model)."""
+"""kvrun.engine.generate: the Engine's greedy and seeded runs, its finish reasons, prompt
+reuse, repair after an interrupt, its Timings and the ids it accepts (tiny model)."""
 import pytest
 import torch
 
 import kvrun
-from kvrun.engine.chat_session import ChatSession
-from kvrun.engine.sampling import SamplingParams, apply_repetition_penalty, sample
+from kvrun.engine.generate import Timings, check_ids
 from tiny import interrupted_forward, make_tiny_model_dir
 
 
@@ -22,41 +22,6 @@ def test_seed_reproducible_and_different_seeds_differ(tiny):
     b = tiny.generate("hello", 24, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
     c = tiny.generate("hello", 24, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=8)
     assert a == b and a != c
-
-
-def test_top_k_one_is_greedy():
-    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
-    p = SamplingParams(temp=1.5, top_k=1, seed=0)
-    assert all(sample(logits, p, [], torch.Generator().manual_seed(s)) == 1 for s in range(20))
-
-
-def test_top_p_and_min_p_cut_the_tail():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    seen = {sample(logits, SamplingParams(temp=1.0, top_k=0, top_p=0.7, min_p=0.0),
-                   [], torch.Generator().manual_seed(s)) for s in range(200)}
-    assert seen == {0, 1}                        # 0.5 + 0.3 crosses 0.7: two tokens kept
-    seen = {sample(logits, SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.5),
-                   [], torch.Generator().manual_seed(s)) for s in range(200)}
-    assert seen == {0, 1}                        # min_p 0.5 × 0.5 = 0.25 keeps 0.5 and 0.3
-
-
-def test_repetition_penalty():
-    out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), [0, 1], 2.0)
-    torch.testing.assert_close(out, torch.tensor([1.0, -4.0, 1.0]))
-
-
-@pytest.mark.parametrize("bad", [dict(temp=-1), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(min_p=1.0), dict(top_k=-3), dict(repeat_penalty=0),
-                                 # NaN passes every `<` check; a seed past 64 bits raised
-                                 # inside the sampler (and killed a server's batch)
-                                 dict(temp=float("nan")), dict(repeat_penalty=float("nan")),
-                                 dict(top_p=float("nan")), dict(min_p=float("nan")),
-                                 dict(temp=float("inf")), dict(seed=1 << 64), dict(seed=-1),
-                                 dict(seed=1180591620717411303424), dict(repeat_last_n=-1),
-                                 dict(temp="0.5"), dict(top_k=2.5), dict(seed=True)])
-def test_bad_sampling_values(bad):
-    with pytest.raises(kvrun.KvrunError):
-        SamplingParams(**bad)
 
 
 def test_largest_seed_samples(tiny):
@@ -87,23 +52,6 @@ def test_repeated_prompt_reuses_cache(tiny):
     tiny.generate("the same prompt", 4, temp=0)
     evs = list(tiny.stream("the same prompt", 4, temp=0))
     assert evs[-1].timings.prompt_tokens == 1   # only the last prompt token is re-fed
-
-
-def test_chat_turns_prefill_only_new_tokens(tiny):
-    s = ChatSession(tiny, system="be brief")
-    list(s.reply("first question", 6, temp=0))
-    turn1_ids, cached_after_turn1 = list(s.ids), len(tiny.engine.cached)
-    new = tiny.tokenize(tiny.template.continue_after_reply(
-        [{"role": "user", "content": "second"}]), bos=False)
-    evs2 = list(s.reply("second", 6, temp=0))
-    # only the reply's last sampled token (never fed) and the new turn are prefilled
-    assert evs2[-1].timings.prompt_tokens == len(turn1_ids) - cached_after_turn1 + len(new)
-    assert len(new) < len(turn1_ids)
-    assert s.ids[:len(turn1_ids)] == turn1_ids
-    # the multi-turn cache gives the same next-token logits as a fresh full forward
-    fed = list(tiny.engine.cached)
-    got = tiny.engine.decode_step(5)
-    torch.testing.assert_close(got, tiny.logits(fed + [5])[-1], atol=1e-4, rtol=1e-4)
 
 
 def test_chat_template_chatml_default_system(tiny):
@@ -141,3 +89,17 @@ def test_decode_rate_counts_one_token_forwards(tiny):
     five = list(tiny.stream("hello", 5, temp=0))[-1].timings
     assert five.gen_tokens == 5 and five.decode_tokens == 4
     assert five.gen_tok_s == pytest.approx(4 / five.decode_s) and five.decode_s <= five.gen_s
+
+
+@pytest.mark.parametrize("bad", [-1, 259, 2.0, True, "5"])
+def test_check_ids_refuses_what_is_not_a_token(bad):
+    check_ids([0, 258], 259)
+    with pytest.raises(kvrun.KvrunError, match=r"is not in the vocabulary \[0, 259\)"):
+        check_ids([3, bad], 259)
+
+
+def test_timings_rates():
+    t = Timings(prompt_tokens=10, prompt_s=0.5, gen_tokens=5, gen_s=2.0, decode_tokens=4,
+                decode_s=1.0)
+    assert (t.prompt_tok_s, t.gen_tok_s) == (20.0, 4.0)
+    assert (Timings().prompt_tok_s, Timings(gen_tokens=1, decode_s=0.1).gen_tok_s) == (0.0, 0.0)

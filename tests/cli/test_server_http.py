@@ -1,8 +1,10 @@
-"""`kvrun serve`'s HTTP limits against a hostile client, on the tiny model: JSON
-only, no CORS unless the operator allows an origin, the API key, a bounded body, slow or
-silent headers dropped, a client gone mid-body, and `--queue 0` on an idle server."""
+"""kvrun.cli.server_http: `kvrun serve`'s HTTP limits against a hostile client, on the tiny
+model: JSON only, no CORS unless the operator allows an origin, the API key, a bounded body,
+slow or silent headers dropped, a client gone mid-body, and `--queue 0` on an idle server;
+then its pieces alone (Guard, read_body, Drain) on hand-made ASGI messages."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -14,6 +16,8 @@ pytest.importorskip("uvicorn")
 pytest.register_assert_rewrite("hostile_serving")   # its asserts report as a test's do
 
 from hostile_serving import NAME, call, chat, openai_error, server, start, tiny_m  # noqa: E402
+from kvrun.cli.server_fields import ApiError  # noqa: E402
+from kvrun.cli.server_http import Drain, Guard, read_body  # noqa: E402
 
 
 def test_content_type_is_json_only(server):
@@ -132,3 +136,80 @@ def test_client_gone_mid_body_is_quiet(server, capfd):
     assert call(server[0], "GET", "/health")[0] == 200
     err = capfd.readouterr().err
     assert "Traceback" not in err and "ClientDisconnect" not in err, err
+
+
+# -- the pieces alone ------------------------------------------------------------------------
+def _asgi(app, method="POST", path="/v1/completions", headers=(), chunks=(b"{}",), gap=0.0):
+    """(status, headers, body) of `app` for one request whose body arrives in `chunks`,
+    `gap` seconds apart."""
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [(k.lower(), v) for k, v in headers]}
+    pending, out = list(chunks), []
+
+    async def receive():
+        await asyncio.sleep(gap)
+        c = pending.pop(0) if pending else b""
+        return {"type": "http.request", "body": c, "more_body": bool(pending)}
+
+    async def send(msg):
+        out.append(msg)
+    asyncio.run(app(scope, receive, send))
+    return out[0]["status"], dict(out[0]["headers"]), b"".join(m.get("body", b"") for m in out[1:])
+
+
+async def _ok(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+JSON = (b"content-type", b"application/json; charset=utf-8")
+
+
+def test_guard_checks_the_key_then_the_content_type():
+    g = Guard(_ok, api_key="s3cret")
+    status, hdrs, body = _asgi(g, headers=[JSON])
+    assert status == 401 and hdrs[b"www-authenticate"] == b"Bearer"
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert _asgi(g, headers=[JSON, (b"authorization", b"Bearer s3cretX")])[0] == 401
+    assert _asgi(g, headers=[JSON, (b"authorization", b"bearer  s3cret ")])[2] == b"ok"
+    assert _asgi(g, method="GET", path="/health")[2] == b"ok"             # open without a key
+    status, _, body = _asgi(Guard(_ok), headers=[(b"content-type", b"text/plain")])
+    assert status == 415 and json.loads(body)["error"]["code"] == "unsupported_media_type"
+    assert _asgi(Guard(_ok), method="GET", path="/v1/models")[2] == b"ok"  # no body, no type
+
+
+def _read(limit, timeout=5.0, drain=None, **kw):
+    """read_body's bytes, or the ApiError's (status, code), behind a stand-in endpoint."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+    got = []
+
+    async def app(scope, receive, send):
+        try:
+            got.append(await read_body(Request(scope, receive), limit, timeout, drain))
+        except ApiError as e:
+            got.append((e.status, e.code))
+        await Response(b"")(scope, receive, send)
+    _asgi(app, **kw)
+    return got[0]
+
+
+def test_read_body_bounds_size_and_time():
+    assert _read(10, chunks=(b"12345", b"67890")) == b"1234567890"
+    assert _read(9, chunks=(b"12345", b"67890")) == (413, "request_too_large")
+    assert _read(9, headers=[(b"content-length", b"1000")]) == (413, "request_too_large")
+    assert _read(100, timeout=0.05, chunks=(b"1", b"2"), gap=0.1)[0] == 408
+    stopping = Drain()
+    stopping.begin()
+    assert _read(100, drain=stopping) == (503, "shutting_down")
+
+
+def test_drain_wakes_its_watchers_until_unwatched():
+    d, woke = Drain(), []
+    unwatch = d.watch(lambda: woke.append("a"))
+    d.watch(lambda: woke.append("b"))
+    d.begin()
+    assert (d.stopping, d.expired, sorted(woke)) == (True, False, ["a", "b"])
+    unwatch()
+    d.expire()
+    assert (d.expired, sorted(woke)) == (True, ["a", "b", "b"])

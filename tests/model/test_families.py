@@ -525,17 +525,6 @@ def test_context_shift_leaves_the_channels_rope_passes_through():
     assert torch.equal(got[:, :, :a], k[:, :, :a])                      # the kept prefix as it was
 
 
-def test_context_shift_is_refused_with_nope_layers():
-    """A shift re-rotates cached keys by RoPE; SmolLM3's NoPE layers have none to undo."""
-    from kvrun.kv.config import KVConfig
-    from tiny import tiny_config
-    cfg = tiny_config(nope_layers=[1])
-    with pytest.raises(KvrunError, match="NoPE"):
-        build_cache(cfg, 64, KVConfig.from_settings(k_method="fp16", v_method="fp16", ctx_policy="shift"))
-    assert build_cache(tiny_config(), 64, KVConfig.from_settings(k_method="fp16", v_method="fp16",
-                                                                 ctx_policy="shift")) is not None
-
-
 QUIRKS = {   # family → what its converted config.json must say
     "qwen3": dict(architecture="qwen3", qk_norm="head", head_dim=128, tie_word_embeddings=True),
     "qwen3moe": dict(architecture="qwen3moe", qk_norm="head", head_dim=32, num_experts=8,

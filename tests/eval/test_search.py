@@ -1,5 +1,6 @@
-"""kvrun search (TaDA's per-layer precision search), profiles and the memory-budget mode,
-on a tiny random model (head dim 32: KIVI's 32-channel V groups fit)."""
+"""kvrun search (TaDA's per-layer precision search) and profiles, on a tiny random model
+(head dim 32: KIVI's 32-channel V groups fit). The memory-budget mode: tests/kv/test_budget.py;
+the codec menus: test_search_menu.py."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,6 @@ import pytest
 import kvrun
 from kvrun.errors import KvrunError
 from kvrun.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
-from kvrun.kv.budget import fit_budget
 from kvrun.kv.profile import model_record, read_profile, shipped_profiles
 from kvrun.eval.search import save_result, search
 
@@ -165,25 +165,6 @@ def test_shipped_profile_matches_the_default_model_geometry():
     assert prof.meta["bytes_ratio"] <= prof.meta["budget"] == 0.30
 
 
-def test_fit_budget(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))        # no user profiles
-    cfg, ctx = tiny_model.cfg, 1024
-    mib = lambda spec: sum(kv_bytes_at(cfg, parse_kv(spec), ctx).values()) / 2**20
-    kv, desc = fit_budget(cfg, ctx, mib("fp16"))
-    assert kv.methods() == {"fp16"} and desc.startswith("fp16")
-    kv, desc = fit_budget(cfg, ctx, mib("kivi-4") + 1e-6)
-    assert (kv.k_method, kv.v_method, kv.layers, kv.rotation.which) == ("kivi-4", "kivi-4", None, "kv")
-    # a searched profile between kivi-2 and kivi-4 in size is preferred to kivi-2
-    p = tmp_path / "mid.json"
-    save_profile(p, [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")], model=model_record(cfg))
-    budget = sum(kv_bytes_at(cfg, parse_kv(f"profile:{p}"), ctx).values()) / 2**20
-    kv, desc = fit_budget(cfg, ctx, budget, profiles=[p])
-    assert kv.layers == [("kivi-4", "kivi-2"), ("kivi-2", "kivi-2")]
-    assert sum(build_cache(cfg, ctx, kv).nbytes().values()) <= budget * 2**20
-    with pytest.raises(KvrunError, match="nothing fits 1024 tokens; the smallest configuration \\(kivi-2\\+rot\\)"):
-        fit_budget(cfg, ctx, mib("kivi-2") * 0.9)
-
-
 def test_search_command_writes_a_profile(tiny_model, tmp_path):
     from click.testing import CliRunner
     from kvrun.cli.search import search_cmd
@@ -323,15 +304,6 @@ def test_ring_reuse_and_refusals(tiny_gemma, tiny_model, tmp_path):
 
 
 # -- the whole codec menu: KIVI, codebooks (cb-*, rotated by their role), int8, K and V apart --
-
-def test_codec_menus():
-    from kvrun.eval.search import candidate_methods, default_bits
-    assert default_bits("all") == [2, 3, 4, 8] and default_bits("kivi") == [2, 3, 4, 8]
-    assert candidate_methods("all") == ["kivi-2", "cb-2", "kivi-3", "cb-3", "kivi-4", "cb-4", "int8"]
-    assert candidate_methods("cb", [4, 3, 16]) == ["cb-3", "cb-4", "fp16"]
-    assert candidate_methods("all", [3]) == ["kivi-3", "cb-3"]
-    assert candidate_methods("kivi", None) == ["kivi-2", "kivi-3", "kivi-4", "int8"]
-
 
 @pytest.mark.parametrize("family, bits, msg", [
     ("nope", None, "unknown --family 'nope'"),

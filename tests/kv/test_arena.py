@@ -1,5 +1,7 @@
-"""The KV arena: flush rule, prefill straight into the tail, chunked == one-shot, truncate and
-layer repair, context shift against a dense reference, exact byte accounting, errors."""
+"""The KV arena (runtime/kv/arena.py): flush rule, prefill straight into the tail, chunked ==
+one-shot, truncate and layer repair, per-layer profiles, larger groups, fp32 and the
+uncompressed arenas, errors. Context shift: test_arena_shift.py; the configuration:
+test_kv_config.py; byte accounting: test_build.py."""
 import json
 
 import pytest
@@ -8,10 +10,9 @@ from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
 from kvrun.errors import KvrunError
-from kvrun.kv import (KVArena, build_cache, kv_bytes_at, load_profile,
-                              parse_kv, save_profile)
+from kvrun.kv import build_cache, kv_bytes_at, load_profile, parse_kv, save_profile
+from kvrun.kv.arena import KVArena
 from kvrun.model.llama import Transformer
-from kvrun.kernels.rope import Rope, apply_rope
 from ref_cache import RefCache
 from tiny import tiny_config
 
@@ -147,62 +148,6 @@ def test_context_full_error():
         a.positions(11)
 
 
-def test_context_shift_positions_and_outputs_match_reference():
-    """fp16 tail (lossless): after a shift the arena equals dense attention over the kept
-    tokens with their keys re-roped at positions 0..n-1."""
-    ctx, n_keep, G = 160, 4, 32
-    a = build_cache(CFG, ctx, parse_kv("fp16/fp16", residual=32, group=G, ctx_policy="shift",
-                                       n_keep=n_keep))
-    rope = Rope(D, CFG.rope_theta, None, 512)
-    torch.manual_seed(0)
-    kraw = torch.randn(L, 1, Hkv, ctx, D)                         # keys before RoPE
-    vals = torch.randn(L, 1, Hkv, ctx, D)
-    pos = a.positions(ctx)
-    cos, sin = rope.tables(pos, torch.float32)
-    for l in range(L):
-        a.attend(l, torch.randn(1, H, ctx, D), apply_rope(kraw[l], cos, sin), vals[l])
-    a.commit(ctx)
-    newpos = a.positions(1)                                       # triggers the shift
-    keep_a = G                                                    # n_keep rounded up to a block
-    nd = (ctx - keep_a) // 2
-    kept = list(range(keep_a)) + list(range(keep_a + nd, ctx))
-    assert a.seq_len == len(kept) and newpos.tolist() == [len(kept)]
-    q = torch.randn(1, H, 1, D)
-    kn, vn = torch.randn(1, Hkv, 1, D), torch.randn(1, Hkv, 1, D)
-    c1, s1 = rope.tables(newpos, torch.float32)
-    for l in range(L):
-        out = a.attend(l, apply_rope(q, c1, s1), apply_rope(kn, c1, s1), vn)
-        ck, sk = rope.tables(torch.arange(len(kept)), torch.float32)
-        K = torch.cat([apply_rope(kraw[l][:, :, kept], ck, sk), apply_rope(kn, c1, s1)], 2)
-        V = torch.cat([vals[l][:, :, kept], vn], 2)
-        ref = dense_attention(apply_rope(q, c1, s1), K.half().float(), V.half().float(), len(kept))
-        assert_close(out, ref, atol=5e-3, rtol=5e-3)
-    a.commit(1)
-
-
-def test_context_shift_with_compressed_codec_keeps_working():
-    a = build_cache(CFG, 200, parse_kv("kivi-2", residual=32, group=32, ctx_policy="shift"))
-    g = torch.Generator().manual_seed(0)
-    _feed(a, 190, g)
-    _feed(a, 20, g)                                               # shifts once
-    assert a.n_shifts == 1 and a.seq_len == 32 + (190 - 32) - (190 - 32) // 2 + 20
-    assert all(nt + w == a.seq_len for nt, w in zip(a.n_tail, a.n_win))
-
-
-@pytest.mark.parametrize("spec", ["kivi-2", "tada-4", "gear", "int8/kivi-4", "fp16"])
-def test_byte_accounting_equals_allocated_storage(spec):
-    kv = parse_kv(spec, residual=64, group=32, tada_mu="int8")
-    a = build_cache(CFG, 333, kv)
-    nb = a.nbytes()
-    if isinstance(a, KVArena):
-        allocated = sum(t.nbytes for st in a.k_store + a.v_store for t in st.values())
-        assert sum(nb.values()) == allocated + a.win_k.nbytes + a.win_v.nbytes
-        assert nb["window"] == a.win_k.nbytes + a.win_v.nbytes
-    else:
-        assert sum(nb.values()) == a.k.nbytes + a.v.nbytes
-    assert {k: v for k, v in nb.items() if v} == {k: v for k, v in kv_bytes_at(CFG, kv, 333).items() if v}
-
-
 def test_per_layer_profile(tmp_path):
     p = tmp_path / "prof.json"
     save_profile(p, [("tada-4", "tada-2"), ("kivi-2", "fp16")], model="tiny")
@@ -217,38 +162,6 @@ def test_per_layer_profile(tmp_path):
     p.write_text(json.dumps({"format": "kvrun-kv-profile", "layers": [{"k": "kivi-2", "v": "fp16"}]}))
     with pytest.raises(KvrunError, match="1 layers"):
         build_cache(CFG, 300, parse_kv("fp16", profile=p))
-
-
-@pytest.mark.parametrize("kw,match", [
-    (dict(spec="kivi-5"), "valid: fp16"),
-    (dict(spec="kivi-3"), "kivi-3 stores keys only"),
-    (dict(spec="kivi-2", residual=100), "multiple of the group"),
-    (dict(spec="gear-l", rank=32), "rank"),
-    (dict(spec="gear", sparsity=60), "sparsity"),
-    (dict(spec="tada-4", group=24), "multiple of 32"),
-    (dict(spec="int8", group=48), "multiple of 32"),
-    (dict(spec="kivi-2", group=16), "multiple of 32"),
-    (dict(spec="tada-4", ctx_policy="evict"), "context policy"),
-])
-def test_config_errors(kw, match):
-    with pytest.raises(KvrunError, match=match):
-        parse_kv(**kw)
-
-
-def test_v_group_must_divide_head_dim():
-    with pytest.raises(KvrunError, match="does not divide"):
-        build_cache(CFG, 100, parse_kv("kivi-2", v_group=48))
-
-
-def test_group_suffix_sets_both_groups_and_labels():
-    kv = parse_kv("kivi-4@64+rot")
-    assert (kv.group, kv.v_group, kv.rotation.which) == (64, 64, "kv")
-    assert kv.label() == "kivi-4@64+rot"
-    assert parse_kv("kivi-2").label() == "kivi-2"
-    assert parse_kv("kivi-2", group=64).label() == "kivi-2@64/32"
-    for bad in ("kivi-4@", "kivi-4@x", "kivi-4@0"):
-        with pytest.raises(KvrunError, match="after '@'"):
-            parse_kv(bad)
 
 
 @pytest.mark.parametrize("spec", ["kivi-2@64", "kivi-4@64", "gear-l@64"])
@@ -287,26 +200,6 @@ def test_fp32_is_a_method_like_the_others():
     assert kt.dtype == torch.float32 and a.n_tail[0] == 150 - 64 - (150 - 64) % 32
     with pytest.raises(KvrunError, match="valid"):
         parse_kv("fp64")
-
-
-def test_config_parts_and_flat_settings_round_trip():
-    """KVConfig is its format plus three parts (context, rotation, eviction), made from flat
-    setting names and written back as the same names (a profile's "kv" object)."""
-    from kvrun.kv.config import SETTINGS, ContextPolicy, Eviction, KVConfig, Rotation
-    kv = parse_kv("kivi-4+rot-k", residual=64, evict="h2o", budget=512, sinks=8,
-                  evict_slack=32, rotate_seed=3)
-    assert kv.context == ContextPolicy("error", 4)
-    assert kv.rotation == Rotation("k", 3, None)
-    assert kv.eviction == Eviction("h2o", 512, sinks=8, slack=32)
-    assert kv.evict_tail() == (512 - 64 - 32) // 32 * 32
-    flat = kv.settings()
-    assert set(flat) == set(SETTINGS) and flat["evict_slack"] == 32 and flat["rotate"] == "k"
-    assert KVConfig.from_settings(**flat) == kv
-    again = kv.replace(evict="none", budget=None, ctx_policy="shift", n_keep=2)
-    assert not again.eviction.on and again.context == ContextPolicy("shift", 2)
-    assert again.rotation == kv.rotation and again.residual == 64     # the rest kept
-    with pytest.raises(KvrunError, match="unknown KV setting 'window'"):
-        KVConfig.from_settings(window=64)
 
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "fp32"])

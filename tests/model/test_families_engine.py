@@ -71,7 +71,7 @@ def test_every_codec_decodes_on_the_one_call_step(fam, kv, monkeypatch):
     """Every decode token of every family runs the one-call native step on each codec (a
     40-token chunk, then 24 single steps past a flush of 32), and its logits are the torch
     oracle's on the same codec, both with fp32 GEMVs and attention sums (the integer paths
-    have their own bounds: test_decode_step.py, tests/kernels). TaDA on one KV head (its mean
+    have their own bounds: test_native_rows.py, tests/kernels). TaDA on one KV head (its mean
     is the key itself) is refused in one line instead."""
     name, d = fam
     monkeypatch.setenv("KVRUN_ATTN", "fp32")

@@ -21,8 +21,9 @@ import torch
 
 import kvrun
 from kvrun.kernels.dense_attention import causal_mask, dense_attention
-from kvrun.model.chat_template import template_for
 from kvrun.errors import KvrunError
+from kvrun.model.gemma3 import GeGLUMLP, OffsetRMSNorm
+from kvrun.model.layers import RMSNorm
 from hf_oracle import greedy_pair
 from ref_cache import RefCache
 from tiny import tiny_config
@@ -172,26 +173,29 @@ def test_chat_multi_turn_appends_to_the_cache(gemma):
 
 # -- no download needed -----------------------------------------------------------------------
 
-def test_gemma_template_renders_like_its_jinja():
-    t = template_for("gemma")
-    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": " Hi \n"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
-    assert t.render(msgs) == ("<bos><start_of_turn>user\nBe terse.\n\nHi<end_of_turn>\n"
-                              "<start_of_turn>model\nHello.<end_of_turn>\n"
-                              "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
-    assert t.render(msgs[1:2], add_generation_prompt=False) == "<bos><start_of_turn>user\nHi<end_of_turn>\n"
-    assert t.continue_after_reply(msgs[3:]) == ("<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n"
-                                                "<start_of_turn>model\n")
+def test_offset_norm_scales_by_one_plus_the_weight():
+    n = OffsetRMSNorm(32, 1e-6)
+    assert torch.equal(n.weight, torch.zeros(32))                # initialized to the identity scale
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    plain = RMSNorm(32, 1e-6)
+    assert torch.equal(n(x), plain(x))
+    with torch.no_grad():
+        n.weight.copy_(torch.linspace(-0.5, 0.5, 32))
+        plain.weight.copy_(1 + n.weight)
+    torch.testing.assert_close(n(x), plain(x), atol=1e-6, rtol=1e-6)
+    assert torch.equal(n.multiplier(), 1 + n.weight)
 
 
-def test_layer_kinds_from_the_config():
-    c = tiny_config("gemma3", num_layers=12, sliding_window=7)
-    assert c.layer_windows == [7] * 5 + [0] + [7] * 5 + [0]
-    assert tiny_config().layer_windows == [0, 0]
-    with pytest.raises(KvrunError, match="layer_types must list 2 entries"):
-        tiny_config(layer_types=["full_attention"])
-    with pytest.raises(KvrunError, match="need sliding_window"):
-        tiny_config(layer_types=["sliding_attention"] * 2)
+def test_geglu_takes_gelu_tanh():
+    m = GeGLUMLP(16, 24)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(3, 16, generator=g)
+    gate, up = x @ m.gate_proj.weight.T, x @ m.up_proj.weight.T
+    tanh_gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3)))
+    torch.testing.assert_close(m(x), (tanh_gelu * up) @ m.down_proj.weight.T, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T,q_start,window", [(1, 20, 8), (5, 0, 3), (9, 12, 4), (6, 30, 40), (3, 5, 1)])

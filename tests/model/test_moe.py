@@ -16,12 +16,38 @@ from kvrun.errors import KvrunError
 from kvrun.kv.build import build_cache
 from kvrun.model import qlinear
 from kvrun.model.config import ModelConfig
+from kvrun.model.moe import SparseMoeBlock, route
 from kvrun.model.native_step import NativeDecodeStep
 from test_families import CTX, PROMPT, _checkpoint, _stepped
 
 
 def _ids(n: int) -> torch.Tensor:
     return torch.randint(3, 259, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def test_route_takes_the_top_k_of_the_fp32_softmax():
+    logits = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 1.0, 1.0, 2.0]]))    # probs ∝ these
+    w, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[3, 2], [0, 3]]
+    torch.testing.assert_close(w, torch.tensor([[0.4, 0.3], [0.5, 0.25]]))
+    w, _ = route(logits.half(), 2, renormalize=True)
+    assert w.dtype == torch.float16
+    torch.testing.assert_close(w.float(), torch.tensor([[4 / 7, 3 / 7], [2 / 3, 1 / 3]]), atol=1e-3, rtol=0)
+
+
+def test_the_sparse_block_is_the_weighted_sum_of_each_tokens_experts():
+    cfg = ModelConfig(architecture="qwen3moe", vocab_size=16, hidden_size=16, num_heads=2, num_kv_heads=1,
+                      num_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    block = SparseMoeBlock(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(2, 5, 16, generator=g)
+    w, ids = route(block.gate(x.view(-1, 16)), 2, cfg.norm_topk_prob)
+    want = torch.stack([sum(w[n, j] * block.experts[int(ids[n, j])](x.view(-1, 16)[n]) for j in range(2))
+                        for n in range(10)]).view(2, 5, 16)
+    torch.testing.assert_close(block(x), want, atol=1e-6, rtol=1e-5)
 
 
 def test_unnormalized_top_k_and_sparse_step_equal_transformers(tmp_path, monkeypatch):

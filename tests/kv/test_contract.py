@@ -3,8 +3,9 @@ the engine and the reports ask it directly, never with getattr probes."""
 import pytest
 import torch
 
-from kvrun.kv import KVCache, make_cache, parse_kv
+from kvrun.kv import make_cache, parse_kv
 from kvrun.kv.arena import KVArena
+from kvrun.kv.contract import KVCache
 from kvrun.kv.ring import LayeredKVCache
 from tiny import tiny_config
 

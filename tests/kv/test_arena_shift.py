@@ -1,6 +1,8 @@
-"""Context shift in generation and chat: with `--ctx-policy shift` the
-token loop and chat go on past -c for every cache, positions stay exact, memory stays the
-arena's, and a prompt longer than what a shift keeps is one clear error."""
+"""Context shift (runtime/kv/arena_shift.py, planned by KVArena.shift): one layer's shift
+against RoPE at the new positions, the arena against dense attention over the kept tokens,
+and in generation and chat: with `--ctx-policy shift` the token loop and chat go on past -c
+for every cache, positions stay exact, memory stays the arena's, and a prompt longer than
+what a shift keeps is one clear error."""
 import json
 
 import pytest
@@ -10,8 +12,13 @@ from torch.testing import assert_close
 import kvrun
 from kvrun.engine.chat_session import ChatSession
 from kvrun.errors import KvrunError
+from kvrun.kernels import dense_attention
+from kvrun.kernels.rope import Rope, apply_rope
+from kvrun.kv.arena_shift import shift_layer
+from kvrun.kv.build import build_cache
 from kvrun.kv.config import parse_kv
 from kvrun.engine.sampling import SamplingParams
+from test_arena import CFG, D, H, Hkv, L, _feed
 from tiny import make_tiny_model_dir
 
 CTX = 128
@@ -46,6 +53,77 @@ def _kv(method, tmp_path, **kw):
 def _ids(n, seed=0):
     return torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
+
+# -- one layer, then the arena -----------------------------------------------------------------
+
+@pytest.mark.parametrize("n,a,nd", [(100, 32, 30), (70, 40, 10)])     # sinks in the tail / window
+def test_shift_layer_keeps_the_sinks_and_rerotates_the_rest(n, a, nd):
+    """fp32 (lossless): after shift_layer(a, nd) a layer holds tokens [0, a) as they were and
+    tokens [a + nd, n) with their keys at positions a .. n - nd - 1 (RoPE of the raw keys at
+    those positions), their values untouched; the other layer is not touched."""
+    c = build_cache(CFG, 160, parse_kv("fp32", residual=32, group=32))
+    rope = Rope(D, CFG.rope_theta, None, 512)
+    g = torch.Generator().manual_seed(0)
+    kraw, v = (torch.randn(L, Hkv, n, D, generator=g) for _ in range(2))       # keys before RoPE
+    cos, sin = rope.tables(torch.arange(n), torch.float32)
+    c.ingest(apply_rope(kraw, cos, sin), v)
+    before = c.rows(1)
+    ang = -nd * c.inv_freq                                                     # (D/2,)
+    emb = torch.cat([ang, ang])[None].float()                                  # (1, D)
+    shift_layer(c, 0, a, nd, emb.cos(), emb.sin())
+    kept = list(range(a)) + list(range(a + nd, n))
+    k0, v0 = c.rows(0)
+    assert k0.shape == (Hkv, n - nd, D) and c.n_tail[0] + c.n_win[0] == n - nd
+    cn, sn = rope.tables(torch.arange(n - nd), torch.float32)
+    assert_close(k0, apply_rope(kraw[0][:, kept], cn, sn), atol=1e-5, rtol=1e-5)
+    assert torch.equal(v0, v[0][:, kept])
+    assert all(torch.equal(x, y) for x, y in zip(c.rows(1), before))
+
+
+def test_context_shift_positions_and_outputs_match_reference():
+    """fp16 tail (lossless): after a shift the arena equals dense attention over the kept
+    tokens with their keys re-roped at positions 0..n-1."""
+    ctx, n_keep, G = 160, 4, 32
+    a = build_cache(CFG, ctx, parse_kv("fp16/fp16", residual=32, group=G, ctx_policy="shift",
+                                       n_keep=n_keep))
+    rope = Rope(D, CFG.rope_theta, None, 512)
+    torch.manual_seed(0)
+    kraw = torch.randn(L, 1, Hkv, ctx, D)                         # keys before RoPE
+    vals = torch.randn(L, 1, Hkv, ctx, D)
+    pos = a.positions(ctx)
+    cos, sin = rope.tables(pos, torch.float32)
+    for l in range(L):
+        a.attend(l, torch.randn(1, H, ctx, D), apply_rope(kraw[l], cos, sin), vals[l])
+    a.commit(ctx)
+    newpos = a.positions(1)                                       # triggers the shift
+    keep_a = G                                                    # n_keep rounded up to a block
+    nd = (ctx - keep_a) // 2
+    kept = list(range(keep_a)) + list(range(keep_a + nd, ctx))
+    assert a.seq_len == len(kept) and newpos.tolist() == [len(kept)]
+    q = torch.randn(1, H, 1, D)
+    kn, vn = torch.randn(1, Hkv, 1, D), torch.randn(1, Hkv, 1, D)
+    c1, s1 = rope.tables(newpos, torch.float32)
+    for l in range(L):
+        out = a.attend(l, apply_rope(q, c1, s1), apply_rope(kn, c1, s1), vn)
+        ck, sk = rope.tables(torch.arange(len(kept)), torch.float32)
+        K = torch.cat([apply_rope(kraw[l][:, :, kept], ck, sk), apply_rope(kn, c1, s1)], 2)
+        V = torch.cat([vals[l][:, :, kept], vn], 2)
+        ref = dense_attention(apply_rope(q, c1, s1), K.half().float(), V.half().float(), len(kept))
+        assert_close(out, ref, atol=5e-3, rtol=5e-3)
+    a.commit(1)
+
+
+def test_context_shift_with_compressed_codec_keeps_working():
+    a = build_cache(CFG, 200, parse_kv("kivi-2", residual=32, group=32, ctx_policy="shift"))
+    g = torch.Generator().manual_seed(0)
+    _feed(a, 190, g)
+    _feed(a, 20, g)                                               # shifts once
+    assert a.n_shifts == 1 and a.seq_len == 32 + (190 - 32) - (190 - 32) // 2 + 20
+    assert all(nt + w == a.seq_len for nt, w in zip(a.n_tail, a.n_win))
+
+
+
+# -- generation and chat ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", METHODS)
 def test_generation_runs_past_the_context_with_shift(tiny32, tmp_path, method):
@@ -140,16 +218,3 @@ def test_sinks_that_would_fill_a_block_of_the_context_still_shift(tiny32, tmp_pa
     events = list(m.engine.stream(_ids(4), 80, GREEDY, set()))
     assert events[-1].finish_reason == "length" and m.engine.n_shifts > 0
     assert m.engine.cached[:4] == _ids(4)                 # the sinks survive every shift
-
-
-def test_kv_report_says_what_shifts_did(tiny32, tmp_path):
-    """/kv names the policy and counts the shifts and dropped tokens (a shift happened
-    silently before)."""
-    from kvrun.kv.report import format_kv
-    m = kvrun.load(tiny32, dtype="fp32", ctx=CTX, kv=_kv("fp16", tmp_path))
-    assert "0 shifts so far" in format_kv(m)
-    list(m.engine.stream(list(range(1, 20)), 200, GREEDY, set()))     # no stop token
-    e = m.engine
-    assert e.n_shifts >= 1
-    assert (f"{e.n_shifts} shift{'s' if e.n_shifts != 1 else ''} so far, "
-            f"{e.n_dropped} tokens dropped") in format_kv(m)

@@ -4,9 +4,9 @@ The arena is checked in lockstep against a reference cache that keeps every K/V 
 over exactly the tokens the arena reports kept, at their original positions (so a wrong RoPE
 position, a wrong slot gather or a lost token changes the logits). Then: bounded memory with
 the compressed codecs, generation and truncate past the budget, the configuration and CLI
-errors, the CLI with eviction, the kv report, an interrupted forward and TaDA's sinks. The
-policies alone are in test_evict_policies.py; what a compaction re-packs is in
-test_evict_compaction.py."""
+errors, the CLI with eviction, an interrupted forward and TaDA's sinks. The policies alone
+are in test_evict_policies.py, what a compaction re-packs in test_arena_evict_compaction.py,
+the kv report in test_report.py."""
 from __future__ import annotations
 
 import sys
@@ -281,20 +281,6 @@ def test_cli_ppl_with_eviction(tiny32_dir, tmp_path):
     assert recs[1]["kld"] > 0                      # 384-token windows do not fit 224 tokens
     r = CliRunner().invoke(main, ["ppl", str(f), "-m", str(tiny32_dir), "--evict", "h2o"])
     assert r.exit_code != 0 and "needs --kv-budget" in r.output
-
-
-def test_kv_report_shows_eviction(tiny_dir):
-    from kvrun.kv.report import format_kv
-    m = kvrun.load(tiny_dir, dtype="fp32", ctx=1024,
-                   kv=parse_kv("fp16", residual=16, group=16, evict="h2o", budget=64))
-    m.transformer(torch.randint(3, 200, (1, 200)), m.engine.cache)
-    rep = format_kv(m)
-    c = m.engine.cache
-    assert "eviction: h2o, budget 64 tokens/layer" in rep
-    # tail 64 - 16 - 16 = 32 tokens + a window of 24 (200 - 176 flushed in blocks of 16)
-    assert "holding 56-56 per layer" in rep and sum(c.ev.n_drop) == 2 * (200 - 56)
-    assert f"{sum(c.ev.n_drop)} evicted in all" in rep
-    assert parse_kv("fp16", evict="h2o", budget=512).label() == "fp16+h2o@512"
 
 
 def test_interrupted_forward_with_eviction_is_repaired(tiny_dir):

@@ -1,8 +1,9 @@
-"""The codebook codecs (cb-2/3/4, kvrun.kernels.codecs.codebook; their levels and packed group
-layout: test_cbpack.py): the quantizer's scale, the torch codec (the oracle) against explicit dequantization, and the native kernels
-(codebook_attention.c, codebook_portable.c) against it — the flush byte for byte, the
-attention to fp32 rounding — for odd head counts, GQA ratios, tails, windows and chunks,
-with AVX-512, AVX2 and plain C, plus the arena's implied rotation and the `--kv` names."""
+"""The codebook codecs (cb-2/3/4, kvrun.kernels.codecs.codebook; their levels and packed
+group layout: test_cbpack.py): the quantizer's scale, the torch codec (the oracle) against
+explicit dequantization, and the native kernels (codebook_attention.c, codebook_portable.c)
+against it — the flush byte for byte, the attention to fp32 rounding — for odd head counts,
+GQA ratios, tails, windows and chunks, with AVX-512, AVX2 and plain C, plus the arena's
+implied rotation and the `--kv` names."""
 import ctypes
 
 import pytest

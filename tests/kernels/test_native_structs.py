@@ -1,17 +1,10 @@
 """The ctypes mirrors of the C argument structs (kvrun.kernels.native.structs) have C's
 layout, and a mirror that drifts from args.h is named."""
 import ctypes
-import os
-import shutil
-
-import pytest
 
 from kvrun.kernels import native
 from kvrun.kernels.native import structs
-
-needs_gcc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None
-                               or os.environ.get("KVRUN_NATIVE") == "0",
-                               reason="no C compiler here, or native kernels disabled")
+from test_native_build import needs_gcc
 
 
 @needs_gcc

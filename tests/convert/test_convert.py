@@ -1,13 +1,13 @@
-"""Converters: HF folder and GGUF file → kvrun model dir, and the chat template family read
-from a checkpoint's template.
-
-References: the HF state dict of tiny random checkpoints built here with transformers; for
-GGUF, `gguf.quants.dequantize` of the same tensors and transformers' own GGUF loader
+"""The default model's conversion (SmolLM2's Q4_1 GGUF → the pulled model dir): its config,
+every tensor equal to gguf's dequantization, Q/K equal to transformers' own GGUF loader
 (which undoes llama.cpp's Q/K permutation independently of kvrun).
 
-The tiny checkpoints (`_tiny_llama`, `_tiny_qwen2`) and the GGUF writer (`_write_gguf`) are
-shared with test_convert_errors.py (failed and refused conversions), test_convert_cli.py
-(`kvrun convert`'s progress and "exists" message), test_pull.py and test_qweights.py.
+Also the shared pieces of the converter tests: the tiny HF checkpoints built with
+transformers (`_tiny_llama`, `_tiny_qwen2`, and their module fixtures `tiny_llama`,
+`tiny_qwen2`), their chat templates, llama.cpp's Q/K permutation (`_permute`) and a GGUF
+writer (`_write_gguf`), used by test_hf.py, test_gguf_file.py, test_templates.py,
+test_convert_errors.py, test_convert_cli.py, test_pull.py, test_qweights.py and
+test_families.py.
 """
 from __future__ import annotations
 
@@ -20,12 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvrun.convert import convert_gguf, convert_hf
 from kvrun.convert.gguf_file import hf_name, unpermute
 from kvrun.files import file_sha256
-from kvrun.convert.templates import detect_chat_template
 from kvrun.model.config import ModelConfig
-from kvrun.errors import KvrunError
 from kquants import q4_k_blocks
 
 SMOL_TEMPLATE = (
@@ -91,72 +88,12 @@ def tiny_qwen2(tmp_path_factory, smollm2_dir):
     return _tiny_qwen2(tmp_path_factory.mktemp("hf"), smollm2_dir)
 
 
-def test_hf_llama_fp32_weights_exact(tiny_llama, tmp_path):
-    src, ref = tiny_llama
-    cfg = convert_hf(src, tmp_path / "out", dtype="fp32")
-    got = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(got) == set(ref) - {"lm_head.weight"}          # tied head is not stored
-    for k, v in got.items():
-        torch.testing.assert_close(v, ref[k], rtol=0, atol=0)
-    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
-        ("llama", 2, 4, 2, 16)
-    assert cfg.tie_word_embeddings and not cfg.attention_bias
-    assert cfg.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    assert cfg.chat_template == "chatml"
-    assert cfg.default_system == SMOL_SYSTEM
-    assert cfg.bos_token_id == 1 and cfg.eos_token_ids[0] == 2 and 0 in cfg.eos_token_ids
-    assert cfg.source["format"] == "hf" and cfg.source["path"] == str(src)
-    assert cfg.source["sha256"] == file_sha256(src / "model.safetensors")
-    on_disk = ModelConfig.from_file(tmp_path / "out" / "config.json")
-    assert on_disk == cfg
-
-
-def test_hf_qwen2_bias_and_bf16(tiny_qwen2, tmp_path):
-    src, ref = tiny_qwen2
-    cfg = convert_hf(src, tmp_path / "out")                   # default dtype: bf16
-    got = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(got) == set(ref)                               # untied: lm_head kept
-    assert "model.layers.1.self_attn.k_proj.bias" in got
-    for k, v in got.items():
-        assert v.dtype == torch.bfloat16
-        torch.testing.assert_close(v, ref[k].to(torch.bfloat16), rtol=0, atol=0)
-    assert cfg.architecture == "qwen2" and cfg.attention_bias and cfg.rope_theta == 1e6
-    assert cfg.rope_scaling is None and cfg.torch_dtype == "bf16"
-    assert cfg.default_system == "You are a helpful assistant."
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
-
-
-def test_hf_logits_match_transformers(tiny_qwen2, tmp_path):
-    """End to end: converted weights in kvrun's Transformer give the HF model's logits."""
-    import transformers
-    from ref_cache import RefCache
-    from kvrun.model.llama import Transformer
-    src, _ = tiny_qwen2
-    cfg = convert_hf(src, tmp_path / "out", dtype="fp32")
-    model = Transformer(cfg).float()
-    model.load_weights(load_file(str(tmp_path / "out" / "model.safetensors")))
-    ids = torch.tensor([[1, 4093, 198, 6004, 2, 198, 33, 34, 35]])
-    cache = RefCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, dtype=torch.float32)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(src, dtype=torch.float32)
-    with torch.no_grad():
-        want = hf(ids).logits
-    torch.testing.assert_close(model(ids, cache), want, rtol=1e-4, atol=1e-4)
-
-
 # -- GGUF ------------------------------------------------------------------------------------
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp convert_hf_to_gguf.py's permute (the direction kvrun undoes)."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
-
-
-@pytest.mark.parametrize("n_head,head_dim,cols", [(4, 16, 8), (3, 6, 5), (9, 64, 1)])
-def test_unpermute_inverts_llama_cpp_permute(n_head, head_dim, cols):
-    w = torch.randn(n_head * head_dim, cols)
-    torch.testing.assert_close(unpermute(_permute(w, n_head), n_head), w, rtol=0, atol=0)
-    assert not torch.equal(_permute(w, n_head), w)
 
 
 def test_smollm2_config(smollm2_dir, smollm2_gguf):
@@ -205,21 +142,6 @@ def test_smollm2_qk_match_transformers_gguf_loader(smollm2_dir, smollm2_reader,
         torch.testing.assert_close(unpermute(deq, heads), ref)               # fp32, exact path
         torch.testing.assert_close(got[name].float(), ref, rtol=0, atol=0)
         assert not torch.allclose(deq, ref)          # the file really is permuted
-
-
-def _llama3_rope_freqs(head_dim, theta, factor, low, high, old_ctx) -> np.ndarray:
-    """The per-frequency divisors llama.cpp's converter writes as rope_freqs.weight."""
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * np.pi * theta ** (i / head_dim)
-        if wavelen < old_ctx / high:
-            out.append(1.0)
-        elif wavelen > old_ctx / low:
-            out.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
 
 
 def _qtype(hf_name: str, qtypes: dict, default=None):
@@ -279,62 +201,3 @@ def _write_gguf(path: Path, arch: str, state: dict, reader, tied: bool, qtypes: 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_round_trip_from_hf(arch, tiny_llama, tiny_qwen2, smollm2_reader, tmp_path):
-    """HF weights → GGUF (Q/K permuted, some tensors F16/Q8_0/Q4_1) → kvrun: equal to the
-    HF weights as the GGUF stores them (dequantized)."""
-    import gguf
-    T = gguf.GGMLQuantizationType
-    src, state = tiny_llama if arch == "llama" else tiny_qwen2
-    tied = arch == "llama"
-    qtypes = {"up_proj.weight": T.Q8_0, "v_proj.weight": T.F16, "gate_proj.weight": T.Q4_1}
-    freqs = _llama3_rope_freqs(16, 10000.0, 8.0, 1.0, 4.0, 8192) if arch == "llama" else None
-    path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(path, arch, state, smollm2_reader, tied, qtypes, rope_freqs=freqs)
-    cfg = convert_gguf(path, tmp_path / "out", dtype="fp32")
-    got = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(got) == set(state) - ({"lm_head.weight"} if tied else set())
-    for k, v in got.items():
-        want = state[k].float()
-        q = _qtype(k, qtypes)
-        if q is not None:       # what llama.cpp's quantizer kept, dequantized by gguf
-            want = torch.from_numpy(np.array(gguf.quants.dequantize(
-                gguf.quants.quantize(want.numpy(), q), q)))
-        torch.testing.assert_close(v, want, rtol=0, atol=0, msg=k)
-    assert (cfg.architecture, cfg.tie_word_embeddings, cfg.attention_bias) == \
-        (arch, tied, arch == "qwen2")
-    assert cfg.source["file_type"] == 7
-    if arch == "llama":
-        assert cfg.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 8192}
-    else:
-        assert cfg.rope_scaling is None and cfg.rope_theta == 1e6
-
-
-def test_gguf_unsupported_quant_type(tiny_qwen2, smollm2_reader, tmp_path):
-    import gguf
-    path = tmp_path / "mxfp4.gguf"
-    _write_gguf(path, "qwen2", tiny_qwen2[1], smollm2_reader, False,
-                {"down_proj.weight": gguf.GGMLQuantizationType.MXFP4})
-    with pytest.raises(KvrunError, match="uses GGUF type MXFP4, which kvrun does not convert"):
-        convert_gguf(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-# -- chat templates --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("template,family,system", [
-    (SMOL_TEMPLATE, "chatml", SMOL_SYSTEM),
-    (QWEN_TEMPLATE, "chatml", "You are a helpful assistant."),
-    ("{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}", "chatml", None),
-    ("{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' }}", "llama3", None),
-    ("{{ '[INST] ' + m['content'] + ' [/INST]' }}", "mistral", None),
-    ("{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}", "gemma", None),
-    ("{{ m['content'] }}", "none", None),
-    (None, "none", None),
-])
-def test_detect_chat_template(template, family, system):
-    assert detect_chat_template(template) == (family, system)

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvrun.convert.writer import check_destination
 from kvrun.cli.main import main
 from kvrun.errors import KvrunError
 from tiny import make_tiny_model_dir, write_tiny_hf
@@ -167,21 +166,6 @@ def test_read_only_parent_real(work):
         ro.chmod(0o755)
 
 
-def test_library_check_destination(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for bad in ("", " ", ".", str(tmp_path)):
-        with pytest.raises(KvrunError):
-            check_destination(bad, overwrite=True)
-    home = tmp_path / "elsewhere" / "me"                # $HOME not above the cwd
-    home.mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
-    for bad in ("~", str(home.parent)):
-        with pytest.raises(KvrunError, match="is the home directory or one of its parents"):
-            check_destination(bad, overwrite=True)
-    assert check_destination("new/dir", overwrite=False) == tmp_path / "new" / "dir"
-    assert not (tmp_path / "new").exists()              # checking creates nothing
-
-
 def test_pull_refuses_a_foreign_directory_where_its_model_goes(tmp_path, monkeypatch):
     """`kvrun pull` writes through the same code: it replaces a broken model dir of its own
     but not a directory of someone else's files at that name."""
@@ -252,21 +236,3 @@ def test_pull_disk_full_while_assembling_the_gguf(tmp_path, monkeypatch):
     assert list(out.parent.iterdir()) == []
 
 
-def test_a_killed_conversions_temp_dir_is_swept(tmp_path):
-    """kill -9 mid-convert left a hidden 216 MB temp dir forever; the next conversion to
-    the same destination removes it once its writer's PID no longer runs (a running
-    writer's, or another destination's, stay)."""
-    from kvrun.convert.writer import atomic_dir
-    from test_files import _dead_pid
-    out = tmp_path / "m"
-    dead = tmp_path / f".m.tmp-{_dead_pid()}-0badf00d"
-    live = tmp_path / ".m.tmp-1-0badf00d"                # pid 1 runs
-    other = tmp_path / f".n.tmp-{_dead_pid()}-0badf00d"
-    for d in (dead, live, other):
-        d.mkdir()
-        (d / "model.safetensors").write_bytes(b"half")
-    with atomic_dir(out) as tmp:
-        assert f".m.tmp-{os.getpid()}-" in tmp.name
-        (tmp / "config.json").write_text("{}")
-    assert not dead.exists() and live.exists() and other.exists()
-    assert (out / "config.json").read_text() == "{}"

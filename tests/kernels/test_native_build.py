@@ -1,6 +1,8 @@
 """The native kernels build wherever a C compiler is present. Every native test skips when
 they do not (a machine without gcc runs the torch path), so a compile error in a C source
-would otherwise turn those tests into skips and pass unnoticed."""
+would otherwise turn those tests into skips and pass unnoticed. A build is cached per
+flags and written atomically (a killed build's temp is swept later). The structs' layout
+check is tested in test_native_structs.py."""
 import ctypes.util
 import os
 import shutil
@@ -62,31 +64,29 @@ def test_a_named_library_that_cannot_load_is_reported(monkeypatch, tmp_path, lib
 
 
 @needs_gcc
-def test_every_mirrored_struct_has_cs_layout():
-    """The ctypes mirrors (kernels/native/structs.py) against the layout table the build
-    generates from them and compiles against args.h: equal on the default and the portable
-    build, so no argument is read from the wrong offset."""
-    from kvrun.kernels.native.structs import MIRRORS, check_layout
-    assert len(MIRRORS) == 9                     # Codec, Args, ..., Weight, Moe, ...
-    assert check_layout(native.load()) is None
-    assert check_layout(ctypes.CDLL(str(native._build(("-DKVRUN_NO_AVX512",))))) is None
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
+    a = native._build()
+    mtime = a.stat().st_mtime_ns
+    assert native._build() == a and a.stat().st_mtime_ns == mtime   # built once
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [a.name]  # no temp left
 
 
 @needs_gcc
-def test_a_mirror_that_drifts_from_c_is_named(monkeypatch):
-    """A field whose ctypes type no longer matches C (RingArgs.Hkv widened to int64), or a
-    field added on the Python side only: check_layout names what differs."""
-    import ctypes as c
-    from kvrun.kernels.native import structs
-    lib, original = native.load(), structs.MIRRORS
-    fields = list(structs.RingArgs._fields_)
+def test_a_killed_builds_temp_is_removed_later(tmp_path, monkeypatch):
+    """SIGKILL (or SIGTERM in a program with no handler) skips the build's `finally`: the
+    next build removes a temp older than any compile, and leaves a fresh one (a concurrent
+    build's) alone."""
+    import os
+    import time
+    monkeypatch.setenv("KVRUN_HOME", str(tmp_path))
+    d = tmp_path / "native"
+    d.mkdir()
+    old, fresh = d / (native.TMP_PREFIX + "killed.so"), d / (native.TMP_PREFIX + "running.so")
+    old.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    t = time.time() - native.STALE_S - 60
+    os.utime(old, (t, t))
+    a = native._build()
+    assert sorted(p.name for p in d.iterdir()) == sorted([a.name, fresh.name])
 
-    class Wide(c.Structure):
-        _fields_ = [("Hkv", c.c_int64)] + fields[1:]
-
-    class Longer(c.Structure):
-        _fields_ = fields + [("extra", c.c_void_p)]
-    for cls, what in ((Wide, "RingArgs.Gq"), (Longer, "entries")):
-        mirrors = tuple((cls if m is structs.RingArgs else m, n) for m, n in original)
-        monkeypatch.setattr(structs, "MIRRORS", mirrors)
-        assert what in (structs.check_layout(lib) or ""), what

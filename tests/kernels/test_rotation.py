@@ -1,36 +1,14 @@
-"""Hadamard-rotated codecs: the fast transform equals the explicit matrix; rotated attention
-equals attention over the same dequantized values un-rotated; shift still re-ropes right."""
+"""Hadamard-rotated caches: rotated attention equals attention over the same dequantized
+values un-rotated; shift still re-ropes right (the transform itself: test_hadamard.py)."""
 import pytest
 import torch
 from torch.testing import assert_close
 
 from kvrun.kernels import dense_attention
-from kvrun.kernels.hadamard import block_size, fwht, random_signs, rotation_matrix
 from kvrun.errors import KvrunError
 from kvrun.kv import build_cache, kv_bytes_at, parse_kv
 from kvrun.kernels.rope import Rope, apply_rope
 from tiny import tiny_config
-
-
-@pytest.mark.parametrize("D", [64, 128, 80, 96, 6])
-@pytest.mark.parametrize("seed", [None, 3])
-def test_fast_transform_equals_matrix_and_is_orthogonal(D, seed):
-    s = random_signs(D, seed) if seed is not None else None
-    r = rotation_matrix(D, s)
-    x = torch.randn(7, 3, D)
-    assert_close(fwht(x, s), x @ r, atol=1e-5, rtol=1e-5)
-    assert_close(r @ r.T, torch.eye(D), atol=1e-6, rtol=0)
-
-
-def test_non_power_of_two_is_block_diagonal_and_odd_is_refused():
-    assert block_size(80) == 16 and block_size(96) == 32 and block_size(128) == 128
-    r = rotation_matrix(80)
-    assert torch.count_nonzero(r[:16, 16:]) == 0                 # blocks do not mix
-    with pytest.raises(ValueError):
-        block_size(63)
-    # an odd head dim cannot be rotated by RoPE either: the config refuses it before any cache
-    with pytest.raises(KvrunError, match="must be even"):
-        tiny_config(num_heads=2, num_kv_heads=1, hidden_size=126)       # D = 63
 
 
 def _cfg(H, Hkv, D=64):

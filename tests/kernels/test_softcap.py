@@ -122,7 +122,7 @@ def test_torch_decode_attention_caps(method, geom):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "-".join(map(str, g)))
 def test_native_decode_attention_caps(attn, method, geom):
-    """fp32: exact against the dequantized rows (test_native_kernels.py's tolerance); int
+    """fp32: exact against the dequantized rows (test_native_decode_attention.py's tolerance); int
     (int8 and KIVI keys' q·K in int32 over int16 queries, then the fp32 logits capped): to
     the integer scheme's error, ~1e-4 of a logit's spread (test_int_attention.py) — here
     logits of spread ~8 — through a cap whose slope is at most 1."""
@@ -142,7 +142,7 @@ def test_native_fused_routes_cap(rot):
     """The arena's fused native routes (attend_append: rotate + round + window write +
     attention, one call; FusedStep: the same for one token, its arguments built once) carry
     the cap as decode_attention does: their outputs equal the capped kernel over the steps
-    done apart (test_native_kernels.py's test_fused_append_equals_the_steps)."""
+    done apart (test_native_decode_attention.py's test_fused_append_equals_the_steps)."""
     from kvrun.kernels.hadamard import random_signs, rotate, rotation_matrix, unrotate
     from kvrun.kernels.native.decode_attention import attend_append, decode_attention, fused_step
     Hkv, Gq, D, n_tail, W = 2, 3, 64, 96, 7
@@ -206,7 +206,7 @@ def _rings(bits, D, Hkv, H, W, seed):
                                           ("triton", 4), ("triton", 8)])
 def test_ring_step_caps(monkeypatch, backend, bits):
     """Each step's stored bytes are equal bit for bit (the cap touches no stored byte) and the
-    outputs agree to fp32 summation order (test_ring_native.py's tolerance), through two
+    outputs agree to fp32 summation order (test_native_ring_attention.py's tolerance), through two
     wrap-arounds of a 9-slot ring; the same steps without the cap are far from them."""
     if backend == "native" and not HAS_NATIVE or backend == "triton" and not HAS_TRITON:
         pytest.skip(f"no {backend} kernels here")

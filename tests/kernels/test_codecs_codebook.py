@@ -1,8 +1,9 @@
-"""The codebook codecs (cb-2/3/4): their Lloyd-Max levels, the packed group layout, the
-torch codec (the oracle) against explicit dequantization, and the native kernels
-(codebook_attention.c, codebook_portable.c) against it — the flush byte for byte, the
-attention to fp32 rounding — for odd head counts, GQA ratios, tails, windows and chunks,
-with AVX-512, AVX2 and plain C, plus the arena's implied rotation and the `--kv` names."""
+"""The codebook codecs (cb-2/3/4, kvrun.kernels.codecs.codebook; their levels and packed
+group layout: test_cbpack.py): the quantizer's scale, the torch codec (the oracle) against
+explicit dequantization, and the native kernels (codebook_attention.c, codebook_portable.c)
+against it — the flush byte for byte, the attention to fp32 rounding — for odd head counts,
+GQA ratios, tails, windows and chunks, with AVX-512, AVX2 and plain C, plus the arena's
+implied rotation and the `--kv` names."""
 import ctypes
 
 import pytest
@@ -11,8 +12,9 @@ from torch.testing import assert_close
 
 from attention_cases import attention_case, dequantized_reference
 from kvrun.errors import KvrunError
-from kvrun.kernels import cbpack, dispatch, native
+from kvrun.kernels import dispatch, native
 from kvrun.kernels.codecs import make_codec, method_family
+from kvrun.kernels.codecs.codebook import CodebookCodec
 from kvrun.kernels.decode_attention import decode_attention as torch_attention
 from kvrun.kernels.hadamard import rotation_matrix
 from kvrun.kernels.native import decode_attention as nda
@@ -23,51 +25,23 @@ BITS = (2, 3, 4)
 has_native = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.error()}")
 
 
-# -- levels and layout --------------------------------------------------------------------------
-@pytest.mark.parametrize("bits,mse", [(2, 0.1175), (3, 0.03454), (4, 0.009497)])
-def test_levels_are_the_gaussian_lloyd_max_quantizer_at_large_D(bits, mse):
-    """As D grows the coordinate density tends to N(0, 1): the levels' distortion is the
-    known Lloyd-Max value (Max 1960) for a standard normal."""
-    lv, bd = cbpack.levels(bits, 4096)
-    assert lv.shape == (1 << bits,) and bd.shape == ((1 << bits) - 1,)
-    assert torch.all(lv[1:] > lv[:-1]) and torch.equal(lv, -lv.flip(0))
-    assert_close(bd, (lv[1:] + lv[:-1]) / 2)
-    u = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0))
-    got = ((u - lv[torch.bucketize(u, bd)]) ** 2).mean().item()
-    assert abs(got - mse) < 0.02 * mse
-
-
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("D", [64, 256, 4096])
-def test_levels_are_fp16_values(bits, D):
-    """The AVX2 tile reads look levels up as fp16 halves: every level must be one exactly,
-    and within fp16's rounding of the unrounded Lloyd-Max level."""
-    lv, bd = cbpack.levels(bits, D)
-    assert torch.equal(lv.half().float(), lv)
-    exact = torch.tensor(cbpack._lloyd_max(bits, D), dtype=torch.float64)
-    assert torch.all((lv.double() - exact).abs() <= exact.abs() * 2.0 ** -11)
-    assert torch.equal(bd, (lv[1:] + lv[:-1]) / 2)
-
-
-def test_levels_follow_the_head_dim():
-    """A small D has lighter tails than the Gaussian: its outer level sits further in."""
-    assert cbpack.levels(4, 64)[0][-1] < cbpack.levels(4, 256)[0][-1] < cbpack.levels(4, 4096)[0][-1]
-
-
-@pytest.mark.parametrize("bits", BITS)
-def test_group_round_trip_and_layout(bits):
-    c = torch.randint(0, 1 << bits, (3, 5, 32))
-    b = cbpack.pack_groups(c, bits)
-    assert b.shape == (3, 5, 4 * bits) and b.dtype == torch.uint8
-    assert torch.equal(cbpack.unpack_groups(b, bits), c)
-    one = torch.zeros(32, dtype=torch.long)
-    one[17] = (1 << bits) - 1                              # code 17 set to all ones
-    got = cbpack.pack_groups(one, bits).tolist()
-    want = {4: {1: 0xF0}, 2: {1: 3 << 4}, 3: {1: 3 << 4, 10: 1 << 1}}[bits]
-    assert got == [want.get(i, 0) for i in range(4 * bits)]
-
-
 # -- the torch codec ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_codes_by_the_rms_and_keeps_the_projection(bits):
+    """Codes are the boundaries below x / rms, so a scaled row has the same codes and a
+    scale times as large; scale * (x . c) = |x|^2 (up to the fp16 scale)."""
+    g = torch.Generator().manual_seed(bits)
+    c = CodebookCodec("v", 32, bits)
+    x = torch.randn(2, 5, 64, generator=g)
+    codes, scale = c.quantize(x)
+    lv, bd = c.levels(64)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert torch.equal(codes, torch.bucketize(x / rms, bd))
+    assert_close(scale.float() * (x * lv[codes]).sum(-1), x.pow(2).sum(-1), rtol=1e-3, atol=0)
+    codes2, scale2 = c.quantize(x * 4)
+    assert torch.equal(codes2, codes) and torch.equal(scale2, (scale.float() * 4).half())
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("role", ["k", "v"])
 def test_pack_reconstructs_and_keeps_the_projection(bits, role):

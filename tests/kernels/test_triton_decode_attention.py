@@ -1,7 +1,8 @@
 """The Triton decode_attention (kvrun.kernels.triton) under Triton's CPU interpreter, against
 (a) dense fp32 attention over the codecs' explicit dequantization (`codec.dequant`, the
-definition of the packed bytes) and (b) the torch decode_attention; plus the backend
-dispatch and an end-to-end greedy decode of a tiny model on both backends.
+definition of the packed bytes) and (b) the torch decode_attention; plus an end-to-end
+greedy decode of a tiny model on both backends. The backend dispatch is tested in
+test_dispatch.py, the kivi_pack flush in test_triton_kivi_pack.py.
 
 Tolerances: against (a), the kernel dequantizes and accumulates in fp32 (the interpreter's
 tl.dot is exact fp32), so fp32 outputs agree to 2e-5 / 1e-4 relative and fp16 / bf16
@@ -28,8 +29,6 @@ from kvrun.kernels import make_codec                                     # noqa:
 from kvrun.kernels import triton as tri                                  # noqa: E402
 from kvrun.kernels.codecs.base import FpCodec                             # noqa: E402
 from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
-from kvrun.kernels.dispatch import BackendError, attn_path, backend_for  # noqa: E402
-from kvrun.kernels.dispatch import decode_attention as dispatch_attention  # noqa: E402
 from tool_module import load_tool                                        # noqa: E402
 
 G = 32
@@ -160,51 +159,6 @@ def test_bad_shapes_are_refused():
         tri.decode_attention(q[:, :5], kt, vt, n, kw, vw, kn, vn)
 
 
-# -- dispatch --------------------------------------------------------------------------------
-
-class _OddCodec(FpCodec):
-    """A codec kind the Triton kernel does not know (stands for a future codec: a new
-    storage format declares its own kind, kernels/table.py)."""
-    kind = "odd"
-
-
-def test_dispatch_backends(monkeypatch):
-    args = _setup("tada-2", "int8", 3, 64, 96, 5, 1, F32)
-    monkeypatch.delenv("KVRUN_BACKEND", raising=False)
-    from kvrun.kernels import native
-    from kvrun.kernels.native.decode_attention import decode_attention as native_attention
-    default = "native" if native.load() is not None else "torch"
-    assert backend_for(args[0]) == default                       # CPU tensors → native C / torch
-    by_default = dispatch_attention(*args, block=64)
-    if default == "native":
-        assert torch.equal(by_default, native_attention(*args, attn=attn_path()))
-    monkeypatch.setenv("KVRUN_BACKEND", "torch")
-    by_torch = dispatch_attention(*args, block=64)
-    assert torch.equal(by_torch, torch_attention(*args, block=64))
-    monkeypatch.setenv("KVRUN_BACKEND", "triton")
-    assert backend_for(args[0]) == "triton"
-    assert torch.equal(dispatch_attention(*args, block=64), tri.decode_attention(*args))
-    assert not torch.equal(dispatch_attention(*args, block=64), by_torch)  # fp32 vs bf16 products
-    monkeypatch.setenv("KVRUN_BACKEND", "cuda")
-    with pytest.raises(BackendError, match="KVRUN_BACKEND"):
-        backend_for(args[0])
-    monkeypatch.setenv("KVRUN_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
-        backend_for(args[0])
-
-
-def test_dispatch_falls_back_for_unknown_codecs(monkeypatch):
-    q, kt, vt, n, kw, vw, kn, vn = _setup("fp16", "fp16", 3, 64, 64, 5, 1, F32)
-    odd = _OddCodec("k", G)
-    assert not tri.supports(odd)
-    with pytest.raises(ValueError, match="does not read"):
-        tri.decode_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn)
-    monkeypatch.setenv("KVRUN_BACKEND", "triton")
-    out = dispatch_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn, block=64)
-    assert torch.equal(out, torch_attention(q, (odd, kt[1]), vt, n, kw, vw, kn, vn, block=64))
-
-
 def _dense_mass(q, kt, vt, n_tail, kw, vw, kn, vn, mass_from):
     """Attention probabilities over the dequantized cache, summed over queries t >= mass_from."""
     (kc, ks), _ = kt, vt
@@ -239,23 +193,6 @@ def test_attention_mass(case, mass_from):
     if mass_from < T:
         assert_close((mass - init).sum(1), torch.full((q.shape[1],), float(T - mass_from)),
                      atol=1e-4, rtol=0)
-
-
-def test_dispatch_serves_attention_mass_on_triton(monkeypatch):
-    """Eviction's attention-mass output runs on the Triton kernel under KVRUN_BACKEND=triton
-    (no torch fallback) and agrees with the torch path's."""
-    q, kt, vt, n, kw, vw, kn, vn = _setup("kivi-4", "tada-4", 3, 64, 64, 5, 2, F32)
-    monkeypatch.setenv("KVRUN_BACKEND", "triton")
-    called = []
-    real = tri.decode_attention
-    monkeypatch.setattr(tri, "decode_attention", lambda *a, **k: called.append(k) or real(*a, **k))
-    m1, m2 = (torch.zeros(q.shape[1], n + kw.shape[2] + 2) for _ in range(2))
-    out = dispatch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m1, mass_from=1)
-    ref = torch_attention(q, kt, vt, n, kw, vw, kn, vn, block=64, mass=m2, mass_from=1)
-    assert called and called[0]["mass"] is m1 and called[0]["mass_from"] == 1
-    assert_close(out, ref, **PACKED_TOL)
-    assert_close(m1, m2, atol=1e-3, rtol=0)      # the torch path's bf16 packed products
-    assert m1.sum() > 0
 
 
 # -- end to end ------------------------------------------------------------------------------
@@ -375,67 +312,3 @@ def test_kernels_compile_for_h100_without_register_spills():
     assert len(lines) == 3 * 2 and all(ln.endswith(" 0 B stack") for ln in lines), r.stdout
     pack = [ln for ln in r.stdout.splitlines() if ln.startswith("kivi_pack")]
     assert len(pack) == 4 and all(ln.endswith(" 0 B stack, fma False") for ln in pack), r.stdout
-
-
-# -- kivi_pack: the compress kernel, bit-identical to KiviCodec.pack ---------------------------
-
-def _pack_both(role, bits, D, G, s0, n, ties=False, v_group=32):
-    from kvrun.kernels.triton.kivi_pack import kivi_pack
-    torch.manual_seed(s0 + n + D + bits)
-    c = make_codec(f"kivi-{bits}", role, G, v_group=v_group)
-    ref, out = c.alloc(2, D, 512), c.alloc(2, D, 512)
-    if s0:          # earlier tokens: a flush half-filling a storage block must keep them
-        pre = torch.randn(2, s0, D).half().float()
-        c.pack(ref, pre, 0)
-        c.pack(out, pre, 0)
-    if ties:        # values on a 0.25 grid with group range [0, 7.5]: exact .5 ties to round
-        x = torch.randint(0, 31, (2, n, D)).float() * 0.25
-        x[:, ::G], x[:, 1::G] = 0.0, 7.5                  # every K group (per channel)
-        x[..., ::v_group], x[..., 1::v_group] = 0.0, 7.5  # every V group (per token)
-    else:           # the arena packs fp16 window values
-        x = (torch.randn(2, n, D) * 3).half().float()
-    c.pack(ref, x, s0)
-    kivi_pack(c, out, x, s0)
-    return ref, out
-
-
-@pytest.mark.parametrize("role", ["k", "v"])
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("D,G,s0,n,ties", [(64, 32, 0, 32, False), (64, 32, 32, 96, True),
-                                           (96, 32, 96, 64, False), (128, 64, 64, 128, False)])
-def test_kivi_pack_is_bit_identical(role, bits, D, G, s0, n, ties):
-    ref, out = _pack_both(role, bits, D, G, s0, n, ties)
-    for name in ref:
-        assert torch.equal(out[name], ref[name]), name
-    assert ref["codes"].any()
-
-
-def test_kivi_pack_refuses_what_it_does_not_pack():
-    from kvrun.kernels.triton.kivi_pack import kivi_pack
-    c = make_codec("kivi-4", "k", G)
-    with pytest.raises(ValueError, match="multiples of G"):
-        kivi_pack(c, c.alloc(2, 64, 128), torch.zeros(2, 48, 64), 0)
-    g = make_codec("gear", "k", G)
-    with pytest.raises(ValueError, match="KIVI codec"):
-        kivi_pack(g, g.alloc(2, 64, 128), torch.zeros(2, 32, 64), 0)
-
-
-def test_dispatch_pack(monkeypatch):
-    """kernels.dispatch.pack: kivi_pack under KVRUN_BACKEND=triton, codec.pack otherwise and
-    for every other codec; the storage is the same either way."""
-    from kvrun.kernels.dispatch import pack
-    used = []
-    real = tri.kivi_pack
-    monkeypatch.setattr(tri, "kivi_pack", lambda *a: used.append(a[0].method) or real(*a))
-    x = (torch.randn(2, 64, 64) * 2).half().float()
-    for method in ("kivi-4", "tada-2"):
-        c = make_codec(method, "k", G)
-        stores = {}
-        for backend in ("torch", "triton"):
-            monkeypatch.setenv("KVRUN_BACKEND", backend)
-            stores[backend] = c.alloc(2, 64, 128)
-            pack(c, stores[backend], x, 32)
-        for name in stores["torch"]:
-            assert torch.equal(stores["torch"][name], stores["triton"][name]), (method, name)
-        assert stores["torch"]["codes"].any()
-    assert used == ["kivi-4"]                                   # once: kivi under triton

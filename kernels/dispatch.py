@@ -34,6 +34,7 @@ from . import native
 from .decode_attention import decode_attention as decode_attention_torch
 from .hadamard import rotate_step
 from .native.decode_attention import ATTN_PATHS          # ("fp32", "int"): attn_path's choices
+from .native.decode_attention import fused_rows
 
 BACKENDS = ("triton", "native", "torch")
 GEMV_PATHS = ("fp32", "int")                # kernels/native/decode_layer.py
@@ -185,7 +186,6 @@ def attend_append(q, k_tail, v_tail, n_tail, k_win, v_win, k_new, v_new, k_dst, 
 def fused_fits(H: int, N: int, T: int) -> bool:
     """Whether `attend_append` takes T new tokens of H query heads over N keys in one call
     (its query block; the window's room is the caller's to check)."""
-    from .native.decode_attention import fused_rows
     return T <= fused_rows(H, N)
 
 

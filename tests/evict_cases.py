@@ -1,5 +1,5 @@
-"""Fixtures the eviction tests share (test_evict.py, test_evict_policies.py,
-test_evict_compaction.py): one torch thread, and a tiny model of head dim 32."""
+"""Fixtures the eviction tests share (test_arena_evict.py, test_evict_policies.py,
+test_arena_evict_compaction.py): one torch thread, and a tiny model of head dim 32."""
 from __future__ import annotations
 
 import pytest

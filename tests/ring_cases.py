@@ -1,4 +1,4 @@
-"""Shared by the ring kernel tests (tests/kernels/test_ring_native.py, tests/kernels/test_ring_triton.py): the
+"""Shared by the ring kernel tests (tests/kernels/test_native_ring_attention.py, tests/kernels/test_triton_ring_attention.py): the
 inputs they draw, a count of which steps the kernel served, and the step-by-step comparison
 of a ring on a kernel's backend with an equal ring on torch, its oracle."""
 from __future__ import annotations

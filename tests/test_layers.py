@@ -1,4 +1,5 @@
-"""The package's layers import downward only, and no module imports itself round a circle.
+"""The package's layers import downward only, and no module imports itself round a circle;
+tests/ mirrors the package, so each module's tests are found by its name.
 
 The allowed order is declared here, once (docs/architecture.md explains it): a module may
 import from its own layer and the layers before it, never after. Function-level imports count
@@ -7,6 +8,7 @@ like module-level ones: an import moved into a function to dodge a circle is sti
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,3 +157,64 @@ def test_no_module_reaches_into_another_ones_private_names():
                 continue
             reaches.append(f"{path.relative_to(ROOT)}:{n.lineno} {text}")
     assert not reaches, "private names reached across modules:\n" + "\n".join(reaches)
+
+
+def _test_folder(rel: Path) -> Path:
+    """Where a module's tests live: tests/<sub>/ for runtime/<sub>/, tests/ for runtime/'s
+    own modules, tests/kernels/ for all of kernels/ (flat), tests/convert/ for convert/."""
+    if rel.parts[0] == "runtime":
+        return ROOT / "tests" / (rel.parts[1] if len(rel.parts) > 2 else "")
+    return ROOT / "tests" / rel.parts[0]
+
+
+def _imported(path: Path) -> set[str]:
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            out |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    return out
+
+
+def test_every_module_has_a_test_file_named_after_it():
+    """Module `<folder>/<name>.py` has, in its test folder, a `test_<name>.py` (or
+    `test_<name>_<aspect>.py`, or with its folder's name first: `test_native_<name>.py`)
+    that imports it. The package's __init__ files and the shipped profiles are not modules
+    of their own."""
+    missing = []
+    for mod, path in modules().items():
+        rel = path.relative_to(ROOT)
+        if path.name == "__init__.py" or "profiles" in rel.parts:
+            continue
+        heads = (f"test_{path.stem}", f"test_{path.parent.name}_{path.stem}")
+        found = [t for t in _test_folder(rel).glob("test_*.py")
+                 if any(t.stem == h or t.stem.startswith(h + "_") for h in heads)
+                 and mod in _imported(t)]
+        if not found:
+            missing.append(f"{rel}: no {_test_folder(rel).relative_to(ROOT)}/test_{path.stem}.py importing {mod}")
+    assert not missing, "modules without a test named after them:\n" + "\n".join(missing)
+
+
+def test_test_file_names_are_unique():
+    """conftest.py puts every tests/ folder on sys.path (tests borrow helpers from each other
+    by module name), so two test files of one name would shadow each other."""
+    names = [p.name for p in (ROOT / "tests").rglob("*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_every_test_file_the_tree_names_exists():
+    """A doc, docstring or comment that sends the reader to a tests/…/test_<name>.py names a file
+    that exists (the dated archive of measurements keeps its history as it was)."""
+    have = {p.name for p in (ROOT / "tests").rglob("test_*.py")}
+    stale = []
+    for top in ("runtime", "kernels", "convert", "tools", "docs", "tests"):
+        for f in sorted((ROOT / top).rglob("*")):
+            if f.suffix not in (".py", ".md", ".c", ".h") or f.name == "measurements-archive.md":
+                continue
+            for i, line in enumerate(f.read_text().splitlines(), 1):
+                stale += [f"{f.relative_to(ROOT)}:{i} {m}" for m in re.findall(r"\btest_[a-z0-9_]+\.py\b", line)
+                          if m not in have]
+    readme = (ROOT / "README.md").read_text()
+    stale += [f"README.md {m}" for m in re.findall(r"\btest_[a-z0-9_]+\.py\b", readme) if m not in have]
+    assert not stale, "test files named but missing:\n" + "\n".join(stale)

@@ -6,7 +6,7 @@
  * Bit-identical to CodebookCodec.pack: sums of squares and products in float64 in channel
  * order, every other op a separate IEEE float op (the pragmas below: no contraction, no
  * reassociation although the build passes -fassociative-math), fp16 rounding to nearest
- * even. tests/kernels/test_codebook.py compares every byte.
+ * even. tests/kernels/test_codecs_codebook.py compares every byte.
  */
 #include <math.h>
 #include <stdint.h>

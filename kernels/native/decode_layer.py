@@ -20,7 +20,7 @@ takes `kvrun.kernels.dispatch.gemv_path()`, i.e. `KVRUN_GEMV=int|fp32`, default 
 `LayerPlan` holds one layer's C descriptor and keeps every tensor it points to alive; the
 caller owns the scratch buffers (one set shared by all layers). The torch reference is the
 model's own eager forward over the same weights dequantized (tests/model/test_decode_layer.py).
-`gemv` runs one GEMV alone (tests/kernels/test_int_gemv.py, tools/gemv_speed.py).
+`gemv` runs one GEMV alone (tests/kernels/test_native_decode_layer_gemv.py, tools/gemv_speed.py).
 """
 from __future__ import annotations
 

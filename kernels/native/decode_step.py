@@ -13,7 +13,7 @@ ring_attention.py `step_args`) and a step sets only the lengths (and a ring's sl
 slice assignment per row.
 
 Same calls in the same order with the same arguments as the per-layer route, so the same
-bits (tests/model/test_decode_step.py). The window count advance and the flushes stay with the
+bits (tests/model/test_native_rows.py). The window count advance and the flushes stay with the
 cache, after the call: a layer's flush touches only that layer, which this step has
 finished with. A layer whose attention decode_attention.c or ring_attention.c does not
 cover (every codec kernels/table.py lists for it, in the shapes it takes) makes `row_plan`

@@ -1,5 +1,5 @@
 """The integer GEMV's math in torch (kernels/native/gemv_quant.c, gemv_int.c): the input
-quantizer and the GEMV over its codes, the oracle tests/kernels/test_int_gemv.py holds the C paths
+quantizer and the GEMV over its codes, the oracle tests/kernels/test_native_decode_layer_gemv.py holds the C paths
 to (the same codes, exact integer block sums, float64 after them)."""
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
  * quant_inline.h's asym_params, quant.sym_int8_params): every float op is a separate IEEE op as in
  * torch (no contraction: zero + scale*qmax is a rounded product then a rounded sum, and
  * no reassociation although the build passes -fassociative-math), fp16 conversions round
- * to nearest even, codes round half to even (rintf). tests/kernels/test_native_kernels.py
+ * to nearest even, codes round half to even (rintf). tests/kernels/test_native_pack.py
  * compares every byte.
  */
 #include <math.h>

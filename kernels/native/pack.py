@@ -1,7 +1,7 @@
 """KIVI, int8, TaDA and codebook flushes on the native CPU kernel (pack.c,
 `kvrun_kivi_pack_k/v`, `kvrun_int8_pack`, `kvrun_tada_pack`; codebook_pack.c,
 `kvrun_cb_pack`): the same storage as the codecs' torch pack, bit
-for bit (tests/kernels/test_native_kernels.py), in one C call per K or V instead of ~25 eager torch
+for bit (tests/kernels/test_native_pack.py), in one C call per K or V instead of ~25 eager torch
 ops (every layer flushes once per G decode steps; a flush's time on each:
 docs/measurements.md, "Figures behind the code")."""
 from __future__ import annotations
@@ -34,12 +34,14 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def store(codec, st: dict, x: torch.Tensor, s0: int) -> bool:
-    """codec.store(st, x, s0) in C; False when not covered (the caller packs with torch)."""
+    """codec.store(st, x, s0) in C; False when not covered (the caller packs with torch):
+    a codec `supports` does not take (GEAR: its outliers and low-rank terms), a head dim
+    past MAX_D, tensors off the CPU."""
     if codec.kind == "cb":
         return _cb_store(codec, st, x, s0)
     lib = load()
     Hkv, n, D = x.shape
-    if lib is None or x.device.type != "cpu" or D > MAX_D:
+    if not supports(codec) or x.device.type != "cpu" or D > MAX_D:
         return False
     x = x.float().contiguous()
     codes, scale, zero = st["codes"], st["scale"], st.get("zero")

@@ -3,7 +3,7 @@
 Each helper turns a tile of tail tokens t (N, 1) x channels d (1, BD) into values in
 registers, straight from the storage the torch codecs write (kernels/nibble.py,
 kernels/quant.py, codec_*.py — the layouts are frozen; the torch `dequant(st, s0, s1)` is
-the definition of what the bytes mean and tests/kernels/test_triton_kernels.py checks against it):
+the definition of what the bytes mean and tests/kernels/test_triton_dequant.py checks against it):
 
 - nibble layouts (int8, TaDA deviations, KIVI V codes): uint8 bytes holding two 4-bit codes
   (or four 2-bit codes); token-major for K (W rows = tokens), channel-major for V;

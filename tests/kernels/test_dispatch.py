@@ -123,3 +123,24 @@ def test_attn_path_reads_the_environment(monkeypatch):
     monkeypatch.setenv("KVRUN_ATTN", "bf16")
     with pytest.raises(BackendError, match="KVRUN_ATTN='bf16': expected one of"):
         attn_path()
+
+
+@pytest.mark.skipif(__import__("kvrun.kernels.native", fromlist=["load"]).load() is None,
+                    reason="the native kernels did not build")
+def test_a_routed_call_the_kernel_declines_raises():
+    """Given a route's backend, an op runs that backend's kernel or raises KernelRouteError
+    (the route promised a shape the kernel does not take); without one it falls back to
+    torch as before. The C attention reads head dims up to 256; GEAR has no C pack."""
+    from kvrun.kernels.dispatch import KernelRouteError, pack
+    args = _setup("int8", "int8", 2, 288, 64, 5, 1, F32)
+    with pytest.raises(KernelRouteError, match=r"native decode_attention kernel declined .* q \(1, 4, 1, 288\)"):
+        dispatch_attention(*args, backend="native")
+    assert torch.equal(dispatch_attention(*args), torch_attention(*args))
+    c = make_codec("gear-l", "k", G)
+    x = torch.randn(2, G, 64)
+    with pytest.raises(KernelRouteError, match="native pack declined a flush .* gear-l"):
+        pack(c, c.alloc(2, 64, G), x, 0, backend="native")
+    st, ref = c.alloc(2, 64, G), c.alloc(2, 64, G)
+    pack(c, st, x, 0)
+    c.store(ref, x, 0)
+    assert all(torch.equal(st[n], ref[n]) for n in ref) and ref["codes"].any()

@@ -2,7 +2,7 @@
 builds a row for layers the native kernels cover and declines (None, the per-layer route
 keeps the cache) for a tail of blocks that are not whole 32-token tiles or a layer it does
 not cover; a row's lengths set the tokens the step attends (the step's bits: tests/model/
-test_decode_step.py)."""
+test_native_rows.py)."""
 import pytest
 import torch
 

@@ -15,7 +15,7 @@ step takes) — the one decode-step contract:
 - the real SmolLM2 (int4, the default model) decodes the same tokens on both backends.
 
 TRITON_INTERPRET must be set before kvrun.kernels.triton is imported (see
-test_triton_kernels.py); the interpreter runs every program in numpy, so shapes stay small.
+test_triton_decode_attention.py); the interpreter runs every program in numpy, so shapes stay small.
 """
 import importlib.util
 import os

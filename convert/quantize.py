@@ -22,8 +22,8 @@ From a GGUF, blocks are repacked without re-quantizing wherever the format allow
   GGUF at its own bits", against rounding to 4 bits again).
 Precision at run time: prefill dequantizes those values; the fused decode op reads scale
 and zero = min + 8·scale rounded to bf16 (8-bit mantissa), a relative error ≤ 2⁻⁹ of each
-(its size on SmolLM2's weights: docs/measurements.md, "Figures behind the code"); the native step's GEMVs
-read the fp16 scale and min as stored. Everything else (Q5_0/Q5_1/Q5_K/Q6_K/Q8_0, Q4_x into
+(its size on SmolLM2's weights: docs/measurements.md, "Figures behind the code"); the
+native step's GEMVs read the fp16 scale and min as stored. Everything else (Q5_0/Q5_1/Q5_K/Q6_K/Q8_0, Q4_x into
 int8 or into int4 with G ≠ 32, float sources) is dequantized to fp32 and quantized again:
 kvrun has no 5-, 6- or group-wise 8-bit format, so those types lose a second rounding
 (int8 per channel costs little, 4 bits much: Gemma's numbers in docs/measurements.md), and

@@ -49,7 +49,6 @@ class KernelRouteError(AssertionError):
     the kernel's coverage disagree."""
 
 
-
 def select(device="cpu") -> str:
     """'triton', 'native' or 'torch' for ops on `device`, honouring KVRUN_BACKEND. Chosen
     once: a cache calls this at construction and passes its answer to every op below
@@ -262,7 +261,7 @@ def pack(codec, st: dict, x: torch.Tensor, s0: int, backend=None, mu=None) -> No
     be = backend or backend_for(x)
     if be == "native":
         from .native import pack as native_pack
-        if native_pack.supports(codec) and native_pack.store(codec, st, x, s0):
+        if native_pack.store(codec, st, x, s0):      # False: a codec or shape it does not take
             return
         if backend is not None:
             raise KernelRouteError(f"the native pack declined a flush its route gave it: "

@@ -59,8 +59,13 @@ def _covers_codec(codec, D: int) -> bool:
     if codec.kind == "cb":
         return D % 32 == 0
     if codec.kind == "gear":
-        return codec.rank <= MAX_RANK and codec.G <= 256
+        return _reads_gear(codec)
     return True
+
+
+def _reads_gear(codec) -> bool:
+    """GEAR's low-rank terms as the kernel holds them: rank <= MAX_RANK, blocks <= 256 tokens."""
+    return codec.rank <= MAX_RANK and codec.G <= 256
 
 
 def fused_rows(H: int, N: int) -> int:
@@ -117,7 +122,7 @@ def describe(codec, st: dict) -> CodecDesc | None:
         c.hi = st["hi"].data_ptr()
         _strides(c.hs, st["hi"], 2)
     if kind == "gear":
-        if codec.rank > MAX_RANK or codec.G > 256:
+        if not _reads_gear(codec):
             return None
         c.rank = codec.rank
         a, b = st["lr_a"], st["lr_b"]

@@ -1,6 +1,6 @@
 """The integer GEMV's math in torch (kernels/native/gemv_quant.c, gemv_int.c): the input
-quantizer and the GEMV over its codes, the oracle tests/kernels/test_native_decode_layer_gemv.py holds the C paths
-to (the same codes, exact integer block sums, float64 after them)."""
+quantizer and the GEMV over its codes, the oracle tests/kernels/test_native_decode_layer_gemv.py
+holds the C paths to (the same codes, exact integer block sums, float64 after them)."""
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,12 @@
 """torch's rounding in registers, shared by the Triton kernels that must store what torch
-stores bit for bit (window_write.py's rows, ring_attention.py's ring codes and rows, kivi_pack.py's codes)."""
+stores bit for bit (window_write.py's rows, ring_attention.py's ring codes and rows,
+kivi_pack.py's codes)."""
 import torch
 import triton
 import triton.language as tl
 
 # the dtype codes `_rnd` takes (XDT), by the rows' torch dtype
 XDT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
 
 
 @triton.jit

@@ -9,12 +9,12 @@ stored and compute with:
   `aten._weight_int8pack_mm` (int8, one scale per output channel) and
   `aten._weight_int4pack_mm_for_cpu` (int4, group-wise scale + zero). On CPU their fast
   (AVX-512/AVX2) paths exist for bf16 activations and bf16 scales only — fp32 and fp16
-  inputs hit a scalar loop (docs/measurements.md, "Figures behind the code") — so the GEMV input is cast to bf16 and the
-  output back to the compute dtype. On CUDA the matching
+  inputs hit a scalar loop (docs/measurements.md, "Figures behind the code") — so the GEMV
+  input is cast to bf16 and the output back to the compute dtype. On CUDA the matching
   `_weight_int8pack_mm` / `_weight_int4pack_mm` run (bf16 as well; untested here).
 - many rows (prefill): dequantize the layer to the compute dtype and use one dense GEMM.
-  At prefill's row counts this beats either fused op (docs/measurements.md, "Figures behind the code"), because the ops
-  are tuned for GEMV.
+  At prefill's row counts this beats either fused op (docs/measurements.md, "Figures
+  behind the code"), because the ops are tuned for GEMV.
 
 Stored format (what the state dict holds; `convert/quantize.py` writes it):
   int8  X.qweight (N, K) int8,   X.scales (N,) fp32:        w = q · scale

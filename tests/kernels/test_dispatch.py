@@ -13,7 +13,7 @@ from torch.testing import assert_close                                    # noqa
 
 pytest.importorskip("triton")
 
-from kvrun.kernels import dispatch, make_codec                           # noqa: E402
+from kvrun.kernels import dispatch, make_codec, native                   # noqa: E402
 from kvrun.kernels import triton as tri                                  # noqa: E402
 from kvrun.kernels.codecs.base import FpCodec                             # noqa: E402
 from kvrun.kernels.decode_attention import decode_attention as torch_attention  # noqa: E402
@@ -31,7 +31,6 @@ class _OddCodec(FpCodec):
 def test_dispatch_backends(monkeypatch):
     args = _setup("tada-2", "int8", 3, 64, 96, 5, 1, F32)
     monkeypatch.delenv("KVRUN_BACKEND", raising=False)
-    from kvrun.kernels import native
     from kvrun.kernels.native.decode_attention import decode_attention as native_attention
     default = "native" if native.load() is not None else "torch"
     assert backend_for(args[0]) == default                       # CPU tensors → native C / torch
@@ -125,8 +124,7 @@ def test_attn_path_reads_the_environment(monkeypatch):
         attn_path()
 
 
-@pytest.mark.skipif(__import__("kvrun.kernels.native", fromlist=["load"]).load() is None,
-                    reason="the native kernels did not build")
+@pytest.mark.skipif(native.load() is None, reason="the native kernels did not build")
 def test_a_routed_call_the_kernel_declines_raises():
     """Given a route's backend, an op runs that backend's kernel or raises KernelRouteError
     (the route promised a shape the kernel does not take); without one it falls back to

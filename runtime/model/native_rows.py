@@ -17,8 +17,11 @@ before the flush, which may then compact the tail.
 Which caches are rows is decided by their kind and their resolved routes (kernels/backend.py):
 an arena (KVArena) whose every layer is `fused`, or a LayeredKVCache of such an arena beside a
 ring whose step is native, evicting or not. Decided once per cache and built once (the
-plan is kept per cache); per step only a full window (a restored one) keeps the per-layer
-route. Any other cache (the tests' oracle) is never a row.
+plan is kept per cache), never per step: after `positions(1)` every window has a free slot
+for the step's token (an arena flushes at R + G tokens, a full context shifts or is refused,
+and a restored snapshot is refused a window a flush would have emptied: kv/snapshot.py), and
+`row` checks that promise, since the kernel writes into the slot. Any other cache (the tests'
+oracle) is never a row.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ def row(cache, H: int):
         return _layered_row(cache, H)
     if isinstance(cache, KVArena):
         plan = _plan(cache, H, _arena_plan, cache.kernels)
-        if plan is None or window_full(cache):
+        if plan is None:
             return None
+        _check_free_slot(cache)
         _masses(cache, plan, range(cache.L))
         return plan.lengths(cache.n_tail, cache.n_win)
     return None
@@ -100,17 +104,21 @@ def layer_inputs(arena) -> list:
              arena.win_k[l], arena.win_v[l], arena.rot_k[l], arena.rot_v[l]) for l in range(arena.L)]
 
 
-def window_full(arena) -> bool:
-    """Whether some layer's window has no slot for the step's token (`attend` appends
-    first, then: a restored full window)."""
-    return max(arena.n_win) >= arena.win_k.shape[2]
+def _check_free_slot(arena) -> None:
+    """The step writes its token into window slot n_win of every layer: refuse a window
+    without one (a state no arena operation leaves; the module docstring) rather than write
+    past it."""
+    if max(arena.n_win) >= arena.win_k.shape[2]:
+        raise RuntimeError(f"a full KV window ({max(arena.n_win)} of {arena.win_k.shape[2]} "
+                           f"slots) before a step: positions() must run first")
 
 
 def _layered_row(cache, H: int):
     plan = _plan(cache, H, _layered_plan, cache.inner.kernels)
     arena, ring = cache.inner, cache.ring
-    if plan is None or window_full(arena):
+    if plan is None:
         return None
+    _check_free_slot(arena)
     n_tail, n_win = [0] * cache.n_layers, [0] * cache.n_layers
     for j, i in enumerate(cache.full):
         n_tail[i], n_win[i] = arena.n_tail[j], arena.n_win[j]

@@ -8,12 +8,13 @@ Two routes, one result. When every cache is a row of the one-call step
 kernel, evicting ones included; Gemma's sliding layers a ring_attention.c call), the
 whole step over all layers and rows is ONE C call (kernels/native/decode_step.py,
 decode_layer.c `kvrun_decode_step`): no Python between layers, and the caches count the
-token and flush after it (native_rows.py `stepped`). Otherwise (a layer routed to torch, a
-full restored window) the per-layer route: `LayerPlan.pre`, the cache's `attend` per row
-(the arena's native attend_append, or a ring's native step), `LayerPlan.post`. The two make
-the same kernel calls in the same order with the same arguments, so their logits and cache
-bytes are bit-identical (tests/model/test_native_rows.py); which one runs is decided once
-per step, never per layer.
+token and flush after it (native_rows.py `stepped`). Otherwise (a cache with a layer routed
+to torch, known when the cache is built) the per-layer route: `LayerPlan.pre`, the cache's
+`attend` per row (the arena's native attend_append, or a ring's native step),
+`LayerPlan.post`. The two make the same kernel calls in the same order with the same
+arguments, so their logits and cache bytes are bit-identical
+(tests/model/test_native_rows.py); which one runs follows from the caches' routes, never
+from a layer's state.
 
 Prefill chunks of 2 to CHUNK_MAX_ROWS tokens of one sequence (`chunk`) take the per-layer
 route with the chunk's positions as its rows, MAX_ROWS a pass over the weights, and one

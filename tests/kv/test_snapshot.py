@@ -63,6 +63,24 @@ def test_a_snapshot_that_does_not_fit_leaves_the_cache_unchanged():
         short.restore(Snapshot({"kind": "ring"}))
 
 
+def test_a_window_a_flush_would_have_emptied_is_refused():
+    """A window holds fewer than R + G tokens after every arena operation, which the one-call
+    step relies on (it writes the step's token into slot n_win): a snapshot claiming a full
+    window (a forged or damaged session file) is refused, the cache unchanged."""
+    c, _ = _filled("fp16", 64)                              # R 32 + G 32
+    assert c.n_tail == c.n_win == [32, 32]                   # the flush at 64 tokens
+    snap = c.snapshot()
+    full = Snapshot({**snap.meta, "n_tail": [0, 0], "n_win": [64, 64]},
+                    {**snap.tensors, **{f"{l}.{w}": torch.zeros(2, 64, 16, dtype=torch.float16)
+                                        for l in range(2) for w in ("win_k", "win_v")}})
+    fresh, _ = _filled("fp16", 5)
+    with pytest.raises(KvrunError, match=r"layer 0 \(0 compressed \+ 64 window tokens of 64\)"):
+        fresh.restore(full)
+    assert fresh.seq_len == 5 and fresh.n_win == [5, 5]
+    fresh.restore(snap)                                     # the arena's own: R..R+G-1 tokens
+    assert fresh.n_win == c.n_win and fresh.n_tail == c.n_tail
+
+
 def test_an_evicting_arena_cannot_be_saved():
     c = build_cache(CFG, 256, parse_kv("kivi-4", residual=32, group=32, v_group=16, evict="h2o", budget=128))
     with pytest.raises(KvrunError, match="token eviction"):

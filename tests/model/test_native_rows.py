@@ -6,8 +6,9 @@ int8, KIVI, TaDA and a mixed per-layer profile on decode_attention.c, cb on
 codebook_attention.c), rotated and not; on Gemma 3's layered cache (sliding rings of 16,
 8 and 4 bits on ring_attention.c beside the global layers' arena, V rotated and not, rings
 filling and wrapping); on evicting arenas (the attention mass each layer adds for the
-policy, compactions of a full tail, rotated or not); and the caches it does not take (a
-layer the kernels decline, a full window) keep the per-layer route."""
+policy, compactions of a full tail, rotated or not); the caches it does not take (a
+layer the kernels decline) keep the per-layer route, decided per cache; and a full window,
+which no arena operation leaves, is refused rather than written past."""
 import copy
 import json
 
@@ -120,8 +121,9 @@ def _both_routes(m, kv, depths, seed, monkeypatch, steps=80):
 
 
 def test_caches_the_one_call_does_not_take(tmp_path):
-    """A layer the kernels decline and a full window keep the per-layer route; an evicting
-    arena, rotated or not, and Gemma's rings are rows."""
+    """A layer the kernels decline keeps the per-layer route; an evicting arena, rotated or
+    not, and Gemma's rings are rows; a full window (a state no arena operation leaves) is
+    refused: the step would write its token past the window."""
     cfg = kvrun.load(make_tiny_model_dir(tmp_path / "m", hidden_size=128), ctx=CTX).cfg
     plain = kvrun.kv.make_cache(cfg, CTX, parse_kv("kivi-4", residual=32, group=32))
     assert row(plain, cfg.num_heads) is not None
@@ -134,14 +136,16 @@ def test_caches_the_one_call_does_not_take(tmp_path):
     odd_group = kvrun.kv.make_cache(cfg, CTX, parse_kv("fp16", residual=32, group=16))
     assert row(odd_group, cfg.num_heads) is None
     assert not odd_group.routes[0].fused                  # resolved at build: tiles of 32
-    plain.n_win[1] = plain.win_k.shape[2]                              # (a restored full window)
-    assert row(plain, cfg.num_heads) is None
+    plain.n_win[1] = plain.win_k.shape[2]                              # (forged: kv/snapshot.py refuses it)
+    with pytest.raises(RuntimeError, match="a full KV window"):
+        row(plain, cfg.num_heads)
     gemma = make_tiny_model_dir(tmp_path / "g", architecture="gemma3", hidden_size=128, num_heads=4)
     gcfg = kvrun.load(gemma, ctx=CTX).cfg
     layered = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32))
     assert row(layered, gcfg.num_heads) is not None
     layered.inner.n_win[0] = layered.inner.win_k.shape[2]              # its arena's window full
-    assert row(layered, gcfg.num_heads) is None
+    with pytest.raises(RuntimeError, match="a full KV window"):
+        row(layered, gcfg.num_heads)
     evicting = kvrun.kv.make_cache(gcfg, CTX, parse_kv("kivi-4", residual=32, group=32,
                                                        evict="h2o", budget=128))
     assert row(evicting, gcfg.num_heads) is not None

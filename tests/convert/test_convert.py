@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvrun.convert.gguf_file import hf_name, unpermute
+from kvrun.convert.gguf_file import hf_name, linear_types, unpermute
 from kvrun.files import file_sha256
 from kvrun.model.config import ModelConfig
 from kquants import q4_k_blocks
@@ -96,7 +96,7 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def test_smollm2_config(smollm2_dir, smollm2_gguf):
+def test_smollm2_config(smollm2_dir, smollm2_gguf, smollm2_reader):
     cfg = ModelConfig.from_file(smollm2_dir / "config.json")
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
         ("llama", 30, 9, 3, 64)
@@ -108,8 +108,13 @@ def test_smollm2_config(smollm2_dir, smollm2_gguf):
     assert cfg.chat_template == "chatml"
     assert cfg.default_system == SMOL_SYSTEM
     assert cfg.torch_dtype == "fp32"
+    # the source's linear layers by GGUF type, in parameters: every one of SmolLM2's 210 is
+    # Q4_1 (file_type 3); the token embedding, tied to the head, is not a linear layer
+    linears = linear_types(smollm2_reader)
+    assert linears == {"Q4_1": 30 * (3 * 576 * 1536 + 2 * 576 * 576 + 2 * 192 * 576)}
     assert cfg.source == {"format": "gguf", "path": str(smollm2_gguf),
-                          "sha256": file_sha256(smollm2_gguf), "file_type": 3}
+                          "sha256": file_sha256(smollm2_gguf), "file_type": 3,
+                          "linear_types": linears}
 
 
 def test_smollm2_weights_equal_gguf_dequantize(smollm2_dir, smollm2_reader):

@@ -47,12 +47,22 @@ runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 
 @pytest.fixture(scope="module")
 def converter() -> Path:
-    """llama.cpp's source tree (the converter's parts), unpacked once under $KVRUN_HOME."""
+    """llama.cpp's source tree (the converter's parts), unpacked once under $KVRUN_HOME. The
+    pytest-xdist workers that need it take turns (a lock file beside it): the first fetches
+    and unpacks it, the others then find it."""
+    import fcntl
     from kvrun.files import kvrun_home
     peers = kvrun_home() / "peers"
+    peers.mkdir(parents=True, exist_ok=True)
+    with open(peers / ".unpack.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _unpacked(peers)
+
+
+def _unpacked(peers: Path) -> Path:
+    """The unpacked tree under `peers`, fetched and unpacked first if it is not there."""
     root = peers / SDIST.replace("==", "-")
     if not (root / "convert_hf_to_gguf.py").exists():
-        peers.mkdir(parents=True, exist_ok=True)
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(peers), SDIST],
                            capture_output=True, text=True)
         found = sorted(peers.glob("llama_cpp_python-*.tar.gz"))

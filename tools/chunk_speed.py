@@ -7,12 +7,18 @@ the prefill (one forward of the whole prompt, a fresh cache each time; past
 CHUNK_MAX_ROWS the native column feeds the prompt in chunks of CHUNK_MAX_ROWS, to show
 where the eager forward's GEMM starts to win).
 
+`--in-c`: a column more, the part of the native chunk's time spent inside the C calls of
+the layer kernels, the attention and the logits (a timer around each ctypes call; flushes,
+the embedding and RoPE tables, and the Python between layers are outside). What a chunk
+spends outside them bounds what running it in the one-call decode step could save.
+
 `--fidelity`: instead of times, each route's logits for the prompt (after a 100-token
 prefix, so the chunk attends to a cache) against the eager forward with every linear layer
 dequantized to fp32, the exact product of the stored weights: max KL over the positions and
 top-1 agreement. `--text FILE` takes the tokens from a text file instead of random ids.
 
     python tools/chunk_speed.py --sizes 2,8,16,32,64,128,256 --kv kivi-4 -r 5 -t 2
+    python tools/chunk_speed.py --sizes 2,8,32,64 --kv auto -r 7 -t 2 --in-c
     python tools/chunk_speed.py --sizes 2,7,32,64 --kv fp16 --fidelity --text wiki.test.raw
 """
 from __future__ import annotations
@@ -27,11 +33,30 @@ import torch
 import kvrun
 import kvrun.model.qlinear as qlinear
 from kvrun import threads
+from kvrun.kernels import native as native_lib
 from kvrun.errors import KvrunError, read_text_file
 from kvrun.kv.config import parse_kv
 from kvrun.model.native_step import CHUNK_MAX_ROWS
 
 PREFIX = 100                    # --fidelity: tokens in the cache before the prompt
+C_CALLS = ("kvrun_layer_pre", "kvrun_layer_post", "kvrun_logits", "kvrun_decode_attention",
+           "kvrun_ring_attention")                # --in-c: the calls timed
+
+
+def time_c_calls(lib) -> list:
+    """Wrap the library's C_CALLS so each call adds its wall seconds to the returned [total]."""
+    total = [0.0]
+    for name in C_CALLS:
+        fn = getattr(lib, name)
+
+        def timed(*args, fn=fn):
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                total[0] += time.perf_counter() - t
+        setattr(lib, name, timed)
+    return total
 
 
 def main() -> None:
@@ -43,6 +68,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--fidelity", action="store_true", help="KL / top-1 against fp32 weights")
     ap.add_argument("--text", default=None, help="take the tokens from this text file")
+    ap.add_argument("--in-c", action="store_true", help="also the native chunk's time inside C calls")
     a = ap.parse_args()
     try:
         sizes = [int(x) for x in a.sizes.split(",")]
@@ -77,28 +103,38 @@ def measure(a, sizes: list) -> None:
         fidelity(tf, cfg, ids, sizes, a.kv, ctx, step)
         return
 
-    def prefill(T: int, route: str) -> float:
+    in_c = time_c_calls(native_lib.load()) if a.in_c else [0.0]
+
+    def prefill(T: int, route: str) -> tuple[float, float]:
+        """Wall seconds of the prompt's prefill, and of them inside the timed C calls."""
         step.applies_chunk = native if route == "native" else (lambda ids, cache: False)
         per = CHUNK_MAX_ROWS if route == "native" else T
         cache = kvrun.kv.make_cache(cfg, ctx, parse_kv(a.kv))
+        in_c[0] = 0.0
         t = time.perf_counter()
         for s in range(0, T, per):
             tf(ids[:, s:min(T, s + per)], cache, last_only=True)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, in_c[0]
 
     print(f"{cfg.architecture}, kv {a.kv}, {a.threads} thread(s), {a.r} repetitions, median wall ms")
-    print("| prompt tokens | eager ms | native ms | eager tok/s | native tok/s | eager / native |")
-    print("|---|---|---|---|---|---|")
+    extra = (" native in C ms |", "---|") if a.in_c else ("", "")
+    print("| prompt tokens | eager ms | native ms | eager tok/s | native tok/s | eager / native |" + extra[0])
+    print("|---|---|---|---|---|---|" + extra[1])
     prefill(2, "native")                                 # first use: the native step's buffers
     try:
         for T in sizes:
             t: dict = {"eager": [], "native": []}
+            c = []
             for _ in range(a.r):
                 for route in t:
-                    t[route].append(prefill(T, route))
+                    wall, inside = prefill(T, route)
+                    t[route].append(wall)
+                    if route == "native":
+                        c.append(inside)
             e, n = statistics.median(t["eager"]), statistics.median(t["native"])
-            print(f"| {T} | {e * 1e3:.1f} | {n * 1e3:.1f} | {T / e:.1f} | {T / n:.1f} | {e / n:.2f} |",
-                  flush=True)
+            cell = f" {statistics.median(c) * 1e3:.1f} |" if a.in_c else ""
+            print(f"| {T} | {e * 1e3:.1f} | {n * 1e3:.1f} | {T / e:.1f} | {T / n:.1f} | {e / n:.2f} |"
+                  + cell, flush=True)
     finally:
         step.applies_chunk = native
 

@@ -446,6 +446,11 @@ class KVArena(OnBackend, KVCache):
         self.n_win[l] += T
         self.flush(l)
 
+    def settled_window(self, n: int) -> bool:
+        """Whether a window of n tokens is one the arena leaves after every operation: it
+        fits the slots and a flush would not touch it (a restored snapshot must hold one)."""
+        return n <= self.win_k.shape[2] and not flush_count(n, 0, self.R, self.G)
+
     def flush(self, l: int) -> None:
         """Pack the oldest whole G-blocks of layer l's window until it holds R .. R+G-1."""
         f = flush_count(self.n_win[l], 0, self.R, self.G)

@@ -101,10 +101,8 @@ def arena_restore(a, snap: Snapshot) -> None:
         raise OtherSize(f"the saved cache's keys were rotated with another RoPE frequency set "
                         f"(longrope: a cache larger than the model's original context takes its "
                         f"long factors, one within it the short ones; this one holds {a.max_ctx})")
-    # a window holds fewer than R + G tokens (a flush empties it at R + G) and fits its slots
-    most = min(a.R + a.G - 1, a.win_k.shape[2])
     for l in range(a.L):
-        if (n_tail[l] % a.G or n_tail[l] > a.S_l[l] or n_win[l] > most
+        if (n_tail[l] % a.G or n_tail[l] > a.S_l[l] or not a.settled_window(n_win[l])
                 or n_tail[l] + n_win[l] != seq):
             raise KvrunError(f"the saved cache's layer {l} ({n_tail[l]} compressed + {n_win[l]} "
                              f"window tokens of {seq}) does not fit this cache")
